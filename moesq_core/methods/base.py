@@ -1,0 +1,75 @@
+"""The interface every compression method implements, and the data the engine hands it.
+
+The engine (moesq_core/engine.py) gathers, per MoE block, each expert's dense weights and the calibration
+tokens routed to it, calls `Method.compress_block` once per block (or per rank's shard of experts), and
+writes the returned `CompressedExpert`s as the block's artifact.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import Format, QuantizedWeight
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass
+class ExpertData:
+    """One expert of one block. Weights are fp32 [out, in] (gate/up: [I, H], down: [H, I]).
+
+    x: [n, H] the (compressed-prefix) hidden states routed to this expert; w: [n] the router weights the
+    model multiplies this expert's output by. n may be 0 for an expert no calibration token reached.
+    """
+
+    index: int
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    x: torch.Tensor
+    w: torch.Tensor
+
+    def dense_intermediate(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        """SwiGLU intermediate of the uncompressed expert: the input of down_proj."""
+        x = self.x if x is None else x
+        x = x.float()
+        return F.silu(x @ self.gate.T) * (x @ self.up.T)
+
+    def dense_output(self, x: torch.Tensor | None = None) -> torch.Tensor:
+        """Y, the uncompressed expert's output (the reconstruction target)."""
+        return self.dense_intermediate(x) @ self.down.T
+
+
+@dataclass
+class CompressedExpert:
+    """The result for one expert: one QuantizedWeight per projection (gate and up share a global scale),
+    optional latent dense values (refinement's initial V), and free-form metrics for the log."""
+
+    gate: QuantizedWeight
+    up: QuantizedWeight
+    down: QuantizedWeight
+    latent: dict[str, torch.Tensor] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def weights(self) -> dict[str, QuantizedWeight]:
+        return {"gate": self.gate, "up": self.up, "down": self.down}
+
+
+ProgressFn = Callable[[int], None]  # called with the number of experts just finished
+
+
+class Method(Protocol):
+    """A compression method. `name` is what `--method` selects."""
+
+    name: str
+
+    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+        ...
+
+
+def shared_gate_up_scale(fmt: Format, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gate and up of one expert share one weight global scale (serving engines fuse them, facts §1)."""
+    return fmt.global_scale(gate, up)
