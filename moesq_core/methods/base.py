@@ -31,6 +31,10 @@ class ExpertData:
     down: torch.Tensor
     x: torch.Tensor
     w: torch.Tensor
+    # Held-out tokens routed to this expert (the calibration set's validation split), when the engine has
+    # them; methods that validate (refine) use these instead of splitting x.
+    x_val: torch.Tensor | None = None
+    w_val: torch.Tensor | None = None
 
     def dense_intermediate(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU intermediate of the uncompressed expert: the input of down_proj."""
