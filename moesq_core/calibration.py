@@ -1,0 +1,118 @@
+"""Calibration data: read documents (text, xz/gz text, JSONL, or a Hugging Face dataset name when online),
+tokenize, pack into fixed-length sequences, and make seeded disjoint splits (train / val / init)."""
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+SPLITS = ("train", "val", "init")
+
+
+@dataclass(frozen=True)
+class CalibConfig:
+    seq_len: int = 512
+    n_train: int = 128  # refinement sequences
+    n_val: int = 16  # held-out sequences (refinement's best-epoch selection)
+    n_init: int = 64  # SGPTQ / one-shot methods' sequences
+    seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _open_text(path: Path):
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt", encoding="utf-8")
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def read_documents(source: str | Path, max_chars: int | None = None) -> list[str]:
+    """Documents from a text file (blank-line separated; .xz/.gz ok), a JSONL file (a "text" field per line),
+    a directory of those, or a Hugging Face dataset name `name[:config][@split]` (needs network)."""
+    p = Path(source).expanduser()
+    if p.is_dir():
+        docs: list[str] = []
+        for f in sorted(p.iterdir()):
+            if f.is_file() and any(s in f.name for s in (".txt", ".jsonl", ".json")):
+                docs += read_documents(f)
+        if not docs:
+            raise ValueError(f"{source}: no .txt/.jsonl files with text found")
+        return docs
+    if p.is_file():
+        with _open_text(p) as fh:
+            if ".jsonl" in p.name or ".json" in p.name:
+                docs = []
+                for i, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            docs.append(json.loads(line)["text"])
+                        except (json.JSONDecodeError, KeyError, TypeError):
+                            raise ValueError(f"{p}:{i}: expected a JSON object with a 'text' field per line") from None
+            else:
+                text = fh.read(max_chars) if max_chars else fh.read()
+                docs = [d.strip() for d in text.split("\n\n") if d.strip()]
+        if not docs:
+            raise ValueError(f"{source}: contains no text")
+        return docs
+    if "/" in str(source) and not str(source).startswith((".", "/", "~")):
+        return _hf_dataset(str(source))
+    raise FileNotFoundError(f"calibration source {source!r}: no such file or directory")
+
+
+def _hf_dataset(spec: str) -> list[str]:
+    name, _, split = spec.partition("@")
+    name, _, config = name.partition(":")
+    try:
+        import datasets
+
+        ds = datasets.load_dataset(name, config or None, split=split or "train")
+    except Exception as e:
+        raise FileNotFoundError(
+            f"dataset {spec!r} could not be loaded ({type(e).__name__}: {e}); it needs network access, "
+            "or pass a local text/JSONL file"
+        ) from None
+    col = "text" if "text" in ds.column_names else ds.column_names[0]
+    return [t for t in ds[col] if isinstance(t, str) and t.strip()]
+
+
+def pack_sequences(tokenizer, docs: list[str], seq_len: int, max_sequences: int) -> torch.Tensor:
+    """Concatenate tokenized documents (EOS between them) and cut into [n, seq_len] sequences."""
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    ids: list[int] = []
+    need = seq_len * max_sequences
+    for d in docs:
+        ids += tokenizer(d, add_special_tokens=False)["input_ids"] + [eos]
+        if len(ids) >= need:
+            break
+    n = min(len(ids) // seq_len, max_sequences)
+    return torch.tensor(ids[: n * seq_len], dtype=torch.int64).reshape(n, seq_len)
+
+
+def build_calibration(tokenizer, docs: list[str], cfg: CalibConfig) -> dict[str, torch.Tensor]:
+    """Seeded disjoint splits of packed sequences. Documents are shuffled before packing so the splits
+    do not follow the source's order."""
+    docs = list(docs)
+    random.Random(cfg.seed).shuffle(docs)
+    total = cfg.n_train + cfg.n_val + cfg.n_init
+    seqs = pack_sequences(tokenizer, docs, cfg.seq_len, total)
+    if len(seqs) < total:
+        raise ValueError(
+            f"the calibration text yields only {len(seqs)} sequences of {cfg.seq_len} tokens; "
+            f"{total} are needed (train {cfg.n_train} + val {cfg.n_val} + init {cfg.n_init}). "
+            "Give more text or lower the counts / --seq-len."
+        )
+    perm = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(cfg.seed))
+    seqs = seqs[perm]
+    return {
+        "train": seqs[: cfg.n_train].contiguous(),
+        "val": seqs[cfg.n_train : cfg.n_train + cfg.n_val].contiguous(),
+        "init": seqs[cfg.n_train + cfg.n_val : total].contiguous(),
+    }

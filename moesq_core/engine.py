@@ -1,0 +1,335 @@
+"""The blockwise loop of Algorithm 1 (facts §2): for each MoE block in order, route the current calibration
+states once, gather each expert's routed tokens X, router weights w (and the dense targets through
+ExpertData), compress the experts, install the compressed block, and run it to produce the next block's
+inputs, so every block sees the error of the compressed prefix.
+
+Resumable: each finished block is an artifact recorded (with its checksum) in the work dir manifest; a
+re-run loads finished blocks, installs them and propagates, and compresses from the first unfinished one.
+Expert-parallel: under torch.distributed, rank r compresses experts e with e % world == r; every rank routes
+the same (replicated) calibration states, so each owner sees all tokens routed to its experts, and the
+results are all-gathered so every rank installs the same block.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .formats import Format, QuantizedWeight
+from .methods.base import PROJECTIONS, CompressedExpert, ExpertData, Method
+from .models import MoEAdapter, MoEBlock
+from .progress import NullProgress
+from .runtime.experts import MoesqExperts
+from .workdir import WorkDir, atomic_path
+
+log = logging.getLogger("moesq.engine")
+
+
+class _Stop(Exception):
+    pass
+
+
+# -- calibration state storage ------------------------------------------------------------------------
+class StateStore:
+    """Per-batch hidden-state chunks; chunks beyond `limit_bytes` are spilled to disk."""
+
+    def __init__(self, limit_bytes: int, spill_dir: Path | None):
+        self.limit = limit_bytes
+        self.spill_dir = spill_dir
+        self.chunks: list[torch.Tensor | Path] = []
+        self.in_memory = 0
+
+    def append(self, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.in_memory + nbytes <= self.limit or self.spill_dir is None:
+            self.chunks.append(t)
+            self.in_memory += nbytes
+            return
+        self.spill_dir.mkdir(parents=True, exist_ok=True)
+        fd, path = tempfile.mkstemp(suffix=".pt", dir=self.spill_dir)
+        os.close(fd)
+        torch.save(t.cpu(), path)
+        self.chunks.append(Path(path))
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __iter__(self):
+        for c in self.chunks:
+            yield torch.load(c, weights_only=True) if isinstance(c, Path) else c
+
+    def close(self) -> None:
+        for c in self.chunks:
+            if isinstance(c, Path):
+                c.unlink(missing_ok=True)
+        self.chunks = []
+
+
+@dataclass
+class StageSpec:
+    """What one blockwise stage does. `method_for_block(layer_index)` returns the method for that block
+    (refinement's init reads the init stage's artifact of the same block)."""
+
+    name: str
+    fmt: Format
+    method_for_block: Callable[[int], Method]
+    config: dict
+    compress_split: str = "init"
+    val_split: str | None = "val"
+    act_quant: bool = True
+    batch_size: int = 8
+    cache_limit_bytes: int = 4 << 30
+
+
+# -- artifacts -----------------------------------------------------------------------------------------
+def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor,
+               keep_latent: bool = True) -> None:
+    tensors: dict[str, torch.Tensor] = {"act_amax_in": act_amax_in.float().contiguous(),
+                                        "act_amax_mid": act_amax_mid.float().contiguous()}
+    info = {}
+    fmt = results[0].gate.format
+    for e, r in enumerate(results):
+        for proj, qw in r.weights().items():
+            tensors.update({k: v.cpu().clone() for k, v in qw.state_dict(f"{e}.{proj}.").items()})
+        if keep_latent and r.latent:
+            for proj, v in r.latent.items():
+                tensors[f"{e}.latent.{proj}"] = v.detach().float().cpu().contiguous()
+        info[str(e)] = r.info
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": fmt, "num_experts": str(len(results)),
+                                               "info": json.dumps(info, default=float)})
+
+
+def load_block(path: Path) -> tuple[list[CompressedExpert], torch.Tensor, torch.Tensor]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    sd = load_file(str(path))
+    fmt, n = meta["format"], int(meta["num_experts"])
+    info = json.loads(meta.get("info", "{}"))
+    out = []
+    for e in range(n):
+        qws = {p: QuantizedWeight.from_state_dict(fmt, sd, f"{e}.{p}.") for p in PROJECTIONS}
+        latent = {p: sd[f"{e}.latent.{p}"] for p in PROJECTIONS if f"{e}.latent.{p}" in sd} or None
+        out.append(CompressedExpert(qws["gate"], qws["up"], qws["down"], latent, info.get(str(e), {})))
+    return out, sd["act_amax_in"], sd["act_amax_mid"]
+
+
+def install_block(block: MoEBlock, fmt: Format, results: list[CompressedExpert], amax_in, amax_mid,
+                  act_quant: bool, device) -> None:
+    module = MoesqExperts.from_quantized(fmt, [r.weights() for r in results], act_quant, amax_in, amax_mid)
+    block.set_experts(module.to(device))
+
+
+# -- the loop --------------------------------------------------------------------------------------------
+def _dist():
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist
+    return None
+
+
+@torch.no_grad()
+def capture_layer_inputs(model: nn.Module, tokens: torch.Tensor, batch_size: int, store: StateStore) -> dict:
+    """Hidden states entering decoder layer 0 for each batch of `tokens`, and the keyword arguments the
+    model passes to its layers (position embeddings, mask), keyed by batch size."""
+    layers = model.model.layers
+    kwargs_by_bs: dict[int, dict] = {}
+    captured = {}
+
+    def hook(mod, args, kwargs):
+        captured["h"] = args[0] if args else kwargs.pop("hidden_states")
+        captured["kw"] = {k: v for k, v in kwargs.items() if k != "hidden_states"}
+        raise _Stop
+
+    h = layers[0].register_forward_pre_hook(hook, with_kwargs=True)
+    device = next(model.parameters()).device
+    try:
+        for i in range(0, len(tokens), batch_size):
+            batch = tokens[i : i + batch_size].to(device)
+            try:
+                model(input_ids=batch, use_cache=False)
+            except _Stop:
+                pass
+            store.append(captured["h"])
+            kwargs_by_bs.setdefault(len(batch), captured["kw"])
+    finally:
+        h.remove()
+    return kwargs_by_bs
+
+
+@torch.no_grad()
+def _moe_inputs(layer: nn.Module, mlp: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """Run a decoder layer up to its MoE block and return the block's input (post-attention-norm states)."""
+    got = {}
+
+    def hook(mod, args):
+        got["x"] = args[0]
+        raise _Stop
+
+    h = mlp.register_forward_pre_hook(hook)
+    try:
+        layer(hidden, **kwargs)
+    except _Stop:
+        pass
+    finally:
+        h.remove()
+    return got["x"]
+
+
+def _layer_out(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+@torch.no_grad()
+def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """Per expert: the MoE-block inputs routed to it and the router weights the block applies."""
+    E = block.num_experts
+    xs: list[list[torch.Tensor]] = [[] for _ in range(E)]
+    ws: list[list[torch.Tensor]] = [[] for _ in range(E)]
+    for hidden in states:
+        x = _moe_inputs(block.layer, block.mlp, hidden, kwargs_by_bs[hidden.shape[0]])
+        x = x.reshape(-1, x.shape[-1])
+        idx, wts = block.route(x)
+        for e in range(E):
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            if len(tok):
+                xs[e].append(x[tok].float().cpu())
+                ws[e].append(wts[tok, slot].float().cpu())
+    return xs, ws
+
+
+def _cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    return torch.cat(parts) if parts else torch.zeros(0, width)
+
+
+@torch.no_grad()
+def activation_amax(fmt: Format, results: list[CompressedExpert], xs: list[torch.Tensor], act_quant: bool):
+    """Static activation ranges per expert (for the calibrated activation global scales): amax of each
+    expert's input and of its SwiGLU output computed with the compressed gate/up weights."""
+    E = len(results)
+    amax_in, amax_mid = torch.zeros(E), torch.zeros(E)
+    for e, (r, x) in enumerate(zip(results, xs)):
+        if len(x) == 0:
+            continue
+        amax_in[e] = x.abs().amax()
+        module = MoesqExperts.from_quantized(fmt, [r.weights()], act_quant, amax_in[e : e + 1], None)
+        xq = fmt.quant_act(x, module._global(amax_in[e])) if act_quant else x
+        gate, up = (xq @ module.gate_up_proj[0].T).chunk(2, dim=-1)
+        amax_mid[e] = (torch.nn.functional.silu(gate) * up).abs().amax()
+    return amax_in, amax_mid
+
+
+def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tensor], spec: StageSpec,
+              workdir: WorkDir, progress=None, redo_from: int | None = None) -> dict:
+    """Run (or resume) one blockwise stage; returns a summary. The model's experts end up replaced by the
+    stage's compressed experts."""
+    progress = progress or NullProgress()
+    dist = _dist()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+    is_main = rank == 0
+    if is_main:
+        workdir.open_stage(spec.name, spec.config)
+        if redo_from is not None:
+            workdir.drop_blocks_from(spec.name, redo_from)
+    if dist:
+        dist.barrier()
+    stage_dir = workdir.stage_dir(spec.name)
+    blocks = {b.layer_index: b for b in adapter.blocks(model)}
+    for b in blocks.values():  # every stage starts from the dense model
+        b.restore_dense()
+    device = next(model.parameters()).device
+    layers = model.model.layers
+    last_moe = max(blocks)
+    splits = [spec.compress_split] + ([spec.val_split] if spec.val_split else [])
+    spill = workdir.root / "cache" / f"{spec.name}-rank{rank}"
+    stores, kwargs_by_bs = {}, {}
+    with progress.task(f"{spec.name}: embedding calibration", len(splits)) as t:
+        for s in splits:
+            stores[s] = StateStore(spec.cache_limit_bytes // len(splits), spill)
+            kwargs_by_bs.update(capture_layer_inputs(model, calib[s], spec.batch_size, stores[s]))
+            t.advance()
+    computed = 0
+    with progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
+        for li, layer in enumerate(layers):
+            if li > last_moe:
+                break
+            block = blocks.get(li)
+            if block is not None:
+                path = workdir.verified_block(spec.name, li)
+                if path is not None:
+                    results, amax_in, amax_mid = load_block(path)
+                    log.info("%s: block %d already done, loaded %s", spec.name, li, path.name)
+                else:
+                    results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist)
+                    path = stage_dir / f"block_{li:03d}.safetensors"
+                    if is_main:
+                        save_block(path, results, amax_in, amax_mid)
+                        workdir.record_block(spec.name, li, path, {"experts": len(results)})
+                    if dist:
+                        dist.barrier()
+                    computed += 1
+                install_block(block, spec.fmt, results, amax_in, amax_mid, spec.act_quant, device)
+                tblocks.advance()
+            if li < last_moe:
+                for s in splits:
+                    new = StateStore(stores[s].limit, spill)
+                    for hidden in stores[s]:
+                        new.append(_layer_out(layer(hidden, **kwargs_by_bs[hidden.shape[0]])))
+                    stores[s].close()
+                    stores[s] = new
+    for s in stores.values():
+        s.close()
+    summary = {"blocks": len(blocks), "computed_now": computed}
+    if is_main:
+        workdir.finish_stage(spec.name, summary)
+    if dist:
+        dist.barrier()
+    return summary
+
+
+def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, progress, dist):
+    xs, ws = gather_experts(block, stores[spec.compress_split], kwargs_by_bs)
+    if spec.val_split:
+        xv, wv = gather_experts(block, stores[spec.val_split], kwargs_by_bs)
+    E = block.num_experts
+    H = block.dense_experts.gate_up_proj.shape[-1]
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
+    mine = [e for e in range(E) if e % world == rank]
+    data = []
+    for e in mine:
+        w = block.expert_weights(e)
+        for proj, t in w.items():
+            spec.fmt.check_weight(t, f"layer {block.layer_index} expert {e} {proj}")
+        data.append(ExpertData(
+            e, w["gate"], w["up"], w["down"], _cat(xs[e], H), _cat(ws[e], 1).reshape(-1),
+            _cat(xv[e], H) if spec.val_split else None,
+            _cat(wv[e], 1).reshape(-1) if spec.val_split else None))
+    method = spec.method_for_block(block.layer_index)
+    with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(data)) as t:
+        results_mine = method.compress_block(data, spec.fmt, t.advance)
+    for r in results_mine:
+        for qw in r.weights().values():
+            for name in ("codes", "scales", "global_scale", "mask"):
+                setattr(qw, name, getattr(qw, name).cpu())
+        if r.latent:
+            r.latent = {k: v.cpu() for k, v in r.latent.items()}
+    if dist:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, list(zip(mine, results_mine)))
+        by_e = dict(pair for part in gathered for pair in part)
+        results = [by_e[e] for e in range(E)]
+    else:
+        results = results_mine
+    amax_in, amax_mid = activation_amax(spec.fmt, results, [_cat(x, H) for x in xs], spec.act_quant)
+    return results, amax_in, amax_mid

@@ -1,0 +1,175 @@
+"""One adapter per transformers 5.x MoE family, over a shared protocol.
+
+transformers 5.x stores every supported family's routed experts fused (`experts.gate_up_proj` [E, 2I, H],
+gate rows first; `experts.down_proj` [E, H, I]) behind one call signature,
+`experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`, and every router returns
+`(logits, top_k_weights, top_k_index)` exactly as the block combines them (softmax/sigmoid, renormalisation,
+group-limited top-k, routed_scaling_factor). So routing is reproduced exactly by calling the model's own
+router, and an expert swap is replacing `block.experts`. What differs per family is recorded here.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class MoEAdapter:
+    family: str
+    model_types: tuple[str, ...]
+    router: str  # how the router weights tokens (for docs and model cards)
+    extras: str = ""  # what else the MoE block holds that moesq leaves untouched
+
+    def blocks(self, model: nn.Module) -> list["MoEBlock"]:
+        layers = _decoder_layers(model)
+        out = []
+        for i, layer in enumerate(layers):
+            mlp = getattr(layer, "mlp", None)
+            experts = getattr(mlp, "experts", None)
+            if experts is not None and hasattr(mlp, "gate"):
+                out.append(MoEBlock(self, i, layer, mlp))
+        if not out:
+            raise UnsupportedModelError(f"no routed-expert blocks found in this {self.family} model")
+        return out
+
+
+SUPPORTED: dict[str, MoEAdapter] = {
+    a.family: a
+    for a in (
+        MoEAdapter("qwen3-moe", ("qwen3_moe",), "softmax top-k, renormalised when norm_topk_prob"),
+        MoEAdapter("qwen2-moe", ("qwen2_moe",), "softmax top-k, renormalised when norm_topk_prob",
+                   "a shared expert scaled by sigmoid(shared_expert_gate) (kept at source precision)"),
+        MoEAdapter("mixtral", ("mixtral",), "softmax top-k, always renormalised"),
+        MoEAdapter("deepseek-v3", ("deepseek_v3", "kimi_k2"),
+                   "sigmoid scores + correction bias, group-limited top-k, renormalised, x routed_scaling_factor",
+                   "shared experts and the first dense layers (kept at source precision)"),
+        MoEAdapter("olmoe", ("olmoe",), "softmax top-k, renormalised when norm_topk_prob"),
+    )
+}
+_BY_MODEL_TYPE = {t: a for a in SUPPORTED.values() for t in a.model_types}
+
+
+def supported_list() -> str:
+    return ", ".join(f"{a.family} ({'/'.join(a.model_types)})" for a in SUPPORTED.values())
+
+
+def adapter_for(config_or_model) -> MoEAdapter:
+    config = getattr(config_or_model, "config", config_or_model)
+    model_type = getattr(config, "model_type", None)
+    if model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[model_type]
+    n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
+    what = "a dense (non-MoE) model" if not n_experts else "an MoE architecture moesq has no adapter for"
+    raise UnsupportedModelError(
+        f"model_type {model_type!r} is {what}. moesq compresses routed experts of: {supported_list()}."
+    )
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise UnsupportedModelError(f"cannot find decoder layers in {type(model).__name__}")
+    return layers
+
+
+@dataclass
+class MoEBlock:
+    """One MoE block (the `mlp` of decoder layer `layer_index`)."""
+
+    adapter: MoEAdapter
+    layer_index: int
+    layer: nn.Module
+    mlp: nn.Module
+
+    @property
+    def experts(self) -> nn.Module:
+        return self.mlp.experts
+
+    @property
+    def num_experts(self) -> int:
+        return self.dense_experts.num_experts
+
+    @property
+    def prefix(self) -> str:
+        """Checkpoint name prefix of this block's experts (per-expert tensors on disk)."""
+        return f"model.layers.{self.layer_index}.mlp.experts"
+
+    @torch.no_grad()
+    def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top_k_index [T, k], top_k_weights [T, k]) exactly as the block computes them for hidden [T, H]."""
+        _, weights, index = self.mlp.gate(hidden.reshape(-1, hidden.shape[-1]))
+        return index, weights
+
+    @property
+    def dense_experts(self) -> nn.Module:
+        """The model's original experts module, even after a swap (kept aside by set_experts)."""
+        return getattr(self.mlp, "_moesq_dense_experts", None) or self.mlp.experts
+
+    def expert_weights(self, e: int) -> dict[str, torch.Tensor]:
+        """Dense fp32 (gate [I, H], up [I, H], down [H, I]) of the original expert e."""
+        ex = self.dense_experts
+        gu = ex.gate_up_proj[e].detach().float()
+        inter = gu.shape[0] // 2
+        return {"gate": gu[:inter].clone(), "up": gu[inter:].clone(), "down": ex.down_proj[e].detach().float().clone()}
+
+    def set_experts(self, module: nn.Module) -> None:
+        """Swap in a module with the fused-experts call signature. The original is kept aside (not as a
+        submodule, so it is neither saved nor moved) for later stages that need the dense weights."""
+        if not hasattr(self.mlp, "_moesq_dense_experts"):
+            object.__setattr__(self.mlp, "_moesq_dense_experts", self.mlp.experts)
+        self.mlp.experts = module
+
+    def restore_dense(self) -> None:
+        self.mlp.experts = self.dense_experts
+
+
+def read_config(source: str | Path) -> dict:
+    p = Path(source)
+    if not (p / "config.json").is_file():
+        raise FileNotFoundError(f"{source}: no config.json (expected a model directory)")
+    return json.loads((p / "config.json").read_text())
+
+
+def resolve_model_path(source: str) -> Path:
+    """A local directory as is; otherwise a Hub id, downloaded (or taken from the local HF cache).
+
+    Errors say what to do: a wrong id or no network gives a message naming the id.
+    """
+    p = Path(source).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{source} exists but has no config.json; pass a model directory or a Hub id")
+        return p
+    if source.count("/") != 1 or source.startswith((".", "/")):
+        raise FileNotFoundError(f"model {source!r}: no such directory, and it is not a Hub id of the form org/name")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]))
+    except Exception as e:  # network, auth, missing repo: one clear message
+        raise FileNotFoundError(
+            f"model {source!r}: could not be found locally nor downloaded from the Hugging Face Hub ({type(e).__name__}: {e}). "
+            "Check the id, your network and HF_TOKEN, or pass a local directory."
+        ) from None
+
+
+def load_model(source: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """(model, tokenizer, adapter, path) for a supported MoE model; refuses others before loading weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(str(source))
+    config = AutoConfig.from_pretrained(path)
+    adapter = adapter_for(config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(device).eval()
+    tok = AutoTokenizer.from_pretrained(path) if any(path.glob("tokenizer*")) else None
+    return model, tok, adapter, path

@@ -1,0 +1,25 @@
+"""A minimal progress interface so the core reports long loops without importing any UI library.
+The CLI passes a rich-backed implementation; the default does nothing."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Protocol
+
+
+class Task(Protocol):
+    def advance(self, n: int = 1) -> None: ...
+
+
+class Progress(Protocol):
+    def task(self, description: str, total: int | None) -> "contextmanager[Task]": ...
+
+
+class _NullTask:
+    def advance(self, n: int = 1) -> None:
+        pass
+
+
+class NullProgress:
+    @contextmanager
+    def task(self, description: str, total: int | None) -> Iterator[_NullTask]:
+        yield _NullTask()

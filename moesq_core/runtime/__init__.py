@@ -1,0 +1,1 @@
+"""Runtime modules that replace a model's routed experts."""
