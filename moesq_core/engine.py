@@ -224,9 +224,13 @@ def activation_amax(fmt: Format, results: list[CompressedExpert], xs: list[torch
             continue
         amax_in[e] = x.abs().amax()
         module = MoesqExperts.from_quantized(fmt, [r.weights()], act_quant, amax_in[e : e + 1], None)
-        xq = fmt.quant_act(x, module._global(amax_in[e])) if act_quant else x
+        xq = fmt.quant_act(x, module._global(module.act_global_in[0])) if act_quant else x
         gate, up = (xq @ module.gate_up_proj[0].T).chunk(2, dim=-1)
         amax_mid[e] = (torch.nn.functional.silu(gate) * up).abs().amax()
+    # An expert no calibration token reached still needs a static range to serve with: borrow the block's
+    # largest (no saturation, at worst coarser steps for that expert).
+    for a in (amax_in, amax_mid):
+        a[a == 0] = a.max()
     return amax_in, amax_mid
 
 

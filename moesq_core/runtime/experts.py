@@ -3,8 +3,9 @@
 
 It holds each expert's compressed weights dequantized (exactly the values pack writes), and applies the
 format's activation quantizer at the expert input and at the SwiGLU output when `act_quant` is on (W4A4 /
-W8A8). Activation global scales are static, calibrated per expert (g = 448*6/amax of the calibration
-inputs), like serving does; experts without one fall back to the tensor's own (dynamic) scale.
+W8A8). NVFP4 activation global scales are static, calibrated per expert (g = 448*6/amax of the calibration
+inputs, exactly the `input_global_scale` pack writes), like serving does; an expert without one (g = 0,
+no calibration token reached it) falls back to the tensor's own (dynamic) scale.
 """
 from __future__ import annotations
 
@@ -13,12 +14,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import Format, QuantizedWeight, get_format
-from ..formats.quantizers import nvfp4_global_scale
+from ..formats.quantizers import NVFP4ActQuantizer, nvfp4_global_scale
+
+
+def act_global_from_amax(amax: torch.Tensor | None) -> torch.Tensor | None:
+    """Calibrated activation global scales g = 448*6/amax; 0 where no range was seen (dynamic then)."""
+    if amax is None:
+        return None
+    amax = amax.float()
+    return torch.where(amax > 0, nvfp4_global_scale(amax), torch.zeros_like(amax))
 
 
 class MoesqExperts(nn.Module):
     def __init__(self, fmt: Format | str, gate_up: torch.Tensor, down: torch.Tensor, act_quant: bool,
-                 act_amax_in: torch.Tensor | None = None, act_amax_mid: torch.Tensor | None = None):
+                 act_global_in: torch.Tensor | None = None, act_global_mid: torch.Tensor | None = None):
         super().__init__()
         self.fmt = get_format(fmt) if isinstance(fmt, str) else fmt
         self.num_experts = gate_up.shape[0]
@@ -26,30 +35,31 @@ class MoesqExperts(nn.Module):
         self.register_buffer("gate_up_proj", gate_up.float().contiguous())  # [E, 2I, H], gate rows first
         self.register_buffer("down_proj", down.float().contiguous())  # [E, H, I]
         E = self.num_experts
-        self.register_buffer("act_amax_in", torch.zeros(E) if act_amax_in is None else act_amax_in.float().clone())
-        self.register_buffer("act_amax_mid", torch.zeros(E) if act_amax_mid is None else act_amax_mid.float().clone())
+        self.register_buffer("act_global_in", torch.zeros(E) if act_global_in is None else act_global_in.float().clone())
+        self.register_buffer("act_global_mid", torch.zeros(E) if act_global_mid is None else act_global_mid.float().clone())
 
     @classmethod
     def from_quantized(cls, fmt: Format | str, weights: list[dict[str, QuantizedWeight]], act_quant: bool,
-                       act_amax_in=None, act_amax_mid=None) -> "MoesqExperts":
+                       act_amax_in: torch.Tensor | None = None, act_amax_mid: torch.Tensor | None = None) -> "MoesqExperts":
+        """From per-expert QuantizedWeights and calibrated activation ranges (amax; 0 = none)."""
         gate_up = torch.stack([torch.cat([w["gate"].dequantize(), w["up"].dequantize()]) for w in weights])
         down = torch.stack([w["down"].dequantize() for w in weights])
-        return cls(fmt, gate_up, down, act_quant, act_amax_in, act_amax_mid)
+        return cls(fmt, gate_up, down, act_quant, act_global_from_amax(act_amax_in), act_global_from_amax(act_amax_mid))
 
-    def _global(self, amax: torch.Tensor) -> torch.Tensor | None:
+    def _global(self, g: torch.Tensor) -> torch.Tensor | None:
         # The FP8 activation quantizer has no global scale; NVFP4's is static when calibrated.
-        if self.fmt.weight.__class__.__name__ != "NVFP4Quantizer" or float(amax) <= 0:
+        if not isinstance(self.fmt.act, NVFP4ActQuantizer) or float(g) <= 0:
             return None
-        return nvfp4_global_scale(amax)
+        return g
 
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
         x = x.float()
         if self.act_quant:
-            x = self.fmt.quant_act(x, self._global(self.act_amax_in[e]))
+            x = self.fmt.quant_act(x, self._global(self.act_global_in[e]))
         gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         h = F.silu(gate) * up
         if self.act_quant:
-            h = self.fmt.quant_act(h, self._global(self.act_amax_mid[e]))
+            h = self.fmt.quant_act(h, self._global(self.act_global_mid[e]))
         return F.linear(h, self.down_proj[e])
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""The `moesq` command line: a thin Typer app over moesq_core."""

@@ -1,0 +1,482 @@
+"""moesq: compress the routed experts of MoE LLMs into hardware-native sparse low-precision formats.
+
+Each command parses options, calls one moesq_core function and renders the result; all the work lives in
+moesq_core. Errors that the user can fix are printed as one message with exit code 1 (2 for usage).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from .progress import RichProgress, console
+
+app = typer.Typer(
+    name="moesq", no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
+    help="Compress the routed experts of Mixture-of-Experts LLMs into hardware-native sparse low-precision "
+         "formats (paired 4:8 NVFP4 for Blackwell, 2:4 FP8 for Hopper) and run them.\n\n"
+         "Stages: [bold]calibrate[/] → [bold]init-sgptq[/] → [bold]refine[/] → [bold]pack[/] → [bold]verify[/] / "
+         "[bold]eval[/]. Every stage writes resumable artifacts to a work dir; [bold]run[/] chains them. "
+         "With no --model, the embedded micro-qwen3-moe model and calibration sample are used (offline).",
+)
+
+# -- shared options -------------------------------------------------------------------------------------------
+WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", help="Work directory holding this run's artifacts.")]
+ModelOpt = Annotated[Optional[str], typer.Option(
+    "--model", "-m", help="Local model dir or Hugging Face id (default: the embedded micro-qwen3-moe).")]
+FormatOpt = Annotated[str, typer.Option("--format", "-f", help="p48-nvfp4 | dense-nvfp4 | s24-fp8.")]
+ActQuantOpt = Annotated[bool, typer.Option("--act-quant/--weights-only",
+                                           help="Quantize activations too (W4A4 / W8A8), or weights only.")]
+CalibOpt = Annotated[Optional[str], typer.Option(
+    "--calib", help="Calibration text: .txt/.txt.xz (blank-line separated), .jsonl ('text'), a dir, or an HF "
+                    "dataset 'name[:config][@split]' (default: the embedded sample).")]
+SeqLenOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sequence.")]
+NTrainOpt = Annotated[int, typer.Option("--n-train", help="Refinement sequences.")]
+NValOpt = Annotated[int, typer.Option("--n-val", help="Held-out sequences (refinement picks its best epoch on them).")]
+NInitOpt = Annotated[int, typer.Option("--n-init", help="Sequences for the one-shot (SGPTQ) stage.")]
+SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for the calibration splits.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
+RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", help="Recompute this stage from this layer on.")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", help="Calibration sequences per forward pass.")]
+
+log = logging.getLogger("moesq")
+
+
+def _fail(msg: str, code: int = 1):
+    console.print(f"[bold red]error:[/] {msg}")
+    raise typer.Exit(code)
+
+
+def _guard(fn):
+    """Turn expected failures (bad input, foreign work dir, missing files) into one clear message."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        from moesq_core.models import UnsupportedModelError
+        from moesq_core.workdir import WorkDirError
+
+        try:
+            return fn(*a, **kw)
+        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+            raise
+        except (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as e:
+            log.error("%s: %s", type(e).__name__, e)
+            _fail(str(e))
+
+    return wrapper
+
+
+def _setup(workdir: Path | None, quiet: bool):
+    from moesq_core.workdir import setup_logging
+
+    setup_logging(workdir if workdir and workdir.exists() else None, quiet)
+    if workdir is not None:
+        log.info("moesq %s", " ".join(sys.argv[1:]))
+
+
+def _run_config(fmt, act_quant, calib, seq_len, n_train, n_val, n_init, seed):
+    from moesq_core.calibration import CalibConfig
+    from moesq_core.pipeline import DEFAULT_CALIB, RunConfig
+
+    return RunConfig(format=fmt, act_quant=act_quant, calib_source=str(calib or DEFAULT_CALIB),
+                     calib=CalibConfig(seq_len=seq_len, n_train=n_train, n_val=n_val, n_init=n_init, seed=seed))
+
+
+def _ensure_calibrated(workdir, model, cfg, progress):
+    from moesq_core.pipeline import DEFAULT_MODEL, calibrate
+    from moesq_core.workdir import WorkDir
+
+    wd = WorkDir(workdir)
+    if wd.exists() and model is None:
+        return wd  # the work dir knows its model; config options were not asked to change
+    info = calibrate(wd, model or DEFAULT_MODEL, cfg, progress)
+    from moesq_core.workdir import setup_logging
+
+    setup_logging(workdir, progress.quiet)
+    log.info("calibration ready: %s", info)
+    return wd
+
+
+# -- commands ---------------------------------------------------------------------------------------------------
+@app.command()
+@_guard
+def calibrate(
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = "p48-nvfp4",
+    act_quant: ActQuantOpt = True, calib: CalibOpt = None, seq_len: SeqLenOpt = 512, n_train: NTrainOpt = 128,
+    n_val: NValOpt = 16, n_init: NInitOpt = 64, seed: SeedOpt = 0, quiet: QuietOpt = False,
+):
+    """Create a work dir for a model + format and build its calibration set (seeded train / val / init splits).
+
+    Re-running with the same settings is a no-op; other settings on an existing work dir are refused.
+    """
+    _setup(workdir, quiet)
+    from moesq_core.pipeline import DEFAULT_MODEL, calibrate as core_calibrate
+    from moesq_core.workdir import WorkDir
+
+    cfg = _run_config(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    with RichProgress(quiet) as p:
+        info = core_calibrate(WorkDir(workdir), model or DEFAULT_MODEL, cfg, p)
+    console.print(f"calibration: {info['sequences']} sequences of {info['seq_len']} tokens → {workdir / info['file']}")
+
+
+def _method_options(method, percdamp, hessian_weighting, exact_scales):
+    opts = {}
+    if method in ("sgptq", "gptq", "obr"):
+        opts["percdamp"] = percdamp
+        opts["hessian_weighting"] = hessian_weighting
+    if method in ("sgptq", "gptq"):
+        opts["exact_scales"] = exact_scales
+    return opts
+
+
+@app.command("init-sgptq")
+@_guard
+def init_sgptq(
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
+    method: Annotated[str, typer.Option(help="sgptq | gptq | obr | jsq | wanda | rtn | magnitude.")] = "sgptq",
+    percdamp: Annotated[float, typer.Option(help="Hessian damping as a fraction of mean(diag H).")] = 0.01,
+    hessian_weighting: Annotated[str, typer.Option(help="Router weighting of the Hessian: none | w | w2.")] = "none",
+    exact_scales: Annotated[bool, typer.Option("--exact-scales/--fp32-scales",
+                                               help="GPTQ with the final E4M3 block scales (export-exact) or fp32 scales projected afterwards.")] = True,
+    format: FormatOpt = "p48-nvfp4", act_quant: ActQuantOpt = True, calib: CalibOpt = None,
+    seq_len: SeqLenOpt = 512, n_train: NTrainOpt = 128, n_val: NValOpt = 16, n_init: NInitOpt = 64, seed: SeedOpt = 0,
+    device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, quiet: QuietOpt = False,
+):
+    """One-shot compression of every routed expert, block by block (SparseGPT+GPTQ by default).
+
+    Writes stage [bold]init-<method>[/]; calibrates first if the work dir has no calibration yet.
+    """
+    _setup(workdir, quiet)
+    from moesq_core.pipeline import compress
+
+    cfg = _run_config(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    with RichProgress(quiet) as p:
+        wd = _ensure_calibrated(workdir, model, cfg, p)
+        summary = compress(wd, method, _method_options(method, percdamp, hessian_weighting, exact_scales),
+                           device=device, batch_size=batch_size, redo_from=redo_from, progress=p)
+    console.print(f"stage init-{method}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}")
+
+
+@app.command()
+@_guard
+def refine(
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
+    epochs: Annotated[int, typer.Option(help="Passes over the training tokens per block.")] = 10,
+    steps_per_epoch: Annotated[Optional[int], typer.Option(help="Optimizer steps per epoch (default: from --batch-rows).")] = None,
+    batch_rows: Annotated[int, typer.Option(help="Routed token rows per optimizer step (whole block).")] = 64 * 4096 * 8,
+    micro_batch_rows: Annotated[int, typer.Option(help="Rows per forward/backward (memory bound).")] = 8 * 4096 * 8,
+    lr_logits: Annotated[float, typer.Option(help="Lion learning rate of the pattern logits A.")] = 2.5e-4,
+    lr_values: Annotated[float, typer.Option(help="Lion learning rate of the latent weights V.")] = 5e-5,
+    loss_power: Annotated[int, typer.Option(help="Token weight w^p in the loss: 0 uniform, 1 paper, 2 release.")] = 2,
+    values_only: Annotated[bool, typer.Option(help="Ablation: keep the init's support, learn values only.")] = False,
+    support_only: Annotated[bool, typer.Option(help="Ablation: learn the support only, values stay.")] = False,
+    refine_seed: Annotated[int, typer.Option(help="Seed of the Gumbel noise and the init of A.")] = 0,
+    stage: Annotated[str, typer.Option(help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
+    init: Annotated[str, typer.Option(help="Init method whose stage refinement starts from.")] = "sgptq",
+    format: FormatOpt = "p48-nvfp4", act_quant: ActQuantOpt = True, calib: CalibOpt = None,
+    seq_len: SeqLenOpt = 512, n_train: NTrainOpt = 128, n_val: NValOpt = 16, n_init: NInitOpt = 64, seed: SeedOpt = 0,
+    device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, quiet: QuietOpt = False,
+):
+    """Learn each expert's sparsity pattern jointly with its quantized values (the moesq algorithm).
+
+    Gumbel-softmax over the format's patterns, a latent fp32 weight copy, straight-through quantization and a
+    router-weighted reconstruction loss, block by block on the compressed prefix. Starts from stage
+    init-<init> (run first if missing); ships each block's best validation epoch.
+    """
+    _setup(workdir, quiet)
+    from moesq_core.pipeline import compress, refine as core_refine
+
+    if values_only and support_only:
+        _fail("--values-only and --support-only exclude each other", 2)
+    cfg = _run_config(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    rcfg = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows, micro_batch_rows=micro_batch_rows,
+                lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power, train_support=not values_only,
+                train_values=not support_only, seed=refine_seed)
+    with RichProgress(quiet) as p:
+        wd = _ensure_calibrated(workdir, model, cfg, p)
+        compress(wd, init, {}, device=device, batch_size=batch_size, progress=p)
+        summary = core_refine(wd, rcfg, init=init, device=device, batch_size=batch_size, redo_from=redo_from,
+                              progress=p, stage=stage)
+    console.print(f"stage {stage}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}")
+
+
+@app.command()
+@_guard
+def pack(
+    workdir: Annotated[Path, typer.Argument(help="Work dir with a finished stage.")],
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output model dir (default: WORKDIR/packed).")] = None,
+    stage: Annotated[Optional[str], typer.Option(help="Stage to pack (default: refine if finished, else the last).")] = None,
+    dense_layout: Annotated[bool, typer.Option(help="Store p48 weights densely (pruned bytes zero) instead of the sparse layout.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an existing output dir.")] = False,
+    push_to_hub: Annotated[Optional[str], typer.Option("--push-to-hub", help="Upload to this Hub repo (created if missing).")] = None,
+    private: Annotated[bool, typer.Option(help="Create the Hub repo private.")] = False,
+    quiet: QuietOpt = False,
+):
+    """Write a Hugging Face–style model dir: compressed-tensors config, packed experts, untouched other weights,
+    tokenizer and a model card; optionally push it to the Hub."""
+    _setup(workdir, quiet)
+    from moesq_core.checkpoint.export import export_packed, push_to_hub as core_push
+    from moesq_core.pipeline import default_stage
+    from moesq_core.workdir import WorkDir
+
+    wd = WorkDir(workdir)
+    stage = stage or default_stage(wd)
+    out = out or workdir / "packed"
+    ppl = _known_ppl(workdir, stage)
+    n_blocks = len(wd.stage(stage)["blocks"]) if wd.stage(stage) else 0
+    with RichProgress(quiet) as p, p.task(f"pack {stage}", n_blocks) as t:
+        summary = export_packed(wd, stage, out, overwrite=overwrite, sparse_layout=not dense_layout, ppl=ppl,
+                                progress=t.advance)
+    console.print(f"packed {stage} → {out}: {summary['bits_per_weight']:.3f} bits/weight over "
+                  f"{summary['expert_weights']:,} expert weights, {summary['shards']} shard(s)")
+    if push_to_hub:
+        url = core_push(out, push_to_hub, private=private)
+        console.print(f"pushed to {url}")
+
+
+def _known_ppl(workdir: Path, stage: str) -> dict | None:
+    path = workdir / "eval" / "results.json"
+    if not path.is_file():
+        return None
+    rows = json.loads(path.read_text())
+    got = {r["label"]: r["ppl"] for r in rows.values() if r.get("kind") in ("reference", "stage") and
+           (r.get("kind") == "reference" or r.get("stage") == stage)}
+    return got or None
+
+
+@app.command()
+@_guard
+def verify(
+    path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack`.")],
+    kernel: Annotated[bool, typer.Option(help="Also run every packed s24-fp8 expert through the Hopper kernel.")] = False,
+    show: Annotated[int, typer.Option(help="Rows of the per-tensor table to print (0 = all).")] = 12,
+    quiet: QuietOpt = False,
+):
+    """Check every packed expert tensor: admissible sparsity, codes on the grid, finite positive scales,
+    gate/up sharing one global scale, shapes, bits per weight. Exits non-zero naming the first bad tensor."""
+    from moesq_core.checkpoint.verify import verify_packed_dir
+
+    with RichProgress(quiet) as p:
+        report = verify_packed_dir(path, progress=p)
+    table = Table(title=f"moesq verify {path}")
+    for c in ("tensor", "shape", "layout", "bits/weight", "status"):
+        table.add_column(c)
+    rows = report.rows if show == 0 else report.rows[:show]
+    for r in rows:
+        table.add_row(r.name, "×".join(map(str, r.shape)), r.format,
+                      "" if r.bits_per_weight is None else f"{r.bits_per_weight:.3f}",
+                      "[green]ok[/]" if r.ok else f"[red]{r.status}[/]")
+    console.print(table)
+    if show and len(report.rows) > show:
+        console.print(f"… {len(report.rows) - show} more rows (--show 0 prints all)")
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    bpw = report.bits_per_weight
+    console.print(f"{report.num_linears} expert linears, format {report.format}, "
+                  f"{'' if bpw is None else f'{bpw:.3f} bits/weight, '}{len(report.errors)} error(s)")
+    if not report.ok:
+        _fail(f"first bad tensor: {report.first_error}")
+    if kernel:
+        try:
+            from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+        except ImportError as e:
+            _fail(f"the native kernel check is not available in this build ({e})")
+        results = kernel_check_packed_dir(path)
+        bad = [r for r in results if not r[2]]
+        console.print(f"kernel check: {len(results) - len(bad)}/{len(results)} experts match the reference")
+        if bad:
+            _fail(f"kernel mismatch on {bad[0][0]} (max abs err {bad[0][1]:.3g})")
+    console.print("[green]verify: ok[/]")
+
+
+@app.command("bench-kernel")
+@_guard
+def bench_kernel(
+    format: Annotated[str, typer.Option("--format", "-f", help="s24-fp8 (CUTLASS 2:4) or p48-nvfp4 (packed streaming).")] = "s24-fp8",
+    G: Annotated[Optional[list[int]], typer.Option("--G", help="Experts per grouped GEMM (repeatable).")] = None,
+    N: Annotated[Optional[list[int]], typer.Option("--N", help="Tokens per expert, max of {N,3N/4,N/2,N/4} (repeatable).")] = None,
+    M: Annotated[Optional[int], typer.Option("--M", help="Custom output features (with --K).")] = None,
+    K: Annotated[Optional[int], typer.Option("--K", help="Custom input features (with --M).")] = None,
+    repeats: Annotated[int, typer.Option(help="CUDA-graph replays per timing (median reported).")] = 50,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for JSON, Markdown and PNG results.")] = Path("bench-results"),
+    e2e: Annotated[bool, typer.Option(help="End-to-end decode benchmark instead of kernel sweeps (p48).")] = False,
+):
+    """Time the grouped sparse GEMMs against torch's bf16/fp8 grouped GEMMs and cuSPARSELt (same process,
+    CUDA-graph replay). Default shapes: the paper's Table 8 (Qwen3-30B-A3B and Kimi-K2.5 experts)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        _fail("bench-kernel needs a CUDA GPU (Hopper sm_90 for the native kernels); none is visible")
+    if (M is None) != (K is None):
+        _fail("--M and --K go together", 2)
+    shapes = [(M, K)] if M is not None else None
+    if e2e:
+        import runpy
+
+        sys.argv = ["e2e_decode_bench", "--out", str(out)]
+        runpy.run_path(str(Path(__file__).resolve().parents[1] / "recipes" / "e2e_decode_bench.py"), run_name="__main__")
+        return
+    from moesq_core.bench.kernel_bench import bench_kernel as core_bench
+
+    result = core_bench(format, shapes, G or [8, 32, 128, 384], N or [16, 64, 128, 256, 1024], out, repeats)
+    console.print(f"results written to {out} ({len(result.get('rows', []))} rows)")
+
+
+@app.command("eval")
+@_guard
+def eval_cmd(
+    targets: Annotated[Optional[list[str]], typer.Argument(help="Work dirs (reference + finished stages), packed dirs or model dirs.")] = None,
+    ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Text file for perplexity (.txt/.txt.xz).")] = None,
+    ppl_tokens: Annotated[int, typer.Option(help="Evaluate the first N tokens of --ppl.")] = 65536,
+    window: Annotated[int, typer.Option(help="Perplexity window (non-overlapping).")] = 512,
+    stages: Annotated[Optional[list[str]], typer.Option("--stage", help="Only these stages of a work dir (repeatable).")] = None,
+    tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval tasks, comma-separated, or a preset (openllm-v1, moesq-offline).")] = None,
+    tasks_dir: Annotated[Optional[Path], typer.Option(help="Directory of extra task YAMLs with local data.")] = None,
+    limit: Annotated[Optional[int], typer.Option(help="lm-eval: examples per task.")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option(help="lm-eval: override the shots.")] = None,
+    batch_size: Annotated[int, typer.Option(help="lm-eval batch size.")] = 8,
+    eval_seed: Annotated[int, typer.Option("--eval-seed", help="lm-eval seed.")] = 1234,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write all results to this JSON file.")] = None,
+    device: DeviceOpt = "cpu", quiet: QuietOpt = False,
+):
+    """Perplexity and/or lm-eval task accuracy for reference, fake-quantized (work dir stages) and packed models,
+    side by side in one table. Results are cached in the first work dir, so re-runs and resumes are instant."""
+    from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
+    from moesq_core.pipeline import DEFAULT_EVAL
+
+    targets = targets or ["moesq-work"]
+    if ppl is None and tasks is None:
+        ppl = DEFAULT_EVAL
+    resolved = resolve_targets(targets, stages)
+    wd = next((Path(t) for t in targets if (Path(t) / "manifest.json").is_file()), None)
+    cache = ResultCache(wd / "eval" / "results.json" if wd else None)
+    out = {"ppl": None, "tasks": None}
+    with RichProgress(quiet) as p:
+        if ppl is not None:
+            rows = ppl_for_targets(resolved, ppl, max_tokens=ppl_tokens, window=window, device=device, cache=cache, progress=p)
+            out["ppl"] = rows
+        if tasks is not None:
+            out["tasks"] = _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, eval_seed, device,
+                                      wd / "eval" / "lm_eval" if wd else None, p)
+    if out["ppl"]:
+        ref = next((r["ppl"] for r in out["ppl"] if r["kind"] == "reference"), None)
+        table = Table(title=f"perplexity — {Path(str(ppl)).name}, {out['ppl'][0]['tokens']:,} tokens, window {window}")
+        for c in ("model", "kind", "perplexity", "× reference"):
+            table.add_column(c, justify="right" if c != "model" else "left")
+        for r in out["ppl"]:
+            table.add_row(r["label"], r["kind"], f"{r['ppl']:.3f}", "" if not ref else f"{r['ppl'] / ref:.3f}")
+        console.print(table)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(out, indent=2, default=str))
+        console.print(f"results → {json_out}")
+
+
+def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed, device, cache_dir, progress):
+    try:
+        from moesq_core.eval.lm_eval_tasks import evaluate_tasks
+        from moesq_core.eval.recovery import recovery_table
+    except ImportError as e:
+        _fail(f"lm-eval support needs the 'eval' extra: pip install 'moesq[eval]' ({e})")
+    from moesq_core.eval.runner import load_target
+
+    results = []
+    for t in resolved:
+        model, tok = load_target(t, device)
+        if tok is None:
+            _fail(f"{t.path} has no tokenizer files; lm-eval needs one")
+        results.append(evaluate_tasks(model, tok, tasks, label=t.label, tasks_dir=tasks_dir, limit=limit,
+                                      num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, cache_dir=cache_dir,
+                                      progress=progress))
+        del model
+    ref = next((t.label for t in resolved if t.kind == "reference"), resolved[0].label)
+    table = recovery_table(results, ref)
+    _render_recovery(table)
+    return {"results": [getattr(r, "to_dict", lambda: r)() for r in results], "table": getattr(table, "to_dict", lambda: str(table))()}
+
+
+def _render_recovery(table) -> None:
+    t = Table(title="lm-eval accuracy")
+    t.add_column("model")
+    for c in table.columns:
+        t.add_column(c, justify="right")
+    t.add_column("average", justify="right")
+    t.add_column("recovery %", justify="right")
+    for row in table.rows:
+        t.add_row(row.label, *[("" if row.scores.get(c) is None else f"{100 * row.scores[c]:.2f}") for c in table.columns],
+                  f"{100 * row.average:.2f}", "" if row.recovery is None else f"{row.recovery:.2f}")
+    console.print(t)
+
+
+@app.command()
+@_guard
+def run(
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = "p48-nvfp4",
+    act_quant: ActQuantOpt = True, calib: CalibOpt = None,
+    ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Evaluation text (default: the embedded sample).")] = None,
+    ppl_tokens: Annotated[int, typer.Option(help="Evaluate the first N tokens.")] = 65536,
+    method: Annotated[str, typer.Option(help="One-shot init method.")] = "sgptq",
+    baselines: Annotated[str, typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none).")] = "magnitude,rtn",
+    refine_stage: Annotated[bool, typer.Option("--refine/--no-refine", help="Run refinement after the init.")] = True,
+    epochs: Annotated[int, typer.Option(help="Refinement epochs.")] = 2,
+    steps_per_epoch: Annotated[int, typer.Option(help="Refinement optimizer steps per epoch.")] = 8,
+    seq_len: SeqLenOpt = 256, n_train: NTrainOpt = 64, n_val: NValOpt = 8, n_init: NInitOpt = 64, seed: SeedOpt = 0,
+    device: DeviceOpt = "auto", quiet: QuietOpt = False,
+):
+    """Everything in one go: calibrate → baselines → init → refine → pack → verify → perplexity table.
+
+    With no options it compresses the embedded micro-qwen3-moe model offline on a CPU in minutes. Defaults
+    here are a small budget; use the stage commands for the paper's settings.
+    """
+    _setup(workdir, quiet)
+    from moesq_core.checkpoint.export import export_packed
+    from moesq_core.checkpoint.verify import verify_packed_dir
+    from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
+    from moesq_core.pipeline import DEFAULT_EVAL, compress, refine as core_refine
+
+    cfg = _run_config(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    base = [b for b in baselines.split(",") if b and b != method]
+    with RichProgress(quiet) as p:
+        wd = _ensure_calibrated(workdir, model, cfg, p)
+        for b in base:
+            compress(wd, b, {}, device=device, progress=p)
+        compress(wd, method, {}, device=device, progress=p)
+        stage = f"init-{method}"
+        if refine_stage:
+            core_refine(wd, dict(epochs=epochs, steps_per_epoch=steps_per_epoch), init=method, device=device, progress=p)
+            stage = "refine"
+        out = workdir / "packed"
+        with p.task(f"pack {stage}", None):
+            export_packed(wd, stage, out, overwrite=True)
+        report = verify_packed_dir(out)
+        if not report.ok:
+            _fail(f"verify failed on the packed model: {report.first_error}")
+        targets = resolve_targets([str(workdir), str(out)])
+        rows = ppl_for_targets(targets, ppl or DEFAULT_EVAL, max_tokens=ppl_tokens, device="cpu",
+                               cache=ResultCache(workdir / "eval" / "results.json"), progress=p)
+    ref = next(r["ppl"] for r in rows if r["kind"] == "reference")
+    table = Table(title=f"moesq run — {format}{' W4A4' if act_quant and 'nvfp4' in format else ''}, perplexity on "
+                        f"{rows[0]['tokens']:,} tokens")
+    for c in ("model", "perplexity", "× reference"):
+        table.add_column(c, justify="left" if c == "model" else "right")
+    for r in rows:
+        table.add_row(r["label"], f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}")
+    console.print(table)
+    console.print(f"verify: ok ({report.bits_per_weight:.3f} bits/weight); packed model in {out}")
+    (workdir / "eval").mkdir(exist_ok=True)
+    (workdir / "eval" / "run_table.json").write_text(json.dumps(rows, indent=2))
+
+
+def main():
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Load models back: a packed directory (experts replaced by a moesq experts module), a work dir stage
+(the fake-quantized model that stage produced), or a reference model. On a Hopper GPU the packed p48-nvfp4
+experts run through the fast kernel module when it is available; otherwise the CPU reference module."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from ..engine import install_block, load_block
+from ..formats import get_format
+from ..models import adapter_for, load_model
+from ..packing import unpack
+from ..runtime.experts import MoesqExperts
+from ..workdir import WorkDir, WorkDirError
+
+log = logging.getLogger("moesq.loader")
+PROJS = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
+
+
+def _read_packed_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    idx = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(idx.read_text())["weight_map"].values())) if idx.is_file() else ["model.safetensors"]
+    out = {}
+    for f in files:
+        try:
+            out.update(load_file(str(path / f)))
+        except Exception as e:
+            raise ValueError(f"{path / f}: unreadable or truncated safetensors file ({e}); run `moesq verify {path}`") from None
+    return out
+
+
+def _fast_p48_available(device: torch.device) -> bool:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    try:
+        from ..runtime import p48_hopper  # noqa: F401
+    except Exception as e:  # the fast module is optional; say why it is not used
+        log.warning("fast p48 Hopper experts unavailable (%s); using the reference module", e)
+        return False
+    return True
+
+
+def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                act_quant: bool | None = None, fast: bool | None = None):
+    """(model, tokenizer) from a packed directory written by `moesq pack`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.is_file():
+        raise FileNotFoundError(f"{path}: no config.json; is this a directory written by `moesq pack`?")
+    raw = json.loads(cfg_path.read_text())
+    qc = raw.get("quantization_config") or {}
+    if "moesq" not in qc:
+        raise ValueError(f"{path} is not a moesq packed model (config.json has no quantization_config.moesq)")
+    fmt_name = qc["moesq"]["format"]
+    act_quant = qc["moesq"].get("act_quant", True) if act_quant is None else act_quant
+    device = torch.device(device)
+    raw.pop("quantization_config")
+    config = AutoConfig.for_model(**raw)
+    adapter = adapter_for(config)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tensors = _read_packed_tensors(path)
+    blocks = adapter.blocks(model)
+    use_fast = fmt_name == "p48-nvfp4" and (_fast_p48_available(device) if fast is None else fast)
+    for block in blocks:
+        per_expert = []
+        for e in range(block.num_experts):
+            per_expert.append({p: {k.rsplit(".", 1)[1]: v for k, v in tensors.items()
+                                   if k.startswith(f"{block.prefix}.{e}.{n}.")} for p, n in PROJS})
+            for p, n in PROJS:
+                if not per_expert[-1][p]:
+                    raise ValueError(f"{path}: missing tensors for {block.prefix}.{e}.{n}")
+        for k in [k for k in tensors if k.startswith(block.prefix + ".")]:
+            del tensors[k]
+        if use_fast:
+            from ..runtime.p48_hopper import P48HopperExperts
+
+            module = P48HopperExperts.from_packed(per_expert, act_quant=act_quant, device=device)
+        else:
+            module = _reference_module(fmt_name, per_expert, act_quant, block.prefix)
+        block.mlp.experts = module  # the dense placeholder is dropped, not kept aside
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if ".mlp.experts." not in k and not k.startswith("lm_head")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()
+    model.to(device).eval()
+    tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
+    return model, tok
+
+
+def _reference_module(fmt_name: str, per_expert: list[dict], act_quant: bool, prefix: str) -> MoesqExperts:
+    weights, g_in, g_mid = [], [], []
+    for e, t in enumerate(per_expert):
+        weights.append({p: unpack(fmt_name, t[p], f"{prefix}.{e}.{n}") for p, n in PROJS})
+        for lst, p in ((g_in, "gate"), (g_mid, "down")):
+            g = t[p].get("input_global_scale")
+            lst.append(g.float().reshape(()) if g is not None else torch.zeros(()))
+    ref = MoesqExperts.from_quantized(get_format(fmt_name), weights, act_quant)
+    ref.act_global_in.copy_(torch.stack(g_in))
+    ref.act_global_mid.copy_(torch.stack(g_mid))
+    return ref
+
+
+def load_workdir_model(workdir: str | Path, stage: str, device="cpu", dtype=torch.float32, act_quant: bool | None = None):
+    """(model, tokenizer): the source model with each block's experts replaced by `stage`'s compressed ones."""
+    wd = WorkDir(workdir)
+    m = wd.load()
+    st = m["stages"].get(stage)
+    if st is None or not st.get("done"):
+        raise WorkDirError(f"stage {stage!r} is not finished in {workdir}")
+    model, tok, adapter, _ = load_model(m["model"]["path"], dtype=dtype, device=device)
+    fmt = get_format(m["config"]["format"])
+    act_quant = m["config"].get("act_quant", True) if act_quant is None else act_quant
+    for block in adapter.blocks(model):
+        results, amax_in, amax_mid = load_block(wd.verified_block(stage, block.layer_index))
+        install_block(block, fmt, results, amax_in, amax_mid, act_quant, device)
+    return model, tok

@@ -1,0 +1,123 @@
+"""What `moesq eval` evaluates: targets (reference models, work dir stages, packed dirs), loaded one at a time,
+with results cached by (target, data, protocol) so a re-run or an interrupted evaluation does not redo work."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..workdir import WorkDir, sha256_file, write_json_atomic
+
+
+@dataclass(frozen=True)
+class EvalTarget:
+    label: str
+    kind: str  # "reference" | "stage" | "packed"
+    path: str  # model dir, work dir or packed dir
+    stage: str | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.kind}:{Path(self.path).resolve()}:{self.stage or ''}"
+
+
+def resolve_targets(targets: list[str], stages: list[str] | None = None, reference: bool = True) -> list[EvalTarget]:
+    """A work dir expands to its reference model (once) and its finished stages (or `stages`); a packed dir
+    (config.json with quantization_config.moesq) is one target; any other model dir is a reference."""
+    out: list[EvalTarget] = []
+    seen = set()
+
+    def add(t: EvalTarget):
+        if t.key not in seen:
+            seen.add(t.key)
+            out.append(t)
+
+    for t in targets:
+        p = Path(t)
+        if (p / "manifest.json").is_file():
+            m = WorkDir(p).load()
+            if reference:
+                add(EvalTarget("reference", "reference", m["model"]["path"]))
+            done = [k for k, v in m["stages"].items() if v.get("done")]
+            for s in stages or done:
+                if s not in done:
+                    raise ValueError(f"stage {s!r} is not finished in {p} (finished: {', '.join(done) or 'none'})")
+                label = s.removeprefix("init-")
+                add(EvalTarget(label if len(targets) == 1 else f"{p.name}:{label}", "stage", str(p), s))
+        elif (p / "config.json").is_file():
+            cfg = json.loads((p / "config.json").read_text())
+            if "moesq" in (cfg.get("quantization_config") or {}):
+                add(EvalTarget(f"packed:{p.name}", "packed", str(p)))
+            else:
+                add(EvalTarget(f"reference:{p.name}" if len(targets) > 1 else "reference", "reference", str(p)))
+        else:
+            raise FileNotFoundError(f"{t}: not a work dir (manifest.json), a packed dir or a model dir (config.json)")
+    return out
+
+
+def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    from ..checkpoint.loader import load_packed, load_workdir_model
+    from ..models import load_model
+
+    if t.kind == "reference":
+        model, tok, _, _ = load_model(t.path, dtype=dtype, device=device)
+        return model, tok
+    if t.kind == "stage":
+        return load_workdir_model(t.path, t.stage, device=device, dtype=dtype)
+    return load_packed(t.path, device=device, dtype=dtype)
+
+
+class ResultCache:
+    """JSON file of finished evaluations keyed by target + data + protocol."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.data = json.loads(path.read_text()) if path and path.is_file() else {}
+
+    @staticmethod
+    def key(*parts) -> str:
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+    def get(self, key: str):
+        return self.data.get(key)
+
+    def put(self, key: str, value) -> None:
+        self.data[key] = value
+        if self.path:
+            write_json_atomic(self.path, self.data)
+
+
+def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: int = 65536, window: int = 512,
+                    device="cpu", cache: ResultCache | None = None, progress=None) -> list[dict]:
+    from .perplexity import load_eval_tokens, perplexity
+
+    cache = cache or ResultCache(None)
+    digest = sha256_file(Path(text_file))
+    rows = []
+    for t in targets:
+        # a stage's artifacts are identified by the work dir manifest's checksums
+        ident = t.key
+        if t.kind == "stage":
+            ident += json.dumps(WorkDir(t.path).stage(t.stage)["blocks"], sort_keys=True)
+        elif t.kind == "packed":
+            ident += "".join(sha256_file(f) for f in sorted(Path(t.path).glob("*.safetensors")))
+        key = cache.key("ppl", ident, digest, max_tokens, window)
+        hit = cache.get(key)
+        if hit is None:
+            model, tok = load_target(t, device)
+            tokens = load_eval_tokens(tok, text_file, max_tokens)
+            n = len(tokens) // window
+            if progress is not None:
+                with progress.task(f"perplexity: {t.label}", n) as task:
+                    ppl = perplexity(model, tokens, window, progress=task.advance)
+            else:
+                ppl = perplexity(model, tokens, window)
+            hit = {"label": t.label, "kind": t.kind, "path": t.path, "stage": t.stage, "ppl": ppl,
+                   "tokens": n * window, "window": window, "file": str(text_file)}
+            cache.put(key, hit)
+            del model
+        rows.append({**hit, "label": t.label})
+    return rows
