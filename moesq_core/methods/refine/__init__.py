@@ -1,0 +1,51 @@
+"""moesq refinement: joint learning of the sparsity support (Gumbel-softmax over the format's patterns) and the
+quantized values of every expert of a block, starting from an init method's solution (SGPTQ in the paper).
+
+    method = RefineMethod(init=SGPTQ(), config=RefineConfig(epochs=10))   # init defaults to SGPTQ()
+    compressed = method.compress_block(experts, get_format("p48-nvfp4"))
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+from ...formats import Format
+from ..base import CompressedExpert, ExpertData, Method, ProgressFn
+from .trainer import BlockRefiner, RefineConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RefineMethod", "RefineConfig", "BlockRefiner"]
+
+
+class RefineMethod:
+    """`init.compress_block` gives each expert's starting mask, values (its `latent` when present, else its
+    dequantized weights) and the "epoch 0" every refined epoch must beat on validation; then all experts of
+    the block are refined together (see trainer.py)."""
+
+    name = "refine"
+
+    def __init__(self, init: Method | None = None, config: RefineConfig | None = None):
+        if init is None:
+            from ..sparsegpt_gptq import SGPTQ  # the paper's init; imported lazily (methods import each other rarely)
+
+            init = SGPTQ()
+        if not hasattr(init, "compress_block"):
+            raise TypeError(f"RefineMethod needs an init method (an object with compress_block), got {type(init).__name__}")
+        self.init = init
+        self.config = config or RefineConfig()
+
+    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+        if not experts:
+            return []
+        t0 = time.perf_counter()
+        inits = self.init.compress_block(experts, fmt, None)
+        t_init = time.perf_counter() - t0
+        refiner = BlockRefiner(experts, inits, fmt, self.config)
+        out = refiner.run()
+        for ce in out:
+            ce.info["refine"]["seconds_block"] = time.perf_counter() - t0
+            ce.info["refine"]["seconds_init_block"] = t_init
+        if progress is not None:
+            progress(len(experts))
+        return out

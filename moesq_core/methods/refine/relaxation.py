@@ -1,0 +1,57 @@
+"""The continuous relaxation of a pattern choice (paper eq. 2): Gumbel-softmax over a pattern set.
+
+A weight [..., O, K] under pattern set `ps` (groups of `ps.group` columns, P admissible patterns) gets logits
+A [..., O, K/group, P]. Each training step draws fresh Gumbel noise G and takes
+    π = softmax((gain·A + G) / τ),   Z = π · P   (soft mask, each group sums to ps.kept_per_group),
+so the soft weight Z ⊙ V is differentiable in both A and V. As τ → 0 π becomes one-hot (the argmax of
+gain·A + G); the exported mask is the noise-free argmax of A.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...formats import PatternSet
+
+
+def gumbel_noise(shape, generator: torch.Generator | None, device, dtype=torch.float32) -> torch.Tensor:
+    """Standard Gumbel samples −log(−log U). U is clamped away from 0 and 1 so the result stays finite."""
+    u = torch.rand(shape, generator=generator, device=device, dtype=dtype)
+    tiny = torch.finfo(dtype).tiny
+    return -torch.log(-torch.log(u.clamp(tiny, 1.0 - torch.finfo(dtype).eps)))
+
+
+def pattern_probs(A: torch.Tensor, tau: float, gain: float = 1.0, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """π = softmax((gain·A + G)/τ) over the last (pattern) axis."""
+    if tau <= 0:
+        raise ValueError(f"temperature must be positive, got {tau}")
+    logits = A * gain
+    if noise is not None:
+        logits = logits + noise
+    return torch.softmax(logits / tau, dim=-1)
+
+
+def soft_mask(probs: torch.Tensor, ps: PatternSet) -> torch.Tensor:
+    """Z = π · P: [..., G, P] pattern probabilities -> [..., G*group] expected keep mask."""
+    z = probs @ ps.pattern_matrix(probs.device, probs.dtype)
+    return z.reshape(*z.shape[:-2], z.shape[-2] * ps.group)
+
+
+def hard_index(A: torch.Tensor) -> torch.Tensor:
+    """The exported pattern per group: argmax of the noise-free logits (ties -> lowest index)."""
+    return A.argmax(-1)
+
+
+def hard_mask(A: torch.Tensor, ps: PatternSet) -> torch.Tensor:
+    return ps.mask_from_index(hard_index(A))
+
+
+def init_logits(mask: torch.Tensor, ps: PatternSet, generator: torch.Generator | None = None,
+                noise: float = 0.01, match: float = 4.0) -> torch.Tensor:
+    """A = noise·(N(0,1) + match·c), c the centred overlap of each pattern with the init support (facts §2).
+
+    mask: bool [..., O, K] -> fp32 [..., O, K/group, P]. fp32 on purpose: Lion's steps of ~1e-4 vanish
+    against logits of ~1e-2 in bf16 (a fault of the public release).
+    """
+    c = ps.overlap_init(mask)
+    n = torch.randn(c.shape, generator=generator, device=c.device, dtype=torch.float32)
+    return noise * (n + match * c.float())

@@ -1,0 +1,644 @@
+"""Batched refinement of one MoE block: the joint support–value optimisation of every expert at once.
+
+Layout. All routed rows of the block live in one flat buffer (expert by expert, train rows then validation
+rows, plus one zero "sentinel" row): the input-quantized X, the dense targets Y (computed once per block) and
+the router weights w. A step gathers each expert's rows into a capacity-padded [k, c, H] buffer (padding
+points at the sentinel, whose token weight is 0) and runs gate/up/down for all k experts with torch.bmm.
+Experts are independent problems: the loss is the sum of per-expert normalised losses, Lion is elementwise,
+and the per-expert best epoch is chosen per expert, so batching changes no expert's result.
+
+Per optimizer step the relaxed, fake-quantized weights are built once; micro-batches over the token axis
+accumulate their gradients (fp32) and one backward pass carries them to the logits A and latent values V.
+Only the experts that still have rows at a micro-batch's offset take part in it, so load imbalance costs
+little padding.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ...formats import Format
+from ...formats.quantizers import (
+    FP8ChannelQuantizer,
+    FP8TokenActQuantizer,
+    NVFP4ActQuantizer,
+    NVFP4Quantizer,
+    nvfp4_global_scale,
+)
+from ..base import PROJECTIONS, CompressedExpert, ExpertData
+from . import objective, relaxation
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class RefineConfig:
+    """Hyperparameters of refinement. Defaults are the paper's Qwen3-30B-A3B settings (facts §2).
+
+    Batches are counted in routed rows (token-expert pairs) over the whole block: the paper's batch of 64
+    sequences × 4,096 tokens × top-8 is 2,097,152 rows; its micro-batch of 8 sequences 262,144. Each optimizer
+    step gives every expert an equal share (1/steps_per_epoch) of its own training rows.
+
+    Weight decay is lion-pytorch's (non-"decoupled") form, p ← p·(1 − lr·wd), i.e. the AdamW-style decoupled
+    decay the paper means; lion-pytorch's `decoupled_weight_decay=True` would divide wd by the initial lr
+    (with wd = 1.0 that zeroes the parameters), so it is not used.
+    """
+
+    epochs: int = 10
+    batch_rows: int = 64 * 4096 * 8
+    micro_batch_rows: int = 8 * 4096 * 8
+    steps_per_epoch: int | None = None  # overrides batch_rows when set
+    lr_logits: float = 2.5e-4
+    lr_values: float = 5e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 1.0
+    lr_final_ratio: float = 0.1  # cosine decay to this fraction of the base lr at the last step
+    tau: tuple[float, float] = (2.0, 0.05)  # Gumbel-softmax temperature, linear per optimizer step
+    gain: tuple[float, float] = (100.0, 500.0)  # multiplier of A before the noise, linear per step
+    loss_power: int = 2  # token weight w^p: 0 uniform, 1 the paper's eq. 4, 2 the release
+    train_support: bool = True  # False: the init's mask stays (values-only ablation)
+    train_values: bool = True  # False: V stays at the init's latent (support-only ablation)
+    val_fraction: float = 0.05  # held out from each expert's rows when the engine gives no x_val
+    min_val_rows: int = 16  # ... but at least this many (never more than half the expert's rows)
+    init_noise: float = 0.01  # A = init_noise · (N(0,1) + init_match · c)
+    init_match: float = 4.0
+    seed: int = 0
+    compute_dtype: str = "auto"  # matmul operands in training: "float32", "bfloat16", auto = bf16 on CUDA
+    cache_dtype: str = "float32"  # dtype of the cached quantized inputs X ("bfloat16" halves their memory)
+    compile: bool = False  # torch.compile the elementwise relaxation/quantization (CUDA only)
+    keep_latent: bool = False  # return the refined V as CompressedExpert.latent
+
+    def __post_init__(self):
+        if self.epochs < 0:
+            raise ValueError(f"epochs must be >= 0, got {self.epochs}")
+        for name in ("batch_rows", "micro_batch_rows"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive number of routed rows, got {getattr(self, name)}")
+        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
+            raise ValueError(f"steps_per_epoch must be >= 1 (or None), got {self.steps_per_epoch}")
+        if self.lr_logits <= 0 or self.lr_values <= 0:
+            raise ValueError("learning rates must be positive")
+        if not 0 < self.lr_final_ratio <= 1:
+            raise ValueError(f"lr_final_ratio must be in (0, 1], got {self.lr_final_ratio}")
+        if min(self.tau) <= 0:
+            raise ValueError(f"temperatures must be positive, got {self.tau}")
+        objective.check_power(self.loss_power)
+        if not (self.train_support or self.train_values):
+            raise ValueError("train_support and train_values are both False: nothing to refine")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        for name in ("compute_dtype", "cache_dtype"):
+            v = getattr(self, name)
+            if v not in _DTYPES and not (name == "compute_dtype" and v == "auto"):
+                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}{' or auto' if name == 'compute_dtype' else ''}, got {v!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Format-generic helpers, batched over experts (leading axis). Known quantizers get a vectorised path that is
+# numerically identical to the format's own per-tensor functions; unknown ones fall back to a loop.
+
+
+def batched_weight_global(fmt: Format, *ws: torch.Tensor) -> torch.Tensor:
+    """Per-expert weight global scale [E, 1, 1] shared by the given [E, O, K] tensors (detached)."""
+    E = ws[0].shape[0]
+    q = fmt.weight
+    if isinstance(q, NVFP4Quantizer):
+        amax = torch.stack([w.detach().abs().amax(dim=(1, 2)) for w in ws]).amax(0)
+        return nvfp4_global_scale(amax).reshape(E, 1, 1)
+    if isinstance(q, FP8ChannelQuantizer):
+        return torch.ones(E, 1, 1, device=ws[0].device)
+    return torch.stack([fmt.global_scale(*(w[e] for w in ws)) for e in range(E)]).reshape(E, 1, 1).to(ws[0].device)
+
+
+def act_global(fmt: Format, amax: torch.Tensor) -> torch.Tensor | None:
+    """Static activation global scale per expert [E, 1, 1] from an amax [E] (None: the format has none)."""
+    if isinstance(fmt.act, NVFP4ActQuantizer):
+        return nvfp4_global_scale(amax.float()).reshape(-1, 1, 1)
+    return None
+
+
+def batched_act_quant(fmt: Format, x: torch.Tensor, ste: bool, g: torch.Tensor | None = None) -> torch.Tensor:
+    """The format's activation quantizer, batched over experts: x [E, C, D], g [E, 1, 1] per-expert global
+    scales (NVFP4; default: each expert's own amax, i.e. dynamic). Per-token FP8 has no global scale."""
+    a = fmt.act
+    if isinstance(a, NVFP4ActQuantizer):
+        if g is None:
+            g = nvfp4_global_scale(x.detach().abs().amax(dim=(1, 2))).reshape(-1, 1, 1)
+        return fmt.quant_act(x, g, ste=ste)
+    if isinstance(a, FP8TokenActQuantizer):
+        return fmt.quant_act(x, ste=ste)
+    return torch.stack([fmt.quant_act(x[e], ste=ste) for e in range(x.shape[0])])
+
+
+def _linear_schedule(a: float, b: float, frac: float) -> float:
+    return a + (b - a) * frac
+
+
+def _cosine_factor(final: float, frac: float) -> float:
+    return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+@dataclass
+class _Proj:
+    name: str
+    V: torch.Tensor  # fp32 [E, O, K] latent values (leaf)
+    A: torch.Tensor | None  # fp32 [E, O, K/group, P] logits (leaf), None when the support is fixed
+    fixed_mask: torch.Tensor | None  # bool [E, O, K] when the support is fixed (None for dense formats)
+    best_V: torch.Tensor | None = None
+    best_mask: torch.Tensor | None = None
+
+
+@dataclass
+class EpochStats:
+    epoch: int
+    train_loss: torch.Tensor | None  # [E] mean normalised train loss over the epoch's steps (relaxed weights)
+    val_loss: torch.Tensor  # [E] hard-mask, exported-quantizer loss on held-out rows (NaN without rows)
+    seconds: float = 0.0
+
+
+class BlockRefiner:
+    """Refines all experts of one block together. `run()` = validate the init, train + validate per epoch,
+    export the best epoch per expert. The pieces are public so benchmarks can time single steps."""
+
+    def __init__(self, experts: list[ExpertData], inits: list[CompressedExpert], fmt: Format, config: RefineConfig):
+        if len(inits) != len(experts):
+            raise ValueError(f"init returned {len(inits)} experts for a block of {len(experts)}")
+        if not experts:
+            raise ValueError("empty block")
+        self.fmt, self.cfg = fmt, config
+        self.ps = fmt.patterns
+        self.experts, self.inits = experts, inits
+        self.E = E = len(experts)
+        self.device = dev = experts[0].gate.device
+        I, H = experts[0].gate.shape
+        self.H, self.I = H, I
+        for ex in experts:
+            for p, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+                t = getattr(ex, p)
+                if tuple(t.shape) != shape:
+                    raise ValueError(f"expert {ex.index}: {p} has shape {tuple(t.shape)}, expected {shape} like the block's first expert")
+                if t.device != dev:
+                    raise ValueError(f"expert {ex.index}: {p} is on {t.device}, the block's first expert on {dev}")
+                fmt.check_weight(t, f"expert {ex.index} {p}")
+        for ex, ce in zip(experts, inits):
+            for p, qw in ce.weights().items():
+                if qw.format != fmt.name:
+                    raise ValueError(f"init for expert {ex.index} {p} is in format {qw.format!r}, refining {fmt.name!r}")
+        self.cd = self._compute_dtype()
+        self.cache_dtype = _DTYPES[config.cache_dtype]
+        self.learn_support = config.train_support and self.ps.num_patterns > 1
+        if not (self.learn_support or config.train_values):
+            raise ValueError(f"format {fmt.name} has no sparsity pattern to learn and train_values is False: nothing to refine")
+        # One generator drives every random draw (split, A init, shuffles, Gumbel noise), in a fixed order.
+        self.gen = torch.Generator(device=dev).manual_seed(config.seed)
+        self.mc = max(1, -(-config.micro_batch_rows // E))  # rows per expert per micro-batch
+        self._setup_data()
+        self._setup_params()
+        self.history: list[EpochStats] = []
+        self.step_count = 0
+        self._compiled: dict = {}
+
+    # --- setup -------------------------------------------------------------------------------------------
+
+    def _compute_dtype(self) -> torch.dtype:
+        c = self.cfg.compute_dtype
+        if c == "auto":
+            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        return _DTYPES[c]
+
+    def _n_val(self, n: int) -> int:
+        if n < 2 or self.cfg.val_fraction <= 0:
+            return 0
+        return min(max(round(self.cfg.val_fraction * n), self.cfg.min_val_rows), n // 2)
+
+    def _setup_data(self):
+        cfg, dev, H = self.cfg, self.device, self.H
+        xs, ws, ntr, nva, amax_in = [], [], [], [], []
+        split_gen = torch.Generator().manual_seed(cfg.seed)  # CPU: the split does not depend on the device
+        for ex in self.experts:
+            x = ex.x.to(dev, torch.float32).reshape(-1, H)
+            w = ex.w.to(dev, torch.float32).reshape(-1)
+            if w.numel() != x.shape[0]:
+                raise ValueError(f"expert {ex.index}: {x.shape[0]} routed rows but {w.numel()} router weights")
+            amax_in.append(x.abs().amax() if x.shape[0] else torch.zeros((), device=dev))
+            if ex.x_val is not None:
+                xv = ex.x_val.to(dev, torch.float32).reshape(-1, H)
+                wv = (ex.w_val if ex.w_val is not None else torch.ones(xv.shape[0])).to(dev, torch.float32).reshape(-1)
+                if wv.numel() != xv.shape[0]:
+                    raise ValueError(f"expert {ex.index}: {xv.shape[0]} validation rows but {wv.numel()} router weights")
+                xt, wt = x, w
+            else:
+                nv = self._n_val(x.shape[0])
+                perm = torch.randperm(x.shape[0], generator=split_gen).to(dev)
+                xv, wv, xt, wt = x[perm[:nv]], w[perm[:nv]], x[perm[nv:]], w[perm[nv:]]
+            xs += [xt, xv]
+            ws += [wt, wv]
+            ntr.append(xt.shape[0])
+            nva.append(xv.shape[0])
+        X = torch.cat(xs + [torch.zeros(1, H, device=dev)])
+        if not bool(torch.isfinite(X).all()):
+            raise ValueError("calibration inputs contain NaN/Inf")
+        self.W = torch.cat(ws + [torch.zeros(1, device=dev)])
+        self.sentinel = X.shape[0] - 1
+        # Static input range per expert: amax of its calibration rows x (as the engine calibrates the served
+        # input_global_scale); validation rows from the engine (x_val) are not part of it.
+        self.amax_in = torch.stack(amax_in)
+        self.n_train = torch.tensor(ntr, dtype=torch.int64)
+        self.n_val = torch.tensor(nva, dtype=torch.int64)
+        n_all = self.n_train + self.n_val
+        off = torch.cumsum(n_all, 0) - n_all
+        self.offsets = off
+        # Flat row index of each expert's train / validation / all rows, sentinel-padded: [E, max count].
+        self.train_base = off.to(dev)
+        self.val_idx = self._ranges(off + self.n_train, self.n_val)
+        all_idx = self._ranges(off, n_all)
+        self.row_expert = torch.repeat_interleave(torch.arange(self.E, device=dev), n_all.to(dev))
+        self.h_amax = torch.zeros(self.E, device=dev)  # running SwiGLU-output range (see train_step)
+        self.Y = self._dense_targets(X, all_idx)
+        self.Xq = self._quantize_inputs(X).to(self.cache_dtype)
+        del X
+        S = self.cfg.steps_per_epoch or max(1, math.ceil(int(self.n_train.sum()) / self.cfg.batch_rows))
+        self.steps_per_epoch = S
+        s = torch.arange(S + 1, dtype=torch.int64)[:, None]
+        bounds = (s * self.n_train[None, :]) // S  # [S+1, E] each expert's rows split into S near-equal chunks
+        self.step_start, self.step_cnt = bounds[:-1], bounds[1:] - bounds[:-1]
+        self.total_steps = S * self.cfg.epochs
+
+    def _ranges(self, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        C = max(int(count.max()), 1)
+        j = torch.arange(C, device=self.device)[None, :]
+        idx = start.to(self.device)[:, None] + j
+        return torch.where(j < count.to(self.device)[:, None], idx, torch.full_like(idx, self.sentinel))
+
+    def _active(self, counts: torch.Tensor, off: int):
+        """Experts with rows at offset `off` of a count vector: (None = all, or a device index tensor, k)."""
+        act = (counts > off).nonzero().reshape(-1)
+        if act.numel() == self.E:
+            return None, self.E
+        return act.to(self.device), act.numel()
+
+    @staticmethod
+    def _sel(t: torch.Tensor, act):
+        return t if act is None else t.index_select(0, act)
+
+    def _gather(self, idx: torch.Tensor):
+        k, c = idx.shape
+        flat = idx.reshape(-1)
+        x = self.Xq.index_select(0, flat).view(k, c, self.H)
+        y = self.Y.index_select(0, flat).view(k, c, self.H)
+        valid = idx != self.sentinel
+        return x, y, valid, self.W.index_select(0, flat).view(k, c)
+
+    @torch.no_grad()
+    def _dense_targets(self, X: torch.Tensor, all_idx: torch.Tensor) -> torch.Tensor:
+        """Y of every cached row, once per block (the release recomputed it every step), fp32."""
+        st = lambda p: torch.stack([getattr(ex, p).float() for ex in self.experts])
+        Wg, Wu, Wd = st("gate"), st("up"), st("down")
+        Y = torch.zeros(X.shape[0], self.H, device=self.device)
+        counts = self.n_train + self.n_val
+        for off in range(0, all_idx.shape[1], self.mc):
+            act, k = self._active(counts, off)
+            if k == 0:
+                break
+            idx = self._sel(all_idx, act)[:, off:off + self.mc]
+            x = X.index_select(0, idx.reshape(-1)).view(*idx.shape, self.H)
+            h = F.silu(torch.bmm(x, self._sel(Wg, act).transpose(1, 2))) * torch.bmm(x, self._sel(Wu, act).transpose(1, 2))
+            y = torch.bmm(h, self._sel(Wd, act).transpose(1, 2))
+            self._note_amax(self.h_amax, act, h)
+            Y.index_copy_(0, idx.reshape(-1), y.reshape(-1, self.H))  # padding rows write the sentinel's exact 0
+        return Y
+
+    @staticmethod
+    def _note_amax(store: torch.Tensor, act, h: torch.Tensor) -> None:
+        """store[e] = max(store[e], amax of h's rows of expert e), in place."""
+        a = h.detach().abs().amax(dim=(1, 2)).float()
+        if act is None:
+            torch.maximum(store, a, out=store)
+        else:
+            store.scatter_reduce_(0, act, a, reduce="amax")
+
+    @torch.no_grad()
+    def _quantize_inputs(self, X: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
+        """Input activations are quantized once per block with a static global scale per expert (its
+        calibration amax, as served), per-token block scales as the format says; then only the quantized
+        inputs are kept."""
+        fmt = self.fmt
+        if isinstance(fmt.act, NVFP4ActQuantizer):
+            amax = self.amax_in.clone()
+            val_amax = torch.zeros_like(amax)  # experts whose only rows are x_val: their own range
+            val_amax.scatter_reduce_(0, self.row_expert, X[:-1].abs().amax(-1), reduce="amax")
+            amax = torch.where(amax > 0, amax, val_amax)
+            g_rows = torch.cat([nvfp4_global_scale(amax)[self.row_expert], torch.ones(1, device=self.device)])[:, None]
+            out = torch.empty_like(X)
+            for s in range(0, X.shape[0], chunk):
+                out[s:s + chunk] = fmt.quant_act(X[s:s + chunk], g_rows[s:s + chunk])
+            return out
+        if isinstance(fmt.act, FP8TokenActQuantizer):
+            return torch.cat([fmt.quant_act(X[s:s + chunk]) for s in range(0, X.shape[0], chunk)])
+        out = X.clone()  # unknown activation quantizer: its own dynamic scale per expert segment
+        for e in range(self.E):
+            a, n = int(self.offsets[e]), int(self.n_train[e] + self.n_val[e])
+            if n:
+                out[a:a + n] = fmt.quant_act(X[a:a + n])
+        return out
+
+    def _setup_params(self):
+        cfg, E = self.cfg, self.E
+        self.proj: dict[str, _Proj] = {}
+        init_weights = {}
+        for p in PROJECTIONS:
+            qws = [ce.weights()[p] for ce in self.inits]
+            deq = torch.stack([qw.dequantize().to(self.device, torch.float32) for qw in qws])
+            mask = torch.stack([qw.mask.to(self.device).bool() for qw in qws])
+            lat = []
+            for ce, d in zip(self.inits, deq):
+                if ce.latent is not None and ce.latent.get(p) is not None:
+                    lat.append(ce.latent[p].to(self.device, torch.float32))
+                else:
+                    lat.append(d)
+            V = torch.stack(lat)
+            if V.shape != deq.shape:
+                raise ValueError(f"init latent for {p} has shape {tuple(V.shape[1:])}, weights {tuple(deq.shape[1:])}")
+            V.requires_grad_(cfg.train_values)
+            if self.learn_support:
+                A = relaxation.init_logits(mask, self.ps, self.gen, cfg.init_noise, cfg.init_match).requires_grad_()
+                fixed = None
+            else:
+                A, fixed = None, (None if self.ps.num_patterns == 1 else mask)
+            pr = _Proj(p, V, A, fixed)
+            if cfg.train_values:
+                pr.best_V = V.detach().clone()
+            if A is not None:
+                pr.best_mask = relaxation.hard_mask(A.detach(), self.ps)
+            self.proj[p] = pr
+            init_weights[p] = deq
+        groups = []
+        if self.learn_support:
+            groups.append({"params": [pr.A for pr in self.proj.values()], "lr": cfg.lr_logits, "base_lr": cfg.lr_logits})
+        if cfg.train_values:
+            groups.append({"params": [pr.V for pr in self.proj.values()], "lr": cfg.lr_values, "base_lr": cfg.lr_values})
+        from lion_pytorch import Lion  # imported here so formats/methods load without it
+
+        self.opt = Lion(groups, lr=groups[0]["lr"], betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        # "Epoch 0" is the init itself: refinement ships an epoch only where it validates better than this.
+        v0 = self.validate(init_weights)
+        self.best_loss = torch.where(torch.isnan(v0), torch.full_like(v0, math.inf), v0)
+        self.best_epoch = torch.zeros(E, dtype=torch.int64, device=self.device)
+        self.history_val = [v0]
+        self.history_train: list[torch.Tensor] = []
+
+    # --- the relaxed forward -------------------------------------------------------------------------------
+
+    def schedule(self, t: int) -> tuple[float, float, float]:
+        """(τ, gain, lr factor) at optimizer step t of the block."""
+        frac = t / (self.total_steps - 1) if self.total_steps > 1 else 0.0
+        frac = min(max(frac, 0.0), 1.0)
+        return (_linear_schedule(*self.cfg.tau, frac), _linear_schedule(*self.cfg.gain, frac),
+                _cosine_factor(self.cfg.lr_final_ratio, frac))
+
+    def soft_weights(self, tau: float, gain: float) -> dict[str, torch.Tensor]:
+        """Fake-quantized relaxed weights W̃ = Q(Z ⊙ V) per projection (STE), with fresh Gumbel noise."""
+        soft = {}
+        for p, pr in self.proj.items():
+            if pr.A is not None:
+                G = relaxation.gumbel_noise(pr.A.shape, self.gen, self.device)
+                soft[p] = self._relax(pr.A, pr.V, G, tau, gain)
+            elif pr.fixed_mask is not None:
+                soft[p] = pr.V * pr.fixed_mask
+            else:
+                soft[p] = pr.V
+        return self._quant_soft(soft)
+
+    def _relax(self, A, V, G, tau, gain):
+        fn = self._maybe_compile("relax", lambda A, V, G, tau, gain: relaxation.soft_mask(
+            relaxation.pattern_probs(A, tau, gain, G), self.ps) * V)
+        return fn(A, V, G, tau, gain)
+
+    def _quant_soft(self, soft: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        # Scales from the soft weights, detached; gate and up share one global scale from the start.
+        g_gu = batched_weight_global(self.fmt, soft["gate"], soft["up"])
+        g_d = batched_weight_global(self.fmt, soft["down"])
+        fq = self._maybe_compile("wq", lambda w, g: self.fmt.fake_quant_weight(w, None, g, ste=True))
+        return {"gate": fq(soft["gate"], g_gu), "up": fq(soft["up"], g_gu), "down": fq(soft["down"], g_d)}
+
+    def _maybe_compile(self, key, fn):
+        if not self.cfg.compile:
+            return fn
+        if key not in self._compiled:
+            self._compiled[key] = torch.compile(fn, dynamic=True)
+        return self._compiled[key]
+
+    @staticmethod
+    def intermediate(x, Wg, Wu, cd: torch.dtype) -> torch.Tensor:
+        """SwiGLU output h = silu(x Wgᵀ) ⊙ (x Wuᵀ), batched: x [k, c, H] (already input-quantized), fp32."""
+        xc = x.to(cd)
+        g = torch.bmm(xc, Wg.transpose(1, 2).to(cd)).float()
+        u = torch.bmm(xc, Wu.transpose(1, 2).to(cd)).float()
+        return F.silu(g) * u
+
+    def forward(self, x, Wg, Wu, Wd, cd: torch.dtype, ste: bool = True, h_global: torch.Tensor | None = None,
+                h_amax: tuple | None = None) -> torch.Tensor:
+        """Quantized-activation SwiGLU expert, batched. h_global: static per-expert global scales of the
+        SwiGLU-output quantizer ([k, 1, 1]; None = dynamic); h_amax = (store, act) records h's range."""
+        h = self.intermediate(x, Wg, Wu, cd)
+        if h_amax is not None:
+            self._note_amax(h_amax[0], h_amax[1], h)
+        hq = batched_act_quant(self.fmt, h, ste=ste, g=h_global)
+        return torch.bmm(hq.to(cd), Wd.transpose(1, 2).to(cd)).float()
+
+    # --- training -----------------------------------------------------------------------------------------
+
+    def epoch_order(self) -> torch.Tensor:
+        """A fresh random order of each expert's training rows: [E, max n_train] positions (padding last)."""
+        C = max(int(self.n_train.max()), 1)
+        keys = torch.rand(self.E, C, generator=self.gen, device=self.device)
+        pad = torch.arange(C, device=self.device)[None, :] >= self.n_train.to(self.device)[:, None]
+        return keys.masked_fill(pad, 2.0).argsort(dim=1, stable=True)
+
+    def train_step(self, order: torch.Tensor, s: int) -> torch.Tensor:
+        """One optimizer step (step s of the epoch with row order `order`). Returns the per-expert loss [E]."""
+        tau, gain, lrf = self.schedule(self.step_count)
+        for grp in self.opt.param_groups:
+            grp["lr"] = grp["base_lr"] * lrf
+        cnt = self.step_cnt[s]
+        C = int(cnt.max())
+        start = self.step_start[s].to(self.device)
+        j = torch.arange(max(C, 1), device=self.device)[None, :]
+        pos = order.gather(1, (start[:, None] + j).clamp(max=order.shape[1] - 1))
+        idx = torch.where(j < cnt.to(self.device)[:, None], self.train_base[:, None] + pos,
+                          torch.full_like(pos, self.sentinel))
+        valid_all = idx != self.sentinel
+        tw_all = objective.token_weights(self.W[idx], valid_all, self.cfg.loss_power)
+        den = tw_all.sum(1) * self.H
+        inv_den = torch.where(den > 0, 1.0 / den.clamp_min(1e-30), torch.zeros_like(den))
+
+        Wq = self.soft_weights(tau, gain)
+        Wc = {p: w.detach().to(self.cd) for p, w in Wq.items()}
+        gacc = {p: torch.zeros_like(w) for p, w in Wq.items()}
+        num = torch.zeros(self.E, device=self.device)
+        # The SwiGLU-output quantizer uses one static global scale per expert for the whole step (the range
+        # seen in the previous step), so micro-batching changes nothing and training sees what serving's
+        # calibrated scale does, rather than a per-micro-batch dynamic one.
+        g_h = act_global(self.fmt, self.h_amax)
+        step_amax = torch.zeros_like(self.h_amax)
+        for off in range(0, C, self.mc):
+            act, k = self._active(cnt, off)
+            sl = self._sel(idx, act)[:, off:off + self.mc]
+            x, y, _, _ = self._gather(sl)
+            tw = self._sel(tw_all, act)[:, off:off + self.mc]
+            leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
+            yhat = self.forward(x, leaves["gate"], leaves["up"], leaves["down"], self.cd, ste=True,
+                                h_global=None if g_h is None else self._sel(g_h, act), h_amax=(step_amax, act))
+            n = objective.weighted_sq_error(yhat, y, tw)
+            (n * self._sel(inv_den, act)).sum().backward()
+            for p, leaf in leaves.items():
+                if act is None:
+                    gacc[p] += leaf.grad.float()
+                else:
+                    gacc[p].index_add_(0, act, leaf.grad.float())
+            num = num.index_add(0, act, n.detach()) if act is not None else num + n.detach()
+        self.h_amax = torch.where(step_amax > 0, step_amax, self.h_amax)
+        torch.autograd.backward([Wq[p] for p in PROJECTIONS], [gacc[p] for p in PROJECTIONS])
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step_count += 1
+        return num * inv_den
+
+    def train_epoch(self, max_steps: int | None = None) -> torch.Tensor:
+        order = self.epoch_order()
+        S = self.steps_per_epoch if max_steps is None else min(max_steps, self.steps_per_epoch)
+        acc = torch.zeros(self.E, device=self.device)
+        for s in range(S):
+            acc += self.train_step(order, s)
+        return acc / max(S, 1)
+
+    # --- validation and export ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def hard_state(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
+        """The exported weights (dequantized, batched) and masks of the current parameters: argmax pattern,
+        scales recomputed from the masked values, one global scale for gate and up (= fmt.quantize)."""
+        masks, masked = {}, {}
+        for p, pr in self.proj.items():
+            if pr.A is not None:
+                masks[p] = relaxation.hard_mask(pr.A, self.ps)
+            else:
+                masks[p] = pr.fixed_mask
+            masked[p] = pr.V.detach() if masks[p] is None else pr.V.detach() * masks[p]
+        g_gu = batched_weight_global(self.fmt, masked["gate"], masked["up"])
+        g_d = batched_weight_global(self.fmt, masked["down"])
+        W = {p: self.fmt.fake_quant_weight(masked[p], None, g_gu if p != "down" else g_d) for p in PROJECTIONS}
+        return W, masks
+
+    @torch.no_grad()
+    def validate(self, W: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-expert loss [E] of given (hard) weights on the held-out rows, fp32; NaN without rows.
+
+        The SwiGLU-output quantizer gets a static global scale per expert from the range of h over the
+        validation rows (a first pass), so the result does not depend on the micro-batch size."""
+        g_h = None
+        if isinstance(self.fmt.act, NVFP4ActQuantizer):
+            amax = torch.zeros(self.E, device=self.device)
+            for act, sl in self._val_batches():
+                x = self._gather(sl)[0]
+                self._note_amax(amax, act, self.intermediate(x, self._sel(W["gate"], act), self._sel(W["up"], act), torch.float32))
+            g_h = act_global(self.fmt, amax)
+        num = torch.zeros(self.E, device=self.device)
+        den = torch.zeros(self.E, device=self.device)
+        for act, sl in self._val_batches():
+            x, y, valid, w = self._gather(sl)
+            tw = objective.token_weights(w, valid, self.cfg.loss_power)
+            yhat = self.forward(x, *(self._sel(W[p], act) for p in PROJECTIONS), torch.float32, ste=False,
+                                h_global=None if g_h is None else self._sel(g_h, act))
+            n = objective.weighted_sq_error(yhat, y, tw)
+            d = tw.sum(-1)
+            if act is None:
+                num, den = num + n, den + d
+            else:
+                num, den = num.index_add(0, act, n), den.index_add(0, act, d)
+        return torch.where(den > 0, num / (den.clamp_min(1e-30) * self.H), torch.full_like(num, math.nan))
+
+    def _val_batches(self):
+        for off in range(0, self.val_idx.shape[1], self.mc):
+            act, k = self._active(self.n_val, off)
+            if k == 0:
+                break
+            yield act, self._sel(self.val_idx, act)[:, off:off + self.mc]
+
+    @torch.no_grad()
+    def end_epoch(self, epoch: int, train_loss: torch.Tensor | None = None) -> torch.Tensor:
+        """Validate the current parameters and keep, per expert, whichever epoch validates best so far."""
+        W, masks = self.hard_state()
+        v = self.validate(W)
+        better = v < self.best_loss  # NaN (no validation rows) never wins: those experts keep their init
+        self.best_loss = torch.where(better, v, self.best_loss)
+        self.best_epoch = torch.where(better, torch.full_like(self.best_epoch, epoch), self.best_epoch)
+        b3 = better[:, None, None]
+        for p, pr in self.proj.items():
+            if pr.best_V is not None:
+                pr.best_V = torch.where(b3, pr.V.detach(), pr.best_V)
+            if pr.best_mask is not None:
+                pr.best_mask = torch.where(b3, masks[p], pr.best_mask)
+        self.history_val.append(v)
+        if train_loss is not None:
+            self.history_train.append(train_loss)
+        return v
+
+    def run(self) -> list[CompressedExpert]:
+        t0 = time.perf_counter()
+        for epoch in range(1, self.cfg.epochs + 1):
+            te = time.perf_counter()
+            tl = self.train_epoch()
+            v = self.end_epoch(epoch, tl)
+            if log.isEnabledFor(logging.INFO):
+                fin = torch.isfinite(v)
+                log.info("refine epoch %d/%d: train %.4g, val %.4g (mean over %d experts), %d/%d experts improved on init, %.1fs",
+                         epoch, self.cfg.epochs, float(tl.mean()), float(v[fin].mean()) if fin.any() else math.nan,
+                         int(fin.sum()), int((self.best_epoch > 0).sum()), self.E, time.perf_counter() - te)
+        self.seconds = time.perf_counter() - t0
+        return self.export()
+
+    @torch.no_grad()
+    def export(self) -> list[CompressedExpert]:
+        """Per expert: the init itself where no epoch validated better, else fmt.quantize of the best epoch's
+        (V, argmax mask) with gate/up sharing one global scale — exactly what pack writes."""
+        fmt = self.fmt
+        best_epoch = self.best_epoch.cpu().tolist()
+        val = torch.stack(self.history_val).cpu()  # [epochs+1, E]
+        train = torch.stack(self.history_train).cpu() if self.history_train else None
+        out = []
+        for e, (ex, ce) in enumerate(zip(self.experts, self.inits)):
+            info = {
+                "init": ce.info,
+                "refine": {
+                    "best_epoch": best_epoch[e],
+                    "val_loss": [None if math.isnan(x) else x for x in val[:, e].tolist()],
+                    "train_loss": train[:, e].tolist() if train is not None else [],
+                    "n_train": int(self.n_train[e]), "n_val": int(self.n_val[e]),
+                    "steps": self.step_count,
+                },
+            }
+            if best_epoch[e] == 0:
+                out.append(CompressedExpert(ce.gate, ce.up, ce.down, latent=ce.latent if self.cfg.keep_latent else None, info=info))
+                continue
+            vals, masks = {}, {}
+            for p, pr in self.proj.items():
+                vals[p] = (pr.best_V if pr.best_V is not None else pr.V.detach())[e]
+                if pr.best_mask is not None:
+                    masks[p] = pr.best_mask[e]
+                elif pr.fixed_mask is not None:
+                    masks[p] = pr.fixed_mask[e]
+                else:
+                    masks[p] = torch.ones_like(vals[p], dtype=torch.bool)
+            g = fmt.global_scale(vals["gate"] * masks["gate"], vals["up"] * masks["up"])
+            q = {p: fmt.quantize(vals[p], masks[p], g if p != "down" else None) for p in PROJECTIONS}
+            latent = {p: vals[p].clone() for p in PROJECTIONS} if self.cfg.keep_latent else None
+            out.append(CompressedExpert(q["gate"], q["up"], q["down"], latent=latent, info=info))
+        return out

@@ -1,0 +1,398 @@
+"""Refinement (moesq_core/methods/refine): relaxation, objective, batched trainer, export, ablations."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moesq_core.formats import P48, S24, get_format
+from moesq_core.formats.quantizers import NVFP4ActQuantizer, nvfp4_global_scale
+from moesq_core.methods.base import PROJECTIONS, ExpertData
+from moesq_core.methods.refine import BlockRefiner, RefineConfig, RefineMethod
+from moesq_core.methods.refine import objective, relaxation
+from moesq_core.methods.refine.trainer import batched_act_quant, batched_weight_global
+from moesq_core.methods.rtn import RTN
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny tensors: intra-op threads only add contention on the shared 2-core CI machine.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_block(E=4, H=64, I=64, n=300, n_val=100, seed=0, with_val=True, device="cpu"):
+    """Experts with correlated inputs (low-rank + noise, a few outlier channels) and random router weights."""
+    g = torch.Generator().manual_seed(seed)
+    L = torch.randn(H, 16, generator=g)
+
+    def tokens(m):
+        x = torch.randn(m, 16, generator=g) @ L.T + 0.3 * torch.randn(m, H, generator=g)
+        x[:, :3] *= 4
+        return x, torch.rand(m, generator=g) * 0.5 + 0.05
+
+    experts = []
+    for e in range(E):
+        x, w = tokens(n)
+        xv, wv = tokens(n_val) if with_val else (None, None)
+        gate = torch.randn(I, H, generator=g) * H ** -0.5
+        up = torch.randn(I, H, generator=g) * H ** -0.5
+        down = torch.randn(H, I, generator=g) * I ** -0.5
+        t = lambda a: None if a is None else a.to(device)
+        experts.append(ExpertData(e, t(gate), t(up), t(down), t(x), t(w), t(xv), t(wv)))
+    return experts
+
+
+def ref_val_loss(ce, ex, fmt, p=2):
+    """Held-out loss of a CompressedExpert, computed per expert with the format's own quantizers (not the
+    batched trainer code): dynamic activation scales, dequantized exported weights."""
+    x, w = ex.x_val, ex.w_val
+    y = ex.dense_output(x)
+    W = {q: ce.weights()[q].dequantize() for q in PROJECTIONS}
+    xq = fmt.quant_act(x)
+    h = F.silu(xq @ W["gate"].T) * (xq @ W["up"].T)
+    yhat = fmt.quant_act(h) @ W["down"].T
+    tw = w ** p
+    return float((tw * (yhat - y).square().sum(-1)).sum() / (tw.sum() * y.shape[-1]))
+
+
+FAST = dict(epochs=4, steps_per_epoch=25, micro_batch_rows=256, lr_logits=5e-3, lr_values=1e-3)
+
+
+# --- relaxation ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ps", [P48, S24], ids=lambda p: p.name)
+def test_soft_mask_sums_to_kept_and_becomes_one_hot(ps):
+    g = torch.Generator().manual_seed(1)
+    A = torch.randn(3, 5, 4, ps.num_patterns, generator=g) * 0.01
+    G = relaxation.gumbel_noise(A.shape, g, "cpu")
+    for tau in (2.0, 0.5, 0.05):
+        z = relaxation.soft_mask(relaxation.pattern_probs(A, tau, 100.0, G), ps)
+        assert z.shape == (3, 5, 4 * ps.group)
+        torch.testing.assert_close(z.reshape(3, 5, 4, ps.group).sum(-1), torch.full((3, 5, 4), float(ps.kept_per_group)))
+        assert bool(((z >= 0) & (z <= 1 + 1e-6)).all())
+    hot = relaxation.pattern_probs(A, 1e-4, 100.0, G)
+    assert float((hot.amax(-1) - 1).abs().max()) < 1e-5
+    assert torch.equal(hot.argmax(-1), (100.0 * A + G).argmax(-1))
+    z = relaxation.soft_mask(hot, ps)
+    assert torch.equal(z.round().bool(), ps.mask_from_index((100.0 * A + G).argmax(-1)))
+    # far from zero, the relaxation is spread out
+    assert float(relaxation.pattern_probs(A, 1e3, 1.0, G).amax(-1).max()) < 0.5
+
+
+@pytest.mark.parametrize("ps", [P48, S24], ids=lambda p: p.name)
+def test_init_logits_pick_the_init_support(ps):
+    g = torch.Generator().manual_seed(2)
+    mask = ps.mask_from_index(torch.randint(0, ps.num_patterns, (8, 16), generator=g))
+    A = relaxation.init_logits(mask, ps, g)
+    assert A.dtype == torch.float32 and A.shape == (8, 16, ps.num_patterns)
+    assert torch.equal(relaxation.hard_mask(A, ps), mask)
+    with pytest.raises(ValueError, match="temperature"):
+        relaxation.pattern_probs(A, 0.0)
+
+
+def test_gumbel_noise_is_finite_and_seeded():
+    a = relaxation.gumbel_noise((1000,), torch.Generator().manual_seed(3), "cpu")
+    b = relaxation.gumbel_noise((1000,), torch.Generator().manual_seed(3), "cpu")
+    assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+    assert abs(float(a.mean()) - 0.5772) < 0.1  # Euler–Mascheroni: the Gumbel mean
+
+
+# --- objective -------------------------------------------------------------------------------------------------
+
+
+def test_routed_loss_weights_and_padding():
+    g = torch.Generator().manual_seed(4)
+    y, yhat = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+    w = torch.rand(2, 5, generator=g)
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    valid[1, 3:] = False
+    for p in (0, 1, 2):
+        got = objective.routed_loss(yhat, y, w, valid, p)
+        for e in range(2):
+            n = int(valid[e].sum())
+            c = w[e, :n] ** p
+            want = (c * (yhat[e, :n] - y[e, :n]).square().sum(-1)).sum() / (c.sum() * 8)
+            torch.testing.assert_close(got[e], want)
+    # p = 0 is the plain MSE over valid rows
+    torch.testing.assert_close(objective.routed_loss(yhat, y, w, valid, 0)[0], F.mse_loss(yhat[0], y[0]))
+    # an expert without rows gets 0, not NaN
+    assert float(objective.routed_loss(yhat, y, w, torch.zeros_like(valid), 2).abs().sum()) == 0
+    with pytest.raises(ValueError, match="loss_power"):
+        objective.token_weights(w, valid, 3)
+
+
+# --- batched helpers equal the format's per-tensor functions ---------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt_name", ["p48-nvfp4", "s24-fp8", "dense-nvfp4"])
+def test_batched_quantizers_match_format(fmt_name):
+    fmt = get_format(fmt_name)
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(3, 16, 64, generator=g), torch.randn(3, 16, 64, generator=g) * 3
+    gs = batched_weight_global(fmt, a, b)
+    for e in range(3):
+        assert torch.equal(gs[e].reshape(()), fmt.global_scale(a[e], b[e]).reshape(()))
+    x = torch.randn(3, 10, 64, generator=g) * torch.tensor([1.0, 1e-3, 50.0])[:, None, None]
+    xq = batched_act_quant(fmt, x, ste=False)
+    for e in range(3):
+        assert torch.equal(xq[e], fmt.quant_act(x[e]))
+
+
+# --- the trainer ---------------------------------------------------------------------------------------------
+
+
+def test_ste_gradients_reach_logits_and_values():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=64, n_val=16)
+    r = BlockRefiner(ex, RTN(report_errors=False).compress_block(ex, fmt), fmt, RefineConfig(epochs=1, steps_per_epoch=2))
+    W = r.soft_weights(1.0, 100.0)
+    idx = r.val_idx
+    x, y, valid, w = r._gather(idx)
+    yhat = r.forward(x, W["gate"], W["up"], W["down"], torch.float32)
+    objective.routed_loss(yhat, y, w, valid, 2).sum().backward()
+    for p in PROJECTIONS:
+        pr = r.proj[p]
+        assert pr.A.grad is not None and float(pr.A.grad.abs().sum()) > 0, p
+        assert pr.V.grad is not None and float(pr.V.grad.abs().sum()) > 0, p
+        assert pr.A.dtype == torch.float32 and pr.V.dtype == torch.float32
+
+
+def test_validation_matches_a_per_expert_reference():
+    """The batched hard-mask validation is the exported model's loss on held-out rows."""
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=3, n=120, n_val=40, seed=6)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    r = BlockRefiner(ex, inits, fmt, RefineConfig(epochs=0, micro_batch_rows=10_000))
+    v0 = r.history_val[0]
+    for e, (x, ce) in enumerate(zip(ex, inits)):
+        # the trainer's activation global scales: x's from the expert's calibration rows (not x_val), as
+        # the engine calibrates them; h's from the validation rows themselves
+        amax = x.x.abs().amax()
+        xq = fmt.quant_act(x.x_val, nvfp4_global_scale(amax))
+        W = {q: ce.weights()[q].dequantize() for q in PROJECTIONS}
+        h = F.silu(xq @ W["gate"].T) * (xq @ W["up"].T)
+        yhat = fmt.quant_act(h) @ W["down"].T
+        want = objective.routed_loss(yhat[None], x.dense_output(x.x_val)[None], x.w_val[None],
+                                     torch.ones(1, 40, dtype=torch.bool), 2)[0]
+        torch.testing.assert_close(v0[e], want, rtol=1e-4, atol=0)
+    assert isinstance(fmt.act, NVFP4ActQuantizer)
+
+
+@pytest.mark.parametrize("fmt_name", ["p48-nvfp4", "s24-fp8"])
+def test_refine_beats_its_init_on_held_out_rows(fmt_name):
+    fmt = get_format(fmt_name)
+    ex = make_block(seed=7)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)  # magnitude + RTN
+    out = RefineMethod(RTN(report_errors=False), RefineConfig(**FAST)).compress_block(ex, fmt)
+    for e in range(len(ex)):
+        init_loss, ref_loss = ref_val_loss(inits[e], ex[e], fmt), ref_val_loss(out[e], ex[e], fmt)
+        assert out[e].info["refine"]["best_epoch"] > 0
+        assert ref_loss < 0.85 * init_loss, (e, init_loss, ref_loss)
+        masks_changed = sum(int((out[e].weights()[p].mask != inits[e].weights()[p].mask).sum()) for p in PROJECTIONS)
+        assert masks_changed > 0  # the support moved, not only the values
+
+
+def test_refine_beats_sgptq():
+    sg = pytest.importorskip("moesq_core.methods.sparsegpt_gptq")
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(seed=8)
+    inits = sg.SGPTQ().compress_block(ex, fmt)
+    out = RefineMethod(sg.SGPTQ(), RefineConfig(**FAST)).compress_block(ex, fmt)
+    for e in range(len(ex)):
+        assert ref_val_loss(out[e], ex[e], fmt) < ref_val_loss(inits[e], ex[e], fmt), e
+
+
+def _check_export(out, inits, fmt):
+    for ce in out:
+        assert torch.equal(ce.gate.global_scale, ce.up.global_scale)  # gate/up share one global scale
+        for p, qw in ce.weights().items():
+            assert qw.format == fmt.name
+            if not fmt.patterns.is_dense:
+                fmt.patterns.index_from_mask(qw.mask)  # every group is an admissible pattern
+            again = fmt.quantize(qw.dequantize(), qw.mask, qw.global_scale)
+            assert torch.equal(again.codes, qw.codes), p  # a fixed point of the format's quantizer
+            assert torch.equal(again.scales, qw.scales), p
+            assert int((qw.codes[~qw.mask.bool()]).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("fmt_name", ["p48-nvfp4", "s24-fp8"])
+def test_export_is_what_the_format_writes(fmt_name):
+    fmt = get_format(fmt_name)
+    ex = make_block(E=3, n=160, n_val=40, seed=9)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    r = BlockRefiner(ex, inits, fmt, RefineConfig(**{**FAST, "epochs": 2, "steps_per_epoch": 10}))
+    for epoch in (1, 2):
+        r.end_epoch(epoch, r.train_epoch())
+    out = r.export()
+    _check_export(out, inits, fmt)
+    # the batched weights validation scored are exactly what export writes (for the epoch that won)
+    W, masks = r.hard_state()
+    for e, ce in enumerate(out):
+        if ce.info["refine"]["best_epoch"] == 2:
+            for p in PROJECTIONS:
+                assert torch.equal(ce.weights()[p].dequantize(), W[p][e]), (e, p)
+                assert torch.equal(ce.weights()[p].mask, masks[p][e])
+
+
+def test_best_epoch_never_worse_than_init():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=4, seed=10)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    # lr far too large: the epochs get worse than the init, which must then ship unchanged
+    cfg = RefineConfig(epochs=3, steps_per_epoch=10, micro_batch_rows=512, lr_values=0.05, lr_logits=0.05)
+    out = RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
+    kept_init = 0
+    for e, ce in enumerate(out):
+        r = ce.info["refine"]
+        vals = r["val_loss"]
+        assert len(vals) == 4 and r["best_epoch"] == min(range(4), key=lambda i: vals[i])
+        assert vals[r["best_epoch"]] <= vals[0]
+        if r["best_epoch"] == 0:
+            kept_init += 1
+            for p in PROJECTIONS:
+                assert ce.weights()[p] is inits[e].weights()[p] or torch.equal(ce.weights()[p].codes, inits[e].weights()[p].codes)
+        assert ref_val_loss(ce, ex[e], fmt) <= ref_val_loss(inits[e], ex[e], fmt) * 1.02
+    assert kept_init >= 1  # the bad run really was worse somewhere
+
+
+def test_same_seed_same_result_and_seed_matters():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=100, n_val=0, with_val=False, seed=11)
+    cfg = RefineConfig(epochs=2, steps_per_epoch=5, micro_batch_rows=64, lr_logits=5e-3, lr_values=1e-3, val_fraction=0.2)
+    runs = [RefineMethod(RTN(report_errors=False), c).compress_block(ex, fmt)
+            for c in (cfg, cfg, RefineConfig(**{**cfg.__dict__, "seed": 1}))]
+    diff_seed = False
+    for a, b, c in zip(*runs):
+        assert a.info["refine"]["val_loss"] == b.info["refine"]["val_loss"]
+        assert a.info["refine"]["n_val"] == 20  # the internal split: 20 % of 100 rows
+        for p in PROJECTIONS:
+            assert torch.equal(a.weights()[p].codes, b.weights()[p].codes)
+            assert torch.equal(a.weights()[p].scales, b.weights()[p].scales)
+            assert torch.equal(a.weights()[p].mask, b.weights()[p].mask)
+            diff_seed |= not torch.equal(a.weights()[p].codes, c.weights()[p].codes)
+    assert diff_seed
+
+
+def test_micro_batching_does_not_change_the_step():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=3, n=150, n_val=20, seed=12)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=m, lr_logits=5e-3, lr_values=1e-3))
+          for m in (9, 100_000)]
+    losses = [r.train_step(r.epoch_order(), 0) for r in rs]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
+    for p in PROJECTIONS:
+        for attr in ("A", "V"):
+            a, b = getattr(rs[0].proj[p], attr), getattr(rs[1].proj[p], attr)
+            # Lion moves each entry by ±lr: summation order may flip only entries whose gradient is ~0
+            assert float((a - b).abs().gt(1e-7).float().mean()) < 1e-3, (p, attr)
+
+
+def test_values_only_keeps_the_init_support():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=200, n_val=60, seed=13)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    r = BlockRefiner(ex, inits, fmt, RefineConfig(**{**FAST, "epochs": 1, "steps_per_epoch": 10, "train_support": False}))
+    assert all(pr.A is None for pr in r.proj.values())
+    V0 = {p: r.proj[p].V.detach().clone() for p in PROJECTIONS}
+    r.end_epoch(1, r.train_epoch())
+    W, masks = r.hard_state()
+    for p in PROJECTIONS:
+        assert not torch.equal(r.proj[p].V, V0[p])
+        for e in range(2):
+            assert torch.equal(masks[p][e], inits[e].weights()[p].mask)
+    for e, ce in enumerate(r.export()):
+        for p in PROJECTIONS:
+            assert torch.equal(ce.weights()[p].mask, inits[e].weights()[p].mask)
+
+
+def test_support_only_keeps_the_values():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=200, n_val=60, seed=14)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    r = BlockRefiner(ex, inits, fmt, RefineConfig(**{**FAST, "epochs": 1, "steps_per_epoch": 20, "train_values": False}))
+    V0 = {p: r.proj[p].V.detach().clone() for p in PROJECTIONS}
+    A0 = {p: r.proj[p].A.detach().clone() for p in PROJECTIONS}
+    r.end_epoch(1, r.train_epoch())
+    _, masks = r.hard_state()
+    moved = 0
+    for p in PROJECTIONS:
+        assert torch.equal(r.proj[p].V, V0[p])
+        assert not r.proj[p].V.requires_grad
+        assert not torch.equal(r.proj[p].A, A0[p])
+        moved += sum(int((masks[p][e] != inits[e].weights()[p].mask).sum()) for e in range(2))
+    assert moved > 0
+    for e, ce in enumerate(r.export()):
+        if ce.info["refine"]["best_epoch"] == 1:
+            for p in PROJECTIONS:  # values re-rounded from the unchanged latent under the new masks
+                assert torch.equal(ce.weights()[p].dequantize(), fmt.quantize(V0[p][e], masks[p][e], ce.weights()[p].global_scale).dequantize())
+
+
+def test_dense_format_refines_values_only():
+    fmt = get_format("dense-nvfp4")
+    ex = make_block(E=2, n=200, n_val=60, seed=15)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    cfg = RefineConfig(epochs=3, steps_per_epoch=20, micro_batch_rows=256, lr_values=1e-4)
+    r = BlockRefiner(ex, inits, fmt, cfg)
+    assert all(pr.A is None and pr.fixed_mask is None for pr in r.proj.values())
+    out = RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
+    _check_export(out, inits, fmt)
+    for e in range(2):
+        assert bool(out[e].gate.mask.all())
+        assert ref_val_loss(out[e], ex[e], fmt) <= ref_val_loss(inits[e], ex[e], fmt) * 1.02
+    with pytest.raises(ValueError, match="nothing to refine"):
+        BlockRefiner(ex, inits, fmt, RefineConfig(train_values=False))
+
+
+def test_experts_with_few_or_no_rows_keep_their_init():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=3, n=100, with_val=False, seed=16)
+    ex[1].x, ex[1].w = ex[1].x[:0], ex[1].w[:0]
+    ex[2].x, ex[2].w = ex[2].x[:1], ex[2].w[:1]
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    out = RefineMethod(RTN(report_errors=False), RefineConfig(epochs=1, steps_per_epoch=4, val_fraction=0.2)).compress_block(ex, fmt)
+    for e in (1, 2):
+        r = out[e].info["refine"]
+        assert r["n_val"] == 0 and r["best_epoch"] == 0 and r["val_loss"] == [None, None]
+        assert torch.equal(out[e].down.codes, inits[e].down.codes)
+    assert out[0].info["refine"]["n_val"] == 20
+
+
+def test_bad_inputs_are_refused_clearly():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=50, n_val=10)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    with pytest.raises(ValueError, match="nothing to refine"):
+        RefineConfig(train_support=False, train_values=False)
+    with pytest.raises(ValueError, match="loss_power"):
+        RefineConfig(loss_power=3)
+    with pytest.raises(ValueError, match="init returned"):
+        BlockRefiner(ex, inits[:1], fmt, RefineConfig())
+    bad = make_block(E=1, H=64, I=32, n=50, n_val=10)
+    with pytest.raises(ValueError, match="shape"):
+        BlockRefiner(ex[:1] + bad, inits[:1] + RTN(report_errors=False).compress_block(bad, fmt), fmt, RefineConfig())
+    with pytest.raises(ValueError, match="format"):
+        BlockRefiner(ex, inits, get_format("s24-fp8"), RefineConfig())
+    with pytest.raises(TypeError, match="init method"):
+        RefineMethod(init=object())
+    assert RefineMethod(RTN()).compress_block([], fmt) == []
+
+
+@pytest.mark.gpu
+def test_refine_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(seed=7, device="cuda")
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    out = RefineMethod(RTN(report_errors=False), RefineConfig(**FAST)).compress_block(ex, fmt)
+    for e in range(len(ex)):
+        assert out[e].gate.codes.device.type == "cuda"
+        assert ref_val_loss(out[e], ex[e], fmt) < 0.85 * ref_val_loss(inits[e], ex[e], fmt)
+    _check_export(out, inits, fmt)
