@@ -1,0 +1,1 @@
+"""Packed checkpoints: export, load back, verify."""

@@ -1,0 +1,456 @@
+"""Verify a packed Hugging Face–style model directory without loading it whole.
+
+The directory holds config.json, whose `quantization_config` has `quant_method: "compressed-tensors"`, `format`,
+`group_size`, `ignore`, a `moesq: {"format": <p48-nvfp4 | dense-nvfp4 | s24-fp8>, "version": 1}` sub-dict and,
+when p48 experts are stored sparse, the release's marker `paired48_sparse: {layout: pair-bitmask, version: 1}`
+(read from quantization_config, where the release writes it, or from the top level of config.json).
+Weights live in model.safetensors or in the shards listed by model.safetensors.index.json. Every routed-expert
+linear `<prefix>.mlp.experts.<e>.<gate_proj|up_proj|down_proj>` has its layout's tensors (see
+moesq_core.packing) plus `input_global_scale` float32 [1] (required for the NVFP4 formats, whose activations
+are NVFP4; checked when present for s24-fp8).
+
+Checks: each file opens (safetensors rejects truncated files and bad headers) and the index matches the files;
+per linear: dtypes and shapes, sparsity metadata (exactly 2 kept pairs per 8-group / 2 of 4 for s24, through
+the packers' unpack), e4m3 values not NaN (s24), block/row scales finite and > 0, weight global scales finite and
+> 0, input global scales finite and > 0 or exactly 0 (the exporter's mark for a dynamic activation scale, an
+expert no calibration token reached: reported as a warning); per expert: all three projections present,
+gate/up/down shapes consistent (and equal across a layer's experts), gate and up sharing one bit-identical
+weight_global_scale (NVFP4 formats). E2M1 codes need no check: all 16 nibbles are grid values.
+
+Files are visited one at a time with safe_open (memory-mapped); tensors are read one linear at a time.
+Rendering the report is the CLI's job.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..formats import FORMATS
+from ..packing import ACTIVATION_SUFFIXES, PackingError, bits_per_weight, detect_layout
+from ..packing import p48 as p48_layout
+
+EXPERT_RE = re.compile(
+    r"^(?P<prefix>.+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>\w+)$"
+)
+PROJ_ORDER = ("gate_proj", "up_proj", "down_proj")
+MOESQ_VERSION = 1
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclass
+class VerifyError:
+    """What is wrong, where: a tensor (or file) name, the index of the first bad element when there is one."""
+
+    tensor: str
+    position: tuple[int, ...] | None
+    problem: str
+
+    def __str__(self) -> str:
+        where = f"{self.tensor}[{', '.join(map(str, self.position))}]" if self.position is not None else self.tensor
+        return f"{where}: {self.problem}"
+
+
+@dataclass
+class TensorRow:
+    """One expert linear. shape is the logical [out, in] (() when unknown); format is the storage layout
+    (p48-nvfp4, dense-p48, dense-nvfp4, s24-fp8); bits_per_weight counts the weight's stored tensors
+    (input_global_scale excluded); status is "ok" or the first problem found."""
+
+    name: str
+    shape: tuple[int, ...]
+    format: str
+    bits_per_weight: float | None
+    status: str = "ok"
+    file: str = ""
+    dynamic_input_scale: bool = False  # input_global_scale 0: activations scaled per call (no calibration data)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    format: str | None = None  # moesq format from the config
+    files: list[str] = field(default_factory=list)
+    rows: list[TensorRow] = field(default_factory=list)
+    errors: list[VerifyError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def first_error(self) -> VerifyError | None:
+        return self.errors[0] if self.errors else None
+
+    @property
+    def bits_per_weight(self) -> float | None:
+        """Weighted over the expert linears whose size is known."""
+        rows = [r for r in self.rows if r.bits_per_weight is not None and r.shape]
+        n = sum(math.prod(r.shape) for r in rows)
+        return sum(r.bits_per_weight * math.prod(r.shape) for r in rows) / n if n else None
+
+    @property
+    def num_linears(self) -> int:
+        return len(self.rows)
+
+    def _error(self, tensor: str, problem: str, position: tuple[int, ...] | None = None, row: TensorRow | None = None) -> None:
+        err = VerifyError(tensor, position, problem)
+        self.errors.append(err)
+        if row is not None and row.ok:
+            row.status = str(err)
+
+
+# ---- config ---------------------------------------------------------------------------------------------------
+
+
+def _group_size(qc: dict[str, Any]) -> Any:
+    if "group_size" in qc:
+        return qc["group_size"]
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and "group_size" in weights:
+            return weights["group_size"]
+    return None
+
+
+def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, bool]:
+    """(moesq format, whether the pair-bitmask marker is present); format None when the config is unusable."""
+    path = root / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        report._error("config.json", f"missing in {root}")
+        return None, False
+    except (OSError, ValueError) as e:
+        report._error("config.json", f"unreadable: {e}")
+        return None, False
+    qc = config.get("quantization_config")
+    if not isinstance(qc, dict):
+        report._error("config.json", "no quantization_config: not a packed checkpoint")
+        return None, False
+    if qc.get("quant_method") != "compressed-tensors":
+        report._error("config.json", f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'compressed-tensors'")
+    moesq = qc.get("moesq")
+    if not isinstance(moesq, dict):
+        report._error("config.json", "quantization_config has no 'moesq' entry {format, version}")
+        return None, False
+    fmt = moesq.get("format")
+    if fmt not in FORMATS:
+        report._error("config.json", f"quantization_config.moesq.format is {fmt!r}; known: {', '.join(FORMATS)}")
+        return None, False
+    if moesq.get("version") != MOESQ_VERSION:
+        report._error("config.json", f"quantization_config.moesq.version is {moesq.get('version')!r}; this moesq reads version {MOESQ_VERSION}")
+    report.format = fmt
+    for key in ("format", "ignore"):
+        if key not in qc:
+            report.warnings.append(f"quantization_config has no {key!r}")
+    if "ignore" in qc and not isinstance(qc["ignore"], list):
+        report._error("config.json", f"quantization_config.ignore is {type(qc['ignore']).__name__}, expected a list")
+    gs = _group_size(qc)
+    block = FORMATS[fmt].scale_block
+    if fmt != "s24-fp8":
+        if gs is None:
+            report.warnings.append("quantization_config has no group_size")
+        elif gs != block:
+            report._error("config.json", f"group_size is {gs!r}, but {fmt} uses {block}-column scale blocks")
+    marker = qc.get(p48_layout.MARKER_KEY, config.get(p48_layout.MARKER_KEY))
+    if marker is not None:
+        if fmt != "p48-nvfp4":
+            report._error("config.json", f"{p48_layout.MARKER_KEY} marker present but the format is {fmt}")
+        elif marker != p48_layout.MARKER:
+            report._error("config.json", f"{p48_layout.MARKER_KEY} marker is {marker!r}; expected {p48_layout.MARKER!r}")
+    return fmt, marker is not None
+
+
+# ---- files ----------------------------------------------------------------------------------------------------
+
+
+def _weight_map(root: Path, report: VerifyReport) -> tuple[dict[str, str] | None, set[str]]:
+    """(tensor name -> file from the index or the single file's header, the files that opened)."""
+    index = root / INDEX_FILE
+    if index.exists():
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+            if not isinstance(wm, dict):
+                raise ValueError("weight_map is not an object")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            report._error(INDEX_FILE, f"unreadable: {e}")
+            return None, set()
+        files = sorted(set(wm.values()))
+    elif (root / SINGLE_FILE).exists():
+        wm, files = None, [SINGLE_FILE]
+    else:
+        report._error(SINGLE_FILE, f"no weights in {root}: neither {SINGLE_FILE} nor {INDEX_FILE}")
+        return None, set()
+    report.files = files
+    from_headers: dict[str, str] = {}
+    readable: set[str] = set()
+    for f in files:
+        if not (root / f).is_file():
+            report._error(f, "file listed in the index does not exist")
+            continue
+        try:
+            # Opening parses and validates the header, including that the data covers the file exactly.
+            with safe_open(str(root / f), framework="pt") as h:
+                keys = list(h.keys())
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            report._error(f, f"file unreadable or truncated: {e}")
+            continue
+        readable.add(f)
+        for k in keys:
+            from_headers[k] = f
+    if wm is None:
+        return from_headers, readable
+    for k, f in wm.items():
+        if from_headers.get(k, f) != f:
+            report._error(k, f"the index puts it in {f} but it is in {from_headers[k]}")
+    missing = [k for k, f in wm.items() if f in readable and k not in from_headers]
+    if missing:
+        report._error(missing[0], f"listed in the index under {wm[missing[0]]} but absent from that file ({len(missing)} such)")
+    extra = sorted(set(from_headers) - set(wm))
+    if extra:
+        report.warnings.append(f"{len(extra)} tensor(s) in the shards are not in the index, e.g. {extra[0]}")
+    return dict(wm), readable
+
+
+class _Reader:
+    """Reads tensors through at most two open safetensors files (the current one and a neighbour)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.open: OrderedDict[str, Any] = OrderedDict()
+
+    def get(self, file: str, name: str) -> torch.Tensor:
+        h = self.open.get(file)
+        if h is None:
+            while len(self.open) >= 2:
+                _, old = self.open.popitem(last=False)
+                old.__exit__(None, None, None)
+            h = safe_open(str(self.root / file), framework="pt")
+            h.__enter__()
+            self.open[file] = h
+        self.open.move_to_end(file)
+        return h.get_tensor(name)
+
+    def close(self) -> None:
+        while self.open:
+            _, h = self.open.popitem()
+            h.__exit__(None, None, None)
+
+
+# ---- values ---------------------------------------------------------------------------------------------------
+
+
+def _positive_finite(t: torch.Tensor) -> torch.Tensor:
+    """Bool mask of bad entries: NaN/Inf (e4m3 NaN bytes decode to NaN), zero or negative."""
+    f = t.float()
+    return ~(torch.isfinite(f) & (f > 0))
+
+
+def _first(bad: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(i) for i in bad.nonzero()[0].tolist())
+
+
+def _check_values(module: str, layout: str, tensors: dict[str, torch.Tensor], needs_input_scale: bool) -> VerifyError | None:
+    checks: list[tuple[str, str]] = [("weight_scale", "block scale" if layout != "s24-fp8" else "row scale")]
+    if layout != "s24-fp8":
+        checks.append(("weight_global_scale", "weight global scale"))
+    else:
+        v = tensors["weight_sparse_values"].view(torch.uint8)
+        nan = (v & 0x7F) == 0x7F
+        if bool(nan.any()):
+            pos = _first(nan)
+            return VerifyError(f"{module}.weight_sparse_values", pos, f"e4m3 NaN code 0x{int(v[pos]):02X}")
+    inp = tensors.get("input_global_scale")
+    if inp is None:
+        if needs_input_scale:
+            return VerifyError(f"{module}.input_global_scale", None, "missing (NVFP4 activations need it)")
+    else:
+        if inp.dtype != torch.float32 or tuple(inp.shape) != (1,):
+            return VerifyError(f"{module}.input_global_scale", None, f"is {inp.dtype} {tuple(inp.shape)}, expected float32 (1,)")
+        # 0 is the exporter's "dynamic" marker (no calibration token reached this expert); anything else must be > 0.
+        if bool((inp != 0).all()):
+            checks.append(("input_global_scale", "input global scale"))
+    for suffix, what in checks:
+        t = tensors[suffix]
+        bad = _positive_finite(t)
+        if bool(bad.any()):
+            pos = _first(bad)
+            return VerifyError(f"{module}.{suffix}", pos, f"{what} is {t[pos].float().item()}, must be finite and > 0")
+    return None
+
+
+# ---- main -----------------------------------------------------------------------------------------------------
+
+
+def _natural(s: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", s))
+
+
+def _progress_hooks(progress, total: int):
+    """Accepts None, an object with .task(description, total) (moesq_core.progress) or a callable(done, total)."""
+    if progress is None:
+        return None, lambda done: None
+    if hasattr(progress, "task"):
+        ctx = progress.task("verifying packed experts", total)
+        task = ctx.__enter__()
+        return ctx, lambda done: task.advance(1)
+    return None, lambda done: progress(done, total)
+
+
+def verify_packed_dir(path, progress=None) -> VerifyReport:
+    """Check a packed model directory; never raises for problems in the checkpoint, reports them instead.
+
+    progress: None, a moesq_core.progress.Progress-like object, or a callable(done, total) called after each
+    expert linear.
+    """
+    root = Path(path)
+    report = VerifyReport(str(root))
+    fmt, has_marker = _read_config(root, report)
+    if fmt is None:
+        return report
+    wm, readable = _weight_map(root, report)
+    if wm is None:
+        return report
+
+    # module -> {suffix: file}; (prefix, expert) -> {proj: module}
+    linears: dict[str, dict[str, str]] = defaultdict(dict)
+    experts: dict[tuple[str, int], dict[str, str]] = defaultdict(dict)
+    for name, f in wm.items():
+        m = EXPERT_RE.match(name)
+        if m is None:
+            continue
+        module = name[: -len(m["suffix"]) - 1]
+        linears[module][m["suffix"]] = f
+        experts[(m["prefix"], int(m["expert"]))][m["proj"]] = module
+    if not linears:
+        report._error(report.files[0] if report.files else str(root), "no routed-expert tensors (<prefix>.mlp.experts.<e>.<proj>.*) found")
+        return report
+
+    file_order = {f: i for i, f in enumerate(report.files)}
+
+    def sort_key(module: str):
+        m = EXPERT_RE.match(module + ".x")
+        first_file = min(file_order.get(f, len(file_order)) for f in linears[module].values())
+        return (first_file, _natural(m["prefix"]), int(m["expert"]), PROJ_ORDER.index(m["proj"]))
+
+    order = sorted(linears, key=sort_key)
+    rows: dict[str, TensorRow] = {}
+    global_scales: dict[str, torch.Tensor] = {}
+    reader = _Reader(root)
+    ctx, tick = _progress_hooks(progress, len(order))
+    try:
+        for i, module in enumerate(order):
+            rows[module] = _check_linear(module, linears[module], fmt, readable, reader, report, global_scales)
+            report.rows.append(rows[module])
+            tick(i + 1)
+    finally:
+        reader.close()
+        if ctx is not None:
+            ctx.__exit__(None, None, None)
+
+    dynamic = [r.name for r in report.rows if r.dynamic_input_scale]
+    if dynamic:
+        report.warnings.append(f"{len(dynamic)} expert linears (e.g. {dynamic[0]}) have input_global_scale 0: their "
+                               "activation global scale is computed at run time (no calibration token reached them)")
+    _check_marker(report, has_marker)
+    _check_experts(experts, rows, global_scales, report)
+    return report
+
+
+def _check_marker(report: VerifyReport, has_marker: bool) -> None:
+    """Loaders pick the sparse decoder from the config marker, so it must agree with the stored layout."""
+    sparse = [r.name for r in report.rows if r.format == p48_layout.LAYOUT]
+    dense = [r.name for r in report.rows if r.format == "dense-p48"]
+    if sparse and not has_marker:
+        report._error("config.json", f"{len(sparse)} expert linears (e.g. {sparse[0]}) are stored sparse (pair-bitmask) "
+                      f"but quantization_config has no {p48_layout.MARKER_KEY} marker, so loaders would not decode them")
+    if dense and has_marker:
+        report._error(f"{dense[0]}.weight_packed", f"the config's {p48_layout.MARKER_KEY} marker says p48 experts are "
+                      f"stored sparse, but {len(dense)} expert linears (e.g. this one) are stored dense")
+
+
+def _check_linear(module, files, fmt, readable, reader, report, global_scales) -> TensorRow:
+    row = TensorRow(module, (), "?", None, file=min(files.values()))
+    unreadable = sorted({f for f in files.values() if f not in readable})
+    if unreadable:
+        report._error(unreadable[0], f"cannot read {module}: its file is unreadable", row=row)
+        return row
+    tensors: dict[str, torch.Tensor] = {}
+    for suffix, f in files.items():
+        try:
+            tensors[suffix] = reader.get(f, f"{module}.{suffix}")
+        except Exception as e:
+            report._error(f, f"reading {module}.{suffix} failed: {e}", row=row)
+            return row
+    try:
+        layout = detect_layout(fmt, tensors.keys())
+    except ValueError as e:
+        report._error(module, str(e), row=row)
+        return row
+    row.format = layout.name
+    try:
+        row.shape = tuple(int(d) for d in layout.logical_shape(tensors))
+    except Exception:
+        pass  # a missing primary tensor: unpack below names it
+    try:
+        qw = layout.unpack(tensors, module)
+    except PackingError as e:
+        report._error(e.tensor, e.problem, e.position, row=row)
+        return row
+    row.shape = tuple(qw.shape)
+    if len(row.shape) != 2:
+        report._error(module, f"expected one [out, in] matrix per expert, got {row.shape}", row=row)
+        return row
+    weight = {k: v for k, v in tensors.items() if k not in ACTIVATION_SUFFIXES}
+    row.bits_per_weight = bits_per_weight(weight, row.shape)
+    err = _check_values(module, layout.name, tensors, needs_input_scale=fmt != "s24-fp8")
+    if err is not None:
+        report._error(err.tensor, err.problem, err.position, row=row)
+    if "weight_global_scale" in tensors:
+        global_scales[module] = tensors["weight_global_scale"].clone()
+    inp = tensors.get("input_global_scale")
+    if inp is not None and inp.numel() == 1 and float(inp) == 0:
+        row.dynamic_input_scale = True
+    return row
+
+
+def _check_experts(experts, rows, global_scales, report) -> None:
+    layer_shapes: dict[str, tuple] = {}
+    for (prefix, e), projs in sorted(experts.items(), key=lambda kv: (_natural(kv[0][0]), kv[0][1])):
+        name = f"{prefix}.mlp.experts.{e}"
+        missing = [p for p in PROJ_ORDER if p not in projs]
+        if missing:
+            report._error(name, f"expert has no {', '.join(missing)}", row=rows[next(iter(projs.values()))])
+            continue
+        gate, up, down = (rows[projs[p]] for p in PROJ_ORDER)
+        if not (gate.ok and up.ok and down.ok):
+            continue
+        if up.shape != gate.shape:
+            report._error(up.name, f"shape {up.shape} differs from gate_proj's {gate.shape}", row=up)
+        elif down.shape != gate.shape[::-1]:
+            report._error(down.name, f"shape {down.shape} does not match gate_proj {gate.shape} (expected {gate.shape[::-1]})", row=down)
+        else:
+            shapes = (gate.shape, down.shape)
+            first = layer_shapes.setdefault(prefix, shapes)
+            if first != shapes:
+                report._error(gate.name, f"expert shapes {shapes} differ from the layer's first expert {first}", row=gate)
+        g_gate, g_up = global_scales.get(gate.name), global_scales.get(up.name)
+        if g_gate is not None and g_up is not None and not torch.equal(g_gate.view(torch.int32), g_up.view(torch.int32)):
+            report._error(
+                f"{up.name}.weight_global_scale", f"{g_up.item()!r} differs from gate_proj's {g_gate.item()!r}; "
+                "gate and up of one expert must share one weight global scale (serving fuses them)", row=up,
+            )

@@ -1,0 +1,145 @@
+"""`p48-nvfp4` on disk: the public release's pair-bitmask layout for paired 4:8 sparse NVFP4 (facts §1).
+
+Per linear with logical weight [out, in] (in a multiple of 32; leading expert dims allowed):
+
+    weight_sparse_packed  uint8          [out, in/4]   dense packed row = bytes of 2 E2M1 codes (lower K in the
+                                                       low nibble), i.e. one byte per pair; of every 4
+                                                       consecutive bytes (an 8-column group) the 2 kept bytes,
+                                                       in K order
+    weight_sparse_mask    uint8          [out, in/16]  per 4-byte chunk a nibble, bit i set when byte i is kept,
+                                                       exactly 2 bits set; two chunks per byte, low nibble =
+                                                       lower-K chunk
+    weight_scale          float8_e4m3fn  [out, in/32]  one UE4M3 scale per 32 dense columns, row-major
+    weight_global_scale   float32        [1]
+
+= 2 + 0.5 + 0.25 = 2.75 bits per weight, plus the 32-bit global scale per matrix.
+
+The mask is written from QuantizedWeight.mask, so a kept pair whose codes all rounded to zero stays marked.
+Masks that are not exactly 2 whole pairs per group are normalised: a pair counts as kept when either of its
+entries is, and a group with fewer than 2 kept pairs is completed with its lowest-index unkept pairs (the
+release's rule; those bytes are zero, so the weight is unchanged). More than 2 kept pairs, or a nonzero
+code outside the mask, raise: that weight is not paired 4:8 and packing it would lose data.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats import QuantizedWeight
+from ._common import (
+    PackingError,
+    bytes_to_nibbles,
+    check_divisible,
+    check_nibble_codes,
+    check_pruned_zero,
+    check_qw,
+    check_scale_shape,
+    check_tensor,
+    complete_kept,
+    first_index,
+    full_name,
+    global_from_packed,
+    global_to_packed,
+    kept_to_nibble,
+    nibble_popcount,
+    nibble_positions,
+    nibbles_to_bytes,
+    spread_pairs,
+    select,
+    to_e4m3,
+)
+
+LAYOUT = "p48-nvfp4"
+FORMAT = "p48-nvfp4"
+SUFFIXES = ("weight_sparse_packed", "weight_sparse_mask", "weight_scale", "weight_global_scale")
+SCALE_BLOCK = 32
+IN_MULTIPLE = 32  # scales per 32 columns; mask bytes need 16
+# Config marker the release writes into quantization_config when experts are stored this way.
+MARKER_KEY = "paired48_sparse"
+MARKER = {"layout": "pair-bitmask", "version": 1}
+# Chunk nibble (bit i = byte i kept) -> which of the chunk's 8 columns are kept.
+_NIB_MASK8 = torch.tensor([[v >> (i // 2) & 1 == 1 for i in range(8)] for v in range(16)])
+
+
+def pair_chunks(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated (dense packed bytes [..., in/8, 4], kept bytes bool [..., in/8, 4] with exactly 2 per chunk).
+
+    Shared with the dense variant of p48 (dense.py), which stores the same bytes unsparsified.
+    """
+    lead, out, inn = check_qw(qw, FORMAT)
+    check_divisible(inn, IN_MULTIPLE, "codes", "p48-nvfp4 needs 8-column groups and 32-column scale blocks")
+    check_scale_shape(qw, (*lead, out, inn // SCALE_BLOCK))
+    codes, mask = qw.codes, qw.mask.bool()
+    check_nibble_codes(codes)
+    check_pruned_zero(codes, mask)
+    dense = nibbles_to_bytes(codes).reshape(*lead, out, inn // 8, 4)
+    kept = mask.reshape(*lead, out, inn // 2, 2).any(-1).reshape(*lead, out, inn // 8, 4)
+    over = kept.sum(-1) > 2
+    if bool(over.any()):
+        pos = first_index(over)
+        col = pos[-1] * 8
+        raise PackingError(
+            "mask",
+            f"row {pos[-2]} keeps more than 2 pairs in input columns {col}..{col + 7}; not paired 4:8",
+            (*pos[:-1], col),
+        )
+    return dense, complete_kept(kept)
+
+
+def pair_mask(nib: torch.Tensor, inn: int) -> torch.Tensor:
+    """Chunk nibbles [..., in/8] -> element mask [..., in] (a kept byte keeps both columns of its pair)."""
+    return _NIB_MASK8.to(nib.device)[nib.long()].reshape(*nib.shape[:-1], inn)
+
+
+def pack(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    dense, kept = pair_chunks(qw)
+    *lead, out, groups, _ = dense.shape
+    nib = kept_to_nibble(kept)
+    values = torch.gather(dense, -1, nibble_positions(nib)).reshape(*lead, out, groups * 2)
+    mask = nibbles_to_bytes(nib)
+    return {
+        "weight_sparse_packed": values.contiguous(),
+        "weight_sparse_mask": mask.contiguous(),
+        "weight_scale": to_e4m3(qw.scales, "scales").contiguous(),
+        "weight_global_scale": global_to_packed(qw.global_scale, tuple(lead)),
+    }
+
+
+def logical_shape(tensors: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """[..., out, in] implied by weight_sparse_packed (no validation)."""
+    p = tensors["weight_sparse_packed"]
+    return (*p.shape[:-1], p.shape[-1] * 4)
+
+
+def unpack(tensors: dict[str, torch.Tensor], name: str = "") -> QuantizedWeight:
+    t = select(tensors, SUFFIXES, LAYOUT, name)
+    packed = t["weight_sparse_packed"]
+    tn = lambda s: full_name(name, s)  # noqa: E731
+    if packed.dim() < 2:
+        raise PackingError(tn("weight_sparse_packed"), f"expected [out, in/4], got shape {tuple(packed.shape)}")
+    *lead, out, cols = packed.shape
+    lead = tuple(lead)
+    inn = cols * 4
+    check_divisible(inn, IN_MULTIPLE, tn("weight_sparse_packed"), f"{cols} packed bytes per row = {inn} columns")
+    check_tensor(packed, torch.uint8, packed.shape, tn("weight_sparse_packed"))
+    check_tensor(t["weight_sparse_mask"], torch.uint8, (*lead, out, inn // 16), tn("weight_sparse_mask"))
+    check_tensor(t["weight_scale"], torch.float8_e4m3fn, (*lead, out, inn // SCALE_BLOCK), tn("weight_scale"))
+    check_tensor(t["weight_global_scale"], torch.float32, (*lead, 1), tn("weight_global_scale"))
+
+    nib = bytes_to_nibbles(t["weight_sparse_mask"])  # [..., out, in/8], one per chunk
+    bad = nibble_popcount(nib) != 2
+    if bool(bad.any()):
+        pos = first_index(bad)
+        chunk = pos[-1]
+        v = int(nib[pos])
+        raise PackingError(
+            tn("weight_sparse_mask"),
+            f"{'high' if chunk % 2 else 'low'} nibble 0b{v:04b} has {bin(v).count('1')} bits set, needs exactly 2 "
+            f"(row {pos[-2]}, input columns {chunk * 8}..{chunk * 8 + 7})",
+            (*pos[:-1], chunk // 2),
+        )
+    dense = spread_pairs(packed.reshape(*lead, out, inn // 8, 2), nib)  # [..., out, in/8, 4]
+    codes = bytes_to_nibbles(dense.reshape(*lead, out, inn // 2))
+    mask = pair_mask(nib, inn)
+    return QuantizedWeight(
+        FORMAT, codes, t["weight_scale"].float(), global_from_packed(t["weight_global_scale"], lead), mask
+    )
