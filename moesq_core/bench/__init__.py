@@ -1,0 +1,1 @@
+"""Benchmarks: kernel-level sweeps against vendor baselines (kernel_bench, harness)."""
