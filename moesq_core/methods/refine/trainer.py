@@ -243,6 +243,7 @@ class BlockRefiner:
             ntr.append(xt.shape[0])
             nva.append(xv.shape[0])
         X = torch.cat(xs + [torch.zeros(1, H, device=dev)])
+        del xs  # the per-expert split copies: the flat buffer is all that is kept
         if not bool(torch.isfinite(X).all()):
             raise ValueError("calibration inputs contain NaN/Inf")
         self.W = torch.cat(ws + [torch.zeros(1, device=dev)])
@@ -336,12 +337,15 @@ class BlockRefiner:
             val_amax.scatter_reduce_(0, self.row_expert, X[:-1].abs().amax(-1), reduce="amax")
             amax = torch.where(amax > 0, amax, val_amax)
             g_rows = torch.cat([nvfp4_global_scale(amax)[self.row_expert], torch.ones(1, device=self.device)])[:, None]
-            out = torch.empty_like(X)
+            out = torch.empty(X.shape, dtype=self.cache_dtype, device=X.device)
             for s in range(0, X.shape[0], chunk):
                 out[s:s + chunk] = fmt.quant_act(X[s:s + chunk], g_rows[s:s + chunk])
             return out
         if isinstance(fmt.act, FP8TokenActQuantizer):
-            return torch.cat([fmt.quant_act(X[s:s + chunk]) for s in range(0, X.shape[0], chunk)])
+            out = torch.empty(X.shape, dtype=self.cache_dtype, device=X.device)
+            for s in range(0, X.shape[0], chunk):
+                out[s:s + chunk] = fmt.quant_act(X[s:s + chunk])
+            return out
         out = X.clone()  # unknown activation quantizer: its own dynamic scale per expert segment
         for e in range(self.E):
             a, n = int(self.offsets[e]), int(self.n_train[e] + self.n_val[e])
@@ -450,7 +454,9 @@ class BlockRefiner:
         h = self.intermediate(x, Wg, Wu, cd)
         if h_amax is not None:
             self._note_amax(h_amax[0], h_amax[1], h)
-        hq = batched_act_quant(self.fmt, h, ste=ste, g=h_global)
+        aq = self._maybe_compile("aq", lambda h, g: batched_act_quant(self.fmt, h, ste=True, g=g)) if ste else \
+            (lambda h, g: batched_act_quant(self.fmt, h, ste=False, g=g))
+        hq = aq(h, h_global)
         return torch.bmm(hq.to(cd), Wd.transpose(1, 2).to(cd)).float()
 
     # --- training -----------------------------------------------------------------------------------------
