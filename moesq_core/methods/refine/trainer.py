@@ -278,6 +278,19 @@ class BlockRefiner:
         idx = start.to(self.device)[:, None] + j
         return torch.where(j < count.to(self.device)[:, None], idx, torch.full_like(idx, self.sentinel))
 
+    def _micro_batches(self, counts: torch.Tensor, width: int):
+        """Token-axis micro-batches: (act, start, stop) over column offsets of a [E, width] index matrix.
+        Only experts with rows at `start` take part; when few remain, each takes more columns, so a
+        micro-batch holds about micro_batch_rows rows however unequal the loads."""
+        off = 0
+        while off < width:
+            act, k = self._active(counts, off)
+            if k == 0:
+                return
+            c = max(self.mc, self.cfg.micro_batch_rows // k)
+            yield act, off, off + c
+            off += c
+
     def _active(self, counts: torch.Tensor, off: int):
         """Experts with rows at offset `off` of a count vector: (None = all, or a device index tensor, k)."""
         act = (counts > off).nonzero().reshape(-1)
@@ -304,11 +317,8 @@ class BlockRefiner:
         Wg, Wu, Wd = st("gate"), st("up"), st("down")
         Y = torch.zeros(X.shape[0], self.H, device=self.device)
         counts = self.n_train + self.n_val
-        for off in range(0, all_idx.shape[1], self.mc):
-            act, k = self._active(counts, off)
-            if k == 0:
-                break
-            idx = self._sel(all_idx, act)[:, off:off + self.mc]
+        for act, a, b in self._micro_batches(counts, all_idx.shape[1]):
+            idx = self._sel(all_idx, act)[:, a:b]
             x = X.index_select(0, idx.reshape(-1)).view(*idx.shape, self.H)
             h = F.silu(torch.bmm(x, self._sel(Wg, act).transpose(1, 2))) * torch.bmm(x, self._sel(Wu, act).transpose(1, 2))
             y = torch.bmm(h, self._sel(Wd, act).transpose(1, 2))
@@ -494,11 +504,10 @@ class BlockRefiner:
         # calibrated scale does, rather than a per-micro-batch dynamic one.
         g_h = act_global(self.fmt, self.h_amax)
         step_amax = torch.zeros_like(self.h_amax)
-        for off in range(0, C, self.mc):
-            act, k = self._active(cnt, off)
-            sl = self._sel(idx, act)[:, off:off + self.mc]
+        for act, a, b in self._micro_batches(cnt, C):
+            sl = self._sel(idx, act)[:, a:b]
             x, y, _, _ = self._gather(sl)
-            tw = self._sel(tw_all, act)[:, off:off + self.mc]
+            tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
             yhat = self.forward(x, leaves["gate"], leaves["up"], leaves["down"], self.cd, ste=True,
                                 h_global=None if g_h is None else self._sel(g_h, act), h_amax=(step_amax, act))
@@ -572,11 +581,8 @@ class BlockRefiner:
         return torch.where(den > 0, num / (den.clamp_min(1e-30) * self.H), torch.full_like(num, math.nan))
 
     def _val_batches(self):
-        for off in range(0, self.val_idx.shape[1], self.mc):
-            act, k = self._active(self.n_val, off)
-            if k == 0:
-                break
-            yield act, self._sel(self.val_idx, act)[:, off:off + self.mc]
+        for act, a, b in self._micro_batches(self.n_val, self.val_idx.shape[1]):
+            yield act, self._sel(self.val_idx, act)[:, a:b]
 
     @torch.no_grad()
     def end_epoch(self, epoch: int, train_loss: torch.Tensor | None = None) -> torch.Tensor:
