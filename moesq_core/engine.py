@@ -103,19 +103,20 @@ def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.T
             for proj, v in r.latent.items():
                 tensors[f"{e}.latent.{proj}"] = v.detach().float().cpu().contiguous()
         info[str(e)] = r.info
+    # One metadata key: safetensors stores metadata as a hash map whose key order is not stable, and the
+    # artifact's checksum must be (resume is checked by comparing checksums).
+    meta = json.dumps({"format": fmt, "num_experts": len(results), "info": info}, sort_keys=True, default=float)
     with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": fmt, "num_experts": str(len(results)),
-                                               "info": json.dumps(info, default=float)})
+        save_file(tensors, str(tmp), metadata={"moesq": meta})
 
 
 def load_block(path: Path) -> tuple[list[CompressedExpert], torch.Tensor, torch.Tensor]:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        meta = f.metadata()
+        meta = json.loads(f.metadata()["moesq"])
     sd = load_file(str(path))
-    fmt, n = meta["format"], int(meta["num_experts"])
-    info = json.loads(meta.get("info", "{}"))
+    fmt, n, info = meta["format"], int(meta["num_experts"]), meta["info"]
     out = []
     for e in range(n):
         qws = {p: QuantizedWeight.from_state_dict(fmt, sd, f"{e}.{p}.") for p in PROJECTIONS}

@@ -1,0 +1,106 @@
+"""Model adapters on small random configs of every supported family (built offline) and on the shared
+models: block discovery, exact routing, expert weights, and swapping in the moesq experts module."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from moesq_core.models import UnsupportedModelError, adapter_for, load_model
+from moesq_core.runtime.experts import MoesqExperts
+
+
+def _configs():
+    from transformers import DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, vocab_size=128,
+                  max_position_embeddings=64)
+    return {
+        "qwen3-moe": Qwen3MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
+                                    num_experts_per_tok=2, head_dim=32, norm_topk_prob=True),
+        "qwen2-moe": Qwen2MoeConfig(**common, intermediate_size=96, moe_intermediate_size=32, num_experts=6,
+                                    num_experts_per_tok=2, shared_expert_intermediate_size=48),
+        "mixtral": MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+        "deepseek-v3": DeepseekV3Config(**common, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                                        num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                        n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=16,
+                                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+        "olmoe": OlmoeConfig(**common, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
+    }
+
+
+@pytest.fixture(scope="module", params=list(_configs()))
+def family_model(request):
+    torch.manual_seed(0)
+    cfg = _configs()[request.param]
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():  # random, non-degenerate routers and experts
+        for name, p in model.named_parameters():
+            if "gate" in name or "experts" in name or "correction_bias" in name:
+                p.normal_(0, 0.5)
+    return request.param, model
+
+
+def test_adapter_found_and_blocks(family_model):
+    family, model = family_model
+    adapter = adapter_for(model)
+    assert adapter.family == family
+    blocks = adapter.blocks(model)
+    expect = 1 if family == "deepseek-v3" else 2  # first_k_dense_replace=1 keeps layer 0 dense
+    assert len(blocks) == expect
+    b = blocks[0]
+    w = b.expert_weights(0)
+    E, two_i, H = b.dense_experts.gate_up_proj.shape
+    assert w["gate"].shape == (two_i // 2, H) and w["down"].shape == (H, two_i // 2)
+
+
+@torch.no_grad()
+def test_routing_and_swap_reproduce_the_block_exactly(family_model):
+    family, model = family_model
+    adapter = adapter_for(model)
+    b = adapter.blocks(model)[0]
+    x = torch.randn(3, 7, model.config.hidden_size)
+    ref = b.mlp(x)
+    idx, wts = b.route(x)
+    assert idx.shape == wts.shape == (21, model.config.num_experts_per_tok)
+    if family == "deepseek-v3":
+        assert torch.allclose(wts.sum(-1), torch.full((21,), 2.5), atol=1e-5)  # renormalised × scaling factor
+    ex = b.dense_experts
+    module = MoesqExperts("p48-nvfp4", ex.gate_up_proj.detach().clone(), ex.down_proj.detach().clone(), act_quant=False)
+    b.set_experts(module)
+    try:
+        out = b.mlp(x)
+    finally:
+        b.restore_dense()
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)  # summation order differs
+    assert b.mlp.experts is ex
+
+
+def test_non_moe_and_unknown_models_are_refused():
+    from transformers import LlamaConfig
+
+    with pytest.raises(UnsupportedModelError, match="dense \\(non-MoE\\) model.*qwen3-moe"):
+        adapter_for(LlamaConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64))
+
+
+def test_wrong_model_id_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not-a-dir"):
+        load_model(str(tmp_path / "not-a-dir"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="could not be found locally nor downloaded"):
+        load_model("nonexistent-org-xyz/nonexistent-model-xyz")
+
+
+@torch.no_grad()
+def test_shared_micro_model_routes_like_the_model(micro_path):
+    model, tok, adapter, _ = load_model(micro_path)
+    blocks = adapter.blocks(model)
+    assert adapter.family == "qwen3-moe" and len(blocks) == 4 and blocks[0].num_experts == 8
+    ids = tok("The kernel schedules tasks on every CPU.", return_tensors="pt")["input_ids"]
+    ref = model(input_ids=ids).logits
+    for b in blocks:
+        ex = b.dense_experts
+        b.set_experts(MoesqExperts("p48-nvfp4", ex.gate_up_proj.detach().clone(), ex.down_proj.detach().clone(), False))
+    assert torch.allclose(model(input_ids=ids).logits, ref, atol=1e-4)
