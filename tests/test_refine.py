@@ -127,6 +127,21 @@ def test_routed_loss_weights_and_padding():
         objective.token_weights(w, valid, 3)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weighted_sq_error_gradient(dtype):
+    g = torch.Generator().manual_seed(18)
+    y = torch.randn(3, 7, 16, generator=g)
+    tw = torch.rand(3, 7, generator=g)
+    yhat = torch.randn(3, 7, 16, generator=g).to(dtype).requires_grad_()
+    yref = yhat.detach().float().requires_grad_()
+    scale = torch.tensor([1.0, 0.5, 2.0])
+    (objective.weighted_sq_error(yhat, y, tw) * scale).sum().backward()
+    ((tw * (yref - y).square().sum(-1)).sum(-1) * scale).sum().backward()
+    assert yhat.grad.dtype == dtype
+    torch.testing.assert_close(yhat.grad.float(), yref.grad.to(dtype).float())
+    torch.testing.assert_close(objective.weighted_sq_error(yhat.detach(), y, tw), (tw * (yref.detach() - y).square().sum(-1)).sum(-1))
+
+
 # --- batched helpers equal the format's per-tensor functions ---------------------------------------------------
 
 

@@ -199,6 +199,8 @@ class BlockRefiner:
         # One generator drives every random draw (split, A init, shuffles, Gumbel noise), in a fixed order.
         self.gen = torch.Generator(device=dev).manual_seed(config.seed)
         self.mc = max(1, -(-config.micro_batch_rows // E))  # rows per expert per micro-batch
+        self.timings: dict[str, float] = {}  # setup phases, seconds (synchronised; setup only)
+        self._t = time.perf_counter()
         self._setup_data()
         self._setup_params()
         self.history: list[EpochStats] = []
@@ -206,6 +208,13 @@ class BlockRefiner:
         self._compiled: dict = {}
 
     # --- setup -------------------------------------------------------------------------------------------
+
+    def _tick(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.timings[name] = now - self._t
+        self._t = now
 
     def _compute_dtype(self) -> torch.dtype:
         c = self.cfg.compute_dtype
@@ -244,6 +253,7 @@ class BlockRefiner:
             nva.append(xv.shape[0])
         X = torch.cat(xs + [torch.zeros(1, H, device=dev)])
         del xs  # the per-expert split copies: the flat buffer is all that is kept
+        self._tick("gather_rows")
         if not bool(torch.isfinite(X).all()):
             raise ValueError("calibration inputs contain NaN/Inf")
         self.W = torch.cat(ws + [torch.zeros(1, device=dev)])
@@ -263,8 +273,10 @@ class BlockRefiner:
         self.row_expert = torch.repeat_interleave(torch.arange(self.E, device=dev), n_all.to(dev))
         self.h_amax = torch.zeros(self.E, device=dev)  # running SwiGLU-output range (see train_step)
         self.Y = self._dense_targets(X, all_idx)
+        self._tick("dense_targets")
         self.Xq = self._quantize_inputs(X).to(self.cache_dtype)
         del X
+        self._tick("quantize_inputs")
         S = self.cfg.steps_per_epoch or max(1, math.ceil(int(self.n_train.sum()) / self.cfg.batch_rows))
         self.steps_per_epoch = S
         s = torch.arange(S + 1, dtype=torch.int64)[:, None]
@@ -278,25 +290,40 @@ class BlockRefiner:
         idx = start.to(self.device)[:, None] + j
         return torch.where(j < count.to(self.device)[:, None], idx, torch.full_like(idx, self.sentinel))
 
-    def _micro_batches(self, counts: torch.Tensor, width: int):
-        """Token-axis micro-batches: (act, start, stop) over column offsets of a [E, width] index matrix.
-        Only experts with rows at `start` take part; when few remain, each takes more columns, so a
-        micro-batch holds about micro_batch_rows rows however unequal the loads."""
-        off = 0
+    def _plan(self, counts: torch.Tensor, width: int) -> list[tuple[torch.Tensor | None, int, int]]:
+        """Token-axis micro-batches over column offsets of a [E, width] index matrix: (act, start, stop),
+        act = the experts (CPU indices; None = all) with rows at `start`. When few experts remain, each
+        takes more columns, so a micro-batch holds about micro_batch_rows rows however unequal the loads."""
+        plan, off = [], 0
         while off < width:
-            act, k = self._active(counts, off)
+            act = (counts > off).nonzero().reshape(-1)
+            k = act.numel()
             if k == 0:
-                return
+                break
             c = max(self.mc, self.cfg.micro_batch_rows // k)
-            yield act, off, off + c
+            plan.append((None if k == self.E else act, off, off + c))
             off += c
+        return plan
 
-    def _active(self, counts: torch.Tensor, off: int):
-        """Experts with rows at offset `off` of a count vector: (None = all, or a device index tensor, k)."""
-        act = (counts > off).nonzero().reshape(-1)
-        if act.numel() == self.E:
-            return None, self.E
-        return act.to(self.device), act.numel()
+    def _to_device(self, *host: torch.Tensor) -> list[torch.Tensor]:
+        """Small CPU int64 tensors -> device in one asynchronous copy (a pageable copy would make the host
+        wait for the GPU queue to drain at every micro-batch)."""
+        if not host:
+            return []
+        flat = torch.cat([h.reshape(-1).to(torch.int64) for h in host])
+        if self.device.type == "cuda":
+            flat = flat.pin_memory().to(self.device, non_blocking=True)
+        return list(torch.split(flat, [h.numel() for h in host]))
+
+    def _micro_batches(self, counts: torch.Tensor, width: int, *extra: torch.Tensor):
+        """(act on the device or None, start, stop) per micro-batch; `extra` CPU tensors travel along and
+        are yielded first (as device tensors)."""
+        plan = self._plan(counts, width)
+        moved = self._to_device(*extra, *(a for a, _, _ in plan if a is not None))
+        yield moved[:len(extra)]
+        it = iter(moved[len(extra):])
+        for act, a, b in plan:
+            yield (None if act is None else next(it)), a, b
 
     @staticmethod
     def _sel(t: torch.Tensor, act):
@@ -317,7 +344,9 @@ class BlockRefiner:
         Wg, Wu, Wd = st("gate"), st("up"), st("down")
         Y = torch.zeros(X.shape[0], self.H, device=self.device)
         counts = self.n_train + self.n_val
-        for act, a, b in self._micro_batches(counts, all_idx.shape[1]):
+        mb = self._micro_batches(counts, all_idx.shape[1])
+        next(mb)
+        for act, a, b in mb:
             idx = self._sel(all_idx, act)[:, a:b]
             x = X.index_select(0, idx.reshape(-1)).view(*idx.shape, self.H)
             h = F.silu(torch.bmm(x, self._sel(Wg, act).transpose(1, 2))) * torch.bmm(x, self._sel(Wu, act).transpose(1, 2))
@@ -401,8 +430,10 @@ class BlockRefiner:
         from lion_pytorch import Lion  # imported here so formats/methods load without it
 
         self.opt = Lion(groups, lr=groups[0]["lr"], betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        self._tick("init_params")
         # "Epoch 0" is the init itself: refinement ships an epoch only where it validates better than this.
         v0 = self.validate(init_weights)
+        self._tick("validate_init")
         self.best_loss = torch.where(torch.isnan(v0), torch.full_like(v0, math.inf), v0)
         self.best_epoch = torch.zeros(E, dtype=torch.int64, device=self.device)
         self.history_val = [v0]
@@ -464,10 +495,18 @@ class BlockRefiner:
         h = self.intermediate(x, Wg, Wu, cd)
         if h_amax is not None:
             self._note_amax(h_amax[0], h_amax[1], h)
-        aq = self._maybe_compile("aq", lambda h, g: batched_act_quant(self.fmt, h, ste=True, g=g)) if ste else \
-            (lambda h, g: batched_act_quant(self.fmt, h, ste=False, g=g))
-        hq = aq(h, h_global)
+        hq = batched_act_quant(self.fmt, h, ste=ste, g=h_global)
         return torch.bmm(hq.to(cd), Wd.transpose(1, 2).to(cd)).float()
+
+    def _micro_loss(self, x, Wg, Wu, Wd, y, tw, scale, g_h):
+        """One micro-batch of the training forward: (Σ_e scale_e·num_e, num [k], amax of h [k]).
+        The unit torch.compile fuses when `compile` is on (casts, SwiGLU, activation quantizer, loss)."""
+        h = self.intermediate(x, Wg, Wu, self.cd)
+        hamax = h.detach().abs().amax(dim=(1, 2))
+        hq = batched_act_quant(self.fmt, h, ste=True, g=g_h)
+        yhat = torch.bmm(hq.to(self.cd), Wd.transpose(1, 2).to(self.cd))
+        num = objective.weighted_sq_error(yhat, y, tw)
+        return (num * scale).sum(), num.detach(), hamax
 
     # --- training -----------------------------------------------------------------------------------------
 
@@ -485,10 +524,11 @@ class BlockRefiner:
             grp["lr"] = grp["base_lr"] * lrf
         cnt = self.step_cnt[s]
         C = int(cnt.max())
-        start = self.step_start[s].to(self.device)
+        mb = self._micro_batches(cnt, C, self.step_start[s], cnt)
+        start, cnt_d = next(mb)
         j = torch.arange(max(C, 1), device=self.device)[None, :]
         pos = order.gather(1, (start[:, None] + j).clamp(max=order.shape[1] - 1))
-        idx = torch.where(j < cnt.to(self.device)[:, None], self.train_base[:, None] + pos,
+        idx = torch.where(j < cnt_d[:, None], self.train_base[:, None] + pos,
                           torch.full_like(pos, self.sentinel))
         valid_all = idx != self.sentinel
         tw_all = objective.token_weights(self.W[idx], valid_all, self.cfg.loss_power)
@@ -504,21 +544,25 @@ class BlockRefiner:
         # calibrated scale does, rather than a per-micro-batch dynamic one.
         g_h = act_global(self.fmt, self.h_amax)
         step_amax = torch.zeros_like(self.h_amax)
-        for act, a, b in self._micro_batches(cnt, C):
+        for act, a, b in mb:
             sl = self._sel(idx, act)[:, a:b]
             x, y, _, _ = self._gather(sl)
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
-            yhat = self.forward(x, leaves["gate"], leaves["up"], leaves["down"], self.cd, ste=True,
-                                h_global=None if g_h is None else self._sel(g_h, act), h_amax=(step_amax, act))
-            n = objective.weighted_sq_error(yhat, y, tw)
-            (n * self._sel(inv_den, act)).sum().backward()
+            micro = self._maybe_compile("micro", self._micro_loss)
+            loss, n, hamax = micro(x, leaves["gate"], leaves["up"], leaves["down"], y, tw, self._sel(inv_den, act),
+                                   None if g_h is None else self._sel(g_h, act))
+            loss.backward()
+            if act is None:
+                torch.maximum(step_amax, hamax, out=step_amax)
+            else:
+                step_amax.scatter_reduce_(0, act, hamax, reduce="amax")
             for p, leaf in leaves.items():
                 if act is None:
                     gacc[p] += leaf.grad.float()
                 else:
                     gacc[p].index_add_(0, act, leaf.grad.float())
-            num = num.index_add(0, act, n.detach()) if act is not None else num + n.detach()
+            num = num.index_add(0, act, n) if act is not None else num + n
         self.h_amax = torch.where(step_amax > 0, step_amax, self.h_amax)
         torch.autograd.backward([Wq[p] for p in PROJECTIONS], [gacc[p] for p in PROJECTIONS])
         self.opt.step()
@@ -581,7 +625,9 @@ class BlockRefiner:
         return torch.where(den > 0, num / (den.clamp_min(1e-30) * self.H), torch.full_like(num, math.nan))
 
     def _val_batches(self):
-        for act, a, b in self._micro_batches(self.n_val, self.val_idx.shape[1]):
+        mb = self._micro_batches(self.n_val, self.val_idx.shape[1])
+        next(mb)
+        for act, a, b in mb:
             yield act, self._sel(self.val_idx, act)[:, a:b]
 
     @torch.no_grad()
