@@ -379,6 +379,22 @@ def test_experts_with_few_or_no_rows_keep_their_init():
     assert out[0].info["refine"]["n_val"] == 20
 
 
+def test_steps_per_epoch_rule():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=300, n_val=20, seed=19)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    steps = lambda **kw: BlockRefiner(ex, inits, fmt, RefineConfig(epochs=0, **kw)).steps_per_epoch
+    assert steps() == 300 // 8  # the paper's 128, capped at >= 8 rows per expert and step
+    assert steps(steps_per_epoch=10) == 10
+    assert steps(batch_rows=100) == 6  # 600 training rows / 100
+    assert steps(batch_rows=100_000) == 1
+    r = BlockRefiner(ex, inits, fmt, RefineConfig(epochs=2, steps_per_epoch=7))
+    assert r.total_steps == 14 and int(r.step_cnt.sum()) == 600
+    assert r.schedule(0) == (2.0, 100.0, 1.0)
+    tau, gain, lrf = r.schedule(13)
+    assert math.isclose(tau, 0.05) and math.isclose(gain, 500.0) and math.isclose(lrf, 0.1)
+
+
 def test_bad_inputs_are_refused_clearly():
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=2, n=50, n_val=10)

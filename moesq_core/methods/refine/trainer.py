@@ -11,13 +11,18 @@ Per optimizer step the relaxed, fake-quantized weights are built once; micro-bat
 accumulate their gradients (fp32) and one backward pass carries them to the logits A and latent values V.
 Only the experts that still have rows at a micro-batch's offset take part in it, so load imbalance costs
 little padding.
+
+Activation quantizers use static per-expert global scales, as served: the input's from the amax of the
+expert's calibration rows (X is quantized once per block), the SwiGLU output's from the range seen in the
+previous step (validation: from its own rows, in a first pass). Matmuls run in bf16 on CUDA (compute_dtype),
+everything else, validation included, in fp32.
 """
 from __future__ import annotations
 
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -42,9 +47,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 class RefineConfig:
     """Hyperparameters of refinement. Defaults are the paper's Qwen3-30B-A3B settings (facts §2).
 
-    Batches are counted in routed rows (token-expert pairs) over the whole block: the paper's batch of 64
-    sequences × 4,096 tokens × top-8 is 2,097,152 rows; its micro-batch of 8 sequences 262,144. Each optimizer
-    step gives every expert an equal share (1/steps_per_epoch) of its own training rows.
+    Steps. Each optimizer step gives every expert an equal share (1/steps_per_epoch) of its own training rows.
+    The paper takes 128 steps per epoch (8,192 sequences in batches of 64), and its learning rates and
+    schedules are set for that many Lion steps, so that is the default whatever the calibration set's size;
+    `batch_rows` (routed rows per step over the block; the paper's batch is 64 × 4,096 × top-8 = 2,097,152)
+    derives the count from the data instead. Either way the count is capped so the experts average at least
+    `min_rows_per_step` rows per step. Micro-batches are counted in routed rows over the block (the paper's 8
+    sequences: 262,144); they bound memory and change no result.
 
     Weight decay is lion-pytorch's (non-"decoupled") form, p ← p·(1 − lr·wd), i.e. the AdamW-style decoupled
     decay the paper means; lion-pytorch's `decoupled_weight_decay=True` would divide wd by the initial lr
@@ -52,9 +61,10 @@ class RefineConfig:
     """
 
     epochs: int = 10
-    batch_rows: int = 64 * 4096 * 8
+    steps_per_epoch: int = 128
+    batch_rows: int | None = None  # when set: steps_per_epoch = ceil(training rows of the block / batch_rows)
+    min_rows_per_step: int = 8
     micro_batch_rows: int = 8 * 4096 * 8
-    steps_per_epoch: int | None = None  # overrides batch_rows when set
     lr_logits: float = 2.5e-4
     lr_values: float = 5e-5
     betas: tuple[float, float] = (0.9, 0.95)
@@ -72,17 +82,17 @@ class RefineConfig:
     seed: int = 0
     compute_dtype: str = "auto"  # matmul operands in training: "float32", "bfloat16", auto = bf16 on CUDA
     cache_dtype: str = "float32"  # dtype of the cached quantized inputs X ("bfloat16" halves their memory)
-    compile: bool = False  # torch.compile the elementwise relaxation/quantization (CUDA only)
+    compile: bool = False  # torch.compile the relaxation/quantization and the micro-batch forward+loss
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
 
     def __post_init__(self):
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
-        for name in ("batch_rows", "micro_batch_rows"):
+        for name in ("micro_batch_rows", "steps_per_epoch", "min_rows_per_step"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive number of routed rows, got {getattr(self, name)}")
-        if self.steps_per_epoch is not None and self.steps_per_epoch < 1:
-            raise ValueError(f"steps_per_epoch must be >= 1 (or None), got {self.steps_per_epoch}")
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_rows is not None and self.batch_rows < 1:
+            raise ValueError(f"batch_rows must be a positive number of routed rows (or None), got {self.batch_rows}")
         if self.lr_logits <= 0 or self.lr_values <= 0:
             raise ValueError("learning rates must be positive")
         if not 0 < self.lr_final_ratio <= 1:
@@ -277,8 +287,14 @@ class BlockRefiner:
         self.Xq = self._quantize_inputs(X).to(self.cache_dtype)
         del X
         self._tick("quantize_inputs")
-        S = self.cfg.steps_per_epoch or max(1, math.ceil(int(self.n_train.sum()) / self.cfg.batch_rows))
-        self.steps_per_epoch = S
+        ntr_t = self.n_train[self.n_train > 0]
+        if self.cfg.batch_rows is not None:
+            S = math.ceil(int(ntr_t.sum()) / self.cfg.batch_rows)
+        else:
+            S = self.cfg.steps_per_epoch
+        if ntr_t.numel():  # a step of ~0 rows per expert would be Lion momentum alone
+            S = min(S, int(ntr_t.float().mean()) // self.cfg.min_rows_per_step)
+        self.steps_per_epoch = S = max(1, S)
         s = torch.arange(S + 1, dtype=torch.int64)[:, None]
         bounds = (s * self.n_train[None, :]) // S  # [S+1, E] each expert's rows split into S near-equal chunks
         self.step_start, self.step_cnt = bounds[:-1], bounds[1:] - bounds[:-1]
