@@ -214,20 +214,20 @@ def stack_gate_up(gate: P48GemmWeights, up: P48GemmWeights) -> P48GemmWeights:
 # ------------------------------------------------------------------------------------------ Triton kernels
 
 _ASM_GROUP = """
-        prmt.b32 e, $16, z, {lut};
-        shr.b32 t, {lut}, 16;
-        prmt.b32 o, $16, z, t;
-        shl.b32 t, e, 6;  shl.b32 x, e, 12; lop3.b32 x, t, x, c, 0xA8; fma.rn.bf16x2 x, x, $19, nz; mov.b32 {{${a0}, ${a1}}}, x;
-        shl.b32 t, e, 1;  shl.b32 x, e, 11; lop3.b32 x, t, x, c, 0xA8; fma.rn.bf16x2 x, x, $19, nz; mov.b32 {{${a2}, ${a3}}}, x;
-        shl.b32 t, o, 6;  shl.b32 x, o, 12; lop3.b32 x, t, x, c, 0xA8; fma.rn.bf16x2 x, x, $19, nz; mov.b32 {{${a4}, ${a5}}}, x;
-        shl.b32 t, o, 1;  shl.b32 x, o, 11; lop3.b32 x, t, x, c, 0xA8; fma.rn.bf16x2 x, x, $19, nz; mov.b32 {{${a6}, ${a7}}}, x;
+        prmt.b32 pe, $16, pz, {lut};
+        shr.b32 pt, {lut}, 16;
+        prmt.b32 po, $16, pz, pt;
+        shl.b32 pt, pe, 6;  shl.b32 px, pe, 12; lop3.b32 px, pt, px, pc, 0xA8; fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a0}, ${a1}}}, px;
+        shl.b32 pt, pe, 1;  shl.b32 px, pe, 11; lop3.b32 px, pt, px, pc, 0xA8; fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a2}, ${a3}}}, px;
+        shl.b32 pt, po, 6;  shl.b32 px, po, 12; lop3.b32 px, pt, px, pc, 0xA8; fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a4}, ${a5}}}, px;
+        shl.b32 pt, po, 1;  shl.b32 px, po, 11; lop3.b32 px, pt, px, pc, 0xA8; fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a6}, ${a7}}}, px;
 """
 # $0..$15: the 16 bf16 outputs (PERM order); $16 word, $17/$18 selector pairs of the low/high group, $19 the
 # scale s_hat*2^119 as bf16x2. lop3 0xA8 = (a | b) & c with c = the bf16x2 sign+exponent-low+mantissa-high
 # fields 0x81C081C0; the zero lanes 1 and 3 of e/o keep the two shifted copies from overlapping there.
 EXPAND_ASM = (
-    "{\n        .reg .b32 z, c, nz, t, e, o, x;\n        mov.b32 z, 0;\n        mov.b32 c, 0x81C081C0;\n"
-    "        mov.b32 nz, 0x80008000;\n"
+    "{\n        .reg .b32 pz, pc, pnz, pt, pe, po, px;\n        mov.b32 pz, 0;\n        mov.b32 pc, 0x81C081C0;\n"
+    "        mov.b32 pnz, 0x80008000;\n"
     + _ASM_GROUP.format(lut="$17", a0=0, a1=1, a2=2, a3=3, a4=4, a5=5, a6=6, a7=7)
     + _ASM_GROUP.format(lut="$18", a0=8, a1=9, a2=10, a3=11, a4=12, a5=13, a6=14, a7=15)
     + "}"
@@ -301,7 +301,7 @@ if HAS_TRITON:
         x_ptr, w_ptr, m_ptr, s_ptr, lut_ptr, alpha_ptr, row_start_ptr, count_ptr, out_ptr,
         M, K, stride_xr, stride_or,
         stride_we, stride_wm, stride_me, stride_mm, stride_se, stride_sm,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+        SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
         USE_ASM: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -567,7 +567,7 @@ def p48_gemm_rows(x: torch.Tensor, w: P48GemmWeights, row_start: torch.Tensor, c
         x, w.words, w.mask, w.scale, _lut(x.device), (alpha.float() * ALPHA_FOLD).contiguous(),
         row_start, counts, out, M, K, x.stride(0), out.stride(0),
         w.words.stride(0), w.words.stride(1), w.mask.stride(0), w.mask.stride(1), w.scale.stride(0), w.scale.stride(1),
-        BM=config.BM, BN=config.BN, BK=config.BK, SPLIT=config.split, USE_ASM=use_asm,
+        config.split, BM=config.BM, BN=config.BN, BK=config.BK, USE_ASM=use_asm,
         NUM_STAGES=config.num_stages, DOT_F32=INTERPRET, num_warps=config.num_warps,
     )
     return out
