@@ -343,3 +343,49 @@ def test_kernel_check_packed_dir(tmp_path):
     assert len(res) == 6
     assert all(ok for _, _, ok in res), res
     assert {n.rsplit(".", 1)[-1] for n, _, _ in res} == {"gate_proj", "down_proj"}
+
+
+# ------------------------------------------------------------------------------------------------ bench plumbing (CPU)
+
+
+def test_bench_token_pattern_and_packing():
+    from moesq_core.bench.harness import pack_logical, random_2to4_dense_e4m3, token_counts
+
+    assert token_counts(16, 6) == [16, 12, 8, 4, 16, 12]
+    assert token_counts(2, 4) == [2, 1, 1, 1]
+    gen = torch.Generator().manual_seed(0)
+    dense, scale = random_2to4_dense_e4m3(2, 16, 64, gen, "cpu")
+    assert bool((((dense.view(torch.uint8) & 0x7F) != 0).view(2, 16, 16, 4).sum(-1) == 2).all())
+    values, meta = pack_logical(dense)
+    assert torch.equal(s24.decompress(values, meta).view(torch.uint8), dense.view(torch.uint8))
+    assert scale.shape == (2, 16) and bool((scale > 0).all())
+
+
+def test_bench_reports_from_synthetic_rows(tmp_path):
+    from moesq_core.bench import kernel_bench as kb
+
+    rows = []
+    for (name, (M, K)) in kb.PAPER_SHAPES.items():
+        for G in (8, 128):
+            for N in (16, 1024):
+                base = {"bf16_grouped_mm": {"us": 100.0}, "fp8_grouped_mm": {"us": 80.0},
+                        "cusparselt_fp8_loop": {"error": "RuntimeError: x"}}
+                ours = {"us": 40.0 if N == 16 else 60.0, "tflops": 1700.0 if N == 1024 else 10.0, "weight_TBps": 3.9,
+                        "variant": "coop_m128n16k256"}
+                row = {"shape": name, "M": M, "K": K, "G": G, "N": N, "methods": {**base, "s24_fp8": ours}}
+                row["methods"]["s24_fp8"]["speedup"] = 80.0 / ours["us"]
+                rows.append(row)
+    t = kb.targets(rows)
+    assert t["decode_N_le_64"]["met"] and t["decode_N_le_64"]["min"] == pytest.approx(2.0)
+    assert t["N_ge_256"]["met"] and t["N_ge_256"]["geomean"] == pytest.approx(80 / 60)
+    assert t["kimi_gate_up_N1024_tflops"]["met"]
+    result = {"format": "s24-fp8", "date": "2026-11-29T00:00:00+00:00", "gpu": "test", "sm_count": 1, "torch": "x",
+              "cuda": "y", "commit": "abc", "repeats": 1, "token_pattern": "p", "timing": "t",
+              "methods": {"bf16_grouped_mm": "a", "fp8_grouped_mm": "b", "cusparselt_fp8_loop": "c", "s24_fp8": "d"},
+              "rows": rows, "targets": t}
+    md = kb.markdown(result)
+    assert "| decode N ≤ 64" in md and "Kimi-K2.5 gate/up" in md and "err" in md
+    kb.heatmap(result, tmp_path / "h.png")
+    assert (tmp_path / "h.png").stat().st_size > 1000
+    with pytest.raises(ValueError, match="no kernel benchmark"):
+        kb.bench_kernel("dense-nvfp4", None, [8], [16], tmp_path)

@@ -141,6 +141,8 @@ def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, s
         try:
             m = BASELINES[bname](prob, gen, device)
             row["methods"][bname] = _record(time_method(m, repeats), prob, m.weight_bytes)
+            if m.note:
+                row["methods"][bname]["note"] = m.note
         except Exception as e:  # a baseline that cannot run this shape is reported, not fatal
             row["methods"][bname] = {"error": f"{type(e).__name__}: {e}"[:300]}
         finally:

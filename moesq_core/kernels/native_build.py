@@ -113,11 +113,13 @@ def _flags(cutlass: Path) -> list[str]:
     ]
 
 
-def _inputs_digest(flags: list[str], extra: str) -> str:
-    h = hashlib.sha256(" ".join(flags).encode() + extra.encode())
-    for p in sorted((NATIVE_DIR / "include").rglob("*")) + sorted((NATIVE_DIR / "src").rglob("*")):
+def _unit_digest(flags: list[str], toolkit: str, source: Path) -> str:
+    """What an object file depends on: flags, toolkit, every header in native/include, the variant list, its source."""
+    h = hashlib.sha256(" ".join(flags).encode() + toolkit.encode())
+    deps = sorted((NATIVE_DIR / "include").rglob("*")) + [NATIVE_DIR / "src" / "variants.def", source]
+    for p in deps:
         if p.is_file():
-            h.update(p.name.encode())
+            h.update(str(p.relative_to(NATIVE_DIR)).encode())
             h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
@@ -132,15 +134,16 @@ def build(jobs: int | None = None, force: bool = False, verbose: bool = True) ->
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
     flags = _flags(cutlass)
     lib = BUILD_DIR / LIB_NAME
+    toolkit = f"{major}.{minor}"
+    units = [(f"v{i}", NATIVE_DIR / "src" / "s24_variant.cu", [f"-DMOESQ_VARIANT_ID={i}"]) for i in variant_ids()]
+    units.append(("api", NATIVE_DIR / "src" / "s24_api.cu", []))
+    digests = {name: _unit_digest(flags + extra, toolkit, src) for name, src, extra in units}
     stamp = BUILD_DIR / "build.stamp"
-    digest = _inputs_digest(flags, f"{major}.{minor}")
+    digest = hashlib.sha256(" ".join(sorted(digests.values())).encode()).hexdigest()[:16]
     if lib.is_file() and stamp.is_file() and stamp.read_text() == digest and not force:
         if verbose:
             print(f"up to date: {lib}")
         return lib
-
-    units = [(f"v{i}", NATIVE_DIR / "src" / "s24_variant.cu", [f"-DMOESQ_VARIANT_ID={i}"]) for i in variant_ids()]
-    units.append(("api", NATIVE_DIR / "src" / "s24_api.cu", []))
     jobs = jobs or max(1, os.cpu_count() or 1)
 
     def compile_unit(unit):
@@ -148,14 +151,13 @@ def build(jobs: int | None = None, force: bool = False, verbose: bool = True) ->
         obj = BUILD_DIR / f"{name}.o"
         log = BUILD_DIR / f"{name}.log"
         obj_stamp = BUILD_DIR / f"{name}.stamp"
-        unit_digest = digest + " ".join(extra)
-        if obj.is_file() and obj_stamp.is_file() and obj_stamp.read_text() == unit_digest and not force:
+        if obj.is_file() and obj_stamp.is_file() and obj_stamp.read_text() == digests[name] and not force:
             return name, 0, ""
         cmd = [str(nvcc), *flags, *extra, "-c", str(src), "-o", str(obj)]
         r = subprocess.run(cmd, capture_output=True, text=True)
         log.write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
         if r.returncode == 0:
-            obj_stamp.write_text(unit_digest)
+            obj_stamp.write_text(digests[name])
         return name, r.returncode, r.stderr
 
     if verbose:

@@ -6,6 +6,7 @@
 #include "cutlass/gemm/collective/builders/sm90_sparse_config.inl"
 #include "cutlass/transform/device/transform_universal_adapter.hpp"
 #include "cutlass/transform/kernel/sparse_gemm_compressor.hpp"
+#include "cutlass/util/packed_stride.hpp"
 #include "moesq/s24_api.h"
 
 namespace moesq {
