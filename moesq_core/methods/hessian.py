@@ -1,0 +1,182 @@
+"""Layer-wise Hessians H = 2/n Σ c_t x_t x_tᵀ of one expert's projections, and the factorisations the
+Hessian-based solvers (SGPTQ, OBR) share.
+
+gate and up see the same input (the tokens routed to the expert), so they share one Hessian; down sees the
+SwiGLU intermediate of the *uncompressed* gate/up (the dense target of each projection, facts §2).
+c_t is 1, the router weight w_t or w_t² (`weighting`), which turns ‖(W−Ŵ)X‖² into the router-weighted
+objective of the paper's eq. 4.
+
+Everything here keeps the tensor's device; accumulation is fp64, factorisations fp64, results fp32: the
+Cholesky chain H → H⁻¹ → chol(H⁻¹) loses digits in fp32 on ill-conditioned calibration sets, and bf16 is
+never used.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .base import ExpertData
+
+log = logging.getLogger(__name__)
+
+WEIGHTINGS = ("none", "w", "w2")
+
+
+def token_coefficients(n: int, w: torch.Tensor | None, weighting: str, device) -> torch.Tensor | None:
+    """Per-token c_t for the weighting mode; None means uniform."""
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"hessian weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    if weighting == "none":
+        return None
+    if w is None or w.numel() != n:
+        raise ValueError(f"hessian weighting {weighting!r} needs one router weight per token ({n} tokens)")
+    w = w.detach().to(device=device, dtype=torch.float64).reshape(-1)
+    return w if weighting == "w" else w * w
+
+
+def hessian(x: torch.Tensor, w: torch.Tensor | None = None, weighting: str = "none", chunk: int = 8192) -> torch.Tensor:
+    """H = 2/Σc Σ_t c_t x_t x_tᵀ (c_t = 1 gives GPTQ's 2/n XᵀX). x: [n, d]. fp64 accumulation, fp32 result.
+
+    n = 0 (or all-zero weights) gives the zero matrix: every column is then dead.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"calibration inputs must be [tokens, features], got shape {tuple(x.shape)}")
+    n, d = x.shape
+    c = token_coefficients(n, w, weighting, x.device)
+    H = torch.zeros(d, d, dtype=torch.float64, device=x.device)
+    for s in range(0, n, chunk):  # chunked so the fp64 copy of x never exceeds `chunk` rows
+        xs = x[s:s + chunk].to(torch.float64)
+        xw = xs if c is None else xs * c[s:s + chunk, None]
+        H += xw.T @ xs
+    total = float(n) if c is None else float(c.sum())
+    if total > 0:
+        H *= 2.0 / total
+    return H.float()
+
+
+def input_sq_norms(x: torch.Tensor, w: torch.Tensor | None = None, weighting: str = "none") -> torch.Tensor:
+    """Σ_t c_t x_tj² per input column j (fp32): Wanda's ‖X_j‖₂², optionally router-weighted."""
+    c = token_coefficients(x.shape[0], w, weighting, x.device)
+    x64 = x.to(torch.float64)
+    sq = x64 * x64
+    return (sq.sum(0) if c is None else (sq * c[:, None]).sum(0)).float()
+
+
+def expert_hessians(ex: ExpertData, weighting: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    """(H_in, H_mid): the Hessian shared by gate and up, and down's Hessian over the dense SwiGLU output."""
+    h_in = hessian(ex.x, ex.w, weighting)
+    h_mid = hessian(ex.dense_intermediate(), ex.w, weighting)
+    return h_in, h_mid
+
+
+def dead_columns(H: torch.Tensor) -> torch.Tensor:
+    """Input columns no calibration token ever excites (diag H = 0)."""
+    return torch.diagonal(H) == 0
+
+
+def fix_dead(H: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's handling of dead columns: diag set to 1 (keeps H invertible) and the weight column zeroed
+    (its value cannot be observed, so any value is as good as zero and zero costs nothing to store)."""
+    dead = dead_columns(H)
+    if not bool(dead.any()):
+        return H, W
+    H = H.clone()
+    idx = dead.nonzero().squeeze(1)
+    H[idx, idx] = 1.0
+    W = W.clone()
+    W[:, dead] = 0.0
+    return H, W
+
+
+@dataclass
+class Damped:
+    """A damped Hessian and its factorisation (all fp32, on H's device)."""
+
+    H: torch.Tensor  # H + λI, dead columns fixed
+    hinv_chol: torch.Tensor  # upper U with (H + λI)⁻¹ = UᵀU: the row-by-row OBS/GPTQ quantities
+    percdamp: float  # the fraction of mean(diag H) actually used (grows on retries)
+    damp: float  # λ
+
+
+def damped_factor(H: torch.Tensor, percdamp: float = 0.01, max_tries: int = 6, what: str = "hessian") -> Damped:
+    """λ = percdamp·mean(diag H); a Hessian that is not positive definite after damping is retried with
+    10× more damping (logged) up to `max_tries` times. H must already have its dead columns fixed."""
+    if percdamp < 0:
+        raise ValueError(f"percdamp must be >= 0, got {percdamp}")
+    if not bool(torch.isfinite(H).all()):
+        raise ValueError(f"{what}: non-finite entries in the Hessian (NaN/Inf calibration inputs?)")
+    H64 = H.to(torch.float64)
+    d = H.shape[0]
+    mean_diag = float(torch.diagonal(H64).mean()) if d else 0.0
+    eye = torch.eye(d, dtype=torch.float64, device=H.device)
+    pd = percdamp
+    for attempt in range(max_tries):
+        damp = pd * mean_diag
+        Hd = H64 + damp * eye
+        L, info = torch.linalg.cholesky_ex(Hd)
+        if int(info) == 0:
+            # chol(H⁻¹) upper, as GPTQ: U = chol(cholesky_inverse(L))ᵀ. The inverse of a PD matrix is PD,
+            # but fp rounding can still break the second factorisation: treat that as a failure too.
+            U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if int(info2) == 0 and bool(torch.isfinite(U).all()):
+                return Damped(Hd.float(), U.float(), pd, damp)
+        nxt = pd * 10 if pd > 0 else 1e-6
+        log.warning("%s: not positive definite with percdamp=%g; retrying with percdamp=%g", what, pd, nxt)
+        pd = nxt
+    raise ValueError(f"{what}: not positive definite even with percdamp={pd / 10:g}; calibration data degenerate?")
+
+
+def relative_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
+    """‖(W−Ŵ)X‖²/‖WX‖² computed through H ∝ XᵀX (the constant cancels). 0 when WX = 0 and Ŵ = W."""
+    E = (W.float() - W_hat.float()).to(torch.float64)
+    H64 = H.to(torch.float64)
+    num = float(((E @ H64) * E).sum())
+    W64 = W.to(torch.float64)
+    den = float(((W64 @ H64) * W64).sum())
+    if den <= 0:
+        return 0.0 if num <= 0 else float("inf")
+    return num / den
+
+
+def row_sets(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kept, pruned) column indices per row, ascending: [R, k], [R, C−k]. Every row keeps the same count
+    (each group keeps kept_per_group entries)."""
+    R, C = mask.shape
+    k = int(mask[0].sum())
+    if not bool((mask.sum(1) == k).all()):
+        raise ValueError("a masked reconstruction needs the same number of kept entries in every row")
+    kept = mask.nonzero()[:, 1].reshape(R, k)
+    pruned = (~mask).nonzero()[:, 1].reshape(R, C - k)
+    return kept, pruned
+
+
+def batched_masked_solve(H: torch.Tensor, rows_a: torch.Tensor, rows_b: torch.Tensor, rhs: torch.Tensor,
+                         budget: int = 1 << 26) -> torch.Tensor:
+    """Per row r: solve H[a_r, a_r] δ = H[a_r, b_r] rhs_r. rows_a [R, ka], rows_b [R, kb], rhs [R, kb]."""
+    R, ka = rows_a.shape
+    kb = rows_b.shape[1]
+    out = torch.zeros(R, ka, dtype=torch.float32, device=H.device)
+    if ka == 0 or kb == 0:
+        return out
+    step = max(1, budget // (ka * (ka + kb)))
+    H64 = H.to(torch.float64)  # the gathered systems are small; fp64 keeps ill-conditioned ones honest
+    for s in range(0, R, step):
+        a, b = rows_a[s:s + step], rows_b[s:s + step]
+        Haa = H64[a[:, :, None], a[:, None, :]]
+        Hab = H64[a[:, :, None], b[:, None, :]]
+        L, info = torch.linalg.cholesky_ex(Haa)
+        if bool((info != 0).any()):
+            raise ValueError("a kept-set block of the damped Hessian is not positive definite")
+        rhs_s = (Hab @ rhs[s:s + step, :, None].to(torch.float64))
+        out[s:s + step] = torch.cholesky_solve(rhs_s, L)[..., 0].float()
+    return out
+
+
+def masked_optimum(W: torch.Tensor, H: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """argmin over W' supported on mask of tr((W−W')H(W−W')ᵀ): per row, with kept set K and pruned set Z,
+    W'_K = W_K + H_KK⁻¹ H_KZ W_Z (the closed-form OBS update of OBR). H damped."""
+    kept, pruned = row_sets(mask)
+    delta = batched_masked_solve(H, kept, pruned, W.gather(1, pruned))
+    return (W * mask).scatter_add(1, kept, delta)

@@ -1,0 +1,124 @@
+"""OBR without rotation (Guo, Li, Benini 2025/26, "Optimal Brain Restoration for joint quantization and
+sparsification of LLMs"), in the target format.
+
+Per projection, with H the damped Hessian:
+1. Support: Wanda scores |W_ij|·‖X_j‖₂ (what OBR's code prunes with), best pattern of the format per group.
+2. Pruning compensation, row-wise closed-form OBS restricted to the kept set K (pruned set Z):
+       δ_K = H_KK⁻¹ H_KZ W_Z,  W' = (W + δ) ⊙ mask
+   the exact minimiser of ‖(W − W')X‖² over weights supported on K.
+3. Quantization compensation on a second partition: the kept columns are split by column order at
+   `alpha`·in (0.5); the first partition is rounded to nearest in the format (error e₁ = W'₁ − Q₁) and the
+   second absorbs it,   δ₂ = H₂₂⁻¹ H₂₁ e₁.
+4. The second partition is quantized: by GPTQ with the support fixed (OBR's default; `second_stage="gptq"`,
+   export-exact scales as in SGPTQ) or by RTN (`"rtn"`, OBR's --obr_rtn, which re-rounds the whole row).
+
+Each row has its own kept set, so steps 2-3 are batched solves over chunks of rows ([rows, k, k] systems
+gathered from H): no Python loop over rows.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import Format, QuantizedWeight
+from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn
+from .hessian import Damped, batched_masked_solve, damped_factor, expert_hessians, fix_dead, hessian, \
+    masked_optimum, relative_error, row_sets
+from .rtn import check_expert, fallback_no_tokens
+from .sparsegpt_gptq import SGPTQSolver
+from .wanda import wanda_scores
+
+
+def partition_point(C: int, fmt: Format, alpha: float) -> int:
+    """alpha·C rounded to whole groups and scale blocks, so no group or scale block straddles the split."""
+    unit = math.lcm(fmt.patterns.group, fmt.scale_block or 1)
+    return int(round(alpha * C / unit)) * unit
+
+
+@dataclass
+class OBR:
+    name: str = "obr"
+    percdamp: float = 0.01
+    alpha: float = 0.5
+    second_stage: str = "gptq"  # gptq | rtn
+    exact_scales: bool = True
+    blocksize: int = 128
+    hessian_weighting: str = "none"
+
+    def __post_init__(self):
+        if self.second_stage not in ("gptq", "rtn"):
+            raise ValueError(f"OBR second_stage must be 'gptq' or 'rtn', got {self.second_stage!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"OBR alpha must be in [0, 1], got {self.alpha}")
+
+    def quantize(self, Wc: torch.Tensor, fac: Damped, mask: torch.Tensor, fmt: Format,
+                 g: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:
+        """Steps 3-4 on the pruning-compensated Wc (`obr_compensate`). Returns (weight, latent)."""
+        C = Wc.shape[1]
+        Hd = fac.H
+        s = partition_point(C, fmt, self.alpha)
+        q0 = fmt.quantize(Wc, mask, g)  # RTN; its first partition is final
+        if 0 < s < C:
+            kept, _ = row_sets(mask)
+            k1 = int((kept[0] < s).sum())
+            k_first, k_second = kept[:, :k1], kept[:, k1:]
+            e1 = (Wc - q0.dequantize()).gather(1, k_first)
+            Wc = Wc.scatter_add(1, k_second, batched_masked_solve(Hd, k_second, k_first, e1))
+        if self.second_stage == "rtn" or s >= C:
+            q = fmt.quantize(Wc, mask, g)
+            return q, Wc
+        # GPTQ on the second partition: the trailing block of chol(H⁻¹) is chol(H₂₂⁻¹), the problem left once
+        # the first partition is fixed.
+        per_row = fmt.scale_block == 0
+        solver = SGPTQSolver(fmt, self.blocksize, exact_scales=self.exact_scales)
+        res = solver.solve(Wc[:, s:], fac.hinv_chol[s:, s:], g, mask=mask[:, s:],
+                           scales=q0.scales if per_row else None)
+        sb = fmt.scale_block
+        scales = q0.scales if per_row else torch.cat([q0.scales[:, : s // sb], res.scales], 1)
+        codes = torch.cat([q0.codes[:, :s], res.codes], 1)
+        latent = torch.cat([Wc[:, :s], res.latent], 1)
+        return QuantizedWeight(fmt.name, codes, scales, g.reshape(()), mask), latent
+
+    def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
+        check_expert(ex, fmt)
+        if ex.x.shape[0] == 0:
+            return fallback_no_tokens(ex, fmt, self.name)
+        h_in, h_mid = expert_hessians(ex, self.hessian_weighting)
+        hs = {"gate": h_in, "up": h_in, "down": h_mid}
+        inputs = {"gate": ex.x, "up": ex.x, "down": ex.dense_intermediate()}
+        fixed = {p: fix_dead(hs[p], getattr(ex, p).detach().float()) for p in PROJECTIONS}
+        fac_in = damped_factor(fixed["gate"][0], self.percdamp, what=f"expert {ex.index} gate/up Hessian")
+        fac_mid = damped_factor(fixed["down"][0], self.percdamp, what=f"expert {ex.index} down Hessian")
+        fac = {"gate": fac_in, "up": fac_in, "down": fac_mid}
+        W, masks, Wc = {}, {}, {}
+        for p in PROJECTIONS:
+            W[p] = fixed[p][1]
+            masks[p] = fmt.patterns.best_mask(wanda_scores(W[p], inputs[p], ex.w, self.hessian_weighting))
+            Wc[p] = masked_optimum(W[p], fac[p].H, masks[p])
+        g_gu = fmt.global_scale(Wc["gate"], Wc["up"])  # Wc is already masked
+        g_d = fmt.global_scale(Wc["down"])
+        q, latent = {}, {}
+        for p in PROJECTIONS:
+            q[p], latent[p] = self.quantize(Wc[p], fac[p], masks[p], fmt, g_d if p == "down" else g_gu)
+        if self.hessian_weighting != "none":  # report the plain, unweighted error like every method
+            hs = {"gate": hessian(ex.x), "down": hessian(inputs["down"])}
+            hs["up"] = hs["gate"]
+        info = {
+            "method": self.name,
+            "tokens": int(ex.x.shape[0]),
+            "percdamp": {"gate_up": fac_in.percdamp, "down": fac_mid.percdamp},
+            "damp": {"gate_up": fac_in.damp, "down": fac_mid.damp},
+            "second_stage": self.second_stage,
+            "rel_err": {p: relative_error(getattr(ex, p), q[p].dequantize(), hs[p]) for p in PROJECTIONS},
+        }
+        return CompressedExpert(q["gate"], q["up"], q["down"], latent=latent, info=info)
+
+    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+        out = []
+        for ex in experts:
+            out.append(self.compress_expert(ex, fmt))
+            if progress is not None:
+                progress(1)
+        return out

@@ -1,0 +1,61 @@
+"""Method names → Method objects: `get_method("sgptq", percdamp=0.1)`.
+
+Options are the fields of each method's dataclass; unknown options are refused with the list of valid
+ones, so a typo on the command line does not silently fall back to a default.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from .base import Method
+from .jsq import JSQ
+from .obr import OBR
+from .rtn import RTN, Magnitude
+from .sparsegpt_gptq import SGPTQ
+from .wanda import Wanda
+
+_FACTORIES: dict[str, tuple[Callable[..., Method], dict[str, Any]]] = {
+    "rtn": (RTN, {}),
+    "magnitude": (Magnitude, {}),
+    "wanda": (Wanda, {}),
+    "jsq": (JSQ, {}),
+    "obr": (OBR, {}),
+    "sgptq": (SGPTQ, {}),
+    # GPTQ is SGPTQ on a dense format; asking it for a sparse format is an error (see SGPTQ.dense_only).
+    "gptq": (SGPTQ, {"name": "gptq", "dense_only": True}),
+}
+
+METHODS: tuple[str, ...] = tuple(_FACTORIES)
+
+
+def register_method(name: str, factory: Callable[..., Method], **fixed: Any) -> None:
+    """Add a method (e.g. refinement) under `name`; `fixed` options are always passed to the factory."""
+    global METHODS
+    _FACTORIES[name] = (factory, fixed)
+    METHODS = tuple(_FACTORIES)
+
+
+def method_options(name: str) -> list[str]:
+    """The options `get_method(name, ...)` accepts."""
+    factory, fixed = _lookup(name)
+    if dataclasses.is_dataclass(factory):
+        return [f.name for f in dataclasses.fields(factory) if f.init and f.name not in fixed and f.name != "name"]
+    return []
+
+
+def _lookup(name: str):
+    try:
+        return _FACTORIES[name]
+    except KeyError:
+        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(_FACTORIES)}") from None
+
+
+def get_method(name: str, **options: Any) -> Method:
+    factory, fixed = _lookup(name)
+    valid = method_options(name)
+    bad = sorted(set(options) - set(valid)) if dataclasses.is_dataclass(factory) else []
+    if bad:
+        raise ValueError(f"method {name!r} has no option(s) {', '.join(bad)}; "
+                         f"valid options: {', '.join(valid) or '(none)'}")
+    return factory(**{**options, **fixed})

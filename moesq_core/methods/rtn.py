@@ -1,0 +1,98 @@
+"""Round-to-nearest baselines, and the RTN step every one-shot method ends in or falls back to.
+
+`rtn`: masks by |w| (the pattern keeping the largest summed magnitude per group; all-ones on dense formats),
+then round-to-nearest in the format. `magnitude` produces exactly the same weights: it is the name the
+paper's tables give to magnitude pruning + RTN on a sparse format (a sparsity-only variant cannot be
+expressed as a `QuantizedWeight`, whose values are always codes of the format). Both share one global scale
+between gate and up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..formats import Format, QuantizedWeight
+from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn
+from .hessian import expert_hessians, relative_error
+
+
+def check_expert(ex: ExpertData, fmt: Format) -> None:
+    """Shape/finite checks of all three projections and of the calibration inputs, with clear messages."""
+    for p in PROJECTIONS:
+        fmt.check_weight(getattr(ex, p), f"expert {ex.index} {p}_proj")
+    I, H = ex.gate.shape
+    if ex.up.shape != (I, H) or ex.down.shape != (H, I):
+        raise ValueError(
+            f"expert {ex.index}: inconsistent shapes gate {tuple(ex.gate.shape)}, up {tuple(ex.up.shape)}, "
+            f"down {tuple(ex.down.shape)} (expected [I, H], [I, H], [H, I])"
+        )
+    if ex.x.dim() != 2 or ex.x.shape[1] != H:
+        raise ValueError(f"expert {ex.index}: calibration inputs have shape {tuple(ex.x.shape)}, expected [n, {H}]")
+    if ex.x.numel() and not bool(torch.isfinite(ex.x).all()):
+        raise ValueError(f"expert {ex.index}: non-finite calibration inputs")
+
+
+def quantize_masked(fmt: Format, weights: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+    """RTN of gate/up/down under given masks; gate and up share one global scale from their masked weights."""
+    g = fmt.global_scale(weights["gate"] * masks["gate"], weights["up"] * masks["up"])
+    return {
+        "gate": fmt.quantize(weights["gate"], masks["gate"], g),
+        "up": fmt.quantize(weights["up"], masks["up"], g),
+        "down": fmt.quantize(weights["down"], masks["down"]),
+    }
+
+
+def reconstruction_errors(ex: ExpertData, q: dict[str, QuantizedWeight], weighting: str = "none",
+                          hessians: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
+    """‖(W−Ŵ)X‖²/‖WX‖² per projection (down against the dense SwiGLU intermediate); {} without tokens."""
+    if ex.x.shape[0] == 0:
+        return {}
+    h_in, h_mid = hessians if hessians is not None else expert_hessians(ex, weighting)
+    hs = {"gate": h_in, "up": h_in, "down": h_mid}
+    return {p: relative_error(getattr(ex, p), q[p].dequantize(), hs[p]) for p in PROJECTIONS}
+
+
+def rtn_expert(ex: ExpertData, fmt: Format, masks: dict[str, torch.Tensor] | None = None,
+               info: dict[str, Any] | None = None, report_errors: bool = True) -> CompressedExpert:
+    """RTN with the given masks (magnitude masks by default); the latent is the dense weights themselves."""
+    w = {p: getattr(ex, p).detach().float() for p in PROJECTIONS}
+    if masks is None:
+        masks = {p: fmt.magnitude_mask(w[p]) for p in PROJECTIONS}
+    q = quantize_masked(fmt, w, masks)
+    info = dict(info or {})
+    info.setdefault("tokens", int(ex.x.shape[0]))
+    if report_errors:
+        info["rel_err"] = reconstruction_errors(ex, q)
+    return CompressedExpert(q["gate"], q["up"], q["down"], latent={p: w[p].clone() for p in PROJECTIONS}, info=info)
+
+
+def fallback_no_tokens(ex: ExpertData, fmt: Format, method: str) -> CompressedExpert:
+    """Experts no calibration token reached have no Hessian and no activation statistics: RTN with
+    magnitude masks is the only data-free choice. Recorded in info so the log shows it."""
+    return rtn_expert(ex, fmt, info={"method": method, "fallback": "rtn-magnitude (no routed tokens)"}, report_errors=False)
+
+
+@dataclass
+class RTN:
+    """Magnitude masks + round-to-nearest in the format (dense formats: plain RTN)."""
+
+    name: str = "rtn"
+    report_errors: bool = True
+
+    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+        out = []
+        for ex in experts:
+            check_expert(ex, fmt)
+            out.append(rtn_expert(ex, fmt, info={"method": self.name}, report_errors=self.report_errors))
+            if progress is not None:
+                progress(1)
+        return out
+
+
+@dataclass
+class Magnitude(RTN):
+    """Alias of `rtn` under the name the paper's tables use for magnitude pruning + RTN."""
+
+    name: str = "magnitude"

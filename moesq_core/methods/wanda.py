@@ -1,0 +1,45 @@
+"""Wanda (Sun et al. 2023): prune by |W_ij|·‖X_j‖₂, pick each group's pattern by that score, then RTN.
+
+No weight update. gate and up are scored with the tokens routed to the expert, down with the dense SwiGLU
+intermediate. ‖X_j‖₂² is the diagonal of the (optionally router-weighted) Hessian up to a constant, so
+`hessian_weighting` applies here too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import Format
+from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn
+from .hessian import input_sq_norms
+from .rtn import check_expert, fallback_no_tokens, rtn_expert
+
+
+def wanda_scores(W: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = None, weighting: str = "none") -> torch.Tensor:
+    """|W_ij|·‖X_j‖₂ for W [out, in], x [n, in]."""
+    return W.detach().float().abs() * input_sq_norms(x, w, weighting).sqrt()[None, :]
+
+
+@dataclass
+class Wanda:
+    name: str = "wanda"
+    hessian_weighting: str = "none"
+    report_errors: bool = True
+
+    def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
+        check_expert(ex, fmt)
+        if ex.x.shape[0] == 0:
+            return fallback_no_tokens(ex, fmt, self.name)
+        inputs = {"gate": ex.x, "up": ex.x, "down": ex.dense_intermediate()}
+        masks = {p: fmt.patterns.best_mask(wanda_scores(getattr(ex, p), inputs[p], ex.w, self.hessian_weighting))
+                 for p in PROJECTIONS}
+        return rtn_expert(ex, fmt, masks, info={"method": self.name}, report_errors=self.report_errors)
+
+    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+        out = []
+        for ex in experts:
+            out.append(self.compress_expert(ex, fmt))
+            if progress is not None:
+                progress(1)
+        return out
