@@ -29,6 +29,7 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
     (config.json with quantization_config.moesq) is one target; any other model dir is a reference."""
     out: list[EvalTarget] = []
     seen = set()
+    several_workdirs = sum((Path(t) / "manifest.json").is_file() for t in targets) > 1
 
     def add(t: EvalTarget):
         if t.key not in seen:
@@ -46,7 +47,7 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
                 if s not in done:
                     raise ValueError(f"stage {s!r} is not finished in {p} (finished: {', '.join(done) or 'none'})")
                 label = s.removeprefix("init-")
-                add(EvalTarget(label if len(targets) == 1 else f"{p.name}:{label}", "stage", str(p), s))
+                add(EvalTarget(f"{p.name}:{label}" if several_workdirs else label, "stage", str(p), s))
         elif (p / "config.json").is_file():
             cfg = json.loads((p / "config.json").read_text())
             if "moesq" in (cfg.get("quantization_config") or {}):

@@ -1,0 +1,98 @@
+"""pack → verify → load: the packed model's logits equal the fake-quantized work-dir model's; bad packed
+dirs get clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moesq_core.calibration import CalibConfig, build_calibration, read_documents
+from moesq_core.checkpoint.export import export_packed
+from moesq_core.checkpoint.loader import load_packed, load_workdir_model
+from moesq_core.checkpoint.verify import verify_packed_dir
+from moesq_core.engine import StageSpec, run_stage
+from moesq_core.formats import get_format
+from moesq_core.methods.rtn import RTN
+from moesq_core.models import load_model
+from moesq_core.workdir import WorkDir, model_fingerprint
+
+from conftest import CALIB_TEXT
+
+
+@pytest.fixture(scope="module", params=["p48-nvfp4", "s24-fp8"])
+def packed(request, micro_path, tmp_path_factory):
+    fmt = request.param
+    root = tmp_path_factory.mktemp(f"wd-{fmt}")
+    model, tok, adapter, path = load_model(micro_path)
+    calib = build_calibration(tok, read_documents(CALIB_TEXT, max_chars=300_000), CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
+    wd = WorkDir(root / "wd")
+    wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": fmt, "act_quant": True})
+    run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(fmt), lambda li: RTN(), {"method": "rtn"}, batch_size=4), wd)
+    out = root / "packed"
+    summary = export_packed(wd, "init-rtn", out, max_shard_bytes=3 << 20)  # several shards + an index
+    return fmt, wd, out, summary, tok
+
+
+def test_packed_dir_layout_and_verify(packed):
+    fmt, wd, out, summary, tok = packed
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["moesq"]["format"] == fmt
+    assert "model.layers.0.self_attn.q_proj" in qc["ignore"] and "model.layers.0.mlp.gate" in qc["ignore"]
+    if fmt == "p48-nvfp4":
+        assert qc["paired48_sparse"] == {"layout": "pair-bitmask", "version": 1} and qc["group_size"] == 32
+        # 2.75 bits per weight + one fp32 global scale per linear (128x192 here)
+        assert summary["bits_per_weight"] == pytest.approx(2.75 + 32 / (128 * 192))
+    assert (out / "model.safetensors.index.json").is_file() and summary["shards"] > 1
+    assert (out / "tokenizer.json").is_file() and "bits per weight" in (out / "README.md").read_text()
+    report = verify_packed_dir(out)
+    assert report.ok, report.first_error
+
+
+@torch.no_grad()
+def test_packed_logits_match_fake_quantized(packed):
+    fmt, wd, out, summary, tok = packed
+    ids = tok("Memory barriers order loads and stores across CPUs. " * 4, return_tensors="pt")["input_ids"]
+    fake, _ = load_workdir_model(wd.root, "init-rtn")
+    real, tok2 = load_packed(out)
+    assert tok2 is not None
+    a, b = fake(input_ids=ids).logits, real(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5), (a - b).abs().max()
+
+
+def test_packed_load_errors(packed, tmp_path):
+    fmt, wd, out, summary, tok = packed
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_packed(tmp_path)
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    shard = sorted(bad.glob("model-*.safetensors"))[-1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(ValueError, match="truncated"):
+        load_packed(bad)
+    report = verify_packed_dir(bad)
+    assert not report.ok and shard.name in str(report.first_error)
+
+
+def test_pack_refuses_unfinished_stage_and_existing_output(packed, tmp_path):
+    fmt, wd, out, summary, tok = packed
+    from moesq_core.workdir import WorkDirError
+
+    with pytest.raises(WorkDirError, match="not finished"):
+        export_packed(wd, "refine", tmp_path / "x")
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_packed(wd, "init-rtn", out)
+
+
+def test_push_to_hub_without_network_keeps_local_dir(packed, monkeypatch):
+    fmt, wd, out, summary, tok = packed
+    from moesq_core.checkpoint.export import push_to_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    before = sorted(p.name for p in out.iterdir())
+    with pytest.raises(RuntimeError, match="packed model is intact"):
+        push_to_hub(out, "someone/moesq-test", token="hf_invalid")
+    assert sorted(p.name for p in out.iterdir()) == before
