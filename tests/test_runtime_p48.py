@@ -198,15 +198,17 @@ def test_gpu_micro_model_logits(act_quant):
             want = cpu(ids).logits
         else:
             want = dense_ref
-    gpu = _load_micro("cuda", torch.bfloat16)
+    # W4A16 serves the bf16 model; W4A4 runs the model in fp32 so the quantized activations see the same
+    # inputs as the CPU reference (in bf16, input differences flip E2M1 codes and are amplified layer by layer)
+    dtype = torch.float32 if act_quant else torch.bfloat16
+    gpu = _load_micro("cuda", dtype)
     with torch.no_grad():
         for layer, p in zip(gpu.model.layers, packed):
             layer.mlp.experts = P48HopperExperts.from_packed(p, act_quant=act_quant, device="cuda")
             assert not layer.mlp.experts.reference
         got = gpu(ids.cuda()).logits.float().cpu()
     rel = ((got - want).norm() / want.norm()).item()
-    # bf16 model (attention, norms, residuals in bf16) against the fp32 reference
-    assert rel < 3e-2, rel
+    assert rel < (1e-2 if act_quant else 3e-2), rel
     top_agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
     assert top_agree > 0.9, top_agree
 

@@ -341,3 +341,70 @@ def plot(result: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------ tile sweep
+
+SMALL_CANDIDATES = [(128, 128, 4, 3, 0), (128, 128, 4, 3, 1), (128, 128, 8, 3, 1), (64, 128, 4, 3, 1),
+                    (64, 256, 4, 3, 1), (128, 256, 8, 3, 1), (64, 256, 8, 3, 1), (64, 128, 4, 1, 1),
+                    (64, 64, 4, 3, 1), (128, 64, 4, 3, 1)]
+LARGE_CANDIDATES = [(128, 128, 8, 3, 1), (64, 128, 4, 3, 1), (64, 128, 8, 3, 1), (128, 64, 8, 3, 1),
+                    (64, 64, 4, 3, 1), (128, 128, 8, 3, 0)]
+SWEEP_CASES = [(1536, 2048, 128, 16), (2048, 768, 128, 16), (4096, 7168, 48, 16),
+               (1536, 2048, 128, 128), (7168, 2048, 48, 128)]
+
+
+def sweep_tiles(cases=SWEEP_CASES, small=SMALL_CANDIDATES, large=LARGE_CANDIDATES, repeats: int = 20,
+                log=print) -> dict:
+    """Time the W4A16 GEMM for each candidate tile (BM, BK, warps, stages, prefetch) on each case (M, K, G, N);
+    each candidate is first checked against p48_reference. Returns {"rows": [...], "best": {"small": ..., "large":
+    ...}, "env": MOESQ_P48_TILES value}; small = N <= 32 cases, large = the rest (geometric mean of times)."""
+    from ..kernels import p48_triton as pt
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    rows = []
+    for M, K, G, N in cases:
+        prob = Problem(M, K, token_counts(N, G), 0)
+        gen = torch.Generator(device=device).manual_seed(M * 31 + K * 17 + G * 7 + N)
+        ours = P48Bench(prob, gen, device)
+        ours.add_copy()
+        while len(ours.copies) < copies_for(ours.weight_bytes):
+            ours.add_copy()
+        base = ours.config
+        regime = "small" if base.BN <= 32 else "large"
+        for cand in (small if regime == "small" else large):
+            bm, bk, warps, stages, pf = cand
+            ours.config = pt.GemmConfig(bm, base.BN, bk, base.split, warps, stages, bool(pf))
+            rec = {"M": M, "K": K, "G": G, "N": N, "regime": regime, "tile": list(cand)}
+            try:
+                stats: dict = {}
+                ours.call(ours.copies[0], False, True)()
+                pt.p48_gemm_rows(ours.xr, ours.copies[0], ours.row_start, ours.counts,
+                                 1.0 / ours.copies[0].global_scale, ours.out, ours.config, True, stats)
+                rec.update(stats)
+                rec["verify_rel_err"] = ours.verify(False, True)
+                if not rec["verify_rel_err"] < 1e-2:
+                    rec["error"] = "verification failed"
+                else:
+                    t = graph_time([ours.call(w, False, True) for w in ours.copies], repeats)
+                    rec["us"] = round(t.median_us, 2)
+                    rec["TBps"] = round(ours.weight_bytes / (t.median_us * 1e-6) / 1e12, 3)
+            except Exception as e:
+                rec["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(rec)
+            log(f"sweep M={M} K={K} G={G} N={N} tile={cand} -> {rec.get('us')} us {rec.get('TBps')} TB/s "
+                f"regs={rec.get('n_regs')} spills={rec.get('n_spills')} smem={rec.get('shared')} {rec.get('error', '')}")
+        del ours
+        _free()
+    best = {}
+    for regime in ("small", "large"):
+        scores = {}
+        for cand in (small if regime == "small" else large):
+            ts = [r["us"] for r in rows if r["regime"] == regime and r["tile"] == list(cand)]
+            n_cases = len({(r["M"], r["K"], r["N"]) for r in rows if r["regime"] == regime})
+            if ts and len(ts) == n_cases:
+                scores[cand] = _geomean(ts)
+        if scores:
+            best[regime] = min(scores, key=scores.get)
+    env = ";".join(f"{k}:{','.join(str(int(v)) for v in t)}" for k, t in best.items())
+    return {"rows": rows, "best": {k: list(v) for k, v in best.items()}, "env": env}

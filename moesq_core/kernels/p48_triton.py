@@ -297,12 +297,48 @@ if HAS_TRITON:
         return tl.join(s0, s1)
 
     @triton.jit
+    def _load_wtile(w_base, mb_base, s_base, k0, m_ok, sg, blk, n_sg, n_blk, ok):
+        """Packed words [BM, NSG] (int32), mask bytes [BM, NSG] and e4m3 scale bytes [BM, NB] of the K tile at k0."""
+        sgi = k0 // 16 + sg
+        wmask = m_ok[:, None] & (sgi < n_sg)[None, :] & ok
+        wv = tl.load(w_base + sgi[None, :], mask=wmask, other=0)
+        mb = tl.load(mb_base + sgi[None, :], mask=wmask, other=0)
+        bi = k0 // 32 + blk
+        sb = tl.load(s_base + bi[None, :], mask=m_ok[:, None] & (bi < n_blk)[None, :] & ok, other=0)
+        return wv, mb, sb
+
+    @triton.jit
+    def _expand_tile(wv, mb, sb, lut_ptr, BM: tl.constexpr, NSG: tl.constexpr, USE_ASM: tl.constexpr):
+        """-> [BM, NSG, 2, 2, 2, 2] bf16 values code*s_hat*2^-7 in PERM order per 16-column slice."""
+        wv = wv.to(tl.uint32, bitcast=True)
+        mb = mb.to(tl.uint32)
+        la = tl.load(lut_ptr + (mb & 15)).to(tl.uint32, bitcast=True)
+        lb = tl.load(lut_ptr + 16 + (mb >> 4)).to(tl.uint32, bitcast=True)
+        sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sf = tl.reshape(tl.join(sf, sf), (BM, NSG))
+        if USE_ASM:
+            s16 = (sf * 6.646139978924579e35).to(tl.bfloat16)  # s_hat * 2^119, exact
+            s16 = s16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            s2 = (s16 | (s16 << 16)).to(tl.uint32, bitcast=True)
+            o = tl.inline_asm_elementwise(
+                asm=EXPAND_ASM_C,
+                constraints="=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r",
+                args=[wv, la, lb, s2], dtype=(tl.int16,) * 16, is_pure=True, pack=1)
+            t = _join16(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7],
+                        o[8], o[9], o[10], o[11], o[12], o[13], o[14], o[15]).to(tl.bfloat16, bitcast=True)
+        else:
+            o = _expand_plain(wv, la, lb, sf * 0.0078125)
+            t = _join16(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7],
+                        o[8], o[9], o[10], o[11], o[12], o[13], o[14], o[15])
+        return t
+
+    @triton.jit
     def _p48_gemm_kernel(
         x_ptr, w_ptr, m_ptr, s_ptr, lut_ptr, alpha_ptr, row_start_ptr, count_ptr, out_ptr,
         M, K, stride_xr, stride_or,
         stride_we, stride_wm, stride_me, stride_mm, stride_se, stride_sm,
         SPLIT, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-        USE_ASM: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr,
+        USE_ASM: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_F32: tl.constexpr, PREFETCH: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         e = tl.program_id(1)
@@ -334,32 +370,17 @@ if HAS_TRITON:
             n_ok = offs_n < cnt
             rows = row0 + offs_n
             acc = tl.zeros((BM, BN), dtype=tl.float32)
+            # PREFETCH: the next K tile's packed words, mask bytes and scales are loaded while this one is
+            # expanded and multiplied (register double buffering; Triton does not pipeline these loads).
+            wv, mb, sb = _load_wtile(w_base, mb_base, s_base, k_lo, m_ok, sg, blk, n_sg, n_blk, PREFETCH & (per > 0))
             for ki in tl.range(0, per, num_stages=NUM_STAGES):
                 k0 = k_lo + ki * BK
-                sgi = k0 // 16 + sg
-                wmask = m_ok[:, None] & (sgi < n_sg)[None, :]
-                wv = tl.load(w_base + sgi[None, :], mask=wmask, other=0).to(tl.uint32, bitcast=True)
-                mb = tl.load(mb_base + sgi[None, :], mask=wmask, other=0).to(tl.uint32)
-                bi = k0 // 32 + blk
-                sb = tl.load(s_base + bi[None, :], mask=m_ok[:, None] & (bi < n_blk)[None, :], other=0)
-                la = tl.load(lut_ptr + (mb & 15)).to(tl.uint32, bitcast=True)
-                lb = tl.load(lut_ptr + 16 + (mb >> 4)).to(tl.uint32, bitcast=True)
-                sf = sb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                sf = tl.reshape(tl.join(sf, sf), (BM, NSG))
-                if USE_ASM:
-                    s16 = (sf * 6.646139978924579e35).to(tl.bfloat16)  # s_hat * 2^119, exact
-                    s16 = s16.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-                    s2 = (s16 | (s16 << 16)).to(tl.uint32, bitcast=True)
-                    o = tl.inline_asm_elementwise(
-                        asm=EXPAND_ASM_C,
-                        constraints="=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r",
-                        args=[wv, la, lb, s2], dtype=(tl.int16,) * 16, is_pure=True, pack=1)
-                    t = _join16(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7],
-                                o[8], o[9], o[10], o[11], o[12], o[13], o[14], o[15]).to(tl.bfloat16, bitcast=True)
+                if PREFETCH:
+                    wv_n, mb_n, sb_n = _load_wtile(w_base, mb_base, s_base, k0 + BK, m_ok, sg, blk, n_sg, n_blk,
+                                                   ki + 1 < per)
                 else:
-                    o = _expand_plain(wv, la, lb, sf * 0.0078125)
-                    t = _join16(o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7],
-                                o[8], o[9], o[10], o[11], o[12], o[13], o[14], o[15])
+                    wv, mb, sb = _load_wtile(w_base, mb_base, s_base, k0, m_ok, sg, blk, n_sg, n_blk, ki < per)
+                t = _expand_tile(wv, mb, sb, lut_ptr, BM, NSG, USE_ASM)
                 wt = tl.reshape(t, (BM, BK))
                 kx = k0 + kperm
                 xt = tl.load(x_ptr + rows[None, :] * stride_xr + kx[:, None],
@@ -368,6 +389,8 @@ if HAS_TRITON:
                     acc = tl.dot(wt.to(tl.float32), xt.to(tl.bfloat16).to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(wt, xt.to(tl.bfloat16), acc)
+                if PREFETCH:
+                    wv, mb, sb = wv_n, mb_n, sb_n
             acc = acc * alpha
             optrs = out_ptr + rows[None, :] * stride_or + offs_m[:, None]
             omask = m_ok[:, None] & n_ok[None, :]
@@ -520,6 +543,7 @@ class GemmConfig:
     split: int
     num_warps: int
     num_stages: int
+    prefetch: bool = True
 
 
 def _num_sms(device: torch.device) -> int:
@@ -528,11 +552,27 @@ def _num_sms(device: torch.device) -> int:
     return 132
 
 
+# Tile shapes per regime (BN <= 32: decode; larger: prefill), as (BM, BK, num_warps, num_stages, prefetch).
+# MOESQ_P48_TILES="small:BM,BK,warps,stages,prefetch;large:..." overrides them (used by the tuning sweep).
+DEFAULT_TILES = {"small": (128, 128, 4, 3, True), "large": (128, 128, 8, 3, True)}
+
+
+def _tiles() -> dict[str, tuple[int, int, int, int, bool]]:
+    tiles = dict(DEFAULT_TILES)
+    spec = os.environ.get("MOESQ_P48_TILES", "").strip()
+    for part in filter(None, spec.split(";")):
+        name, vals = part.split(":")
+        bm, bk, warps, stages, pf = (int(v) for v in vals.split(","))
+        tiles[name.strip()] = (bm, bk, warps, stages, bool(pf))
+    return tiles
+
+
 def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, device: torch.device) -> GemmConfig:
     """Tile shape from the (host-known, static) problem size; split K when too few programs have work."""
     BN = 16 if rows_per_expert <= 16 else 32 if rows_per_expert <= 32 else 64 if rows_per_expert <= 64 else 128
-    BM = 128 if M >= 128 else 64
-    BK = 128
+    BM, BK, num_warps, num_stages, prefetch = _tiles()["small" if BN <= 32 else "large"]
+    while BM > 64 and BM > M:
+        BM //= 2
     m_tiles = math.ceil(M / BM)
     programs = max(1, active_experts) * m_tiles
     target = 2 * _num_sms(device)
@@ -540,12 +580,12 @@ def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, dev
     split = 1
     if programs < target:
         split = max(1, min(nk, math.ceil(target / programs), 8))
-    num_warps = 8 if BN >= 128 else 4
-    return GemmConfig(BM, BN, BK, split, num_warps, 3)
+    return GemmConfig(BM, BN, BK, split, num_warps, num_stages, prefetch)
 
 
 def p48_gemm_rows(x: torch.Tensor, w: P48GemmWeights, row_start: torch.Tensor, counts: torch.Tensor,
-                  alpha: torch.Tensor, out: torch.Tensor, config: GemmConfig, use_asm: bool | None = None) -> torch.Tensor:
+                  alpha: torch.Tensor, out: torch.Tensor, config: GemmConfig, use_asm: bool | None = None,
+                  stats: dict | None = None) -> torch.Tensor:
     """Grouped GEMM over expert row segments: for each expert e, rows row_start[e] .. row_start[e]+counts[e]
     of x [R, K] (bf16) times w[e]^T, scaled by alpha[e] (the 2^7 of the expansion is folded in here), into
     out [R, M] (float32 when config.split > 1; then out must be zero-initialised). No host synchronisation."""
@@ -563,13 +603,15 @@ def p48_gemm_rows(x: torch.Tensor, w: P48GemmWeights, row_start: torch.Tensor, c
         raise ValueError("x and out need a contiguous last dimension")
     E, M = w.num_experts, w.out_features
     grid = (triton.cdiv(M, config.BM), E, config.split)
-    _p48_gemm_kernel[grid](
+    kernel = _p48_gemm_kernel[grid](
         x, w.words, w.mask, w.scale, _lut(x.device), (alpha.float() * ALPHA_FOLD).contiguous(),
         row_start, counts, out, M, K, x.stride(0), out.stride(0),
         w.words.stride(0), w.words.stride(1), w.mask.stride(0), w.mask.stride(1), w.scale.stride(0), w.scale.stride(1),
         config.split, BM=config.BM, BN=config.BN, BK=config.BK, USE_ASM=use_asm,
-        NUM_STAGES=config.num_stages, DOT_F32=INTERPRET, num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages, DOT_F32=INTERPRET, PREFETCH=config.prefetch, num_warps=config.num_warps,
     )
+    if stats is not None and hasattr(kernel, "n_regs"):
+        stats.update(n_regs=kernel.n_regs, n_spills=kernel.n_spills, shared=getattr(kernel.metadata, "shared", None))
     return out
 
 
