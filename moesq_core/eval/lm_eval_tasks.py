@@ -223,10 +223,10 @@ def _unreadable_yamls(d: Path) -> list[str]:
     return bad
 
 
-def _unknown_task_error(name: str, tm, tasks_dir: Path | None) -> ValueError:
+def _unknown_task_error(name: str, known: Iterable[str], tasks_dir: Path | None) -> ValueError:
     lines = [f"unknown task {name!r}: not an lm-eval task, group or tag"
              + (f", and not defined in tasks dir {tasks_dir}" if tasks_dir else "") + "."]
-    close = difflib.get_close_matches(name, tm.all_tasks, n=5, cutoff=0.75)
+    close = difflib.get_close_matches(name, sorted(set(known)), n=5, cutoff=0.75)
     if close:
         lines.append("Did you mean: " + ", ".join(close) + "?")
     lines.append(f"Presets: {', '.join(PRESETS)}. Offline task shipped with moesq: {OFFLINE_TASK!r}. Your own "
@@ -250,9 +250,12 @@ def _fingerprint(entry, local_dirs: Sequence[Path]) -> str:
         return f"lm-eval {lm_eval.__version__}"
     folder = Path(entry.yaml_path).resolve().parent
     h = hashlib.sha256()
-    for p in sorted(folder.iterdir()):
+    for p in sorted(folder.rglob("*")):
         if p.is_file() and p.suffix in {".yaml", ".yml", ".json", ".jsonl", ".py", ".csv", ".parquet", ".txt"}:
-            h.update(p.name.encode() + b"\0" + p.read_bytes())
+            st = p.stat()
+            h.update(str(p.relative_to(folder)).encode() + b"\0")
+            # Content for task-sized files; size and mtime stand in for huge ones.
+            h.update(p.read_bytes() if st.st_size <= 64 << 20 else f"{st.st_size}:{st.st_mtime_ns}".encode())
     return h.hexdigest()[:16]
 
 
@@ -322,16 +325,34 @@ def _dataset_paths(entry, tm) -> list[str]:
     return sorted(set(out))
 
 
-def _expand_tags(requests: list[TaskRequest], tm) -> list[TaskRequest]:
-    """A tag (e.g. moesq_offline) is only a list of tasks: run and report each member on its own."""
+def _locate(name: str, local_dirs: tuple[Path, ...], user_dir: Path | None):
+    """The TaskManager that knows `name`: the local dirs first (they override lm-eval's tasks, as in lm-eval),
+    then lm-eval's built-ins, indexed once per process and shared by every tasks dir."""
     from lm_eval.tasks._index import Kind
 
-    out: dict[str, TaskRequest] = {}
+    tm = _task_manager(local_dirs, with_defaults=False)
+    entry = tm.task_index.get(name)
+    if entry is not None:
+        # A local group may list lm-eval tasks among its members: build it with both indexes.
+        return _task_manager(local_dirs, with_defaults=True) if entry.kind == Kind.GROUP else tm
+    defaults = _task_manager((), with_defaults=True)
+    if name in defaults.task_index:
+        return defaults
+    raise _unknown_task_error(name, [*tm.all_tasks, *defaults.all_tasks], user_dir)
+
+
+def _expand_tags(requests: list[TaskRequest], local_dirs: tuple[Path, ...], user_dir: Path | None):
+    """[(request, task manager)]; a tag (e.g. moesq_offline) is only a list of tasks: each member runs and is
+    reported on its own."""
+    from lm_eval.tasks._index import Kind
+
+    out: dict[str, tuple[TaskRequest, Any]] = {}
     for r in requests:
+        tm = _locate(r.name, local_dirs, user_dir)
         entry = tm.task_index[r.name]
         names = sorted(entry.tags) if entry.kind == Kind.TAG else [r.name]
         for name in names:
-            out.setdefault(name, TaskRequest(name, r.num_fewshot))
+            out.setdefault(name, (TaskRequest(name, r.num_fewshot), tm))
     return list(out.values())
 
 
@@ -519,6 +540,7 @@ def evaluate_tasks(
     cache_dir: str | os.PathLike | None = None,
     progress: Callable[[ProgressEvent], None] | None = None,
     bootstrap_iters: int = 1000,
+    model_id: str | None = None,
 ) -> TaskResults:
     """Run lm-eval tasks on an in-memory model.
 
@@ -528,7 +550,8 @@ def evaluate_tasks(
     task (an int, or a fraction < 1; for quick checks: results on a limit are not comparable to full runs).
     num_fewshot: overrides the preset/task default (a task whose YAML pins 0 shots keeps 0, as in lm-eval).
     seed: python, numpy, torch and few-shot sampling seeds. cache_dir: per-task JSON results; finished tasks
-    are read back instead of rerun. bootstrap_iters: for stderr of non-mean metrics (lm-eval's default is
+    are read back instead of rerun. model_id: identity of the weights for the cache key when the label alone
+    does not pin them (e.g. checksums of a work dir stage; a changed stage then reruns). bootstrap_iters: for stderr of non-mean metrics (lm-eval's default is
     100000, slow on CPU; means use a closed form anyway).
 
     Raises ValueError for unknown tasks or bad arguments, FileNotFoundError/NotADirectoryError/PermissionError
@@ -556,13 +579,9 @@ def evaluate_tasks(
     requests = resolve_tasks(tasks, num_fewshot)
     user_dir = check_tasks_dir(tasks_dir) if tasks_dir is not None else None
     local_dirs = (BUILTIN_TASKS_DIR,) + ((user_dir,) if user_dir else ())
-    tm = _task_manager(local_dirs, with_defaults=False)
-    if any(r.name not in tm.task_index for r in requests):
-        tm = _task_manager(local_dirs, with_defaults=True)
-    for r in requests:
-        if r.name not in tm.task_index:
-            raise _unknown_task_error(r.name, tm, user_dir)
-    requests = _expand_tags(requests, tm)
+    located = _expand_tags(requests, local_dirs, user_dir)
+    requests = [r for r, _ in located]
+    managers = {r.name: tm for r, tm in located}
 
     import lm_eval
     import torch
@@ -570,6 +589,7 @@ def evaluate_tasks(
 
     config = {
         "label": label,
+        "model_id": model_id,
         "tasks": [{"task": r.name, "num_fewshot": r.num_fewshot} for r in requests],
         "limit": limit,
         "seed": seed,
@@ -585,9 +605,9 @@ def evaluate_tasks(
 
     keys, paths, results = {}, {}, {}
     for r in requests:
-        keys[r.name] = {"cache_version": CACHE_VERSION, "label": label, "task": r.name,
+        keys[r.name] = {"cache_version": CACHE_VERSION, "label": label, "model_id": model_id, "task": r.name,
                         "num_fewshot": r.num_fewshot, "limit": limit, "seed": seed,
-                        "task_fingerprint": _fingerprint(tm.task_index[r.name], local_dirs)}
+                        "task_fingerprint": _fingerprint(managers[r.name].task_index[r.name], local_dirs)}
         if cache_dir is not None:
             paths[r.name] = _cache_path(Path(cache_dir), keys[r.name])
             hit = _read_cached(paths[r.name], keys[r.name])
@@ -596,7 +616,8 @@ def evaluate_tasks(
 
     # Build every task still to run before running any: a missing dataset fails in seconds, not after hours.
     offline = _offline_requested()
-    built = {r.name: _build_task(r.name, tm, local_dirs, offline) for r in requests if r.name not in results}
+    built = {r.name: _build_task(r.name, managers[r.name], local_dirs, offline)
+             for r in requests if r.name not in results}
 
     lm = None
     if built:
@@ -622,7 +643,7 @@ def evaluate_tasks(
             _install_progress(lm, emit, chunk=max(128, 32 * (batch_size if isinstance(batch_size, int) else 8)))
         t0 = time.perf_counter()
         res = lm_eval.simple_evaluate(
-            model=lm, tasks=built[r.name], task_manager=tm, num_fewshot=r.num_fewshot, limit=limit,
+            model=lm, tasks=built[r.name], task_manager=managers[r.name], num_fewshot=r.num_fewshot, limit=limit,
             bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,
             torch_random_seed=seed, fewshot_random_seed=seed,
         )
