@@ -16,6 +16,7 @@ import datetime as _dt
 import gc
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -59,6 +60,9 @@ def _named_shapes(shapes: list[tuple[int, int]] | None) -> list[tuple[str, int, 
 
 
 def git_commit() -> str:
+    """HEAD of the checkout (+"-dirty"), or $MOESQ_COMMIT where the tree was copied without .git (device runs)."""
+    if os.environ.get("MOESQ_COMMIT"):
+        return os.environ["MOESQ_COMMIT"]
     try:
         sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
                              check=True).stdout.strip()
@@ -353,6 +357,27 @@ def heatmap(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def merge_results(paths: list[Path], out_dir: Path, prefix: str = "s24_fp8") -> dict:
+    """Join sweeps made in several device calls (same kernel build) into one result; later rows replace earlier
+    rows of the same (shape, G, N). Writes the JSON, Markdown and PNG like bench_s24."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    merged = dict(parts[0])
+    rows: dict[tuple, dict] = {}
+    for part in parts:
+        for r in part["rows"]:
+            rows[(r["shape"], r["G"], r["N"])] = r
+    order = {name: i for i, name in enumerate(PAPER_SHAPES)}
+    merged["rows"] = sorted(rows.values(), key=lambda r: (order.get(r["shape"], 99), r["shape"], r["G"], r["N"]))
+    merged["runs"] = [{"date": p["date"], "commit": p["commit"], "gpu": p["gpu"], "rows": len(p["rows"])} for p in parts]
+    merged["targets"] = targets(merged["rows"])
+    merged["targets_fast_accum"] = targets(merged["rows"], "s24_fp8_fast_accum")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{prefix}_kernel_bench.json").write_text(json.dumps(merged, indent=1))
+    (out_dir / f"{prefix}_kernel_bench.md").write_text(markdown(merged))
+    heatmap(merged, out_dir / f"{prefix}_kernel_bench.png")
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moesq_core.bench.kernel_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--fmt", default="s24-fp8")
@@ -361,7 +386,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", type=str, nargs="*", default=None, help="custom shapes as MxK (default: paper Table 8)")
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--merge", type=Path, nargs="+", default=None,
+                    help="instead of measuring, merge these result JSONs (several device calls) into --out")
     args = ap.parse_args(argv)
+    if args.merge:
+        res = merge_results(args.merge, args.out)
+        print(json.dumps(res["targets"], indent=1))
+        return 0
     shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shape] if args.shape else None
     res = bench_kernel(args.fmt, shapes, args.G, args.N, args.out, args.repeats)
     print(json.dumps(res.get("targets", {}), indent=1))

@@ -135,14 +135,21 @@ int moesq_s24_compress(const void* dense, void* a_values, void* e_meta, int M, i
   hw_info.sm_count = cutlass::KernelHardwareInfo::query_device_multiprocessor_count(hw_info.device_id);
   typename Compressor::Arguments arguments{problem, {dense, stride_a, a_values, e_meta}, {hw_info}};
   Compressor op;
-  if (Compressor::get_workspace_size(arguments) != 0) {
-    moesq::set_last_error("compressor unexpectedly needs a workspace");
-    return 3;
+  // A test utility, not on the hot path: a synchronous workspace allocation is fine here.
+  size_t ws_bytes = Compressor::get_workspace_size(arguments);
+  void* workspace = nullptr;
+  if (ws_bytes && cudaMalloc(&workspace, ws_bytes) != cudaSuccess) {
+    moesq::set_last_error("compressor workspace allocation of %zu bytes failed", ws_bytes);
+    return 2;
   }
   cutlass::Status status = op.can_implement(arguments);
-  if (status == cutlass::Status::kSuccess) status = op.initialize(arguments, nullptr, static_cast<cudaStream_t>(stream));
+  if (status == cutlass::Status::kSuccess) status = op.initialize(arguments, workspace, static_cast<cudaStream_t>(stream));
   if (status == cutlass::Status::kSuccess) status = op.run(static_cast<cudaStream_t>(stream));
   cudaError_t err = cudaGetLastError();
+  if (workspace) {
+    cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+    cudaFree(workspace);
+  }
   if (status != cutlass::Status::kSuccess || err != cudaSuccess) {
     moesq::set_last_error("compressor failed: %s / %s", cutlassGetStatusString(status), cudaGetErrorString(err));
     return 4;

@@ -4,6 +4,7 @@
 #   bash native/tools/h200_session.sh <test timeout s> <bench timeout s> [kernel_bench args...]
 set -u
 TEST_T=${1:-150}; BENCH_T=${2:-300}; shift 2 || true
+SMOKE=${SMOKE:-1}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export MOESQ_AUTOTUNE_CACHE=$OUT/autotune.json
 : "${MOESQ_S24_LIB:=$PWD/native/build/libmoesq_s24.so}"; export MOESQ_S24_LIB
@@ -17,6 +18,7 @@ for v in s24.variants():
     print(v)
 PY
 cat "$OUT/env.txt"
+if [ "$SMOKE" = 1 ]; then
 # smoke: every variant once on a small problem, max error vs the reference; a hang or crash stops the session
 timeout 90 python3 - > "$OUT/smoke.log" 2>&1 <<'PY'
 import torch
@@ -39,7 +41,14 @@ for v in s24.variants():
 PY
 rc=$?; cat "$OUT/smoke.log"; echo "smoke rc=$rc"
 [ $rc -eq 0 ] || exit 1
+fi
 timeout "$TEST_T" python3 -m pytest tests/test_kernel_s24.py -q -p no:cacheprovider --maxfail=20 -rA > "$OUT/tests.log" 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -5
-timeout "$BENCH_T" python3 -m moesq_core.bench.kernel_bench --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
-echo "bench rc=$?"; tail -n 45 "$OUT/bench.log"
+# each remaining argument is one quoted kernel_bench argument list, run into $OUT/b<i>/ (JSON kept)
+i=0
+for spec in "$@"; do
+  mkdir -p "$OUT/b$i"
+  timeout "$BENCH_T" python3 -m moesq_core.bench.kernel_bench --out "$OUT/b$i" $spec >> "$OUT/bench.log" 2>&1
+  echo "bench $i rc=$?"; rm -f "$OUT/b$i"/*.md "$OUT/b$i"/*.png; i=$((i+1))
+done
+tail -n 45 "$OUT/bench.log"
