@@ -250,7 +250,12 @@ def test_relayout_matches_cutlass_compressor():
         dense = s24.decompress(values, meta).cuda()
         cv, cm = s24.cutlass_compress(dense)
         assert torch.equal(cv.view(torch.uint8).cpu(), values.view(torch.uint8))
-        assert torch.equal(cm.cpu(), s24.relayout_meta(meta, K))
+        cm, ours = cm.cpu(), s24.relayout_meta(meta, K)
+        # every logical byte sits where CUTLASS puts it; CUTLASS pads with 0, we pad with a valid (0,1) pattern
+        assert torch.equal(s24.unrelayout_meta(cm, M, K), meta)
+        written = s24.relayout_meta(torch.full_like(meta, 0xFF), K) == 0xFF
+        assert torch.equal(cm[written], ours[written])
+        assert bool((cm[~written] == 0).all()) and bool((ours[~written] == 0x44).all())
 
 
 @gpu
