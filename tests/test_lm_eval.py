@@ -261,6 +261,26 @@ def test_hub_task_offline_says_what_to_do(micro, monkeypatch, tmp_path):
     assert datasets.config.HF_HUB_OFFLINE == before  # the temporary offline switch was undone
 
 
+@pytest.mark.slow
+def test_hub_task_without_network_says_what_to_do(micro, monkeypatch, tmp_path):
+    """No offline switch, but the Hub is unreachable (endpoint pointed at a closed local port)."""
+    import datasets.config
+    import huggingface_hub.constants as hc
+
+    model, tok = micro
+    for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", False)
+    closed = "http://127.0.0.1:9"
+    monkeypatch.setattr(hc, "ENDPOINT", closed)
+    monkeypatch.setattr(hc, "HUGGINGFACE_CO_URL_TEMPLATE", closed + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(datasets.config, "HF_ENDPOINT", closed)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty-cache")
+    with pytest.raises(TaskUnavailableError, match="'arc_challenge'.*could not be reached.*--tasks-dir"):
+        evaluate_tasks(model, tok, "arc_challenge", label="m", num_fewshot=0, limit=2)
+
+
 # ---------------------------------------------------------------------------------------- recovery
 
 

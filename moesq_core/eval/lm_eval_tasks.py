@@ -356,6 +356,20 @@ def _expand_tags(requests: list[TaskRequest], local_dirs: tuple[Path, ...], user
     return list(out.values())
 
 
+def _looks_like_no_hub(e: BaseException) -> bool:
+    """A network/Hub failure (as opposed to a bug or a missing package), anywhere in the exception chain."""
+    names = {"DatasetNotFoundError", "LocalEntryNotFoundError", "OfflineModeIsEnabled", "HfHubHTTPError"}
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (ConnectionError, TimeoutError)) or type(e).__name__ in names:
+            return True
+        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, PermissionError)):
+            return True  # requests' and urllib3's connection errors derive from OSError
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _build_task(name: str, tm, local_dirs: Sequence[Path], offline: bool):
     """lm-eval Task/Group object(s) for one name; dataset loading happens here, so errors surface here."""
     from lm_eval.tasks._index import Kind
@@ -376,6 +390,8 @@ def _build_task(name: str, tm, local_dirs: Sequence[Path], offline: bool):
             raise ValueError(f"task {name!r} from {entry.yaml_path} could not be loaded: {type(e).__name__}: {e}. "
                              "Check its YAML and that its data files exist (relative paths are taken from "
                              "the YAML's folder).") from e
+        if not (offline or _looks_like_no_hub(e)):
+            raise ValueError(f"task {name!r} could not be loaded: {type(e).__name__}: {e}") from e
         paths = [p for p in _dataset_paths(entry, tm) if p not in _LOCAL_DATA_BUILDERS]
         where = f" (Hugging Face Hub dataset {', '.join(paths)})" if paths else ""
         why = ("offline mode is on (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE) and the dataset is not in the local "
