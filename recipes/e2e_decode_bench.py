@@ -34,6 +34,14 @@ from moesq_core.bench.p48_bench import random_p48_tensors  # noqa: E402
 from moesq_core.runtime.p48_hopper import P48HopperExperts  # noqa: E402
 
 
+def _commit() -> str:
+    """git HEAD, or MOESQ_COMMIT when the tree has no .git (the device machine gets a copy without history)."""
+    import os
+
+    c = git_commit()
+    return os.environ.get("MOESQ_COMMIT", c) if c == "unknown" else c
+
+
 def qwen3_30b_config(layers: int):
     from transformers import Qwen3MoeConfig
 
@@ -246,7 +254,7 @@ def main(argv=None) -> int:
         "layers": args.layers, "experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "transformers": transformers.__version__,
-        "commit": git_commit(), "build_s": round(time.perf_counter() - t0, 1),
+        "commit": _commit(), "build_s": round(time.perf_counter() - t0, 1),
         "loop": "prefill eager; one greedy decode step captured in a CUDA graph and replayed (median step)",
         "runs": [],
     }
