@@ -345,8 +345,9 @@ def grouped_gemm(w: S24Fp8Weights, xq: torch.Tensor, sx: torch.Tensor, counts: t
     """Y[e, n] = bf16((W_e @ X[e, n]) * scale_w[e] * scale_x[e, n]) for n < counts[e]; see the module docstring.
 
     xq float8_e4m3fn [E, cap, K], sx float32 [E, cap], counts int32 [E] (device), out bf16 [E, cap, M] or None.
-    variant: a name or index from `variants()`, or None for the autotuner (restricted to variants with the
-    requested fast_accum: fast accumulation skips the fp32 promotion of the fp8 tensor-core sums).
+    variant: a name or index from `variants()`, or None for the autotuner. The autotuner only considers variants
+    that promote the fp8 tensor-core sums to fp32 every 256 columns of K, unless fast_accum=True allows the
+    fast-accumulation variants too (faster at large N; slightly larger error, see error_bound).
     Never synchronises with the host; CUDA-graph capturable (tune once before capturing).
     """
     check_device(w.device)
@@ -428,7 +429,8 @@ class Autotuner:
         return min(pool, key=lambda v: (v.tile_n, v.cluster_m * v.cluster_n))
 
     def candidates(self, fast_accum: bool) -> list[Variant]:
-        return [v for v in variants() if v.fast_accum == fast_accum]
+        """fast_accum=False: only fp32-promoted variants; True: every variant (fast accumulation allowed)."""
+        return [v for v in variants() if fast_accum or not v.fast_accum]
 
     def choose(self, w, xq, sx, counts, out, fast_accum: bool = False) -> int:
         cands = self.candidates(fast_accum)
