@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from .progress import RichProgress, console
+from .progress import RichProgress, console, err_console
 
 app = typer.Typer(
     name="moesq", no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
@@ -49,7 +49,7 @@ log = logging.getLogger("moesq")
 
 
 def _fail(msg: str, code: int = 1):
-    console.print(f"[bold red]error:[/] {msg}")
+    err_console.print(f"[bold red]error:[/] {msg}")
     raise typer.Exit(code)
 
 
@@ -423,7 +423,8 @@ def run(
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Evaluation text (default: the embedded sample).")] = None,
     ppl_tokens: Annotated[int, typer.Option(help="Evaluate the first N tokens.")] = 65536,
     method: Annotated[str, typer.Option(help="One-shot init method.")] = "sgptq",
-    baselines: Annotated[str, typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none).")] = "magnitude,rtn",
+    baselines: Annotated[str, typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none). "
+                                                "On sparse formats rtn and magnitude are the same weights.")] = "magnitude",
     refine_stage: Annotated[bool, typer.Option("--refine/--no-refine", help="Run refinement after the init.")] = True,
     epochs: Annotated[int, typer.Option(help="Refinement epochs.")] = 2,
     steps_per_epoch: Annotated[int, typer.Option(help="Refinement optimizer steps per epoch.")] = 8,

@@ -8,7 +8,8 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColu
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.text import Text
 
-console = Console(stderr=True)
+console = Console()  # results (tables, summaries) go to stdout
+err_console = Console(stderr=True)  # progress bars and errors go to stderr
 
 
 class RateColumn(ProgressColumn):
@@ -34,7 +35,7 @@ class RichProgress:
         self.bar = Progress(
             SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
             RateColumn(), TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-            console=console, disable=quiet,
+            console=err_console, disable=quiet,
         )
 
     def __enter__(self):

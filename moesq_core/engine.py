@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -264,7 +265,7 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
             stores[s] = StateStore(spec.cache_limit_bytes // len(splits), spill)
             kwargs_by_bs.update(capture_layer_inputs(model, calib[s], spec.batch_size, stores[s]))
             t.advance()
-    computed = 0
+    computed, seconds, t_stage = 0, 0.0, time.perf_counter()
     with progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
         for li, layer in enumerate(layers):
             if li > last_moe:
@@ -276,7 +277,11 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
                     results, amax_in, amax_mid = load_block(path)
                     log.info("%s: block %d already done, loaded %s", spec.name, li, path.name)
                 else:
+                    t0 = time.perf_counter()
                     results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist)
+                    seconds += time.perf_counter() - t0
+                    log.info("%s: layer %d, %d experts compressed in %.1f s (rank %d of %d)", spec.name, li,
+                             len(results), time.perf_counter() - t0, rank, world)
                     path = stage_dir / f"block_{li:03d}.safetensors"
                     if is_main:
                         save_block(path, results, amax_in, amax_mid)
@@ -295,7 +300,9 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
                     stores[s] = new
     for s in stores.values():
         s.close()
-    summary = {"blocks": len(blocks), "computed_now": computed}
+    summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2),
+               "stage_seconds": round(time.perf_counter() - t_stage, 2), "world_size": world}
+    log.info("%s: done, %s", spec.name, summary)
     if is_main:
         workdir.finish_stage(spec.name, summary)
     if dist:
