@@ -80,7 +80,11 @@ class _ColumnCodec:
         self.nvfp4 = isinstance(self.q, NVFP4Quantizer)
         self.col = replace(self.q, block=1) if self.nvfp4 else self.q
         self.exact = exact
-        self.max_value = E2M1_MAX if self.nvfp4 else E4M3_MAX
+        # Codes of ±(largest value): what a pinned element is encoded to, whatever its block's scale.
+        one = torch.ones(1, 1)
+        top = self.col.encode(torch.tensor([[E2M1_MAX if self.nvfp4 else E4M3_MAX]]), one, one)
+        bottom = self.col.encode(-torch.tensor([[E2M1_MAX if self.nvfp4 else E4M3_MAX]]), one, one)
+        self.top_codes = (int(top), int(bottom))
 
     def block_scale(self, blk: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """[R, 1] scale of a masked block. Non-exact NVFP4: the fp32 scale before E4M3 projection."""
@@ -213,8 +217,7 @@ class SGPTQSolver:
                     c = codec.encode(w, s, g)
                     if pin:
                         at = pin_col == col
-                        sign = torch.where(w >= 0, 1.0, -1.0)
-                        top = codec.encode(sign * codec.max_value * s[:, 0] / (g if codec.nvfp4 else 1.0), s, g)
+                        top = torch.where(w >= 0, codec.top_codes[0], codec.top_codes[1]).to(torch.uint8)
                         pinned = pinned + (at & (c != top)).sum()
                         c = torch.where(at, top, c)
                     c = c * m
