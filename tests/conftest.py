@@ -9,7 +9,11 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
+# The micro model is also embedded in the package (the default of `moesq run`); use that copy when ../shared
+# is not there (e.g. on the GPU machine).
 MICRO = SHARED / "models" / "micro-qwen3-moe"
+if not MICRO.is_dir():
+    MICRO = REPO / "moesq_core" / "assets" / "micro-qwen3-moe"
 TINY = SHARED / "models" / "tiny-qwen3-moe"
 EVAL_TEXT = SHARED / "data" / "eval-docs.txt.xz"
 CALIB_TEXT = SHARED / "data" / "calib-docs.txt.xz"

@@ -22,7 +22,10 @@ def packed_micro(micro_path, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gpu-packed")
     model, tok, adapter, path = load_model(micro_path)
-    calib = build_calibration(tok, read_documents(CALIB_TEXT, max_chars=300_000), CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
+    from moesq_core.pipeline import DEFAULT_CALIB
+
+    text = CALIB_TEXT if CALIB_TEXT.is_file() else DEFAULT_CALIB
+    calib = build_calibration(tok, read_documents(text, max_chars=300_000), CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
     wd = WorkDir(root / "wd")
     wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": "p48-nvfp4", "act_quant": True})
     run_stage(model, adapter, calib, StageSpec("init-rtn", get_format("p48-nvfp4"), lambda li: RTN(), {"method": "rtn"}, batch_size=4), wd)
