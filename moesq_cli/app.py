@@ -44,6 +44,7 @@ DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cu
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
 RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", help="Recompute this stage from this layer on.")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", help="Calibration sequences per forward pass.")]
+CacheOpt = Annotated[float, typer.Option("--cache-gb", help="Calibration states kept in memory; the rest spill to the work dir.")]
 
 log = logging.getLogger("moesq")
 
@@ -147,7 +148,8 @@ def init_sgptq(
                                                help="GPTQ with the final E4M3 block scales (export-exact) or fp32 scales projected afterwards.")] = True,
     format: FormatOpt = "p48-nvfp4", act_quant: ActQuantOpt = True, calib: CalibOpt = None,
     seq_len: SeqLenOpt = 512, n_train: NTrainOpt = 128, n_val: NValOpt = 16, n_init: NInitOpt = 64, seed: SeedOpt = 0,
-    device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, quiet: QuietOpt = False,
+    device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
+    quiet: QuietOpt = False,
 ):
     """One-shot compression of every routed expert, block by block (SparseGPT+GPTQ by default).
 
@@ -160,7 +162,7 @@ def init_sgptq(
     with RichProgress(quiet) as p:
         wd = _ensure_calibrated(workdir, model, cfg, p)
         summary = compress(wd, method, _method_options(method, percdamp, hessian_weighting, exact_scales),
-                           device=device, batch_size=batch_size, redo_from=redo_from, progress=p)
+                           device=device, batch_size=batch_size, redo_from=redo_from, progress=p, cache_limit_gb=cache_gb)
     console.print(f"stage init-{method}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}")
 
 
@@ -182,7 +184,8 @@ def refine(
     init: Annotated[str, typer.Option(help="Init method whose stage refinement starts from.")] = "sgptq",
     format: FormatOpt = "p48-nvfp4", act_quant: ActQuantOpt = True, calib: CalibOpt = None,
     seq_len: SeqLenOpt = 512, n_train: NTrainOpt = 128, n_val: NValOpt = 16, n_init: NInitOpt = 64, seed: SeedOpt = 0,
-    device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, quiet: QuietOpt = False,
+    device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
+    quiet: QuietOpt = False,
 ):
     """Learn each expert's sparsity pattern jointly with its quantized values (the moesq algorithm).
 
@@ -201,9 +204,9 @@ def refine(
                 train_values=not support_only, seed=refine_seed)
     with RichProgress(quiet) as p:
         wd = _ensure_calibrated(workdir, model, cfg, p)
-        compress(wd, init, {}, device=device, batch_size=batch_size, progress=p)
+        compress(wd, init, {}, device=device, batch_size=batch_size, progress=p, cache_limit_gb=cache_gb)
         summary = core_refine(wd, rcfg, init=init, device=device, batch_size=batch_size, redo_from=redo_from,
-                              progress=p, stage=stage)
+                              progress=p, stage=stage, cache_limit_gb=cache_gb)
     console.print(f"stage {stage}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}")
 
 
@@ -337,7 +340,7 @@ def eval_cmd(
     ppl_tokens: Annotated[int, typer.Option(help="Evaluate the first N tokens of --ppl.")] = 65536,
     window: Annotated[int, typer.Option(help="Perplexity window (non-overlapping).")] = 512,
     stages: Annotated[Optional[list[str]], typer.Option("--stage", help="Only these stages of a work dir (repeatable).")] = None,
-    tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval tasks, comma-separated, or a preset (openllm-v1, moesq-offline).")] = None,
+    tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval tasks, comma-separated, or a preset (openllm-v1); moesq_cloze is the shipped offline task.")] = None,
     tasks_dir: Annotated[Optional[Path], typer.Option(help="Directory of extra task YAMLs with local data.")] = None,
     limit: Annotated[Optional[int], typer.Option(help="lm-eval: examples per task.")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(help="lm-eval: override the shots.")] = None,
@@ -392,27 +395,59 @@ def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed,
         model, tok = load_target(t, device)
         if tok is None:
             _fail(f"{t.path} has no tokenizer files; lm-eval needs one")
-        results.append(evaluate_tasks(model, tok, tasks, label=t.label, tasks_dir=tasks_dir, limit=limit,
-                                      num_fewshot=num_fewshot, batch_size=batch_size, seed=seed, cache_dir=cache_dir,
-                                      progress=progress))
+        with _TaskBars(progress, t.label) as bars:
+            results.append(evaluate_tasks(model, tok, tasks, label=t.label, tasks_dir=tasks_dir, limit=limit,
+                                          num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
+                                          cache_dir=cache_dir, progress=bars))
         del model
     ref = next((t.label for t in resolved if t.kind == "reference"), resolved[0].label)
     table = recovery_table(results, ref)
     _render_recovery(table)
-    return {"results": [getattr(r, "to_dict", lambda: r)() for r in results], "table": getattr(table, "to_dict", lambda: str(table))()}
+    return {"results": [r.to_dict() for r in results], "table": table.to_dict()}
+
+
+class _TaskBars:
+    """Turns lm-eval progress events into one rich bar per task (requests done / total)."""
+
+    def __init__(self, progress, label):
+        self.progress, self.label, self.ctx, self.bar, self.done = progress, label, None, None, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._close()
+
+    def _close(self):
+        if self.ctx is not None:
+            self.ctx.__exit__(None, None, None)
+            self.ctx = None
+
+    def __call__(self, ev):
+        if ev.kind == "requests":
+            if self.ctx is None:
+                self.ctx = self.progress.task(f"lm-eval {self.label}: {ev.task} ({ev.request_type})", ev.total)
+                self.bar, self.done = self.ctx.__enter__(), 0
+            self.bar.advance(ev.done - self.done)
+            self.done = ev.done
+        elif ev.kind in ("task_done", "task_cached"):
+            self._close()
 
 
 def _render_recovery(table) -> None:
-    t = Table(title="lm-eval accuracy")
+    t = Table(title=f"lm-eval accuracy (%), recovery vs {table.reference}")
     t.add_column("model")
-    for c in table.columns:
-        t.add_column(c, justify="right")
+    for c in table.tasks:
+        t.add_column(f"{c} ({table.metrics.get(c, '')})", justify="right")
     t.add_column("average", justify="right")
     t.add_column("recovery %", justify="right")
+    pct = lambda v: "" if v is None else f"{100 * v:.2f}"
     for row in table.rows:
-        t.add_row(row.label, *[("" if row.scores.get(c) is None else f"{100 * row.scores[c]:.2f}") for c in table.columns],
-                  f"{100 * row.average:.2f}", "" if row.recovery is None else f"{row.recovery:.2f}")
+        t.add_row(row.label, *[pct(row.scores.get(c)) for c in table.tasks], pct(row.average),
+                  "" if row.recovery is None else f"{row.recovery:.2f}")
     console.print(t)
+    for w in table.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
 
 
 @app.command()
