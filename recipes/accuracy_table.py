@@ -1,0 +1,336 @@
+"""Accuracy table: perplexity of every compression method on the shared models, one calibration budget for all.
+
+    python recipes/accuracy_table.py --models micro --workdir-root /tmp/moesq-acc --out benchmarks/results
+    python recipes/accuracy_table.py --models tiny --rows core --ppl-tokens 65536
+
+For each model it builds (or resumes) one work dir per (format, activation setting) under
+`--workdir-root/<model>/`, runs the requested stages there with the pipeline's own functions, evaluates
+perplexity on the shared evaluation text (facts §5 protocol: first `--ppl-tokens` tokens, non-overlapping
+`--window`-token windows, fp32 on CPU, expert weights fake-quantized) and writes
+`<out>/accuracy_<model>.json` and `.md` after every finished row, so an interrupted run leaves a valid
+partial table (missing rows are listed as such). Re-running skips finished stages (work dir manifest) and
+finished evaluations (a result cache keyed by the stage's artifact checksums).
+
+Rows (`--rows`, comma-separated names or the groups `all`, `core`, `fp8`):
+  reference; dense-nvfp4 rtn / gptq; p48-nvfp4 magnitude, wanda, jsq, obr, sgptq (export-exact scales),
+  sgptq-fp32scales (the release's non-exact variant), refine, refine-p0 (uniform loss), refine-values
+  (support frozen), refine-support (values frozen); s24-fp8 sgptq / refine (W8A8).
+Every compressed row is run weights-only ("wo") and with the format's activation quantizer ("wa": W4A4 for
+NVFP4, W8A8 for FP8), each in its own work dir (a work dir holds one activation setting).
+
+Work dirs are scratch: keep them outside the repository (default /tmp/moesq-accuracy).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moesq_core import pipeline  # noqa: E402
+from moesq_core.calibration import CalibConfig  # noqa: E402
+from moesq_core.engine import StageSpec, run_stage  # noqa: E402
+from moesq_core.eval.runner import EvalTarget, ResultCache, ppl_for_targets  # noqa: E402
+from moesq_core.formats import get_format  # noqa: E402
+from moesq_core.methods.registry import get_method  # noqa: E402
+from moesq_core.workdir import WorkDir  # noqa: E402
+
+log = logging.getLogger("accuracy_table")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = Path("/work/shared")
+MODELS = {"micro": SHARED / "models/micro-qwen3-moe", "tiny": SHARED / "models/tiny-qwen3-moe"}
+CALIB = SHARED / "data/calib-docs.txt.xz"
+EVAL = SHARED / "data/eval-docs.txt.xz"
+
+# name -> (format, kind, method or None, options); kind: reference | init | refine
+ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
+    "reference": (None, "reference", None, {}),
+    "dense-rtn": ("dense-nvfp4", "init", "rtn", {}),
+    "dense-gptq": ("dense-nvfp4", "init", "gptq", {}),
+    "magnitude": ("p48-nvfp4", "init", "magnitude", {}),
+    "wanda": ("p48-nvfp4", "init", "wanda", {}),
+    "jsq": ("p48-nvfp4", "init", "jsq", {}),
+    "obr": ("p48-nvfp4", "init", "obr", {}),
+    "sgptq": ("p48-nvfp4", "init", "sgptq", {}),
+    "sgptq-fp32scales": ("p48-nvfp4", "init", "sgptq", {"exact_scales": False}),
+    "refine": ("p48-nvfp4", "refine", None, {}),
+    "refine-p0": ("p48-nvfp4", "refine", None, {"loss_power": 0}),
+    "refine-values": ("p48-nvfp4", "refine", None, {"train_support": False}),
+    "refine-support": ("p48-nvfp4", "refine", None, {"train_values": False}),
+    "s24-sgptq": ("s24-fp8", "init", "sgptq", {}),
+    "s24-refine": ("s24-fp8", "refine", None, {}),
+}
+DESCRIPTION = {
+    "reference": "reference (bf16 weights evaluated in fp32)",
+    "dense-rtn": "dense NVFP4 (16-blocks), RTN",
+    "dense-gptq": "dense NVFP4 (16-blocks), GPTQ",
+    "magnitude": "paired 4:8 NVFP4, magnitude + RTN",
+    "wanda": "paired 4:8 NVFP4, Wanda + RTN",
+    "jsq": "paired 4:8 NVFP4, JSQ",
+    "obr": "paired 4:8 NVFP4, OBR (no rotation)",
+    "sgptq": "paired 4:8 NVFP4, SGPTQ (export-exact E4M3 scales)",
+    "sgptq-fp32scales": "paired 4:8 NVFP4, SGPTQ (fp32 scales, projected after; the release)",
+    "refine": "paired 4:8 NVFP4, moesq refine (full: p=2, support+values)",
+    "refine-p0": "paired 4:8 NVFP4, refine ablation: uniform loss (p=0)",
+    "refine-values": "paired 4:8 NVFP4, refine ablation: values only (support frozen)",
+    "refine-support": "paired 4:8 NVFP4, refine ablation: support only (values frozen)",
+    "s24-sgptq": "2:4 FP8, SGPTQ",
+    "s24-refine": "2:4 FP8, moesq refine",
+}
+GROUPS = {
+    "all": [r for r in ROWS if not r.startswith("s24")] + ["s24-sgptq", "s24-refine"],
+    "p48": [r for r in ROWS if not r.startswith("s24")],
+    "core": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq", "sgptq-fp32scales", "refine"],
+    "ablations": ["refine-p0", "refine-values", "refine-support"],
+    "fp8": ["s24-sgptq", "s24-refine"],
+}
+ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
+
+
+def stage_name(row: str) -> str:
+    fmt, kind, method, opts = ROWS[row]
+    if kind == "refine":
+        return "refine" if row in ("refine", "s24-refine") else row
+    if row == "sgptq-fp32scales":
+        return "init-sgptq-fp32scales"  # its own stage: init-sgptq already holds the exact variant
+    return pipeline.init_stage_name(method)
+
+
+def expand_rows(spec: str) -> list[str]:
+    out: list[str] = []
+    for part in spec.split(","):
+        part = part.strip()
+        names = GROUPS.get(part, [part])
+        for n in names:
+            if n not in ROWS:
+                raise SystemExit(f"unknown row {n!r}; rows: {', '.join(ROWS)}; groups: {', '.join(GROUPS)}")
+            if n not in out:
+                out.append(n)
+    return out
+
+
+def git_commit() -> str:
+    try:
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                           check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "moesq_core"], cwd=REPO,
+                               capture_output=True, text=True).stdout.strip()
+        return c + ("+dirty(moesq_core)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()}: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def workdir_for(root: Path, model: str, fmt: str, act: bool, calib: CalibConfig) -> WorkDir:
+    wd = WorkDir(root / model / f"{fmt}-{'wa' if act else 'wo'}")
+    if not (wd.root / "manifest.json").is_file() or "calibration" not in wd.load():
+        cfg = pipeline.RunConfig(format=fmt, act_quant=act, calib=calib, calib_source=str(CALIB))
+        pipeline.calibrate(wd, MODELS[model], cfg)
+    return wd
+
+
+def compress_stage(wd: WorkDir, method: str, options: dict, name: str, batch_size: int) -> None:
+    """pipeline.compress under a chosen stage name (two variants of one method in one work dir)."""
+    if name == pipeline.init_stage_name(method):
+        pipeline.compress(wd, method, options, device="cpu", batch_size=batch_size)
+        return
+    m = wd.load()
+    fmt = get_format(m["config"]["format"])
+    get_method(method, **options)
+    model, adapter, m = pipeline._load_for_stage(wd, "cpu")
+    calib = pipeline.load_calibration(wd)
+    spec = StageSpec(name=name, fmt=fmt, method_for_block=lambda li: get_method(method, **options),
+                     config={"method": method, "options": options}, compress_split="init", val_split=None,
+                     act_quant=m["config"]["act_quant"], batch_size=batch_size)
+    run_stage(model, adapter, calib, spec, wd)
+
+
+def ensure_stage(wd: WorkDir, row: str, refine_cfg: dict, batch_size: int) -> dict:
+    """Run the row's stage (and the init it needs) unless finished; returns the stage's manifest entry."""
+    fmt, kind, method, opts = ROWS[row]
+    name = stage_name(row)
+    st = wd.stage(name)
+    if st and st.get("done"):
+        return st
+    if kind == "refine":
+        if not (wd.stage("init-sgptq") or {}).get("done"):
+            compress_stage(wd, "sgptq", {}, "init-sgptq", batch_size)
+        pipeline.refine(wd, {**refine_cfg, **opts}, init="sgptq", device="cpu", batch_size=batch_size, stage=name)
+    else:
+        compress_stage(wd, method, opts, name, batch_size)
+    return wd.stage(name)
+
+
+def fmt_ppl(x):
+    return "—" if x is None else f"{x:.2f}"
+
+
+def write_outputs(out_dir: Path, model: str, meta: dict, rows: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    doc = {**meta, "rows": rows}
+    (out_dir / f"accuracy_{model}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    ref = (rows.get("reference") or {}).get("ppl")
+    lines = [f"# Perplexity accuracy table: {model} ({meta['model_path']})", "",
+             f"- command: `{meta['command']}`", f"- commit: {meta['commit']}  date: {meta['date']}",
+             f"- machine: {meta['machine']}",
+             f"- evaluation: {meta['eval']['file']}, first {meta['eval']['tokens']} tokens, "
+             f"{meta['eval']['window']}-token windows, fp32 on CPU, expert weights fake-quantized"
+             + ("" if meta["eval"]["tokens"] == 65536 else " (REDUCED from the facts §5 protocol's 65,536 tokens)"),
+             f"- calibration ({meta['calibration']['source']}): {json.dumps(meta['calibration']['config'])} "
+             "— the same splits for every method (one-shot methods use `init`, refinement `train`/`val`)",
+             f"- refinement: {json.dumps(meta['refine'])}", "",
+             "| row | method | weights only | wo / ref | W4A4 (W8A8 for fp8) | wa / ref | stage s (wo / wa) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    missing = []
+    for name in meta["rows_requested"]:
+        r = rows.get(name)
+        if name == "reference":
+            p = (r or {}).get("ppl")
+            lines.append(f"| reference | {DESCRIPTION[name]} | {fmt_ppl(p)} | 1.000 | {fmt_ppl(p)} | 1.000 | — |")
+            if p is None:
+                missing.append("reference")
+            continue
+        cells, secs = [], []
+        for act in ("wo", "wa"):
+            c = (r or {}).get(act) or {}
+            p = c.get("ppl")
+            cells += [fmt_ppl(p), "—" if p is None or ref is None else f"{p / ref:.3f}"]
+            secs.append("—" if c.get("stage_seconds") is None else f"{c['stage_seconds']:.0f}")
+            if p is None:
+                missing.append(f"{name} ({act})")
+        lines.append(f"| {name} | {DESCRIPTION[name]} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
+                     f"{' / '.join(secs)} |")
+    lines += ["", "Stage seconds: the work dir manifest's `stage_seconds` (compression incl. routing of the calibration "
+              "states; for refine rows excluding the shared SGPTQ init).", ""]
+    lines.append("Missing rows: " + (", ".join(missing) if missing else "none") + ".")
+    if meta.get("notes"):
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
+    (out_dir / f"accuracy_{model}.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="micro,tiny", help="comma-separated: micro, tiny")
+    ap.add_argument("--rows", default="all", help=f"rows or groups ({', '.join(GROUPS)})")
+    ap.add_argument("--acts", default="wo,wa", help="wo (weights only), wa (W4A4 / W8A8), or both")
+    ap.add_argument("--workdir-root", type=Path, default=Path("/tmp/moesq-accuracy"))
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results")
+    ap.add_argument("--ppl-tokens", type=int, default=65536)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--n-init", type=int, default=64)
+    ap.add_argument("--n-train", type=int, default=64)
+    ap.add_argument("--n-val", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--steps-per-epoch", type=int, default=32)
+    ap.add_argument("--refine-opt", action="append", default=[], metavar="KEY=JSON",
+                    help="extra RefineConfig field, e.g. lr_logits=1e-3 (repeatable)")
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--note", action="append", default=[], help="a note written into the table (repeatable)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    root = args.workdir_root.resolve()
+    if root == REPO or REPO in root.parents:
+        raise SystemExit(f"--workdir-root {root} is inside the repository; work dirs must not be committed")
+    rows_req = expand_rows(args.rows)
+    acts = [a.strip() for a in args.acts.split(",") if a.strip()]
+    if not set(acts) <= {"wo", "wa"}:
+        raise SystemExit("--acts takes wo and/or wa")
+    calib = CalibConfig(seq_len=args.seq_len, n_train=args.n_train, n_val=args.n_val, n_init=args.n_init, seed=args.seed)
+    refine_cfg = {"epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch}
+    for kv in args.refine_opt:
+        k, _, v = kv.partition("=")
+        refine_cfg[k] = json.loads(v)
+    from moesq_core.methods.refine import RefineConfig
+
+    full_refine = asdict(RefineConfig(**refine_cfg))
+    root.mkdir(parents=True, exist_ok=True)
+
+    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+        if model not in MODELS:
+            raise SystemExit(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+        # one result cache per model: concurrent runs for different models must not overwrite each other's
+        (root / model).mkdir(parents=True, exist_ok=True)
+        cache = ResultCache(root / model / "ppl_cache.json")
+        out_json = args.out / f"accuracy_{model}.json"
+        old = json.loads(out_json.read_text()) if out_json.is_file() else {}
+        same_protocol = (old.get("eval", {}).get("tokens") == args.ppl_tokens
+                         and old.get("calibration", {}).get("config") == calib.to_dict()
+                         and old.get("refine") == full_refine)
+        rows: dict = old.get("rows", {}) if same_protocol else {}
+        meta = {
+            "model": model, "model_path": str(MODELS[model]),
+            "command": " ".join(["python", "recipes/accuracy_table.py", *(argv if argv is not None else sys.argv[1:])]),
+            "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine(),
+            "eval": {"file": str(EVAL), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},
+            "calibration": {"source": str(CALIB), "config": calib.to_dict()},
+            "refine": full_refine, "workdir_root": str(root),
+            "rows_requested": list(dict.fromkeys([*(old.get("rows_requested", []) if same_protocol else []), *rows_req])),
+            "notes": args.note,
+        }
+        meta["rows_requested"] = [r for r in ROWS if r in meta["rows_requested"]]
+        write_outputs(args.out, model, meta, rows)
+        for row in rows_req:
+            fmt, kind, method, opts = ROWS[row]
+            if row == "reference":
+                t0 = time.perf_counter()
+                res = ppl_for_targets([EvalTarget("reference", "reference", str(MODELS[model]))], EVAL,
+                                      max_tokens=args.ppl_tokens, window=args.window, cache=cache)[0]
+                rows["reference"] = {"ppl": res["ppl"], "tokens": res["tokens"], "eval_seconds": round(time.perf_counter() - t0, 1)}
+                log.info("%s reference: ppl %.3f", model, res["ppl"])
+                write_outputs(args.out, model, meta, rows)
+                continue
+            for act in acts:
+                wd = workdir_for(root, model, fmt, act == "wa", calib)
+                t0 = time.perf_counter()
+                try:
+                    st = ensure_stage(wd, row, refine_cfg, args.batch_size)
+                except Exception as e:  # keep going: one failing method must not cost the other rows
+                    log.exception("%s %s (%s) failed", model, row, act)
+                    rows.setdefault(row, {})[act] = {"error": f"{type(e).__name__}: {e}"}
+                    write_outputs(args.out, model, meta, rows)
+                    continue
+                t_stage = time.perf_counter() - t0
+                name = stage_name(row)
+                t1 = time.perf_counter()
+                res = ppl_for_targets([EvalTarget(f"{row}:{act}", "stage", str(wd.root), name)], EVAL,
+                                      max_tokens=args.ppl_tokens, window=args.window, cache=cache)[0]
+                summ = st.get("summary", {})
+                cell = {"ppl": res["ppl"], "tokens": res["tokens"], "stage": name, "workdir": str(wd.root),
+                        "format": fmt, "act_quant": act == "wa", "method": method or "refine", "options": opts,
+                        "stage_seconds": summ.get("stage_seconds"), "compress_seconds": summ.get("compress_seconds"),
+                        "wall_seconds_this_run": round(t_stage, 1), "eval_seconds": round(time.perf_counter() - t1, 1)}
+                rows.setdefault(row, {})[act] = cell
+                log.info("%s %s (%s): ppl %.3f (stage %s s)", model, row, act, res["ppl"], summ.get("stage_seconds"))
+                write_outputs(args.out, model, meta, rows)
+
+
+if __name__ == "__main__":
+    main()
