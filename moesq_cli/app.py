@@ -29,17 +29,17 @@ app = typer.Typer(
 WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", help="Work directory holding this run's artifacts.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="Local model dir or Hugging Face id (default: the embedded micro-qwen3-moe).")]
-FormatOpt = Annotated[str, typer.Option("--format", "-f", help="p48-nvfp4 | dense-nvfp4 | s24-fp8.")]
-ActQuantOpt = Annotated[bool, typer.Option("--act-quant/--weights-only",
-                                           help="Quantize activations too (W4A4 / W8A8), or weights only.")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", help="p48-nvfp4 (default) | dense-nvfp4 | s24-fp8.")]
+ActQuantOpt = Annotated[Optional[bool], typer.Option("--act-quant/--weights-only",
+                                                     help="Quantize activations too (W4A4 / W8A8, default), or weights only.")]
 CalibOpt = Annotated[Optional[str], typer.Option(
     "--calib", help="Calibration text: .txt/.txt.xz (blank-line separated), .jsonl ('text'), a dir, or an HF "
                     "dataset 'name[:config][@split]' (default: the embedded sample).")]
-SeqLenOpt = Annotated[int, typer.Option("--seq-len", help="Tokens per calibration sequence.")]
-NTrainOpt = Annotated[int, typer.Option("--n-train", help="Refinement sequences.")]
-NValOpt = Annotated[int, typer.Option("--n-val", help="Held-out sequences (refinement picks its best epoch on them).")]
-NInitOpt = Annotated[int, typer.Option("--n-init", help="Sequences for the one-shot (SGPTQ) stage.")]
-SeedOpt = Annotated[int, typer.Option("--seed", help="Seed for the calibration splits.")]
+SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per calibration sequence (default 512).")]
+NTrainOpt = Annotated[Optional[int], typer.Option("--n-train", help="Refinement sequences (default 128).")]
+NValOpt = Annotated[Optional[int], typer.Option("--n-val", help="Held-out sequences; refinement picks its best epoch on them (default 16).")]
+NInitOpt = Annotated[Optional[int], typer.Option("--n-init", help="Sequences for the one-shot (SGPTQ) stage (default 64).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed for the calibration splits (default 0).")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
 RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", help="Recompute this stage from this layer on.")]
@@ -82,24 +82,45 @@ def _setup(workdir: Path | None, quiet: bool):
         log.info("moesq %s", " ".join(sys.argv[1:]))
 
 
-def _run_config(fmt, act_quant, calib, seq_len, n_train, n_val, n_init, seed):
+def _given(fmt, act_quant, calib, seq_len, n_train, n_val, n_init, seed) -> dict:
+    """The work-dir–level options the user actually gave (None = not given)."""
+    return {k: v for k, v in dict(format=fmt, act_quant=act_quant, calib_source=calib, seq_len=seq_len,
+                                  n_train=n_train, n_val=n_val, n_init=n_init, seed=seed).items() if v is not None}
+
+
+def _run_config(given: dict, **defaults):
+    """RunConfig from the given options over the defaults (a command may have its own, e.g. `run`)."""
     from moesq_core.calibration import CalibConfig
     from moesq_core.pipeline import DEFAULT_CALIB, RunConfig
 
-    return RunConfig(format=fmt, act_quant=act_quant, calib_source=str(calib or DEFAULT_CALIB),
-                     calib=CalibConfig(seq_len=seq_len, n_train=n_train, n_val=n_val, n_init=n_init, seed=seed))
+    opts = {**defaults, **given}
+    calib_keys = ("seq_len", "n_train", "n_val", "n_init", "seed")
+    return RunConfig(format=opts.get("format", "p48-nvfp4"), act_quant=opts.get("act_quant", True),
+                     calib_source=str(opts.get("calib_source", DEFAULT_CALIB)),
+                     calib=CalibConfig(**{k: opts[k] for k in calib_keys if k in opts}))
 
 
-def _ensure_calibrated(workdir, model, cfg, progress):
+def _ensure_calibrated(workdir, model, given: dict, progress, **defaults):
+    """Open the work dir, creating and calibrating it when new. Options given for an existing work dir must
+    match what it was made with (they are refused otherwise, naming the differences)."""
     from moesq_core.pipeline import DEFAULT_MODEL, calibrate
-    from moesq_core.workdir import WorkDir
+    from moesq_core.workdir import WorkDir, WorkDirError, setup_logging
 
     wd = WorkDir(workdir)
-    if wd.exists() and model is None:
-        return wd  # the work dir knows its model; config options were not asked to change
+    if wd.exists():
+        recorded = wd.load()["config"]
+        flat = {**{k: v for k, v in recorded.items() if k != "calib"}, **recorded.get("calib", {})}
+        diffs = [f"{k}: {flat.get(k)!r} (work dir) vs {v!r} (now)" for k, v in given.items()
+                 if str(flat.get(k)) != str(v)]
+        if diffs:
+            raise WorkDirError(f"{workdir} was made with other settings:\n  " + "\n  ".join(diffs)
+                               + "\nUse another --workdir, or leave these options out to use the work dir's.")
+        if model is None:
+            return wd
+        cfg = _run_config({**flat, **given})
+    else:
+        cfg = _run_config(given, **defaults)
     info = calibrate(wd, model or DEFAULT_MODEL, cfg, progress)
-    from moesq_core.workdir import setup_logging
-
     setup_logging(workdir, progress.quiet)
     log.info("calibration ready: %s", info)
     return wd
@@ -109,21 +130,21 @@ def _ensure_calibrated(workdir, model, cfg, progress):
 @app.command()
 @_guard
 def calibrate(
-    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = "p48-nvfp4",
-    act_quant: ActQuantOpt = True, calib: CalibOpt = None, seq_len: SeqLenOpt = 512, n_train: NTrainOpt = 128,
-    n_val: NValOpt = 16, n_init: NInitOpt = 64, seed: SeedOpt = 0, quiet: QuietOpt = False,
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = None,
+    act_quant: ActQuantOpt = None, calib: CalibOpt = None, seq_len: SeqLenOpt = None, n_train: NTrainOpt = None,
+    n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None, quiet: QuietOpt = False,
 ):
     """Create a work dir for a model + format and build its calibration set (seeded train / val / init splits).
 
     Re-running with the same settings is a no-op; other settings on an existing work dir are refused.
     """
     _setup(workdir, quiet)
-    from moesq_core.pipeline import DEFAULT_MODEL, calibrate as core_calibrate
-    from moesq_core.workdir import WorkDir
+    from moesq_core.pipeline import DEFAULT_MODEL
 
-    cfg = _run_config(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
     with RichProgress(quiet) as p:
-        info = core_calibrate(WorkDir(workdir), model or DEFAULT_MODEL, cfg, p)
+        wd = _ensure_calibrated(workdir, model or DEFAULT_MODEL, given, p)
+    info = wd.load()["calibration"]
     console.print(f"calibration: {info['sequences']} sequences of {info['seq_len']} tokens → {workdir / info['file']}")
 
 
@@ -146,8 +167,8 @@ def init_sgptq(
     hessian_weighting: Annotated[str, typer.Option(help="Router weighting of the Hessian: none | w | w2.")] = "none",
     exact_scales: Annotated[bool, typer.Option("--exact-scales/--fp32-scales",
                                                help="GPTQ with the final E4M3 block scales (export-exact) or fp32 scales projected afterwards.")] = True,
-    format: FormatOpt = "p48-nvfp4", act_quant: ActQuantOpt = True, calib: CalibOpt = None,
-    seq_len: SeqLenOpt = 512, n_train: NTrainOpt = 128, n_val: NValOpt = 16, n_init: NInitOpt = 64, seed: SeedOpt = 0,
+    format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
+    seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
     quiet: QuietOpt = False,
 ):
@@ -158,9 +179,9 @@ def init_sgptq(
     _setup(workdir, quiet)
     from moesq_core.pipeline import compress
 
-    cfg = _run_config(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
     with RichProgress(quiet) as p:
-        wd = _ensure_calibrated(workdir, model, cfg, p)
+        wd = _ensure_calibrated(workdir, model, given, p)
         summary = compress(wd, method, _method_options(method, percdamp, hessian_weighting, exact_scales),
                            device=device, batch_size=batch_size, redo_from=redo_from, progress=p, cache_limit_gb=cache_gb)
     console.print(f"stage init-{method}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}")
@@ -182,8 +203,8 @@ def refine(
     refine_seed: Annotated[int, typer.Option(help="Seed of the Gumbel noise and the init of A.")] = 0,
     stage: Annotated[str, typer.Option(help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
     init: Annotated[str, typer.Option(help="Init method whose stage refinement starts from.")] = "sgptq",
-    format: FormatOpt = "p48-nvfp4", act_quant: ActQuantOpt = True, calib: CalibOpt = None,
-    seq_len: SeqLenOpt = 512, n_train: NTrainOpt = 128, n_val: NValOpt = 16, n_init: NInitOpt = 64, seed: SeedOpt = 0,
+    format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
+    seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
     quiet: QuietOpt = False,
 ):
@@ -198,12 +219,12 @@ def refine(
 
     if values_only and support_only:
         _fail("--values-only and --support-only exclude each other", 2)
-    cfg = _run_config(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
     rcfg = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows, micro_batch_rows=micro_batch_rows,
                 lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power, train_support=not values_only,
                 train_values=not support_only, seed=refine_seed)
     with RichProgress(quiet) as p:
-        wd = _ensure_calibrated(workdir, model, cfg, p)
+        wd = _ensure_calibrated(workdir, model, given, p)
         compress(wd, init, {}, device=device, batch_size=batch_size, progress=p, cache_limit_gb=cache_gb)
         summary = core_refine(wd, rcfg, init=init, device=device, batch_size=batch_size, redo_from=redo_from,
                               progress=p, stage=stage, cache_limit_gb=cache_gb)
@@ -453,8 +474,8 @@ def _render_recovery(table) -> None:
 @app.command()
 @_guard
 def run(
-    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = "p48-nvfp4",
-    act_quant: ActQuantOpt = True, calib: CalibOpt = None,
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = None,
+    act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Evaluation text (default: the embedded sample).")] = None,
     ppl_tokens: Annotated[int, typer.Option(help="Evaluate the first N tokens.")] = 65536,
     method: Annotated[str, typer.Option(help="One-shot init method.")] = "sgptq",
@@ -463,8 +484,8 @@ def run(
     refine_stage: Annotated[bool, typer.Option("--refine/--no-refine", help="Run refinement after the init.")] = True,
     epochs: Annotated[int, typer.Option(help="Refinement epochs.")] = 2,
     steps_per_epoch: Annotated[int, typer.Option(help="Refinement optimizer steps per epoch.")] = 8,
-    seq_len: SeqLenOpt = 256, n_train: NTrainOpt = 64, n_val: NValOpt = 8, n_init: NInitOpt = 64, seed: SeedOpt = 0,
-    device: DeviceOpt = "auto", quiet: QuietOpt = False,
+    seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None,
+    seed: SeedOpt = None, device: DeviceOpt = "auto", quiet: QuietOpt = False,
 ):
     """Everything in one go: calibrate → baselines → init → refine → pack → verify → perplexity table.
 
@@ -477,10 +498,12 @@ def run(
     from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
     from moesq_core.pipeline import DEFAULT_EVAL, compress, refine as core_refine
 
-    cfg = _run_config(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
     base = [b for b in baselines.split(",") if b and b != method]
     with RichProgress(quiet) as p:
-        wd = _ensure_calibrated(workdir, model, cfg, p)
+        # a small default budget: 256-token sequences, 64 for the one-shot stage, 64 + 8 for refinement
+        wd = _ensure_calibrated(workdir, model, given, p, seq_len=256, n_train=64, n_val=8, n_init=64)
+        cfg = wd.load()["config"]
         for b in base:
             compress(wd, b, {}, device=device, progress=p)
         compress(wd, method, {}, device=device, progress=p)
@@ -498,7 +521,8 @@ def run(
         rows = ppl_for_targets(targets, ppl or DEFAULT_EVAL, max_tokens=ppl_tokens, device="cpu",
                                cache=ResultCache(workdir / "eval" / "results.json"), progress=p)
     ref = next(r["ppl"] for r in rows if r["kind"] == "reference")
-    table = Table(title=f"moesq run — {format}{' W4A4' if act_quant and 'nvfp4' in format else ''}, perplexity on "
+    fmt_name, aq = cfg["format"], cfg["act_quant"]
+    table = Table(title=f"moesq run — {fmt_name}{(' W4A4' if 'nvfp4' in fmt_name else ' W8A8') if aq else ' weights only'}, perplexity on "
                         f"{rows[0]['tokens']:,} tokens")
     for c in ("model", "perplexity", "× reference"):
         table.add_column(c, justify="left" if c == "model" else "right")

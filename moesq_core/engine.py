@@ -323,10 +323,11 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
         w = block.expert_weights(e)
         for proj, t in w.items():
             spec.fmt.check_weight(t, f"layer {block.layer_index} expert {e} {proj}")
+        dev = w["gate"].device  # routed tokens are gathered on the CPU; methods run where the model is
         data.append(ExpertData(
-            e, w["gate"], w["up"], w["down"], _cat(xs[e], H), _cat(ws[e], 1).reshape(-1),
-            _cat(xv[e], H) if spec.val_split else None,
-            _cat(wv[e], 1).reshape(-1) if spec.val_split else None))
+            e, w["gate"], w["up"], w["down"], _cat(xs[e], H).to(dev), _cat(ws[e], 1).reshape(-1).to(dev),
+            _cat(xv[e], H).to(dev) if spec.val_split else None,
+            _cat(wv[e], 1).reshape(-1).to(dev) if spec.val_split else None))
     method = spec.method_for_block(block.layer_index)
     with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(data)) as t:
         results_mine = method.compress_block(data, spec.fmt, t.advance)

@@ -107,6 +107,9 @@ def test_bad_inputs_get_clear_errors(micro_path, tmp_path):
     r = moesq("calibrate", "--model", micro_path, "-w", wd, *SMALL, "--format", "s24-fp8", check=False)
     assert r.returncode == 1 and "format: 'p48-nvfp4' (work dir) vs 's24-fp8'" in r.stdout + r.stderr
     assert (wd / "manifest.json").read_text() == before
+    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--seq-len", "128", check=False)  # no --model: still checked
+    assert r.returncode == 1 and "seq_len: 64 (work dir) vs 128 (now)" in r.stdout + r.stderr
+    assert (wd / "manifest.json").read_text() == before
     # a truncated calibration artifact
     calib = wd / "calib" / "calibration.safetensors"
     calib.write_bytes(calib.read_bytes()[:100])
