@@ -26,7 +26,7 @@ class CalibConfig:
         return asdict(self)
 
 
-def _open_text(path: Path):
+def open_text(path: Path):
     if path.suffix == ".xz":
         return lzma.open(path, "rt", encoding="utf-8")
     if path.suffix == ".gz":
@@ -47,7 +47,7 @@ def read_documents(source: str | Path, max_chars: int | None = None) -> list[str
             raise ValueError(f"{source}: no .txt/.jsonl files with text found")
         return docs
     if p.is_file():
-        with _open_text(p) as fh:
+        with open_text(p) as fh:
             if ".jsonl" in p.name or ".json" in p.name:
                 docs = []
                 for i, line in enumerate(fh, 1):

@@ -6,7 +6,6 @@ A stage whose prerequisites are missing runs them first with the options given, 
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -21,7 +20,7 @@ from .formats import get_format
 from .methods.base import CompressedExpert, ExpertData
 from .models import load_model
 from .progress import NullProgress
-from .workdir import WorkDir, WorkDirError, atomic_path, model_fingerprint
+from .workdir import WorkDir, WorkDirError, atomic_path, model_fingerprint, sha256_file
 
 log = logging.getLogger("moesq")
 
@@ -73,8 +72,6 @@ def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progre
     m = workdir.init(model_info, cfg.to_dict())
     calib_path = workdir.root / CALIB_FILE
     if m.get("calibration", {}).get("sha256") and calib_path.is_file():
-        from .workdir import sha256_file
-
         if sha256_file(calib_path) != m["calibration"]["sha256"]:
             raise WorkDirError(f"{calib_path} is corrupt or truncated (checksum mismatch); delete it and re-run `moesq calibrate`")
         log.info("calibration already done: %s", calib_path)
@@ -86,8 +83,6 @@ def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progre
         t.advance()
     with atomic_path(calib_path) as tmp:
         save_file(splits, str(tmp))
-    from .workdir import sha256_file
-
     info = {"file": CALIB_FILE, "sha256": sha256_file(calib_path),
             "sequences": {k: int(v.shape[0]) for k, v in splits.items()}, "seq_len": cfg.calib.seq_len,
             "tokens": int(sum(v.numel() for v in splits.values())), "documents": len(docs)}
@@ -103,8 +98,6 @@ def load_calibration(workdir: WorkDir) -> dict[str, torch.Tensor]:
     if "calibration" not in m:
         raise WorkDirError(f"{workdir.root} has no calibration yet; run `moesq calibrate` first")
     path = workdir.root / m["calibration"]["file"]
-    from .workdir import sha256_file
-
     if not path.is_file() or sha256_file(path) != m["calibration"]["sha256"]:
         raise WorkDirError(f"{path} is missing or corrupt (checksum mismatch); delete it and re-run `moesq calibrate`")
     return load_file(str(path))

@@ -2,7 +2,6 @@
 dirs and corrupt artifacts, spilling the calibration cache, expert-parallel equal to one process."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

@@ -23,7 +23,7 @@ from .. import __version__
 from ..engine import load_block
 from ..formats import get_format
 from ..runtime.experts import act_global_from_amax
-from ..packing import bits_per_weight, pack
+from ..packing import pack
 from ..packing.p48 import MARKER, MARKER_KEY
 from ..workdir import WorkDir, WorkDirError
 

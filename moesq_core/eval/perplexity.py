@@ -7,14 +7,14 @@ from pathlib import Path
 
 import torch
 
-from ..calibration import _open_text
+from ..calibration import open_text
 
 
 def load_eval_tokens(tokenizer, path: str | Path, max_tokens: int = 65536) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"evaluation text {path} not found")
-    with _open_text(path) as fh:
+    with open_text(path) as fh:
         text = fh.read()
     ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_tokens]
     if len(ids) < 2:
