@@ -250,6 +250,9 @@ def main(argv=None):
                     help="extra RefineConfig field, e.g. lr_logits=1e-3 (repeatable)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--merge", action="append", default=[], type=Path, metavar="JSON",
+                    help="accuracy_<model>.json of another run of this script (e.g. rows run in parallel under another "
+                         "--workdir-root) whose rows are merged in; it must use the same protocol (repeatable)")
     ap.add_argument("--note", action="append", default=[], help="a note written into the table (repeatable)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -295,6 +298,23 @@ def main(argv=None):
             "rows_requested": list(dict.fromkeys([*(old.get("rows_requested", []) if same_protocol else []), *rows_req])),
             "notes": args.note,
         }
+        for src in args.merge:
+            other = json.loads(src.read_text())
+            if other.get("model") != model:
+                continue
+            if not (other["eval"]["tokens"] == args.ppl_tokens and other["calibration"]["config"] == calib.to_dict()
+                    and other["refine"] == full_refine):
+                raise SystemExit(f"{src}: different protocol (eval tokens, calibration or refine config); not merged")
+            for name, r in other["rows"].items():
+                if name == "reference":
+                    rows.setdefault(name, r)
+                    continue
+                for act, cell in r.items():
+                    if "ppl" in cell and "ppl" not in rows.get(name, {}).get(act, {}):
+                        rows.setdefault(name, {})[act] = {**cell, "merged_from": str(src)}
+            meta["rows_requested"] += [n for n in other["rows"] if n not in meta["rows_requested"]]
+            meta["notes"] = meta["notes"] + [f"rows marked merged_from in the JSON were run by `{other['command']}` "
+                                             f"(work dirs under {other.get('workdir_root')}, same calibration seed and config)"]
         meta["rows_requested"] = [r for r in ROWS if r in meta["rows_requested"]]
         write_outputs(args.out, model, meta, rows)
         for row in rows_req:
