@@ -45,6 +45,8 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
             done = [k for k, v in m["stages"].items() if v.get("done")]
             for s in stages or done:
                 if s not in done:
+                    if several_workdirs:  # --stage picks from whichever work dirs have it
+                        continue
                     raise ValueError(f"stage {s!r} is not finished in {p} (finished: {', '.join(done) or 'none'})")
                 label = s.removeprefix("init-")
                 add(EvalTarget(f"{p.name}:{label}" if several_workdirs else label, "stage", str(p), s))
@@ -56,6 +58,9 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
                 add(EvalTarget(f"reference:{p.name}" if len(targets) > 1 else "reference", "reference", str(p)))
         else:
             raise FileNotFoundError(f"{t}: not a work dir (manifest.json), a packed dir or a model dir (config.json)")
+    missing = [s for s in stages or [] if not any(t.stage == s for t in out)]
+    if missing:
+        raise ValueError(f"stage(s) {', '.join(missing)} finished in none of the work dirs given")
     return out
 
 
