@@ -183,13 +183,23 @@ def test_cache_resume_after_interruption(micro, tmp_path, monkeypatch):
     finally:
         handle.remove()
     assert not calls and all(r.cached for r in res3.results.values())
-    # Another key (here: the seed) is another result, so it runs.
+    # Another key (here: the seed) is another result, so both run; request events name the running task.
+    events = []
     calls, handle = _count_forwards(model)
     try:
-        evaluate_tasks(model, tok, "tiny_local", **{**args, "seed": 7})
+        evaluate_tasks(model, tok, [OFFLINE_TASK, "tiny_local"], progress=events.append, **{**args, "seed": 7})
     finally:
         handle.remove()
     assert calls
+    running = None
+    finished = {}
+    for e in events:
+        if e.kind == "task_start":
+            running = e.task
+        elif e.kind == "requests":
+            assert e.task == running
+            finished[e.task] = (e.done, e.total)
+    assert finished == {OFFLINE_TASK: (16, 16), "tiny_local": (12, 12)}  # 4 docs x 4 and x 3 choices
 
 
 # ------------------------------------------------------------------------------------------- errors

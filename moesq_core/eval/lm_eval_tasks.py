@@ -644,6 +644,13 @@ def evaluate_tasks(
         lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
 
     n = len(requests)
+    current = {"task": "", "index": 0, "t0": 0.0}  # the task now running, for request-level events
+    if progress and lm is not None:
+        def emit(typ: str, done: int, total: int) -> None:
+            progress(ProgressEvent("requests", current["task"], current["index"], n, typ, done, total,
+                                   time.perf_counter() - current["t0"]))
+
+        _install_progress(lm, emit, chunk=max(128, 32 * (batch_size if isinstance(batch_size, int) else 8)))
     out: dict[str, TaskResult] = {}
     for i, r in enumerate(requests):
         if r.name in results:
@@ -651,12 +658,9 @@ def evaluate_tasks(
             if progress:
                 progress(ProgressEvent("task_cached", r.name, i, n, result=results[r.name]))
             continue
+        current.update(task=r.name, index=i, t0=time.perf_counter())
         if progress:
             progress(ProgressEvent("task_start", r.name, i, n))
-            t_start = time.perf_counter()
-            emit = lambda typ, done, tot, _name=r.name, _i=i, _t=t_start: progress(  # noqa: E731
-                ProgressEvent("requests", _name, _i, n, typ, done, tot, time.perf_counter() - _t))
-            _install_progress(lm, emit, chunk=max(128, 32 * (batch_size if isinstance(batch_size, int) else 8)))
         t0 = time.perf_counter()
         res = lm_eval.simple_evaluate(
             model=lm, tasks=built[r.name], task_manager=managers[r.name], num_fewshot=r.num_fewshot, limit=limit,
