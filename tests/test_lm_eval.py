@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -13,7 +12,6 @@ import pytest
 pytest.importorskip("lm_eval")
 torch = pytest.importorskip("torch")
 
-from moesq_core.eval import lm_eval_tasks as L  # noqa: E402
 from moesq_core.eval.lm_eval_tasks import (  # noqa: E402
     OFFLINE_TASK, TaskResult, TaskResults, TaskUnavailableError, evaluate_tasks, load_tokenizer, resolve_tasks,
 )
@@ -22,12 +20,8 @@ from moesq_core.eval.recovery import MAIN_METRICS, main_metric_name, recovery_ta
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 MICRO = SHARED / "models" / "micro-qwen3-moe"
-TINY = SHARED / "models" / "tiny-qwen3-moe"
 TASKS = REPO / "moesq_core" / "eval" / "tasks"
 DATA = TASKS / "moesq_cloze.jsonl"
-
-needs_micro = pytest.mark.skipif(not (MICRO / "config.json").is_file(), reason="shared micro model not found")
-
 
 @pytest.fixture(scope="module")
 def micro():
