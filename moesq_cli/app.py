@@ -409,7 +409,7 @@ def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed,
         from moesq_core.eval.recovery import recovery_table
     except ImportError as e:
         _fail(f"lm-eval support needs the 'eval' extra: pip install 'moesq[eval]' ({e})")
-    from moesq_core.eval.runner import load_target
+    from moesq_core.eval.runner import load_target, target_identity
 
     results = []
     for t in resolved:
@@ -419,7 +419,7 @@ def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed,
         with _TaskBars(progress, t.label) as bars:
             results.append(evaluate_tasks(model, tok, tasks, label=t.label, tasks_dir=tasks_dir, limit=limit,
                                           num_fewshot=num_fewshot, batch_size=batch_size, seed=seed,
-                                          cache_dir=cache_dir, progress=bars))
+                                          cache_dir=cache_dir, progress=bars, model_id=target_identity(t)))
         del model
     ref = next((t.label for t in resolved if t.kind == "reference"), resolved[0].label)
     table = recovery_table(results, ref)

@@ -76,6 +76,17 @@ def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.
     return load_packed(t.path, device=device, dtype=dtype)
 
 
+def target_identity(t: EvalTarget) -> str:
+    """What identifies a target's weights for caching: a stage by its artifacts' checksums (from the
+    manifest), a packed dir by its shards' checksums, a reference by its path."""
+    ident = t.key
+    if t.kind == "stage":
+        ident += json.dumps(WorkDir(t.path).stage(t.stage)["blocks"], sort_keys=True)
+    elif t.kind == "packed":
+        ident += "".join(sha256_file(f) for f in sorted(Path(t.path).glob("*.safetensors")))
+    return hashlib.sha256(ident.encode()).hexdigest()[:24]
+
+
 class ResultCache:
     """JSON file of finished evaluations keyed by target + data + protocol."""
 
@@ -104,13 +115,7 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
     digest = sha256_file(Path(text_file))
     rows = []
     for t in targets:
-        # a stage's artifacts are identified by the work dir manifest's checksums
-        ident = t.key
-        if t.kind == "stage":
-            ident += json.dumps(WorkDir(t.path).stage(t.stage)["blocks"], sort_keys=True)
-        elif t.kind == "packed":
-            ident += "".join(sha256_file(f) for f in sorted(Path(t.path).glob("*.safetensors")))
-        key = cache.key("ppl", ident, digest, max_tokens, window)
+        key = cache.key("ppl", target_identity(t), digest, max_tokens, window)
         hit = cache.get(key)
         if hit is None:
             model, tok = load_target(t, device)
