@@ -253,6 +253,9 @@ def main(argv=None):
     ap.add_argument("--merge", action="append", default=[], type=Path, metavar="JSON",
                     help="accuracy_<model>.json of another run of this script (e.g. rows run in parallel under another "
                          "--workdir-root) whose rows are merged in; it must use the same protocol (repeatable)")
+    ap.add_argument("--no-run", action="store_true",
+                    help="compute nothing: only rewrite the table from the existing JSON (+ --merge); --rows then only "
+                         "adds row names to the list of requested rows (so missing ones are reported)")
     ap.add_argument("--note", action="append", default=[], help="a note written into the table (repeatable)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -272,7 +275,7 @@ def main(argv=None):
         refine_cfg[k] = json.loads(v)
     from moesq_core.methods.refine import RefineConfig
 
-    full_refine = asdict(RefineConfig(**refine_cfg))
+    full_refine = json.loads(json.dumps(asdict(RefineConfig(**refine_cfg))))  # as stored in JSON (tuples -> lists)
     root.mkdir(parents=True, exist_ok=True)
 
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
@@ -317,6 +320,8 @@ def main(argv=None):
                                              f"(work dirs under {other.get('workdir_root')}, same calibration seed and config)"]
         meta["rows_requested"] = [r for r in ROWS if r in meta["rows_requested"]]
         write_outputs(args.out, model, meta, rows)
+        if args.no_run:
+            continue
         for row in rows_req:
             fmt, kind, method, opts = ROWS[row]
             if row == "reference":
