@@ -68,14 +68,18 @@ def _guard(fn):
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
         except (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as e:
-            log.error("%s: %s", type(e).__name__, e)
+            log.info("failed: %s: %s", type(e).__name__, e)  # to the work-dir log; the user sees _fail's line
             _fail(str(e))
 
     return wrapper
 
 
 def _setup(workdir: Path | None, quiet: bool):
+    from transformers.utils import logging as hf_logging
+
     from moesq_core.workdir import setup_logging
+
+    hf_logging.disable_progress_bar()  # moesq shows its own progress; per-load weight bars are noise
 
     setup_logging(workdir if workdir and workdir.exists() else None, quiet)
     if workdir is not None:
@@ -372,6 +376,7 @@ def eval_cmd(
 ):
     """Perplexity and/or lm-eval task accuracy for reference, fake-quantized (work dir stages) and packed models,
     side by side in one table. Results are cached in the first work dir, so re-runs and resumes are instant."""
+    _setup(None, quiet)
     from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
     from moesq_core.pipeline import DEFAULT_EVAL
 
