@@ -74,6 +74,12 @@ class Method(Protocol):
         ...
 
 
-def shared_gate_up_scale(fmt: Format, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """gate and up of one expert share one weight global scale (serving engines fuse them, facts §1)."""
-    return fmt.global_scale(gate, up)
+def compress_each(experts: list[ExpertData], fmt: Format, compress_expert: Callable[[ExpertData, Format], CompressedExpert],
+                  progress: ProgressFn | None = None) -> list[CompressedExpert]:
+    """`compress_block` of a method that treats experts one at a time: its per-expert solve, with progress."""
+    out = []
+    for ex in experts:
+        out.append(compress_expert(ex, fmt))
+        if progress is not None:
+            progress(1)
+    return out

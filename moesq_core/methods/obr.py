@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Format, QuantizedWeight
-from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn
+from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
 from .hessian import Damped, batched_masked_solve, damped_factor, expert_hessians, fix_dead, hessian, \
     masked_optimum, relative_error, row_sets
 from .rtn import check_expert, fallback_no_tokens
@@ -116,9 +116,4 @@ class OBR:
         return CompressedExpert(q["gate"], q["up"], q["down"], latent=latent, info=info)
 
     def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
-        out = []
-        for ex in experts:
-            out.append(self.compress_expert(ex, fmt))
-            if progress is not None:
-                progress(1)
-        return out
+        return compress_each(experts, fmt, self.compress_expert, progress)

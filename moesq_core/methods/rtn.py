@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..formats import Format, QuantizedWeight
-from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn
+from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
 from .hessian import expert_hessians, relative_error
 
 
@@ -82,13 +82,11 @@ class RTN:
     report_errors: bool = True
 
     def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
-        out = []
-        for ex in experts:
-            check_expert(ex, fmt)
-            out.append(rtn_expert(ex, fmt, info={"method": self.name}, report_errors=self.report_errors))
-            if progress is not None:
-                progress(1)
-        return out
+        return compress_each(experts, fmt, self.compress_expert, progress)
+
+    def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
+        check_expert(ex, fmt)
+        return rtn_expert(ex, fmt, info={"method": self.name}, report_errors=self.report_errors)
 
 
 @dataclass

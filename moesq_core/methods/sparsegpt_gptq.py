@@ -41,7 +41,7 @@ from ..formats import Format, QuantizedWeight
 from ..formats.e2m1 import E2M1_MAX
 from ..formats.e4m3 import E4M3_MIN_SUBNORMAL, round_ue4m3_scale
 from ..formats.quantizers import E4M3_MAX, NVFP4Quantizer
-from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn
+from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
 from .hessian import damped_factor, expert_hessians, fix_dead, hessian, masked_optimum, relative_error
 from .rtn import check_expert, fallback_no_tokens
 
@@ -308,9 +308,4 @@ class SGPTQ:
         if self.dense_only and not fmt.patterns.is_dense:
             raise ValueError(f"method {self.name!r} is GPTQ on a dense format; format {fmt.name!r} is sparse "
                              f"({fmt.patterns.name}): use method 'sgptq' for sparse formats")
-        out = []
-        for ex in experts:
-            out.append(self.compress_expert(ex, fmt))
-            if progress is not None:
-                progress(1)
-        return out
+        return compress_each(experts, fmt, self.compress_expert, progress)

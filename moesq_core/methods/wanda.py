@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Format
-from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn
+from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
 from .hessian import input_sq_norms
 from .rtn import check_expert, fallback_no_tokens, rtn_expert
 
@@ -37,9 +37,4 @@ class Wanda:
         return rtn_expert(ex, fmt, masks, info={"method": self.name}, report_errors=self.report_errors)
 
     def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
-        out = []
-        for ex in experts:
-            out.append(self.compress_expert(ex, fmt))
-            if progress is not None:
-                progress(1)
-        return out
+        return compress_each(experts, fmt, self.compress_expert, progress)
