@@ -1,7 +1,7 @@
 """Accuracy table: perplexity of every compression method on the shared models, one calibration budget for all.
 
-    python recipes/accuracy_table.py --models micro --workdir-root /tmp/moesq-acc --out benchmarks/results
-    python recipes/accuracy_table.py --models tiny --rows core --ppl-tokens 65536
+    python benchmarks/accuracy_table.py --models micro --workdir-root /tmp/moesq-acc --out benchmarks/results
+    python benchmarks/accuracy_table.py --models tiny --rows core --ppl-tokens 65536
 
 For each model it builds (or resumes) one work dir per (format, activation setting) under
 `--workdir-root/<model>/`, runs the requested stages there with the pipeline's own functions, evaluates
@@ -292,7 +292,7 @@ def main(argv=None):
         rows: dict = old.get("rows", {}) if same_protocol else {}
         meta = {
             "model": model, "model_path": str(MODELS[model]),
-            "command": " ".join(["python", "recipes/accuracy_table.py", *(argv if argv is not None else sys.argv[1:])]),
+            "command": " ".join(["python", "benchmarks/accuracy_table.py", *(argv if argv is not None else sys.argv[1:])]),
             "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(),
             "eval": {"file": str(EVAL), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},

@@ -1,7 +1,7 @@
 """Throughput of refinement on one Qwen3-30B-A3B–shaped MoE block: the batched trainer vs a per-expert loop.
 
-    python recipes/bench_refine.py --out benchmarks/results            # defaults: 128 experts, H 2048, I 768, top-8
-    python recipes/bench_refine.py --device cpu --experts 8 --hidden 256 --inter 128 --tokens 4096 --out /tmp/b
+    python benchmarks/bench_refine.py --out benchmarks/results            # defaults: 128 experts, H 2048, I 768, top-8
+    python benchmarks/bench_refine.py --device cpu --experts 8 --hidden 256 --inter 128 --tokens 4096 --out /tmp/b
 
 Random expert weights (scaled like a trained model's), random hidden states, a router with realistic load
 imbalance (a per-expert popularity bias plus per-token noise, top-k, softmax-normalised weights). The

@@ -2,7 +2,7 @@
 experts as bf16 (transformers' grouped_mm), fp8 (torch._scaled_grouped_mm, rowwise scales) and moesq p48
 packed (P48HopperExperts, W4A16 and W4A4), on one H200.
 
-    PYTHONPATH=. python recipes/e2e_decode_bench.py --out benchmarks/results [--layers 48] [--batches 1 16 64]
+    PYTHONPATH=. python benchmarks/e2e_decode_bench.py --out benchmarks/results [--layers 48] [--batches 1 16 64]
 
 Decode loop: transformers model forward with a StaticCache; the prompt (128 random tokens per sequence) is
 prefilled eagerly, then one greedy decode step (forward, argmax, next-token and position update) is captured
