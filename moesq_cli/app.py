@@ -196,8 +196,8 @@ def init_sgptq(
 def refine(
     model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
     epochs: Annotated[int, typer.Option(help="Passes over the training tokens per block.")] = 10,
-    steps_per_epoch: Annotated[Optional[int], typer.Option(help="Optimizer steps per epoch (default: from --batch-rows).")] = None,
-    batch_rows: Annotated[int, typer.Option(help="Routed token rows per optimizer step (whole block).")] = 64 * 4096 * 8,
+    steps_per_epoch: Annotated[Optional[int], typer.Option(help="Optimizer steps per epoch (default: from --batch-rows if given, else the paper's 128; capped so each expert averages ≥ 8 rows per step).")] = None,
+    batch_rows: Annotated[Optional[int], typer.Option(help="Routed token rows per optimizer step over the block (the paper's: 2097152); derives the steps per epoch, at least 16.")] = None,
     micro_batch_rows: Annotated[int, typer.Option(help="Rows per forward/backward (memory bound).")] = 8 * 4096 * 8,
     lr_logits: Annotated[float, typer.Option(help="Lion learning rate of the pattern logits A.")] = 2.5e-4,
     lr_values: Annotated[float, typer.Option(help="Lion learning rate of the latent weights V.")] = 5e-5,

@@ -386,8 +386,13 @@ def test_steps_per_epoch_rule():
     steps = lambda **kw: BlockRefiner(ex, inits, fmt, RefineConfig(epochs=0, **kw)).steps_per_epoch
     assert steps() == 300 // 8  # the paper's 128, capped at >= 8 rows per expert and step
     assert steps(steps_per_epoch=10) == 10
-    assert steps(batch_rows=100) == 6  # 600 training rows / 100
-    assert steps(batch_rows=100_000) == 1
+    assert steps(batch_rows=100) == 16  # 600 training rows / 100 = 6, raised to the floor of 16
+    assert steps(batch_rows=100, min_steps_per_epoch=4) == 6
+    assert steps(batch_rows=100_000) == 16
+    with pytest.raises(ValueError, match="not both"):
+        RefineConfig(steps_per_epoch=4, batch_rows=100)
+    plan = RefineConfig(epochs=3, steps_per_epoch=10).schedule(600, 2)
+    assert (plan.total_steps, plan.rows_per_step) == (30, 60) and "30 Lion steps" in str(plan)
     r = BlockRefiner(ex, inits, fmt, RefineConfig(epochs=2, steps_per_epoch=7))
     assert r.total_steps == 14 and int(r.step_cnt.sum()) == 600
     assert r.schedule(0) == (2.0, 100.0, 1.0)

@@ -61,8 +61,9 @@ class RefineConfig:
     """
 
     epochs: int = 10
-    steps_per_epoch: int = 128
+    steps_per_epoch: int | None = None  # None: from batch_rows when given, else the paper's 128
     batch_rows: int | None = None  # when set: steps_per_epoch = ceil(training rows of the block / batch_rows)
+    min_steps_per_epoch: int = 16  # floor for steps derived from batch_rows (a 1-step epoch learns nothing)
     min_rows_per_step: int = 8
     micro_batch_rows: int = 8 * 4096 * 8
     lr_logits: float = 2.5e-4
@@ -88,9 +89,10 @@ class RefineConfig:
     def __post_init__(self):
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
-        for name in ("micro_batch_rows", "steps_per_epoch", "min_rows_per_step"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("micro_batch_rows", "steps_per_epoch", "min_steps_per_epoch", "min_rows_per_step"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
         if self.batch_rows is not None and self.batch_rows < 1:
             raise ValueError(f"batch_rows must be a positive number of routed rows (or None), got {self.batch_rows}")
         if self.lr_logits <= 0 or self.lr_values <= 0:
@@ -100,6 +102,8 @@ class RefineConfig:
         if min(self.tau) <= 0:
             raise ValueError(f"temperatures must be positive, got {self.tau}")
         objective.check_power(self.loss_power)
+        if self.steps_per_epoch is not None and self.batch_rows is not None:
+            raise ValueError("give steps_per_epoch or batch_rows, not both")
         if not (self.train_support or self.train_values):
             raise ValueError("train_support and train_values are both False: nothing to refine")
         if not 0 <= self.val_fraction < 1:
@@ -109,6 +113,42 @@ class RefineConfig:
             if v not in _DTYPES and not (name == "compute_dtype" and v == "auto"):
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}{' or auto' if name == 'compute_dtype' else ''}, got {v!r}")
 
+
+    def schedule(self, train_rows: int, experts_with_rows: int) -> "RefineSchedule":
+        """The optimizer schedule of one block holding `train_rows` routed training rows spread over
+        `experts_with_rows` experts: steps per epoch from steps_per_epoch, or from batch_rows (at least
+        min_steps_per_epoch), or the paper's 128; never so many that an expert averages fewer than
+        min_rows_per_step rows per step (a step of ~0 rows would be Lion momentum alone)."""
+        if self.steps_per_epoch is not None:
+            S = self.steps_per_epoch
+        elif self.batch_rows is not None:
+            S = max(self.min_steps_per_epoch, math.ceil(train_rows / self.batch_rows))
+        else:
+            S = 128
+        if experts_with_rows > 0:
+            S = min(S, (train_rows // experts_with_rows) // self.min_rows_per_step)
+        S = max(1, S)
+        return RefineSchedule(epochs=self.epochs, steps_per_epoch=S, rows_per_step=math.ceil(train_rows / S),
+                              lr_logits=self.lr_logits, lr_values=self.lr_values)
+
+
+@dataclass(frozen=True)
+class RefineSchedule:
+    """What one block's refinement will do (printed before training)."""
+
+    epochs: int
+    steps_per_epoch: int
+    rows_per_step: int  # routed rows per optimizer step over the whole block
+    lr_logits: float
+    lr_values: float
+
+    @property
+    def total_steps(self) -> int:
+        return self.epochs * self.steps_per_epoch
+
+    def __str__(self) -> str:
+        return (f"{self.epochs} epochs × {self.steps_per_epoch} steps = {self.total_steps} Lion steps per block, "
+                f"~{self.rows_per_step:,} routed rows per step; lr(A) {self.lr_logits:.3g}, lr(V) {self.lr_values:.3g}")
 
 # ---------------------------------------------------------------------------------------------------------
 # Format-generic helpers, batched over experts (leading axis). Known quantizers get a vectorised path that is
@@ -288,13 +328,8 @@ class BlockRefiner:
         del X
         self._tick("quantize_inputs")
         ntr_t = self.n_train[self.n_train > 0]
-        if self.cfg.batch_rows is not None:
-            S = math.ceil(int(ntr_t.sum()) / self.cfg.batch_rows)
-        else:
-            S = self.cfg.steps_per_epoch
-        if ntr_t.numel():  # a step of ~0 rows per expert would be Lion momentum alone
-            S = min(S, int(ntr_t.float().mean()) // self.cfg.min_rows_per_step)
-        self.steps_per_epoch = S = max(1, S)
+        self.plan = self.cfg.schedule(int(ntr_t.sum()), int(ntr_t.numel()))
+        self.steps_per_epoch = S = self.plan.steps_per_epoch
         s = torch.arange(S + 1, dtype=torch.int64)[:, None]
         bounds = (s * self.n_train[None, :]) // S  # [S+1, E] each expert's rows split into S near-equal chunks
         self.step_start, self.step_cnt = bounds[:-1], bounds[1:] - bounds[:-1]
