@@ -119,13 +119,6 @@ class TaskResults:
     def from_dict(cls, d: Mapping) -> TaskResults:
         return cls(d["label"], {k: TaskResult.from_dict(v) for k, v in d["results"].items()}, dict(d["config"]))
 
-    def save_json(self, path: str | os.PathLike) -> Path:
-        return _atomic_write_json(Path(path), self.to_dict())
-
-    @classmethod
-    def load_json(cls, path: str | os.PathLike) -> TaskResults:
-        return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
-
 
 @dataclass(frozen=True)
 class ProgressEvent:

@@ -33,10 +33,6 @@ class PatternSet:
         return self.rows[0].count("1")
 
     @property
-    def density(self) -> float:
-        return self.kept_per_group / self.group
-
-    @property
     def is_dense(self) -> bool:
         return self.kept_per_group == self.group
 
