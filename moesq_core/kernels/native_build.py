@@ -148,8 +148,6 @@ def _torch_flags() -> tuple[list[str], list[str]]:
         f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
         "-DTORCH_API_INCLUDE_EXTENSION_H", f"-DTORCH_EXTENSION_NAME={MODULE_NAME}",
     ]
-    abi = getattr(cpp_extension, "_get_pybind11_abi_build_flags", None)
-    cflags += list(abi()) if abi else []
     libs = ["c10", "c10_cuda", "torch", "torch_cpu", "torch_cuda", "torch_python"]
     lflags = [f"-L{lib_dir}", "-Xlinker", f"-rpath,{lib_dir}"] + [f"-l{n}" for n in libs]
     return cflags, lflags
