@@ -1,7 +1,7 @@
 """Python side of the kernels: CPU references, load-time re-layouts and bindings to native/.
 
     s24_fp8        grouped 2:4 sparse FP8 GEMM for Hopper (CUTLASS, native/): API, reference, re-layout
-    native_build   builds and loads native/build/libmoesq_s24.so (`python -m moesq_core.kernels.native_build`)
+    native_build   builds (on first use, cached) and loads the `_moesq_native` pybind11 module from native/
     verify_kernel  runs every packed s24-fp8 expert of a model directory through the kernel
     p48_reference  CPU reference of the p48-nvfp4 serving numerics (W4A16, W4A4 emulation)
     p48_triton     Triton grouped GEMM streaming the packed 2.75-bit p48 weights (Hopper)
