@@ -192,9 +192,22 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph():
     ref = S24HopperExperts.from_packed(packed, True, "cpu")
     fast = S24HopperExperts.from_packed(packed, True, "cuda")
     assert not fast.reference and fast.expert_nbytes() > 0
+    assert fast.fused_routing
     T, k = 9, 3
     xs = [torch.randn(T, H) * (1 + s) for s in range(3)]
     routes = [routing(T, E, k, seed=s) for s in range(3)]
+    for fused in (False, True):  # the torch-op routing, then the fused Triton kernels (the default)
+        fast.fused_routing = fused
+        _graph_check(fast, ref, xs, routes)
+    # a prefill-sized eager call (capacity from the counts) against the reference
+    T2 = 300
+    x = torch.randn(T2, H)
+    idx, w = routing(T2, E, 2, seed=9)
+    got = fast(x.cuda(), idx.cuda(), w.cuda()).float().cpu()
+    assert rel(got, ref(x, idx, w)) < 1e-2
+
+
+def _graph_check(fast, ref, xs, routes):
     x_buf = xs[0].to(torch.bfloat16).cuda()
     idx_buf, w_buf = routes[0][0].cuda(), routes[0][1].cuda()
     s = torch.cuda.Stream()
@@ -215,13 +228,48 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph():
         eager = fast(x_buf, idx_buf, w_buf).float().cpu()
         got = out_buf.float().cpu()
         assert torch.equal(got, eager)
-        assert rel(got, want) < 1e-2, rel(got, want)
-    # a prefill-sized eager call (capacity from the counts) against the reference
-    T2 = 300
-    x = torch.randn(T2, H)
-    idx, w = routing(T2, E, 2, seed=9)
-    got = fast(x.cuda(), idx.cuda(), w.cuda()).float().cpu()
-    assert rel(got, ref(x, idx, w)) < 1e-2
+        assert rel(got, want) < 1e-2, (fast.fused_routing, rel(got, want))
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@torch.no_grad()
+def test_gpu_fused_routing_kernels_match_torch_ops():
+    """route_quant: the per-token e4m3 quantization bit for bit, every (token, slot) in its expert's slab, counts;
+    swiglu_quant and combine against the torch ops, on awkward sizes."""
+    from moesq_core.kernels import s24_route
+    from moesq_core.kernels.s24_fp8 import quantize_activations
+
+    E, H, I, T, k = 5, 200, 72, 13, 3
+    gen = torch.Generator().manual_seed(6)
+    x = (torch.randn(T, H, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen))).to(torch.bfloat16).cuda()
+    x[4] = 0  # an all-zero token: scale 1
+    idx, w = routing(T, E, k, seed=6)
+    idx, w = idx.cuda(), w.cuda()
+    xq, sx, counts, row = s24_route.route_quant(x, idx, E, T)
+    assert torch.equal(counts.cpu(), torch.bincount(idx.flatten().cpu(), minlength=E).int())
+    e_of, pos = row // T, row % T
+    assert torch.equal(e_of.cpu(), idx.flatten().cpu())
+    assert bool((pos < counts.long()[e_of]).all())
+    assert len(set(row.tolist())) == T * k
+    wq, ws = quantize_activations(x)
+    tok = torch.arange(T * k, device="cuda") // k
+    assert torch.equal(xq.view(E * T, H)[row].view(torch.uint8), wq[tok].view(torch.uint8))
+    assert torch.equal(sx.view(-1)[row], ws[tok])
+    assert float(ws[4]) == 1.0
+    y1 = (torch.randn(E, T, 2 * I, generator=gen) * 3).to(torch.bfloat16).cuda()
+    xq2, sx2 = s24_route.swiglu_quant(y1, row, I)
+    h = y1.view(E * T, 2 * I)[row].float()
+    aq, sa = quantize_activations(torch.nn.functional.silu(h[:, :I]) * h[:, I:])
+    got = xq2.view(E * T, I)[row].float() * sx2.view(-1)[row, None]
+    want = aq.float() * sa[:, None]
+    same = (xq2.view(E * T, I)[row].view(torch.uint8) == aq.view(torch.uint8)).float().mean().item()
+    assert same > 0.99 and rel(got, want) < 1e-2, (same, rel(got, want))  # sigmoid may differ by an ulp
+    y2 = torch.randn(E, T, H, generator=gen).to(torch.bfloat16).cuda()
+    for dtype in (torch.bfloat16, torch.float32):
+        out = s24_route.combine(y2, row, w, dtype)
+        ref_out = (y2.view(E * T, H)[row].float() * w.reshape(-1, 1).float()).view(T, k, H).sum(1)
+        assert out.dtype == dtype and torch.allclose(out.float(), ref_out.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

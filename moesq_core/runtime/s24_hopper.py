@@ -15,6 +15,8 @@ captured in a CUDA graph:
   5. down grouped GEMM -> bf16 [E, capacity, H];
   6. combine: each token's k rows gathered, weighted and summed in slot order in fp32 -> hidden dtype.
 
+On CUDA, steps 1-2, 4 and 6 are three fused Triton kernels (moesq_core.kernels.s24_route), so a layer is five
+launches; `fused_routing = False` runs them as torch ops instead (the dataflow of the reference path).
 The GEMMs read the counts on the device and skip the tiles past them. Capacity is T (an expert gets a token at
 most once) while a CUDA graph is being captured or when T <= STATIC_CAPACITY_TOKENS; larger eager calls
 (prefill) size it to the largest count instead, which costs one host read.
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import s24_fp8 as s24
+from ..kernels import s24_route
 
 log = logging.getLogger("moesq.runtime")
 PROJ_KEYS = ("gate", "up", "down")
@@ -92,6 +95,7 @@ class S24HopperExperts(nn.Module):
             s24.check_device(device)
             self.gate_up = s24.prepare_weights(*gate_up, device=device)
             self.down = s24.prepare_weights(*down, device=device)
+        self.fused_routing = not self.reference and s24_route.available(device)
 
     @classmethod
     def from_packed(cls, packed: list[dict[str, dict[str, torch.Tensor]]], act_quant: bool = True, device=None,
@@ -134,16 +138,29 @@ class S24HopperExperts(nn.Module):
         if T == 0:
             return torch.zeros_like(hidden_states)
         R = T * k
-        # 1. routing, on the device
+        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
         flat = top_k_index.reshape(-1).long()
-        counts = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(
-            0, flat, torch.ones(R, dtype=torch.int32, device=dev))
+        counts = None
+        if capturing or T <= STATIC_CAPACITY_TOKENS:
+            cap = T
+        else:  # large eager call (prefill): size the slabs to the largest count (one host read)
+            counts = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(
+                0, flat, torch.ones(R, dtype=torch.int32, device=dev))
+            cap = max(int(counts.max()), 1)
+        if self.fused_routing:
+            xq, sx, counts, row = s24_route.route_quant(hidden_states, top_k_index, E, cap)
+            y1 = self._gemm("gate_up", xq, sx, counts)
+            xq2, sx2 = s24_route.swiglu_quant(y1, row, I)
+            y2 = self._gemm("down", xq2, sx2, counts)
+            return s24_route.combine(y2, row, top_k_weights, hidden_states.dtype)
+        # 1. routing, on the device
+        if counts is None:
+            counts = torch.zeros(E, dtype=torch.int32, device=dev).scatter_add_(
+                0, flat, torch.ones(R, dtype=torch.int32, device=dev))
         order = torch.argsort(flat, stable=True)
         starts = torch.cumsum(counts, 0, dtype=torch.int64) - counts
         rank = torch.empty(R, dtype=torch.int64, device=dev)
         rank[order] = torch.arange(R, device=dev) - starts[flat[order]]
-        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        cap = T if (capturing or T <= STATIC_CAPACITY_TOKENS) else max(int(counts.max()), 1)
         row = flat * cap + rank  # [R] row of (token, slot) in the [E * cap] slabs
         token = torch.arange(R, device=dev) // k
         # 2. quantize each token once, scatter into the expert slabs
@@ -169,6 +186,7 @@ class S24HopperExperts(nn.Module):
         return y.view(T, k, H).sum(1).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
-        path = "reference" if self.reference else "CUTLASS s24-fp8 kernels"
+        path = "reference" if self.reference else "CUTLASS s24-fp8 kernels" + (
+            ", fused Triton routing" if self.fused_routing else "")
         return (f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
                 f"W8A8, path={path}")
