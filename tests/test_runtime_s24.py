@@ -193,18 +193,22 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph():
     fast = S24HopperExperts.from_packed(packed, True, "cuda")
     assert not fast.reference and fast.expert_nbytes() > 0
     assert fast.fused_routing
+    gen = torch.Generator().manual_seed(5)
     T, k = 9, 3
-    xs = [torch.randn(T, H) * (1 + s) for s in range(3)]
+    xs = [torch.randn(T, H, generator=gen) * (1 + s) for s in range(3)]
     routes = [routing(T, E, k, seed=s) for s in range(3)]
+    outs = {}
     for fused in (False, True):  # the torch-op routing, then the fused Triton kernels (the default)
         fast.fused_routing = fused
-        _graph_check(fast, ref, xs, routes)
+        outs[fused] = _graph_check(fast, ref, xs, routes)
+    # same GEMMs, same e4m3 codes (scales may differ in the last bit, sigmoid by an ulp): nearly equal
+    assert rel(outs[True], outs[False]) < 1e-3, rel(outs[True], outs[False])
     # a prefill-sized eager call (capacity from the counts) against the reference
     T2 = 300
-    x = torch.randn(T2, H)
+    x = torch.randn(T2, H, generator=gen)
     idx, w = routing(T2, E, 2, seed=9)
     got = fast(x.cuda(), idx.cuda(), w.cuda()).float().cpu()
-    assert rel(got, ref(x, idx, w)) < 1e-2
+    assert rel(got, ref(x, idx, w)) < 5e-2
 
 
 def _graph_check(fast, ref, xs, routes):
@@ -228,7 +232,11 @@ def _graph_check(fast, ref, xs, routes):
         eager = fast(x_buf, idx_buf, w_buf).float().cpu()
         got = out_buf.float().cpu()
         assert torch.equal(got, eager)
-        assert rel(got, want) < 1e-2, (fast.fused_routing, rel(got, want))
+        # the fp8 tensor cores add with fewer bits than fp32 between promotions (s24_fp8.error_bound), so the
+        # bf16 GEMM outputs often differ from the float64 reference in the last bit and some SwiGLU outputs
+        # cross e4m3 boundaries: ~1-2 % here, against O(1) for a wrong row, expert or scale
+        assert rel(got, want) < 5e-2, (fast.fused_routing, rel(got, want))
+    return got
 
 
 @pytest.mark.gpu
@@ -255,7 +263,8 @@ def test_gpu_fused_routing_kernels_match_torch_ops():
     wq, ws = quantize_activations(x)
     tok = torch.arange(T * k, device="cuda") // k
     assert torch.equal(xq.view(E * T, H)[row].view(torch.uint8), wq[tok].view(torch.uint8))
-    assert torch.equal(sx.view(-1)[row], ws[tok])
+    # torch divides by the scalar 448 as a multiply by its reciprocal on CUDA; the kernel divides exactly
+    assert torch.allclose(sx.view(-1)[row], ws[tok], rtol=2**-23, atol=0)
     assert float(ws[4]) == 1.0
     y1 = (torch.randn(E, T, 2 * I, generator=gen) * 3).to(torch.bfloat16).cuda()
     xq2, sx2 = s24_route.swiglu_quant(y1, row, I)
