@@ -3,7 +3,6 @@ micro model, CPU), its capacity modes, input checks, and on a Hopper GPU the ker
 path (eager and CUDA-graph replay with changing routes)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from moesq_core.runtime.experts import MoesqExperts
 from moesq_core.runtime.s24_hopper import S24HopperExperts
 
 FMT = get_format("s24-fp8")
-REPO = Path(__file__).resolve().parents[1]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
