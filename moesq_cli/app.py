@@ -349,7 +349,7 @@ def bench_kernel(
         import runpy
 
         sys.argv = ["e2e_decode_bench", "--out", str(out)]
-        runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_decode_bench.py"), run_name="__main__")
+        runpy.run_module("moesq_core.bench.e2e_decode", run_name="__main__", alter_sys=True)
         return
     from moesq_core.bench.kernel_bench import bench_kernel as core_bench
 

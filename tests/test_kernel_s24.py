@@ -169,6 +169,29 @@ def test_gpu_entry_points_raise_clearly_without_hopper():
         s24.grouped_gemm(w, xq, sx, torch.tensor([4], dtype=torch.int32))
 
 
+def test_native_build_says_what_is_missing(monkeypatch, tmp_path, capsys):
+    """Without nvcc the first use (and the build command) stops with a message naming the fix."""
+    from moesq_core.kernels import native_build as nb
+
+    monkeypatch.setenv("MOESQ_NATIVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MOESQ_NATIVE_EXT", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(nb, "NVCC_FALLBACKS", ())
+    monkeypatch.setattr(nb, "_module", None)
+    with pytest.raises(nb.NativeBuildError, match="nvcc not found.*CUDA toolkit"):
+        nb.load_extension()
+    assert nb.main([]) == 1
+    assert "error: nvcc not found" in capsys.readouterr().err
+    assert nb.build_dir().parent == tmp_path / "cache" and nb.build_dir().name.startswith("sm90a-")
+    monkeypatch.setenv("MOESQ_CUTLASS_DIR", str(tmp_path))
+    with pytest.raises(nb.NativeBuildError, match="MOESQ_CUTLASS_DIR"):
+        nb.find_cutlass()
+    monkeypatch.setenv("MOESQ_NATIVE_EXT", str(tmp_path / "missing.so"))
+    with pytest.raises(nb.NativeBuildError, match="no such file"):
+        nb.load_extension()
+
+
 # ------------------------------------------------------------------------------------------------ GPU tests
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -310,6 +333,34 @@ def test_kernel_is_deterministic():
         torch.cuda.synchronize()
         for e, c in enumerate(counts.tolist()):
             assert torch.equal(a[e, :c], b[e, :c]), v.name
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_native_module_checks_tensors():
+    """The extension checks every tensor before taking a pointer (dtype, device, shape) and raises ValueError."""
+    gen = torch.Generator().manual_seed(12)
+    values, meta, scale = random_packed(2, 64, 128, gen)
+    xq, sx = random_activations(2, 8, 128, gen)
+    dev = torch.device("cuda")
+    w = s24.prepare_weights(values, meta, scale, dev)
+    counts = torch.tensor([8, 3], dtype=torch.int32, device=dev)
+    out = torch.empty(2, 8, 64, dtype=torch.bfloat16, device=dev)
+    mod = s24.native_module()
+    with pytest.raises(ValueError, match="activations"):
+        mod.s24_gemm(0, w.values, w.meta, xq.float().to(dev), w.scale, sx.to(dev), counts, out)
+    with pytest.raises(ValueError, match="counts"):
+        mod.s24_gemm(0, w.values, w.meta, xq.to(dev), w.scale, sx.to(dev), counts.long(), out)
+    with pytest.raises(ValueError, match="activation scales .* cpu"):
+        mod.s24_gemm(0, w.values, w.meta, xq.to(dev), w.scale, sx, counts, out)
+    with pytest.raises(ValueError, match="out"):
+        mod.s24_gemm(0, w.values, w.meta, xq.to(dev), w.scale, sx.to(dev), counts, out[:, :4])
+    with pytest.raises(RuntimeError, match="variant"):
+        mod.s24_gemm(99, w.values, w.meta, xq.to(dev), w.scale, sx.to(dev), counts, out)
+    mod.s24_gemm(0, w.values, w.meta, xq.to(dev), w.scale, sx.to(dev), counts, out)
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(out[0].float()).all())
 
 
 def _write_packed_dir(path, E=3, M=72, K=160, seed=0):

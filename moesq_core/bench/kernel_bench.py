@@ -5,7 +5,7 @@
 
 Shapes default to the paper's Table 8 layers. Token counts per expert follow {N, 3N/4, N/2, N/4} over the G
 experts. Writes `<prefix>_kernel_bench.json` (every timing, the autotuner's per-variant times, date, GPU, commit),
-`.md` (tables + the issue's targets) and `.png` / `_fast_accum.png` (speedup over the best baseline, heat map over G x N per shape,
+`.md` (tables + the performance targets) and `.png` / `_fast_accum.png` (speedup over the best baseline, heat map over G x N per shape,
 like the paper's Figure 5). Other formats plug in by module: `p48-nvfp4` dispatches to
 `moesq_core.bench.p48_bench.bench_p48(shapes=..., G=..., N=..., out_dir=..., repeats=...)`.
 """
@@ -198,7 +198,7 @@ def _geomean(xs: list[float]) -> float | None:
 
 
 def targets(rows: list[dict], label: str = "s24_fp8") -> dict:
-    """The issue's targets: decode N <= 64 >= 2.0x; N >= 256 >= 1.3x geomean; Kimi gate/up N=1024 >= 1600 TFLOP/s."""
+    """Performance targets: decode N <= 64 >= 2.0x; N >= 256 >= 1.3x geomean; Kimi gate/up N=1024 >= 1600 TFLOP/s."""
     sp = lambda r: r["methods"].get(label, {}).get("speedup")  # noqa: E731
     decode = [sp(r) for r in rows if r["N"] <= 64 and sp(r)]
     large = [sp(r) for r in rows if r["N"] >= 256 and sp(r)]
@@ -282,7 +282,7 @@ def markdown(result: dict) -> str:
             continue
         d, l, k = t["decode_N_le_64"], t["N_ge_256"], t["kimi_gate_up_N1024_tflops"]
         lines += [
-            f"## Targets (issue 5), {title}",
+            f"## Targets, {title}",
             "",
             "| target | measured | met |",
             "| --- | --- | --- |",

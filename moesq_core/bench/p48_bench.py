@@ -40,7 +40,7 @@ P48_METHODS = {
 }
 BASELINE_NAMES = ("bf16_grouped_mm", "fp8_grouped_mm")
 VALID_NIBBLES = (3, 5, 6, 9, 10, 12)
-COPY_BANDWIDTH_TBPS = 4.3  # device-to-device copy measured on this project's H200 (facts §3)
+COPY_BANDWIDTH_TBPS = 4.3  # device-to-device copy measured on an H200
 
 
 def _commit() -> str:
@@ -208,7 +208,7 @@ def _geomean(xs):
 
 
 def targets(rows: list[dict], label: str = "p48_w4a16") -> dict:
-    """The issue's targets: N <= 16: >= 3.6 TB/s of packed bytes and >= 3x fp8; N = 128: >= 1.3x fp8."""
+    """Performance targets: N <= 16: >= 3.6 TB/s of packed bytes and >= 3x fp8; N = 128: >= 1.3x fp8."""
     get = lambda r, k: r["methods"].get(label, {}).get(k)  # noqa: E731
     small = [r for r in rows if r["N"] <= 16 and get(r, "us")]
     mid = [r for r in rows if r["N"] == 128 and get(r, "us")]
@@ -311,7 +311,7 @@ def markdown(result: dict) -> str:
     errs = [(r["shape"], r["N"], k, m["error"]) for r in result["rows"] for k, m in r["methods"].items() if "error" in m]
     if errs:
         lines += ["", "Errors:", ""] + [f"- {s} N={n} {k}: {e}" for s, n, k, e in errs]
-    lines += ["", "## Targets (issue 6)", ""]
+    lines += ["", "## Targets", ""]
     for label, key in (("W4A16", "targets"), ("W4A4 (quantization included)", "targets_w4a4")):
         for tname, t in result.get(key, {}).items():
             lines.append(f"- {label} {tname}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"

@@ -82,6 +82,11 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
             from ..runtime.p48_hopper import P48HopperExperts
 
             module = P48HopperExperts.from_packed(per_expert, act_quant=act_quant, device=device)
+        elif fmt_name == "s24-fp8" and act_quant and fast is not False and device.type == "cuda":
+            from ..runtime.s24_hopper import S24HopperExperts, available  # CUTLASS 2:4 kernels on sm_90
+
+            module = (S24HopperExperts.from_packed(per_expert, act_quant=act_quant, device=device) if available(device)
+                      else _reference_module(fmt_name, per_expert, act_quant, block.prefix))
         else:
             module = _reference_module(fmt_name, per_expert, act_quant, block.prefix)
         block.mlp.experts = module  # the dense placeholder is dropped, not kept aside

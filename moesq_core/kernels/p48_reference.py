@@ -3,7 +3,7 @@
 This module defines what the Hopper kernel (p48_triton.py) computes, in plain torch:
 
   unpack   the release layout (weight_sparse_packed / weight_sparse_mask / weight_scale / weight_global_scale,
-           facts §1, decoded by moesq_core.packing) -> E2M1 codes and UE4M3 block scales
+           decoded by moesq_core.packing) -> E2M1 codes and UE4M3 block scales
   dequant  unscaled weight  Wu = e2m1(code) * s_hat            (exact in bf16: <= 6 significant bits)
   act      W4A16: the activations as given (bf16 on the GPU);
            W4A4:  Xu = e2m1(c_a) * s_a, NVFP4 with 32-column blocks under the static input global scale g_a

@@ -206,7 +206,7 @@ class P48GemmWeights:
 
 
 def stack_gate_up(gate: P48GemmWeights, up: P48GemmWeights) -> P48GemmWeights:
-    """Rows of gate then up per expert ([E, 2I, H]); they must share one weight global scale (facts §1)."""
+    """Rows of gate then up per expert ([E, 2I, H]); they must share one weight global scale."""
     if not torch.equal(gate.global_scale, up.global_scale):
         bad = int((gate.global_scale != up.global_scale).nonzero()[0])
         raise ValueError(f"expert {bad}: gate and up have different weight_global_scale "

@@ -24,7 +24,6 @@ Kernel shape limits: M % 8 == 0 (16-byte output rows), K % 32 == 0 (16-byte comp
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import statistics
@@ -220,29 +219,18 @@ def prepare_from_packed(tensors: list[dict[str, torch.Tensor]], device: torch.de
 
 # ------------------------------------------------------------------------------------------------ GPU side
 
-_lib_lock = threading.Lock()
-_lib = None
 _checked_devices: set[int] = set()
 
 
-def native_library():
-    """The loaded libmoesq_s24.so (ctypes), built beforehand with `python -m moesq_core.kernels.native_build`."""
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            from .native_build import load_library
+def native_module():
+    """The `_moesq_native` extension (pybind11; built on first use, see moesq_core.kernels.native_build)."""
+    from .native_build import load_extension
 
-            _lib = load_library()
-        return _lib
-
-
-def _err(lib) -> str:
-    msg = lib.moesq_s24_last_error()
-    return msg.decode() if msg else "unknown error"
+    return load_extension()
 
 
 def check_device(device: torch.device | int | None = None) -> None:
-    """Raise RuntimeError unless `device` is a CUDA GPU these kernels run on (sm_90) and the library loads."""
+    """Raise RuntimeError unless `device` is a CUDA GPU these kernels run on (sm_90) and the module loads."""
     if not torch.cuda.is_available():
         raise RuntimeError("s24-fp8 kernel: no CUDA GPU is available (it needs an H100/H200, sm_90a)")
     idx = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
@@ -255,9 +243,7 @@ def check_device(device: torch.device | int | None = None) -> None:
     if (major, minor) != (9, 0):
         raise RuntimeError(f"s24-fp8 kernel: {torch.cuda.get_device_name(index)} is sm_{major}{minor}; the kernel "
                            "needs Hopper (sm_90a: H100/H200)")
-    lib = native_library()
-    if lib.moesq_s24_check_device(index) != 0:
-        raise RuntimeError(f"s24-fp8 kernel: {_err(lib)}")
+    native_module().s24_check_device(index)
     _checked_devices.add(index)
 
 
@@ -277,18 +263,7 @@ class Variant:
 
 
 def variants() -> list[Variant]:
-    from .native_build import S24VariantInfo
-
-    lib = native_library()
-    out = []
-    for i in range(lib.moesq_s24_num_variants()):
-        info = S24VariantInfo()
-        if lib.moesq_s24_get_variant_info(i, ctypes.byref(info)):
-            raise RuntimeError(_err(lib))
-        out.append(Variant(i, lib.moesq_s24_variant_name(i).decode(), info.tile_m, info.tile_n, info.tile_k,
-                           info.cluster_m, info.cluster_n, bool(info.pingpong), bool(info.fast_accum), info.stages,
-                           info.smem_bytes))
-    return out
+    return [Variant(**v) for v in native_module().s24_variants()]
 
 
 def _variant_index(v: int | str) -> int:
@@ -326,17 +301,8 @@ def _check_call(w: S24Fp8Weights, xq: torch.Tensor, sx: torch.Tensor, counts: to
 
 def launch(w: S24Fp8Weights, xq: torch.Tensor, sx: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
            variant: int, max_clusters: int = 0) -> None:
-    """One kernel launch on the current stream, no checks beyond the C side's (see grouped_gemm)."""
-    from .native_build import S24Args
-
-    lib = native_library()
-    args = S24Args(
-        w.values.data_ptr(), w.meta.data_ptr(), xq.data_ptr(), w.scale.data_ptr(), sx.data_ptr(), counts.data_ptr(),
-        out.data_ptr(), w.M, xq.shape[1], w.K, w.E, int(max_clusters), w.device.index or 0,
-        torch.cuda.current_stream(w.device).cuda_stream,
-    )
-    if lib.moesq_s24_gemm(int(variant), ctypes.byref(args)) != 0:
-        raise RuntimeError(f"s24-fp8 kernel (variant {variant}): {_err(lib)}")
+    """One kernel launch on the current stream (the extension re-checks every tensor; see grouped_gemm)."""
+    native_module().s24_gemm(int(variant), w.values, w.meta, xq, w.scale, sx, counts, out, int(max_clusters))
 
 
 def grouped_gemm(w: S24Fp8Weights, xq: torch.Tensor, sx: torch.Tensor, counts: torch.Tensor,
@@ -365,15 +331,10 @@ def cutlass_compress(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     check_device(dense.device)
     E, M, K = dense.shape
     check_kernel_shape(M, K)
-    lib = native_library()
-    d = dense.contiguous().view(torch.uint8)
     values = torch.zeros(E, M, K // 2, dtype=torch.uint8, device=dense.device)
     meta = torch.zeros(E, -(-K // META_BLOCK_K), -(-M // META_BLOCK_M) * META_BLOCK_M, META_BLOCK_K // 8,
                        dtype=torch.uint8, device=dense.device)
-    rc = lib.moesq_s24_compress(d.data_ptr(), values.data_ptr(), meta.data_ptr(), M, K, E, dense.device.index or 0,
-                                torch.cuda.current_stream(dense.device).cuda_stream)
-    if rc:
-        raise RuntimeError(f"CUTLASS compressor: {_err(lib)}")
+    native_module().s24_compress(dense.contiguous().view(torch.uint8), values, meta)
     return values.view(torch.float8_e4m3fn), meta
 
 

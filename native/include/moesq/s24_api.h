@@ -1,9 +1,9 @@
-/* C ABI of libmoesq_s24.so: grouped 2:4 sparse FP8 GEMM for Hopper (sm_90a).
+/* The kernels' C interface: grouped 2:4 sparse FP8 GEMM for Hopper (sm_90a).
  *
- * A plain C interface (loaded from Python with ctypes) so that one build serves every Python version and
- * the library never links against torch. All pointers are device pointers; `stream` is a cudaStream_t
- * (pass torch.cuda.current_stream().cuda_stream). Functions return 0 on success, otherwise an error code
- * with a message in moesq_s24_last_error() (thread-local).
+ * The kernel objects (nvcc, no torch headers) sit behind this plain C interface; src/bindings.cpp, the
+ * pybind11 module, checks the torch tensors and calls it. All pointers are device pointers; `stream` is a
+ * cudaStream_t. Functions return 0 on success, otherwise an error code with a message in
+ * moesq_s24_last_error() (thread-local).
  *
  * For experts e < L:  D[e, n, m] = bf16( (sum_k W_e[m, k] * X[e, n, k]) * scale_w[e, m] * scale_x[e, n] )
  * for n < counts[e] (rows n >= counts[e] are left unspecified: whole tiles past the count are skipped).

@@ -1,8 +1,10 @@
 """End-to-end decode benchmark: a Qwen3-30B-A3B-shaped MoE (from its config, random weights) with routed
-experts as bf16 (transformers' grouped_mm), fp8 (torch._scaled_grouped_mm, rowwise scales) and moesq p48
-packed (P48HopperExperts, W4A16 and W4A4), on one H200.
+experts as bf16 (transformers' grouped_mm), fp8 (torch._scaled_grouped_mm, rowwise scales), moesq s24-fp8
+(S24HopperExperts: CUTLASS 2:4 sparse fp8, W8A8) and moesq p48 packed (P48HopperExperts, W4A16 and W4A4),
+on one Hopper GPU.
 
-    PYTHONPATH=. python benchmarks/e2e_decode_bench.py --out benchmarks/results [--layers 48] [--batches 1 16 64]
+    moesq bench-kernel --e2e --out DIR
+    python -m moesq_core.bench.e2e_decode --out DIR [--layers 48] [--batches 1 16 64] [--variants bf16 s24 ...]
 
 Decode loop: transformers model forward with a StaticCache; the prompt (128 random tokens per sequence) is
 prefilled eagerly, then one greedy decode step (forward, argmax, next-token and position update) is captured
@@ -10,7 +12,7 @@ in a CUDA graph and replayed; tokens/s = batch / median step time. This is the m
 cache, driven by a graph-replay loop instead of `generate` (whose Python loop and host synchronisation per
 step would otherwise dominate at these step times). Expert memory = bytes of the routed experts' weights on
 the GPU. Weights are random, so the benchmark measures speed only (the routers spread tokens ~uniformly).
-Writes p48_e2e_decode.{json,md,png}.
+Writes e2e_decode.{json,md,png}.
 """
 from __future__ import annotations
 
@@ -19,27 +21,18 @@ import datetime as _dt
 import gc
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from .kernel_bench import git_commit
+from .p48_bench import random_p48_tensors
+from ..runtime.p48_hopper import P48HopperExperts
+from ..runtime.s24_hopper import S24HopperExperts
 
-from moesq_core.bench.kernel_bench import git_commit  # noqa: E402
-from moesq_core.bench.p48_bench import random_p48_tensors  # noqa: E402
-from moesq_core.runtime.p48_hopper import P48HopperExperts  # noqa: E402
-
-
-def _commit() -> str:
-    """git HEAD, or MOESQ_COMMIT when the tree has no .git (the device machine gets a copy without history)."""
-    import os
-
-    c = git_commit()
-    return os.environ.get("MOESQ_COMMIT", c) if c == "unknown" else c
+VARIANTS = ("bf16", "fp8", "s24_w8a8", "p48_w4a16", "p48_w4a4")
 
 
 def qwen3_30b_config(layers: int):
@@ -117,6 +110,21 @@ def random_p48_experts(E: int, H: int, I: int, gen: torch.Generator, device, act
     mod = P48HopperExperts.from_packed(packed, act_quant=act_quant, device=device)
     del gate, up, down, packed
     return mod
+
+
+def random_s24_stack(E: int, M: int, K: int, gen: torch.Generator, device) -> tuple[torch.Tensor, ...]:
+    """Random packed s24-fp8 tensors for E experts of an [M, K] linear: values [E, M, K/2] (finite e4m3),
+    metadata [E, M, K/8] (a random valid 2-of-4 pattern per group), scales [E, M]."""
+    values = (torch.randn(E, M, K // 2, generator=gen, device=device) * 32).clamp(-448, 448).to(torch.float8_e4m3fn)
+    nibbles = torch.tensor([0x4, 0x8, 0xC, 0x9, 0xD, 0xE], dtype=torch.uint8, device=device)
+    nib = nibbles[torch.randint(0, 6, (E, M, K // 4), generator=gen, device=device)]
+    meta = (nib[..., 0::2] | (nib[..., 1::2] << 4)).contiguous()
+    scale = torch.rand(E, M, generator=gen, device=device) * 1e-3 + 1e-4
+    return values, meta, scale
+
+
+def random_s24_experts(E: int, H: int, I: int, gen: torch.Generator, device) -> S24HopperExperts:
+    return S24HopperExperts(random_s24_stack(E, 2 * I, H, gen, device), random_s24_stack(E, H, I, gen, device), device)
 
 
 def expert_bytes(model) -> int:
@@ -216,6 +224,8 @@ def install(model, variant: str, gen: torch.Generator):
         torch.cuda.empty_cache()
         if variant == "fp8":
             layer.mlp.experts = Fp8Experts(E, H, I, gen, dev)
+        elif variant == "s24_w8a8":
+            layer.mlp.experts = random_s24_experts(E, H, I, gen, dev)
         elif variant in ("p48_w4a16", "p48_w4a4"):
             layer.mlp.experts = random_p48_experts(E, H, I, gen, dev, act_quant=variant == "p48_w4a4")
         else:
@@ -224,13 +234,13 @@ def install(model, variant: str, gen: torch.Generator):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=Path("bench-results"))
     ap.add_argument("--layers", type=int, default=48)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--budget-s", type=float, default=3.0, help="stop timing a configuration after this long")
-    ap.add_argument("--variants", nargs="+", default=["bf16", "p48_w4a16", "p48_w4a4", "fp8"])
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM
 
@@ -254,7 +264,7 @@ def main(argv=None) -> int:
         "layers": args.layers, "experts": cfg.num_experts, "top_k": cfg.num_experts_per_tok,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "transformers": transformers.__version__,
-        "commit": _commit(), "build_s": round(time.perf_counter() - t0, 1),
+        "commit": git_commit(), "build_s": round(time.perf_counter() - t0, 1),
         "loop": "prefill eager; one greedy decode step captured in a CUDA graph and replayed (median step)",
         "runs": [],
     }
@@ -278,12 +288,12 @@ def main(argv=None) -> int:
             print(json.dumps(rec), flush=True)
             gc.collect()
             torch.cuda.empty_cache()
-            (out / "p48_e2e_decode.json").write_text(json.dumps(result, indent=1))
+            (out / "e2e_decode.json").write_text(json.dumps(result, indent=1))
     result["speedup_vs_bf16"] = speedups(result["runs"])
-    (out / "p48_e2e_decode.json").write_text(json.dumps(result, indent=1))
-    (out / "p48_e2e_decode.md").write_text(markdown(result))
+    (out / "e2e_decode.json").write_text(json.dumps(result, indent=1))
+    (out / "e2e_decode.md").write_text(markdown(result))
     try:
-        plot(result, out / "p48_e2e_decode.png")
+        plot(result, out / "e2e_decode.png")
     except Exception as e:
         print(f"plot skipped: {e}")
     return 0
@@ -300,7 +310,7 @@ def speedups(runs: list[dict]) -> dict:
 
 def markdown(result: dict) -> str:
     lines = [
-        "# End-to-end decode: Qwen3-30B-A3B-shaped model, experts bf16 / fp8 / p48 packed",
+        "# End-to-end decode: Qwen3-30B-A3B-shaped model, experts bf16 / fp8 / s24-fp8 / p48 packed",
         "",
         f"{result['date']} · {result['gpu']} · torch {result['torch']} · transformers {result['transformers']} · "
         f"commit `{result['commit']}` · {result['layers']} layers, {result['experts']} experts, top-{result['top_k']}",
@@ -318,7 +328,6 @@ def markdown(result: dict) -> str:
         key = f"{r['variant']}@{r['batch']}"
         lines.append(f"| {r['variant']} | {r['batch']} | {r['tokens_per_s']} | {r['step_ms']} | {r['expert_GiB']} | "
                      f"{r['cuda_graph']} | {r.get('eager_step_ms', '–')} | {sp.get(key, '–')} |")
-    lines += ["", "Target (issue 6): p48 >= 1.5x bf16 decode tokens/s at batch 16, ~5.8x less expert memory."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,135 @@
+// The Python extension module `_moesq_native` (pybind11, through torch's bundled copy): the s24-fp8 kernels
+// with torch tensors as arguments. Every tensor is checked here (device, dtype, shape, contiguity, alignment)
+// before a device pointer is taken, and launches go to torch's current stream on the tensors' device, so a
+// call can be captured in a CUDA graph. The kernels themselves sit behind the C interface of s24_api.h,
+// compiled by nvcc without torch.
+#include <torch/extension.h>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <string>
+
+#include "moesq/s24_api.h"
+
+namespace {
+
+constexpr int64_t kMetaBlockK = 128;
+constexpr int64_t kMetaBlockM = 64;
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "(";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + (t.dim() == 1 ? ",)" : ")");
+}
+
+void check_tensor(const char* name, const at::Tensor& t, std::initializer_list<at::ScalarType> dtypes,
+                  std::vector<int64_t> shape, const at::Device& device) {
+  bool dtype_ok = false;
+  for (auto d : dtypes) dtype_ok |= t.scalar_type() == d;
+  TORCH_CHECK_VALUE(dtype_ok, name, ": unexpected dtype ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == device, name, " is on ", t.device(), ", expected ", device);
+  TORCH_CHECK_VALUE(t.sizes().vec() == shape, name, ": shape ", shape_str(t), ", expected ", c10::IntArrayRef(shape));
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name, " must be 16-byte aligned");
+}
+
+void raise_if(int rc, const char* what) {
+  if (rc != 0) {
+    const char* msg = moesq_s24_last_error();
+    TORCH_CHECK(false, what, ": ", (msg && *msg) ? msg : "unknown error", " (code ", rc, ")");
+  }
+}
+
+// D[e, n, m] = bf16((sum_k W_e[m, k] X[e, n, k]) * scale_w[e, m] * scale_x[e, n]) for n < counts[e].
+void gemm(int64_t variant, const at::Tensor& values, const at::Tensor& meta, const at::Tensor& act,
+          const at::Tensor& scale_w, const at::Tensor& scale_x, const at::Tensor& counts, at::Tensor& out,
+          int64_t max_clusters) {
+  TORCH_CHECK_VALUE(values.is_cuda(), "weights must be on a CUDA device, got ", values.device());
+  TORCH_CHECK_VALUE(values.dim() == 3 && act.dim() == 3, "weights [E, M, K/2] and activations [E, N, K] expected");
+  const at::Device dev = values.device();
+  const int64_t L = values.size(0), M = values.size(1), K = values.size(2) * 2, N = act.size(1);
+  TORCH_CHECK_VALUE(L >= 1 && N >= 1 && M % 8 == 0 && M > 0 && K % 32 == 0 && K > 0,
+                    "bad shape E=", L, " M=", M, " N=", N, " K=", K, " (need M % 8 == 0, K % 32 == 0)");
+  check_tensor("weight values", values, {at::kFloat8_e4m3fn, at::kByte}, {L, M, K / 2}, dev);
+  check_tensor("weight metadata", meta, {at::kByte}, {L, cdiv(K, kMetaBlockK), cdiv(M, kMetaBlockM) * kMetaBlockM, 16},
+               dev);
+  check_tensor("activations", act, {at::kFloat8_e4m3fn}, {L, N, K}, dev);
+  check_tensor("weight scales", scale_w, {at::kFloat}, {L, M}, dev);
+  check_tensor("activation scales", scale_x, {at::kFloat}, {L, N}, dev);
+  check_tensor("counts", counts, {at::kInt}, {L}, dev);
+  check_tensor("out", out, {at::kBFloat16}, {L, N, M}, dev);
+  TORCH_CHECK_VALUE(max_clusters >= 0, "max_clusters must be >= 0");
+  const c10::cuda::CUDAGuard guard(dev);
+  moesq_s24_args a{};
+  a.a_values = values.data_ptr();
+  a.e_meta = meta.data_ptr();
+  a.b_act = act.data_ptr();
+  a.scale_w = scale_w.data_ptr<float>();
+  a.scale_x = scale_x.data_ptr<float>();
+  a.counts = counts.data_ptr<int>();
+  a.d_out = out.data_ptr();
+  a.M = int(M);
+  a.N = int(N);
+  a.K = int(K);
+  a.L = int(L);
+  a.max_clusters = int(max_clusters);
+  a.device = dev.index();
+  a.stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  raise_if(moesq_s24_gemm(int(variant), &a), "s24-fp8 kernel");
+}
+
+// CUTLASS's sm90 compressor: dense 2:4 e4m3 [E, M, K] -> values [E, M, K/2] and metadata (kernel layout).
+void compress(const at::Tensor& dense, at::Tensor& values, at::Tensor& meta) {
+  TORCH_CHECK_VALUE(dense.is_cuda() && dense.dim() == 3, "dense must be a CUDA tensor [E, M, K]");
+  const at::Device dev = dense.device();
+  const int64_t L = dense.size(0), M = dense.size(1), K = dense.size(2);
+  check_tensor("dense", dense, {at::kFloat8_e4m3fn, at::kByte}, {L, M, K}, dev);
+  check_tensor("values", values, {at::kFloat8_e4m3fn, at::kByte}, {L, M, K / 2}, dev);
+  check_tensor("metadata", meta, {at::kByte}, {L, cdiv(K, kMetaBlockK), cdiv(M, kMetaBlockM) * kMetaBlockM, 16}, dev);
+  const c10::cuda::CUDAGuard guard(dev);
+  raise_if(moesq_s24_compress(dense.data_ptr(), values.data_ptr(), meta.data_ptr(), int(M), int(K), int(L),
+                              dev.index(), c10::cuda::getCurrentCUDAStream(dev.index()).stream()),
+           "CUTLASS compressor");
+}
+
+void check_device(int64_t device) { raise_if(moesq_s24_check_device(int(device)), "s24-fp8 kernel"); }
+
+py::list variants() {
+  py::list out;
+  for (int i = 0; i < moesq_s24_num_variants(); ++i) {
+    moesq_s24_variant_info info{};
+    raise_if(moesq_s24_get_variant_info(i, &info), "variant table");
+    py::dict d;
+    d["index"] = i;
+    d["name"] = std::string(moesq_s24_variant_name(i));
+    d["tile_m"] = info.tile_m;
+    d["tile_n"] = info.tile_n;
+    d["tile_k"] = info.tile_k;
+    d["cluster_m"] = info.cluster_m;
+    d["cluster_n"] = info.cluster_n;
+    d["pingpong"] = bool(info.pingpong);
+    d["fast_accum"] = bool(info.fast_accum);
+    d["stages"] = info.stages;
+    d["smem_bytes"] = info.smem_bytes;
+    out.append(d);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_moesq_native, m) {
+  m.doc() = "moesq native kernels for Hopper (sm_90a): grouped 2:4 sparse FP8 GEMM (CUTLASS)";
+  m.attr("ABI_VERSION") = MOESQ_S24_ABI_VERSION;
+  m.def("s24_gemm", &gemm, py::arg("variant"), py::arg("values"), py::arg("meta"), py::arg("act"),
+        py::arg("scale_w"), py::arg("scale_x"), py::arg("counts"), py::arg("out"), py::arg("max_clusters") = 0,
+        "Grouped 2:4 sparse FP8 GEMM on the current stream; see moesq_core.kernels.s24_fp8.grouped_gemm.");
+  m.def("s24_compress", &compress, py::arg("dense"), py::arg("values"), py::arg("meta"),
+        "CUTLASS's sm90 structured-sparse compressor (dense 2:4 e4m3 -> values + kernel-layout metadata).");
+  m.def("s24_check_device", &check_device, py::arg("device"),
+        "Raise unless the CUDA device can run the kernels (compute capability 9.0).");
+  m.def("s24_variants", &variants, "The compiled kernel variants (index, name, tile shape, schedule, ...).");
+}
