@@ -192,10 +192,10 @@ class OBR:
             del Hf
             norms = torch.stack([input_sq_norms(x, ex.w, self.hessian_weighting) for x, ex in zip(xs, experts)])
             mask = fmt.patterns.best_mask(W.abs() * norms.sqrt()[:, None, :])  # Wanda's scores
-            Wc = masked_optimum_batched(W, fac.H, mask, budget)
+            Wc = masked_optimum_batched(W, fac.H, mask, budget // 2)
             del W
             g = fmt.weight.global_scales(Wc)  # Wc is already masked; gate and up share one
-            codes, scales, latent = self.quantize_batched(Wc, fac, mask, fmt, g, len(projs), budget)
+            codes, scales, latent = self.quantize_batched(Wc, fac, mask, fmt, g, len(projs), budget // 2)
             pds, dmps = fac.percdamp, fac.damp
             del Wc, fac
             if self.hessian_weighting != "none":  # report the plain, unweighted error like every method

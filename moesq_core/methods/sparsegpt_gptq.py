@@ -502,7 +502,7 @@ class SGPTQ:
             rg = len(projs)
             if self.refit:
                 support = replace(solver, quantize=False).solve_batched(W, U, row_groups=rg).mask
-                W = masked_optimum_batched(W, fac.H, support, budget)
+                W = masked_optimum_batched(W, fac.H, support, budget // 2)
                 res = solver.solve_batched(W, U, fmt.weight.global_scales(W), mask=support, row_groups=rg)
                 del support
             else:

@@ -22,6 +22,10 @@ def _use_blocked(A: torch.Tensor, blocked: bool | None) -> bool:
     return A.is_cuda if blocked is None else blocked
 
 
+def _base(base: int | None) -> int:
+    return BASE if base is None else base
+
+
 def _split(n: int, base: int) -> int:
     """A split point near n/2 that is a multiple of min(base, 32), so products stay on aligned sizes."""
     unit = max(1, min(base, 32))
@@ -29,9 +33,10 @@ def _split(n: int, base: int) -> int:
     return min(max(h, unit), n - 1)
 
 
-def cholesky(A: torch.Tensor, blocked: bool | None = None, base: int = BASE) -> tuple[torch.Tensor, torch.Tensor]:
+def cholesky(A: torch.Tensor, blocked: bool | None = None, base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower L with A = L Lᵀ for A [..., n, n]; ok [...] is False where A is not numerically positive definite
     (L is then meaningless for that matrix)."""
+    base = _base(base)
     if not _use_blocked(A, blocked) or A.shape[-1] <= base:
         L, info = torch.linalg.cholesky_ex(A)
         return L, (info == 0) & torch.isfinite(L).flatten(-2).all(-1)
@@ -47,8 +52,9 @@ def cholesky(A: torch.Tensor, blocked: bool | None = None, base: int = BASE) -> 
     return L, ok1 & ok2
 
 
-def solve_lower(L: torch.Tensor, B: torch.Tensor, blocked: bool | None = None, base: int = BASE) -> torch.Tensor:
+def solve_lower(L: torch.Tensor, B: torch.Tensor, blocked: bool | None = None, base: int | None = None) -> torch.Tensor:
     """X with L X = B, L lower triangular [..., n, n], B [..., n, r]."""
+    base = _base(base)
     if not _use_blocked(L, blocked) or L.shape[-1] <= base:
         return torch.linalg.solve_triangular(L, B, upper=False)
     h = _split(L.shape[-1], base)
@@ -57,8 +63,9 @@ def solve_lower(L: torch.Tensor, B: torch.Tensor, blocked: bool | None = None, b
     return torch.cat([X1, X2], -2)
 
 
-def solve_upper(U: torch.Tensor, B: torch.Tensor, blocked: bool | None = None, base: int = BASE) -> torch.Tensor:
+def solve_upper(U: torch.Tensor, B: torch.Tensor, blocked: bool | None = None, base: int | None = None) -> torch.Tensor:
     """X with U X = B, U upper triangular [..., n, n], B [..., n, r]."""
+    base = _base(base)
     if not _use_blocked(U, blocked) or U.shape[-1] <= base:
         return torch.linalg.solve_triangular(U, B, upper=True)
     h = _split(U.shape[-1], base)
@@ -67,8 +74,9 @@ def solve_upper(U: torch.Tensor, B: torch.Tensor, blocked: bool | None = None, b
     return torch.cat([X1, X2], -2)
 
 
-def inverse_lower(L: torch.Tensor, blocked: bool | None = None, base: int = BASE) -> torch.Tensor:
+def inverse_lower(L: torch.Tensor, blocked: bool | None = None, base: int | None = None) -> torch.Tensor:
     """L⁻¹ of a lower triangular L [..., n, n] (lower triangular too)."""
+    base = _base(base)
     n = L.shape[-1]
     if not _use_blocked(L, blocked) or n <= base:
         eye = torch.eye(n, dtype=L.dtype, device=L.device).expand_as(L)
@@ -84,13 +92,14 @@ def inverse_lower(L: torch.Tensor, blocked: bool | None = None, base: int = BASE
 
 
 def inverse_cholesky_upper(H: torch.Tensor, blocked: bool | None = None,
-                           base: int = BASE) -> tuple[torch.Tensor, torch.Tensor]:
+                           base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Upper U with H⁻¹ = UᵀU (GPTQ's chol(H⁻¹)), and ok per matrix.
 
     Unblocked: torch's chol → cholesky_inverse → chol (what the per-expert code does). Blocked: with J the
     index reversal and J H J = L̃ L̃ᵀ, U = J L̃⁻¹ J is upper with positive diagonal and UᵀU = H⁻¹, so by
     uniqueness it is the same factor, from one Cholesky and one triangular inverse.
     """
+    base = _base(base)
     if not _use_blocked(H, blocked):
         L, ok = cholesky(H, False)
         U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
@@ -101,8 +110,9 @@ def inverse_cholesky_upper(H: torch.Tensor, blocked: bool | None = None,
 
 
 def spd_solve(A: torch.Tensor, B: torch.Tensor, blocked: bool | None = None,
-              base: int = BASE) -> tuple[torch.Tensor, torch.Tensor]:
+              base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """X = A⁻¹ B for SPD A [..., n, n], B [..., n, r], by Cholesky; ok per matrix."""
+    base = _base(base)
     L, ok = cholesky(A, blocked, base)
     if not _use_blocked(A, blocked):
         return torch.cholesky_solve(B, L), ok
