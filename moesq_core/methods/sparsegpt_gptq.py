@@ -343,7 +343,7 @@ class SGPTQSolver:
             if pin:
                 at = torch.arange(vals.shape[-1], device=dev) == (pin_col - c0)[..., None]
                 big = sal.sum(-1).reshape(E, row_groups, -1).amax(-1) * 2 + 1  # per projection, as in `solve`
-                sal = torch.where(at, big.repeat_interleave(R // row_groups, 1)[..., None], sal)
+                sal = torch.where(at, big[..., None].expand(E, row_groups, R // row_groups).reshape(E, R, 1), sal)
             return best_mask(sal)
 
         if find_scales and fmt.scale_block == 0:
