@@ -218,8 +218,8 @@ def write_markdown(res: dict, path: Path):
         if name == "sgptq_kimi_k2":
             continue
         a = r["batched_vs_per_expert_on_timed_experts"]
-        md.append(f"| {name} | {r['format']} | **{r['batched_block_s']:.2f}** | {r['per_expert_block_s_extrapolated']:.0f} "
-                  f"(from {len(r['per_expert_timed'])} experts) | {r['speedup_vs_extrapolated_per_expert']:.0f}× | "
+        md.append(f"| {name} | {r['format']} | **{r['batched_block_s']:.2f}** | {r['per_expert_block_s_extrapolated']:,.1f} "
+                  f"(from {len(r['per_expert_timed'])} experts) | {r['speedup_vs_extrapolated_per_expert']:,.1f}× | "
                   f"{r['batched_peak_gib']:.1f} | {100 * a['code_agreement']:.3f} % (rel. err ratio "
                   f"{a['rel_err_ratio_min']:.4f}–{a['rel_err_ratio_max']:.4f}) |")
     k = res["results"].get("sgptq_kimi_k2")
