@@ -99,8 +99,10 @@ def spd_batch(B=4, n=150, seed=0):
     return X.mT @ X / (3 * n) + 1e-3 * torch.eye(n, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("strategy", spd.STRATEGIES)
 @pytest.mark.parametrize("base", [8, 32])
-def test_recursive_factorisations_match_torch(base):
+def test_recursive_factorisations_match_torch(base, strategy, monkeypatch):
+    monkeypatch.setattr(spd, "STRATEGY", strategy)
     A = spd_batch()
     L0 = torch.linalg.cholesky(A)
     L, ok = spd.cholesky(A, True, base)
@@ -118,10 +120,15 @@ def test_recursive_factorisations_match_torch(base):
     torch.testing.assert_close(spd.inverse_lower(L, True, base) @ L, torch.eye(A.shape[-1], dtype=A.dtype).expand_as(A),
                                rtol=0, atol=1e-9)
     torch.testing.assert_close(spd.solve_upper(L.mT, b, True, base), torch.linalg.solve_triangular(L.mT, b, upper=True))
+    Li, ok = spd.inverse_cholesky_factor(A, base)
+    assert bool(ok.all()) and torch.equal(Li, torch.tril(Li))
+    torch.testing.assert_close(Li, torch.linalg.inv(L0), rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.parametrize("strategy", spd.STRATEGIES)
 @pytest.mark.parametrize("blocked", [False, True])
-def test_not_positive_definite_is_flagged_per_matrix(blocked):
+def test_not_positive_definite_is_flagged_per_matrix(blocked, strategy, monkeypatch):
+    monkeypatch.setattr(spd, "STRATEGY", strategy)
     A = spd_batch(B=3, n=100)
     A[1] = -A[1]
     for ok in (spd.cholesky(A, blocked, 16)[1], spd.inverse_cholesky_upper(A, blocked, 16)[1],
@@ -295,9 +302,10 @@ def test_block_must_share_shapes():
         get_method("sgptq").compress_block([a, b], fmt)
 
 
+@pytest.mark.parametrize("strategy", spd.STRATEGIES)
 @pytest.mark.parametrize("variant", [("sgptq", {}), ("obr", {}), ("sgptq", {"refit": True})], ids=variant_id)
 @pytest.mark.parametrize("fmt_name", ["p48-nvfp4", "s24-fp8"])
-def test_gpu_factorisations_forced_on_cpu_stay_within_float_tolerance(fmt_name, variant, monkeypatch):
+def test_gpu_factorisations_forced_on_cpu_stay_within_float_tolerance(fmt_name, variant, strategy, monkeypatch):
     """What the GPU path computes differently (recursive factorisations) changes results only at rounding
     level: a tiny fraction of codes sit on a rounding boundary, the errors agree to float tolerance."""
     name, opts = variant
@@ -305,6 +313,7 @@ def test_gpu_factorisations_forced_on_cpu_stay_within_float_tolerance(fmt_name, 
     experts = make_block(E=3, H=128, I=64, seed=12)
     ref = get_method(name, batched=False, **opts).compress_block(experts, fmt)
     monkeypatch.setattr(spd, "BASE", 16)
+    monkeypatch.setattr(spd, "STRATEGY", strategy)
     monkeypatch.setattr(spd, "_use_blocked", lambda A, blocked: True if blocked is None else blocked)
     bat = get_method(name, **opts).compress_block(experts, fmt)
     assert codes_agree(ref, bat) > 0.99

@@ -8,6 +8,10 @@ ones at a small fraction of the GPU's fp64 rate. The recursive versions here spl
 update as one batched product, recurse), so nearly all the work is batched matrix products; blocks of at most
 `base` rows go to torch's own routines.
 
+Two recursive strategies: "substitution" (L by recursion, triangular solves by recursion, torch's batched
+triangular solve at the leaves) and "inverse" (the recursion carries L⁻¹ instead of L, so off-diagonal blocks and
+solves are plain products and the leaves' triangular solves only ever have `base` right-hand sides).
+
 `blocked=None` picks the recursive version on CUDA and torch's per-matrix LAPACK calls elsewhere (on a CPU
 those are fast, and they give exactly the numbers the per-expert reference code computes).
 """
@@ -16,6 +20,8 @@ from __future__ import annotations
 import torch
 
 BASE = 128
+STRATEGY = "substitution"  # or "inverse"
+STRATEGIES = ("substitution", "inverse")
 
 
 def _use_blocked(A: torch.Tensor, blocked: bool | None) -> bool:
@@ -74,6 +80,28 @@ def solve_upper(U: torch.Tensor, B: torch.Tensor, blocked: bool | None = None, b
     return torch.cat([X1, X2], -2)
 
 
+def inverse_cholesky_factor(A: torch.Tensor, base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """L⁻¹ (lower triangular) where A = L Lᵀ, by the recursion of `cholesky` carrying the inverse: with
+    L11⁻¹ from the leading half, L21 = A21 L11⁻ᵀ, S = A22 − L21 L21ᵀ = L22 L22ᵀ, and
+    L⁻¹ = [[L11⁻¹, 0], [−L22⁻¹ L21 L11⁻¹, L22⁻¹]]. ok per matrix as in `cholesky`."""
+    base = _base(base)
+    n = A.shape[-1]
+    if n <= base:
+        L, info = torch.linalg.cholesky_ex(A)
+        eye = torch.eye(n, dtype=A.dtype, device=A.device).expand_as(A)
+        Li = torch.linalg.solve_triangular(L, eye, upper=False)
+        return Li, (info == 0) & torch.isfinite(Li).flatten(-2).all(-1)
+    h = _split(n, base)
+    L11i, ok1 = inverse_cholesky_factor(A[..., :h, :h], base)
+    L21 = A[..., h:, :h] @ L11i.mT
+    L22i, ok2 = inverse_cholesky_factor(A[..., h:, h:] - L21 @ L21.mT, base)
+    out = torch.zeros_like(A)
+    out[..., :h, :h] = L11i
+    out[..., h:, h:] = L22i
+    out[..., h:, :h] = -(L22i @ (L21 @ L11i))
+    return out, ok1 & ok2
+
+
 def inverse_lower(L: torch.Tensor, blocked: bool | None = None, base: int | None = None) -> torch.Tensor:
     """L⁻¹ of a lower triangular L [..., n, n] (lower triangular too)."""
     base = _base(base)
@@ -104,8 +132,13 @@ def inverse_cholesky_upper(H: torch.Tensor, blocked: bool | None = None,
         L, ok = cholesky(H, False)
         U, info2 = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
         return U, ok & (info2 == 0) & torch.isfinite(U).flatten(-2).all(-1)
-    Lr, ok = cholesky(H.flip(-1, -2), True, base)
-    U = inverse_lower(Lr, True, base).flip(-1, -2)
+    if STRATEGY == "inverse":
+        Lri, ok = inverse_cholesky_factor(H.flip(-1, -2), base)
+    else:
+        Lr, ok = cholesky(H.flip(-1, -2), True, base)
+        Lri = inverse_lower(Lr, True, base)
+        del Lr
+    U = Lri.flip(-1, -2)
     return U, ok & torch.isfinite(U).flatten(-2).all(-1)
 
 
@@ -113,6 +146,9 @@ def spd_solve(A: torch.Tensor, B: torch.Tensor, blocked: bool | None = None,
               base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """X = A⁻¹ B for SPD A [..., n, n], B [..., n, r], by Cholesky; ok per matrix."""
     base = _base(base)
+    if _use_blocked(A, blocked) and STRATEGY == "inverse":
+        Li, ok = inverse_cholesky_factor(A, base)
+        return Li.mT @ (Li @ B), ok
     L, ok = cholesky(A, blocked, base)
     if not _use_blocked(A, blocked):
         return torch.cholesky_solve(B, L), ok
