@@ -8,7 +8,10 @@ tokens (~`--tokens-per-expert` routed rows per expert, a skewed load). In one pr
   range and EXTRAPOLATED to the block (mean seconds per expert × experts; labelled as such), and its results
   compared with the batched ones for those experts (code agreement, relative errors);
 - optionally (`--kimi`) SGPTQ on a Kimi-K2-shaped block (384 experts of 7168 × 2048): one memory chunk of
-  experts timed and extrapolated to the 384 experts.
+  experts timed and extrapolated to the 384 experts;
+- optionally (`--factorisations`, run first) the batched SPD factorisations at this block's sizes, torch's
+  cuSOLVER calls vs each `spd` strategy and leaf size; the fastest accurate kept-set solver is used for the
+  methods in this process (recorded as `spd_config_used`).
 Writes JSON + Markdown to --out (relative paths only).
 """
 from __future__ import annotations
@@ -241,7 +244,7 @@ def main():
 
 def write_markdown(res: dict, path: Path):
     sh = res["shape"]
-    md = [f"# One-shot solvers on one MoE block — batched vs per-expert", "",
+    md = ["# One-shot solvers on one MoE block — batched vs per-expert", "",
           f"{res['date']} · {res['gpu']} · torch {res['torch']} · commit {res['commit']}", "",
           f"Qwen3-30B-A3B-shaped block: {sh['experts']} experts, hidden {sh['hidden']}, inter {sh['inter']}, random "
           f"weights, {sh['routed_rows']:,} routed rows ({sh['rows_per_expert_min']:,}–{sh['rows_per_expert_max']:,} per "

@@ -406,3 +406,13 @@ def test_batched_on_cuda_matches_the_cpu_reference(name):
     for r, b in zip(ref, got):
         for p in PROJECTIONS:
             assert b.info["rel_err"][p] == pytest.approx(r.info["rel_err"][p], rel=0.1)
+
+
+def test_out_of_memory_names_the_option_that_lowers_it():
+    from moesq_core.methods.batching import compress_batched
+
+    def boom(chunk, budget):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError, match="chunk_gb"):
+        compress_batched(make_block(E=2), get_format("p48-nvfp4"), "sgptq", boom, chunk_gb=2.0)

@@ -72,7 +72,13 @@ def compress_batched(experts: list[ExpertData], fmt: Format, method_name: str,
     per_chunk = experts_per_chunk or max(1, budget // solver_bytes_per_expert(I, H))
     for s in range(0, len(active), per_chunk):
         idx = active[s:s + per_chunk]
-        for i, r in zip(idx, solve_chunk([experts[i] for i in idx], budget)):
+        try:
+            chunk_out = solve_chunk([experts[i] for i in idx], budget)
+        except torch.OutOfMemoryError as exc:
+            raise torch.OutOfMemoryError(
+                f"{method_name}: out of memory solving {len(idx)} experts together with a {budget / 2**30:.1f} GiB "
+                f"budget; lower the method option chunk_gb (e.g. chunk_gb={max(budget / 2**31, 0.01):.2f})") from exc
+        for i, r in zip(idx, chunk_out):
             out[i] = r
         if progress is not None:
             progress(len(idx))
