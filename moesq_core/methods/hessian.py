@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -189,9 +190,31 @@ def masked_optimum(W: torch.Tensor, H: torch.Tensor, mask: torch.Tensor) -> torc
 # retries, dead columns) stay per expert; factorisations and solves are batched (`spd`).
 
 
-def block_hessians(inputs: list[torch.Tensor], weights: list[torch.Tensor | None], weighting: str = "none") -> torch.Tensor:
-    """[E, d, d]: `hessian` of each expert's inputs (token counts differ, so the accumulation is per expert)."""
-    return torch.stack([hessian(x, w, weighting) for x, w in zip(inputs, weights)])
+@dataclass
+class BlockStatistics:
+    """What the batched solvers need from the calibration inputs of one projection kind, for E experts."""
+
+    H: torch.Tensor  # [E, d, d] Hessians with the method's weighting
+    H_plain: torch.Tensor  # [E, d, d] unweighted (the reported errors); H itself when the weighting is "none"
+    sq_norms: torch.Tensor | None  # [E, d] Σ c_t x_tj² (Wanda's scores), when asked for
+
+
+def block_statistics(experts: list[ExpertData], inputs: Callable[[ExpertData], torch.Tensor], weighting: str = "none",
+                     sq_norms: bool = False) -> BlockStatistics:
+    """`hessian` (and `input_sq_norms`) of each expert's inputs(ex), one expert at a time: token counts differ,
+    and an input such as the SwiGLU intermediate is materialised for one expert only, never for the chunk."""
+    hs, plain, norms = [], [], []
+    for ex in experts:
+        x = inputs(ex)
+        hs.append(hessian(x, ex.w, weighting))
+        if weighting != "none":
+            plain.append(hessian(x))
+        if sq_norms:
+            norms.append(input_sq_norms(x, ex.w, weighting))
+        del x
+    H = torch.stack(hs)
+    del hs
+    return BlockStatistics(H, torch.stack(plain) if plain else H, torch.stack(norms) if sq_norms else None)
 
 
 def fix_dead_batched(H: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

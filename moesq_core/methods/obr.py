@@ -32,14 +32,13 @@ from .hessian import (
     DampedBatch,
     batched_masked_solve,
     batched_masked_solve_experts,
-    block_hessians,
+    block_statistics,
     damped_factor,
     damped_factors,
     expert_hessians,
     fix_dead,
     fix_dead_batched,
     hessian,
-    input_sq_norms,
     masked_optimum,
     masked_optimum_batched,
     relative_error,
@@ -184,23 +183,21 @@ class OBR:
         phases = (("gate_up", ("gate", "up"), lambda ex: ex.x, lambda ex: torch.cat([ex.gate, ex.up])),
                   ("down", ("down",), lambda ex: ex.dense_intermediate(), lambda ex: ex.down))
         for phase, projs, inputs, weight in phases:
-            xs = [inputs(ex) for ex in experts]
-            H = block_hessians(xs, [ex.w for ex in experts], self.hessian_weighting)
+            stats = block_statistics(experts, inputs, self.hessian_weighting, sq_norms=True)
+            H = stats.H
             W = torch.stack([weight(ex).detach().float() for ex in experts])
             Hf, W = fix_dead_batched(H, W)
             fac = damped_factors(Hf, self.percdamp, what=[f"expert {ex.index} {phase.replace('_', '/')} Hessian" for ex in experts])
             del Hf
-            norms = torch.stack([input_sq_norms(x, ex.w, self.hessian_weighting) for x, ex in zip(xs, experts)])
-            mask = fmt.patterns.best_mask(W.abs() * norms.sqrt()[:, None, :])  # Wanda's scores
+            mask = fmt.patterns.best_mask(W.abs() * stats.sq_norms.sqrt()[:, None, :])  # Wanda's scores
             Wc = masked_optimum_batched(W, fac.H, mask, budget // 2)
             del W
             g = fmt.weight.global_scales(Wc)  # Wc is already masked; gate and up share one
             codes, scales, latent = self.quantize_batched(Wc, fac, mask, fmt, g, len(projs), budget // 2)
             pds, dmps = fac.percdamp, fac.damp
             del Wc, fac
-            if self.hessian_weighting != "none":  # report the plain, unweighted error like every method
-                H = block_hessians(xs, [None] * len(xs))
-            del xs
+            H = stats.H_plain  # report the plain, unweighted error like every method
+            del stats
             for e, ex in enumerate(experts):
                 r = results[e]
                 r["percdamp"][phase], r["damp"][phase] = pds[e], dmps[e]

@@ -44,7 +44,7 @@ from ..formats.quantizers import E4M3_MAX, NVFP4Quantizer
 from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
 from .batching import compress_batched
 from .hessian import (
-    block_hessians,
+    block_statistics,
     damped_factor,
     damped_factors,
     expert_hessians,
@@ -492,8 +492,8 @@ class SGPTQ:
         phases = (("gate_up", ("gate", "up"), lambda ex: ex.x, lambda ex: torch.cat([ex.gate, ex.up])),
                   ("down", ("down",), lambda ex: ex.dense_intermediate(), lambda ex: ex.down))
         for phase, projs, inputs, weight in phases:
-            xs = [inputs(ex) for ex in experts]
-            H = block_hessians(xs, [ex.w for ex in experts], self.hessian_weighting)
+            stats = block_statistics(experts, inputs, self.hessian_weighting)
+            H = stats.H
             W = torch.stack([weight(ex).detach().float() for ex in experts])
             Hf, W = fix_dead_batched(H, W)
             fac = damped_factors(Hf, self.percdamp, what=[f"expert {ex.index} {phase.replace('_', '/')} Hessian" for ex in experts])
@@ -510,9 +510,8 @@ class SGPTQ:
                 res = solver.solve_batched(W, U, g, row_groups=rg)
             pds, dmps = fac.percdamp, fac.damp
             del W, U, fac
-            if self.hessian_weighting != "none":  # report the plain, unweighted error like every method
-                H = block_hessians(xs, [None] * len(xs))
-            del xs
+            H = stats.H_plain  # report the plain, unweighted error like every method
+            del stats
             for e, ex in enumerate(experts):
                 r = results[e]
                 r["percdamp"][phase], r["damp"][phase] = pds[e], dmps[e]
