@@ -30,6 +30,11 @@ value q_j and the error (w_j − q_j)/U_jj is pushed onto the columns right of j
   the scale; that element is pinned as above.
 - The global scale (gate and up share one) is taken before the sweep from the weights under the
   provisional support SparseGPT picks without compensation.
+
+`SGPTQ.compress_block` runs the sweep for all experts of a block at once (`SGPTQSolver.solve_batched`): gate
+and up stacked along their rows (same Hessian, same global scale), then down, each step one tensor op over
+experts × rows, the experts chunked to a memory budget (`chunk_gb`). Rows never interact in the sweep, so this
+computes each expert's numbers exactly; `batched=False` runs the per-expert reference (`compress_expert`).
 """
 from __future__ import annotations
 
