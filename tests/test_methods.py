@@ -64,7 +64,7 @@ def test_method_outputs_are_well_formed(name, fmt_name):
     experts = [make_expert(i, n=256, seed=i) for i in range(2)]
     calls = []
     out = meth.compress_block(experts, fmt, progress=calls.append)
-    assert calls == [1, 1] and len(out) == 2
+    assert sum(calls) == 2 and len(out) == 2  # batched methods report a chunk of experts at once
     for ex, ce in zip(experts, out):
         assert torch.equal(ce.gate.global_scale, ce.up.global_scale)  # one global scale for gate and up
         for p, qw in ce.weights().items():

@@ -35,6 +35,11 @@ class NVFP4Quantizer:
         amax = torch.stack([w.detach().float().abs().amax() for w in weights]).amax()
         return nvfp4_global_scale(amax)
 
+    def global_scales(self, *weights: torch.Tensor) -> torch.Tensor:
+        """`global_scale` per index of the leading (expert) dimension: [E] for weights [E, ...]."""
+        amax = torch.stack([w.detach().float().abs().flatten(1).amax(1) for w in weights]).amax(0)
+        return nvfp4_global_scale(amax)
+
     def block_scales(self, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """Stored (e4m3-projected) block scales [..., in/block] of w under global scale g."""
         blocks = w.detach().float().reshape(*w.shape[:-1], -1, self.block)
@@ -82,6 +87,10 @@ class FP8ChannelQuantizer:
 
     def global_scale(self, *weights: torch.Tensor) -> torch.Tensor:
         return torch.ones((), dtype=torch.float32)
+
+    def global_scales(self, *weights: torch.Tensor) -> torch.Tensor:
+        """[E] ones for weights [E, ...] (FP8 has no global scale)."""
+        return torch.ones(weights[0].shape[0], dtype=torch.float32, device=weights[0].device)
 
     def block_scales(self, w: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
         amax = w.detach().float().abs().amax(-1, keepdim=True)

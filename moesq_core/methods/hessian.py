@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from . import spd
 from .base import ExpertData
 
 log = logging.getLogger(__name__)
@@ -180,3 +182,158 @@ def masked_optimum(W: torch.Tensor, H: torch.Tensor, mask: torch.Tensor) -> torc
     kept, pruned = row_sets(mask)
     delta = batched_masked_solve(H, kept, pruned, W.gather(1, pruned))
     return (W * mask).scatter_add(1, kept, delta)
+
+
+# ---------------------------------------------------------------- batched over the experts of a block
+#
+# The same quantities for E experts at once: Hessians [E, C, C], weights [E, R, C]. Per-expert numbers (damping,
+# retries, dead columns) stay per expert; factorisations and solves are batched (`spd`).
+
+
+@dataclass
+class BlockStatistics:
+    """What the batched solvers need from the calibration inputs of one projection kind, for E experts."""
+
+    H: torch.Tensor  # [E, d, d] Hessians with the method's weighting
+    H_plain: torch.Tensor  # [E, d, d] unweighted (the reported errors); H itself when the weighting is "none"
+    sq_norms: torch.Tensor | None  # [E, d] Σ c_t x_tj² (Wanda's scores), when asked for
+
+
+def block_statistics(experts: list[ExpertData], inputs: Callable[[ExpertData], torch.Tensor], weighting: str = "none",
+                     sq_norms: bool = False) -> BlockStatistics:
+    """`hessian` (and `input_sq_norms`) of each expert's inputs(ex), one expert at a time: token counts differ,
+    and an input such as the SwiGLU intermediate is materialised for one expert only, never for the chunk."""
+    hs, plain, norms = [], [], []
+    for ex in experts:
+        x = inputs(ex)
+        hs.append(hessian(x, ex.w, weighting))
+        if weighting != "none":
+            plain.append(hessian(x))
+        if sq_norms:
+            norms.append(input_sq_norms(x, ex.w, weighting))
+        del x
+    H = torch.stack(hs)
+    del hs
+    return BlockStatistics(H, torch.stack(plain) if plain else H, torch.stack(norms) if sq_norms else None)
+
+
+def fix_dead_batched(H: torch.Tensor, W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fix_dead` per expert: H [E, C, C], W [E, R, C] (new tensors; the inputs are not modified)."""
+    dead = torch.diagonal(H, dim1=-2, dim2=-1) == 0  # [E, C]
+    H = H + torch.diag_embed(dead.to(H.dtype))  # the diagonal is exactly 0 there: this sets it to 1
+    W = torch.where(dead[:, None, :], torch.zeros((), dtype=W.dtype, device=W.device), W)
+    return H, W
+
+
+@dataclass
+class DampedBatch:
+    """`Damped` for E experts: H [E, C, C] (H + λ_e I, dead columns fixed), hinv_chol [E, C, C] (fp32)."""
+
+    H: torch.Tensor
+    hinv_chol: torch.Tensor
+    percdamp: list[float]
+    damp: list[float]
+
+
+def damped_factors(H: torch.Tensor, percdamp: float = 0.01, max_tries: int = 6, what: list[str] | None = None,
+                   blocked: bool | None = None) -> DampedBatch:
+    """`damped_factor` for E experts at once: λ_e = percdamp·mean(diag H_e); an expert whose damped Hessian is not
+    positive definite is retried alone with 10× more damping (logged), up to `max_tries` times. what[e] names
+    expert e in messages. H [E, C, C] with dead columns fixed."""
+    if percdamp < 0:
+        raise ValueError(f"percdamp must be >= 0, got {percdamp}")
+    E, d = H.shape[0], H.shape[-1]
+    what = what or [f"hessian {e}" for e in range(E)]
+    finite = torch.isfinite(H).flatten(1).all(1).tolist()
+    if not all(finite):
+        raise ValueError(f"{what[finite.index(False)]}: non-finite entries in the Hessian (NaN/Inf calibration inputs?)")
+    H64 = H.to(torch.float64)
+    mean_diag = torch.diagonal(H64, dim1=-2, dim2=-1).mean(-1) if d else torch.zeros(E, dtype=torch.float64, device=H.device)
+    eye = torch.eye(d, dtype=torch.float64, device=H.device)
+    Hd_out = torch.empty(H.shape, dtype=torch.float32, device=H.device)
+    U_out = torch.empty(H.shape, dtype=torch.float32, device=H.device)
+    pd = [float(percdamp)] * E
+    damp = [0.0] * E
+    todo = list(range(E))
+    for _ in range(max_tries):
+        sel = torch.tensor(todo, device=H.device)
+        all_of_them = len(todo) == E
+        dmp = torch.tensor([pd[e] for e in todo], dtype=torch.float64, device=H.device) * (mean_diag if all_of_them else mean_diag[sel])
+        Hd = (H64 if all_of_them else H64[sel]) + dmp[:, None, None] * eye
+        U, ok = spd.inverse_cholesky_upper(Hd, blocked)
+        ok = ok.tolist()
+        good = [i for i, o in enumerate(ok) if o]
+        if good:
+            gi = torch.tensor(good, device=H.device)
+            dst = sel[gi]
+            Hd_out[dst] = Hd[gi].float()
+            U_out[dst] = U[gi].float()
+        dmp = dmp.tolist()
+        failed = []
+        for i, e in enumerate(todo):
+            if ok[i]:
+                damp[e] = dmp[i]
+                continue
+            nxt = pd[e] * 10 if pd[e] > 0 else 1e-6
+            log.warning("%s: not positive definite with percdamp=%g; retrying with percdamp=%g", what[e], pd[e], nxt)
+            pd[e] = nxt
+            failed.append(e)
+        todo = failed
+        del Hd, U
+        if not todo:
+            return DampedBatch(Hd_out, U_out, pd, damp)
+    e = todo[0]
+    raise ValueError(f"{what[e]}: not positive definite even with percdamp={pd[e] / 10:g}; calibration data degenerate?")
+
+
+def row_sets_batched(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`row_sets` for masks [..., R, C]: (kept, pruned) column indices per row, ascending."""
+    C = mask.shape[-1]
+    counts = mask.sum(-1)
+    k = int(counts.flatten()[0]) if counts.numel() else 0
+    if not bool((counts == k).all()):
+        raise ValueError("a masked reconstruction needs the same number of kept entries in every row")
+    # A stable sort of (pruned?) puts each row's kept columns first, both parts in ascending column order.
+    order = torch.sort((~mask).to(torch.uint8), dim=-1, stable=True).indices
+    return order[..., :k], order[..., k:C]
+
+
+def batched_masked_solve_experts(H: torch.Tensor, rows_a: torch.Tensor, rows_b: torch.Tensor, rhs: torch.Tensor,
+                                 budget: int = 1 << 30, blocked: bool | None = None) -> torch.Tensor:
+    """`batched_masked_solve` for E experts: per expert e and row r, solve H_e[a, a] δ = H_e[a, b] rhs with
+    a = rows_a[e, r], b = rows_b[e, r]. H [E, C, C]; rows_a [E, R, ka]; rows_b, rhs [E, R, kb]. `budget`: bytes
+    for one batch of gathered systems (fp64)."""
+    E, R, ka = rows_a.shape
+    kb = rows_b.shape[-1]
+    out = torch.zeros(E, R, ka, dtype=torch.float32, device=H.device)
+    if ka == 0 or kb == 0 or R == 0:
+        return out
+    H64 = H.to(torch.float64)
+    # H[a, b]·rhs without gathering H[a, b]: scatter rhs onto its columns (zeros elsewhere), one product per
+    # expert for all rows, then read the kept entries (a and b are disjoint).
+    z = torch.zeros(E, R, H.shape[-1], dtype=torch.float64, device=H.device).scatter_(-1, rows_b, rhs.to(torch.float64))
+    rhs_a = (z @ H64).gather(-1, rows_a).reshape(E * R, ka, 1)
+    del z
+    e_of_row = torch.arange(E, device=H.device).repeat_interleave(R)
+    a_all = rows_a.reshape(E * R, ka)
+    out = out.reshape(E * R, ka)
+    step = max(1, budget // (ka * ka * 8 * 4))  # the gathered systems, their factor and the solve's temporaries
+    ok_all = torch.ones(E * R, dtype=torch.bool, device=H.device)
+    for s in range(0, E * R, step):
+        e, a = e_of_row[s:s + step], a_all[s:s + step]
+        Haa = H64[e[:, None, None], a[:, :, None], a[:, None, :]]
+        x, ok = spd.spd_solve(Haa, rhs_a[s:s + step], blocked)
+        out[s:s + step] = x[..., 0].float()
+        ok_all[s:s + step] = ok
+        del Haa, x
+    if not bool(ok_all.all()):
+        raise ValueError("a kept-set block of the damped Hessian is not positive definite")
+    return out.reshape(E, R, ka)
+
+
+def masked_optimum_batched(W: torch.Tensor, H: torch.Tensor, mask: torch.Tensor, budget: int = 1 << 30,
+                           blocked: bool | None = None) -> torch.Tensor:
+    """`masked_optimum` for E experts: W, mask [E, R, C], H [E, C, C] (damped)."""
+    kept, pruned = row_sets_batched(mask)
+    delta = batched_masked_solve_experts(H, kept, pruned, W.gather(-1, pruned), budget, blocked)
+    return (W * mask).scatter_add(-1, kept, delta)

@@ -13,7 +13,9 @@ Per projection, with H the damped Hessian:
    export-exact scales as in SGPTQ) or by RTN (`"rtn"`, OBR's --obr_rtn, which re-rounds the whole row).
 
 Each row has its own kept set, so steps 2-3 are batched solves over chunks of rows ([rows, k, k] systems
-gathered from H): no Python loop over rows.
+gathered from H): no Python loop over rows. `compress_block` runs all experts of a block at once (gate and up
+stacked along their rows, then down; chunked to a memory budget); `batched=False` runs the per-expert
+reference (`compress_expert`) instead.
 """
 from __future__ import annotations
 
@@ -24,8 +26,25 @@ import torch
 
 from ..formats import Format, QuantizedWeight
 from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
-from .hessian import Damped, batched_masked_solve, damped_factor, expert_hessians, fix_dead, hessian, \
-    masked_optimum, relative_error, row_sets
+from .batching import compress_batched
+from .hessian import (
+    Damped,
+    DampedBatch,
+    batched_masked_solve,
+    batched_masked_solve_experts,
+    block_statistics,
+    damped_factor,
+    damped_factors,
+    expert_hessians,
+    fix_dead,
+    fix_dead_batched,
+    hessian,
+    masked_optimum,
+    masked_optimum_batched,
+    relative_error,
+    row_sets,
+    row_sets_batched,
+)
 from .rtn import check_expert, fallback_no_tokens
 from .sparsegpt_gptq import SGPTQSolver
 from .wanda import wanda_scores
@@ -46,6 +65,8 @@ class OBR:
     exact_scales: bool = True
     blocksize: int = 128
     hessian_weighting: str = "none"
+    batched: bool = True  # all experts of a block at once (False: the per-expert reference, one at a time)
+    chunk_gb: float | None = None  # memory for one chunk of experts (None: half the free GPU memory; 4 GiB on CPU)
 
     def __post_init__(self):
         if self.second_stage not in ("gptq", "rtn"):
@@ -116,4 +137,87 @@ class OBR:
         return CompressedExpert(q["gate"], q["up"], q["down"], latent=latent, info=info)
 
     def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
-        return compress_each(experts, fmt, self.compress_expert, progress)
+        if not self.batched:
+            return compress_each(experts, fmt, self.compress_expert, progress)
+        return compress_batched(experts, fmt, self.name, lambda chunk, budget: self._compress_chunk(chunk, fmt, budget),
+                                progress, self.chunk_gb)
+
+    def quantize_batched(self, Wc: torch.Tensor, fac: DampedBatch, mask: torch.Tensor, fmt: Format, g: torch.Tensor,
+                         row_groups: int = 1, budget: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`quantize` for E experts: Wc, mask [E, R, C], g [E]. Returns (codes, scales, latent), batched."""
+        C = Wc.shape[-1]
+        gb = g[:, None, None]
+        s = partition_point(C, fmt, self.alpha)
+        q = fmt.weight
+
+        def rtn(W: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # = fmt.quantize(W, mask, g), batched
+            wm = W * mask
+            sc = q.block_scales(wm, gb)
+            return (q.encode(wm, sc, gb) * mask).to(torch.uint8), sc
+
+        codes0, scales0 = rtn(Wc)  # its first partition is final
+        if 0 < s < C:
+            kept, _ = row_sets_batched(mask)
+            k1 = s // fmt.patterns.group * fmt.patterns.kept_per_group  # every row keeps this many left of s
+            k_first, k_second = kept[..., :k1], kept[..., k1:]
+            e1 = (Wc - q.decode(codes0, scales0, gb) * mask).gather(-1, k_first)
+            Wc = Wc.scatter_add(-1, k_second, batched_masked_solve_experts(fac.H, k_second, k_first, e1, budget))
+        if self.second_stage == "rtn" or s >= C:
+            codes, scales = rtn(Wc)
+            return codes, scales, Wc
+        per_row = fmt.scale_block == 0
+        solver = SGPTQSolver(fmt, self.blocksize, exact_scales=self.exact_scales)
+        res = solver.solve_batched(Wc[..., s:], fac.hinv_chol[:, s:, s:], g, mask=mask[..., s:],
+                                   scales=scales0 if per_row else None, row_groups=row_groups)
+        sb = fmt.scale_block
+        scales = scales0 if per_row else torch.cat([scales0[..., : s // sb], res.scales], -1)
+        codes = torch.cat([codes0[..., :s], res.codes], -1)
+        latent = torch.cat([Wc[..., :s], res.latent], -1)
+        return codes, scales, latent
+
+    def _compress_chunk(self, experts: list[ExpertData], fmt: Format, budget: int) -> list[CompressedExpert]:
+        """`compress_expert` for a chunk of experts (all with tokens) at once: gate and up stacked along their
+        rows (they share the Hessian and the global scale), then down."""
+        I = experts[0].gate.shape[0]
+        results: list[dict] = [dict(q={}, latent={}, rel_err={}, percdamp={}, damp={}) for _ in experts]
+        phases = (("gate_up", ("gate", "up"), lambda ex: ex.x, lambda ex: torch.cat([ex.gate, ex.up])),
+                  ("down", ("down",), lambda ex: ex.dense_intermediate(), lambda ex: ex.down))
+        for phase, projs, inputs, weight in phases:
+            stats = block_statistics(experts, inputs, self.hessian_weighting, sq_norms=True)
+            H = stats.H
+            W = torch.stack([weight(ex).detach().float() for ex in experts])
+            Hf, W = fix_dead_batched(H, W)
+            fac = damped_factors(Hf, self.percdamp, what=[f"expert {ex.index} {phase.replace('_', '/')} Hessian" for ex in experts])
+            del Hf
+            mask = fmt.patterns.best_mask(W.abs() * stats.sq_norms.sqrt()[:, None, :])  # Wanda's scores
+            Wc = masked_optimum_batched(W, fac.H, mask, budget // 2)
+            del W
+            g = fmt.weight.global_scales(Wc)  # Wc is already masked; gate and up share one
+            codes, scales, latent = self.quantize_batched(Wc, fac, mask, fmt, g, len(projs), budget // 2)
+            pds, dmps = fac.percdamp, fac.damp
+            del Wc, fac
+            H = stats.H_plain  # report the plain, unweighted error like every method
+            del stats
+            for e, ex in enumerate(experts):
+                r = results[e]
+                r["percdamp"][phase], r["damp"][phase] = pds[e], dmps[e]
+                for k, p in enumerate(projs):
+                    rows = slice(k * I, (k + 1) * I) if len(projs) > 1 else slice(None)
+                    r["q"][p] = QuantizedWeight(fmt.name, codes[e, rows].clone(), scales[e, rows].clone(),
+                                                g[e].reshape(()).clone(), mask[e, rows].clone())
+                    r["latent"][p] = latent[e, rows].clone()
+                    r["rel_err"][p] = relative_error(getattr(ex, p), r["q"][p].dequantize(), H[e])
+            del codes, scales, latent, mask, H
+        out = []
+        for ex, r in zip(experts, results):
+            info = {
+                "method": self.name,
+                "tokens": int(ex.x.shape[0]),
+                "percdamp": r["percdamp"],
+                "damp": r["damp"],
+                "second_stage": self.second_stage,
+                "rel_err": {p: r["rel_err"][p] for p in PROJECTIONS},
+            }
+            q = r["q"]
+            out.append(CompressedExpert(q["gate"], q["up"], q["down"], latent=r["latent"], info=info))
+        return out

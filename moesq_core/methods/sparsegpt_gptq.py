@@ -30,6 +30,11 @@ value q_j and the error (w_j − q_j)/U_jj is pushed onto the columns right of j
   the scale; that element is pinned as above.
 - The global scale (gate and up share one) is taken before the sweep from the weights under the
   provisional support SparseGPT picks without compensation.
+
+`SGPTQ.compress_block` runs the sweep for all experts of a block at once (`SGPTQSolver.solve_batched`): gate
+and up stacked along their rows (same Hessian, same global scale), then down, each step one tensor op over
+experts × rows, the experts chunked to a memory budget (`chunk_gb`). Rows never interact in the sweep, so this
+computes each expert's numbers exactly; `batched=False` runs the per-expert reference (`compress_expert`).
 """
 from __future__ import annotations
 
@@ -38,11 +43,23 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..formats import Format, QuantizedWeight
-from ..formats.e2m1 import E2M1_MAX
+from ..formats.e2m1 import E2M1_GRID, E2M1_MAX
 from ..formats.e4m3 import E4M3_MIN_SUBNORMAL, round_ue4m3_scale
 from ..formats.quantizers import E4M3_MAX, NVFP4Quantizer
 from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
-from .hessian import damped_factor, expert_hessians, fix_dead, hessian, masked_optimum, relative_error
+from .batching import compress_batched
+from .hessian import (
+    block_statistics,
+    damped_factor,
+    damped_factors,
+    expert_hessians,
+    fix_dead,
+    fix_dead_batched,
+    hessian,
+    masked_optimum,
+    masked_optimum_batched,
+    relative_error,
+)
 from .rtn import check_expert, fallback_no_tokens
 
 
@@ -64,16 +81,38 @@ class SweepResult:
         return QuantizedWeight(fmt.name, self.codes, self.scales, self.global_scale.reshape(()), self.mask)
 
 
+@dataclass
+class BatchedSweepResult:
+    """`SweepResult` for E experts: values, mask, latent, codes [E, R, C], scales [E, R, nb], global_scale [E],
+    pinned [E, row_groups] (tensors; no host sync)."""
+
+    values: torch.Tensor
+    mask: torch.Tensor
+    latent: torch.Tensor
+    codes: torch.Tensor | None
+    scales: torch.Tensor | None
+    global_scale: torch.Tensor
+    pinned: torch.Tensor
+
+    def expert(self, e: int, rows: slice = slice(None), pinned_group: int = 0) -> SweepResult:
+        """One expert's (and optionally one row range's) result as the per-expert sweep returns it."""
+        pick = lambda t: None if t is None else t[e, rows].clone()  # noqa: E731 (copies: the batch can be freed)
+        return SweepResult(pick(self.values), pick(self.mask), pick(self.latent), pick(self.codes), pick(self.scales),
+                           self.global_scale[e].reshape(()).clone(), int(self.pinned[e, pinned_group]))
+
+
 def provisional_mask(fmt: Format, W: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
-    """The support SparseGPT picks before any compensation (saliency w²/U_jj² of the original W)."""
+    """The support SparseGPT picks before any compensation (saliency w²/U_jj² of the original W).
+    W [..., R, C] with U [..., C, C] (leading expert dimensions allowed)."""
     if fmt.patterns.is_dense:
         return torch.ones_like(W, dtype=torch.bool)
-    return fmt.patterns.best_mask(W.float() ** 2 / torch.diagonal(U).float()[None, :] ** 2)
+    return fmt.patterns.best_mask(W.float() ** 2 / torch.diagonal(U, dim1=-2, dim2=-1).float().unsqueeze(-2) ** 2)
 
 
 class _ColumnCodec:
     """The format's encode/decode applied to one column at a time (a column of a block shares the block's
-    scale, so the format's quantizer with a block of 1 computes exactly the same numbers)."""
+    scale, so the format's quantizer with a block of 1 computes exactly the same numbers). Columns may carry
+    leading (expert) dimensions: w [..., R], scales [..., R, 1], g a scalar or [..., 1, 1]."""
 
     def __init__(self, fmt: Format, exact: bool):
         self.q = fmt.weight
@@ -85,20 +124,30 @@ class _ColumnCodec:
         top = self.col.encode(torch.tensor([[E2M1_MAX if self.nvfp4 else E4M3_MAX]]), one, one)
         bottom = self.col.encode(-torch.tensor([[E2M1_MAX if self.nvfp4 else E4M3_MAX]]), one, one)
         self.top_codes = (int(top), int(bottom))
+        self._grid: dict[torch.device, torch.Tensor] = {}
 
     def block_scale(self, blk: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """[R, 1] scale of a masked block. Non-exact NVFP4: the fp32 scale before E4M3 projection."""
+        """[..., R, 1] scale of a masked block. Non-exact NVFP4: the fp32 scale before E4M3 projection."""
         if self.exact or not self.nvfp4:
             s = self.q.block_scales(blk, g)
-            return s.reshape(blk.shape[0], -1)[:, :1] if not self.nvfp4 else s
+            return s.reshape(*blk.shape[:-1], -1)[..., :1] if not self.nvfp4 else s
         amax = blk.abs().amax(-1, keepdim=True)
         return torch.where(amax > 0, amax / E2M1_MAX * g, torch.full_like(amax, E4M3_MIN_SUBNORMAL))
 
     def encode(self, w: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        return self.col.encode(w[:, None], s, g)[:, 0]
+        return self.col.encode(w[..., None], s, g)[..., 0]
 
     def decode(self, c: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        return self.col.decode(c[:, None], s, g)[:, 0]
+        if not self.nvfp4:
+            return self.col.decode(c[..., None], s, g)[..., 0]
+        # e2m1_decode with the grid kept on the device (the sweep decodes every column: no host copies)
+        grid = self._grid.get(c.device)
+        if grid is None:
+            grid = self._grid[c.device] = torch.tensor(E2M1_GRID, dtype=torch.float32, device=c.device)
+        cl = c.long()
+        mag = grid[cl & 7]
+        v = torch.where((cl & 8) != 0, -mag, mag)
+        return (v[..., None] * s / g)[..., 0]
 
 
 @dataclass
@@ -239,6 +288,130 @@ class SGPTQSolver:
             Q = fmt.weight.decode(codes, S, g) * M
         return SweepResult(Q, M, V, codes.to(torch.uint8) if codes is not None else None, S, g, int(pinned))
 
+    def solve_batched(self, W: torch.Tensor, U: torch.Tensor, g: torch.Tensor | None = None,
+                      mask: torch.Tensor | None = None, scales: torch.Tensor | None = None,
+                      row_groups: int = 1) -> BatchedSweepResult:
+        """`solve` for E experts at once: W [E, R, C], U [E, C, C], g [E], mask [E, R, C], scales [E, R, nb].
+
+        The same sweep as `solve`, every step a tensor op over experts × rows: per column the encode/decode and
+        the OBS update of the lazy block, per group the pattern choice, per scale block its scale, per lazy
+        block one batched product; no host syncs inside the loops. row_groups: the rows are that many stacked
+        projections (gate and up share a Hessian and are solved as one [2I, H] matrix); the one quantity that
+        is a reduction over rows in `solve` (the saliency forcing a pinned element to be kept) is taken per
+        group, so each projection gets exactly the numbers it gets alone.
+        """
+        fmt, pat = self.fmt, self.fmt.patterns
+        W = W.detach().float().clone()
+        if W.dim() != 3:
+            raise ValueError(f"batched weights must be [experts, out, in], got shape {tuple(W.shape)}")
+        E, R, C = W.shape
+        dev = W.device
+        U = U.to(device=dev, dtype=torch.float32)
+        if U.shape != (E, C, C):
+            raise ValueError(f"Hessian factors {tuple(U.shape)} do not match weights {tuple(W.shape)}")
+        if R % row_groups:
+            raise ValueError(f"{R} rows do not split into {row_groups} equal row groups")
+        pat.check_shape(C, fmt.scale_block, f"weight for format {fmt.name}")
+        if not bool(torch.isfinite(W).all()):
+            raise ValueError("weight: non-finite values; refusing to compress NaN/Inf weights")
+        if g is None:
+            g = fmt.weight.global_scales(W * (mask if mask is not None else provisional_mask(fmt, W, U)))
+        g = g.to(dev).float().reshape(E)
+        gb = g[:, None, None]
+        fixed = mask is not None
+        M = mask.to(dev).bool().clone() if fixed else torch.ones(E, R, C, dtype=torch.bool, device=dev)
+        select = not fixed and not pat.is_dense
+        mb = self.mask_block
+        dU = torch.diagonal(U, dim1=-2, dim2=-1)  # [E, C]
+        Q = torch.zeros_like(W)
+        V = torch.zeros_like(W)
+        codec = _ColumnCodec(fmt, self.exact_scales) if self.quantize else None
+        sb = fmt.scale_block or C
+        find_scales = self.quantize and scales is None
+        pin = find_scales and self.exact_scales and self.pin_block_max
+        codes = torch.zeros(E, R, C, dtype=torch.uint8, device=dev) if self.quantize else None
+        S = None
+        if self.quantize:
+            S = scales.to(dev).float().clone() if scales is not None else torch.zeros(E, R, C // sb, device=dev)
+        pin_col = torch.full((E, R), -1, dtype=torch.long, device=dev)
+        pinned = torch.zeros(E, R, dtype=torch.long, device=dev)
+        P = pat.pattern_matrix(dev)  # kept on the device once (best_index/mask_from_index would copy per call)
+        Pb = pat.patterns.to(dev)
+        chosen = 0
+
+        def best_mask(sal: torch.Tensor) -> torch.Tensor:  # = pat.best_mask
+            idx = (sal.reshape(*sal.shape[:-1], -1, pat.group).float() @ P.T).argmax(-1)
+            return Pb[idx].reshape(*idx.shape[:-1], idx.shape[-1] * pat.group)
+
+        def choose(vals: torch.Tensor, c0: int) -> torch.Tensor:
+            sal = vals ** 2 / dU[:, None, c0:c0 + vals.shape[-1]] ** 2
+            if pin:
+                at = torch.arange(vals.shape[-1], device=dev) == (pin_col - c0)[..., None]
+                big = sal.sum(-1).reshape(E, row_groups, -1).amax(-1) * 2 + 1  # per projection, as in `solve`
+                sal = torch.where(at, big[..., None].expand(E, row_groups, R // row_groups).reshape(E, R, 1), sal)
+            return best_mask(sal)
+
+        if find_scales and fmt.scale_block == 0:
+            pre = replace(self, quantize=False, mask_block=mb).solve_batched(W, U, g, mask=M if fixed else None,
+                                                                             row_groups=row_groups)
+            blk = pre.values
+            S[..., 0] = codec.block_scale(blk, gb)[..., 0]
+            if pin:
+                amax, arg = blk.abs().max(-1)
+                pin_col = torch.where(amax > 0, arg, pin_col)
+            find_scales = False
+            del pre, blk
+
+        for i1 in range(0, C, self.blocksize):
+            i2 = min(i1 + self.blocksize, C)
+            W1 = W[..., i1:i2].clone()
+            U1 = U[:, i1:i2, i1:i2]
+            d = dU[:, i1:i2]
+            Err1 = torch.zeros_like(W1)
+            for i in range(i2 - i1):
+                col = i1 + i
+                if select and col % mb == 0:
+                    j = min(i + mb, i2 - i1)
+                    M[..., col:i1 + j] = choose(W1[..., i:j], col)
+                    chosen = i1 + j
+                if find_scales and col % sb == 0:
+                    cur = W1[..., i:i + sb]
+                    if select and chosen < col + sb:
+                        M[..., chosen:col + sb] = choose(cur[..., chosen - col:], chosen)  # provisional
+                    blk = cur * M[..., col:col + sb]
+                    S[..., col // sb] = codec.block_scale(blk, gb)[..., 0]
+                    if pin:
+                        amax, arg = blk.abs().max(-1)
+                        pin_col = torch.where(amax > 0, arg + col, torch.full_like(arg, -1))
+                w = W1[..., i]
+                V[..., col] = w
+                m = M[..., col]
+                if self.quantize:
+                    s = S[..., col // sb: col // sb + 1]
+                    c = codec.encode(w, s, gb)
+                    if pin:
+                        at = pin_col == col
+                        top = torch.where(w >= 0, codec.top_codes[0], codec.top_codes[1]).to(torch.uint8)
+                        pinned += at & (c != top)
+                        c = torch.where(at, top, c)
+                    c = c * m
+                    codes[..., col] = c
+                    q = codec.decode(c, s, gb) * m
+                else:
+                    q = w * m
+                Q[..., col] = q
+                err = (w - q) / d[:, i, None]
+                W1[..., i:] -= err[..., None] * U1[:, i, None, i:]
+                Err1[..., i] = err
+            W[..., i2:] -= Err1 @ U[:, i1:i2, i2:]
+
+        if self.quantize and not self.exact_scales and codec.nvfp4:
+            S = round_ue4m3_scale(S)
+            codes = fmt.weight.encode(Q, S, gb) * M
+            Q = fmt.weight.decode(codes, S, gb) * M
+        return BatchedSweepResult(Q, M, V, codes.to(torch.uint8) if codes is not None else None, S, g,
+                                  pinned.reshape(E, row_groups, -1).sum(-1))
+
 
 @dataclass
 class SGPTQ:
@@ -254,6 +427,8 @@ class SGPTQ:
     hessian_weighting: str = "none"
     refit: bool = False  # not SGPTQ proper: SparseGPT's support + closed-form reconstruction + GPTQ
     dense_only: bool = False
+    batched: bool = True  # all experts of a block at once (False: the per-expert reference, one at a time)
+    chunk_gb: float | None = None  # memory for one chunk of experts (None: half the free GPU memory; 4 GiB on CPU)
 
     def _solver(self, fmt: Format) -> SGPTQSolver:
         return SGPTQSolver(fmt, self.blocksize, self.mask_block, self.exact_scales, True, self.pin_block_max)
@@ -308,4 +483,62 @@ class SGPTQ:
         if self.dense_only and not fmt.patterns.is_dense:
             raise ValueError(f"method {self.name!r} is GPTQ on a dense format; format {fmt.name!r} is sparse "
                              f"({fmt.patterns.name}): use method 'sgptq' for sparse formats")
-        return compress_each(experts, fmt, self.compress_expert, progress)
+        if not self.batched:
+            return compress_each(experts, fmt, self.compress_expert, progress)
+        return compress_batched(experts, fmt, self.name, lambda chunk, budget: self._compress_chunk(chunk, fmt, budget),
+                                progress, self.chunk_gb)
+
+    def _compress_chunk(self, experts: list[ExpertData], fmt: Format, budget: int) -> list[CompressedExpert]:
+        """`compress_expert` for a chunk of experts (all with tokens) at once: gate and up stacked along their
+        rows (they share the Hessian and the global scale), then down."""
+        solver = self._solver(fmt)
+        I = experts[0].gate.shape[0]
+        results: list[dict] = [dict(q={}, latent={}, pinned={}, rel_err={}, percdamp={}, damp={}) for _ in experts]
+        phases = (("gate_up", ("gate", "up"), lambda ex: ex.x, lambda ex: torch.cat([ex.gate, ex.up])),
+                  ("down", ("down",), lambda ex: ex.dense_intermediate(), lambda ex: ex.down))
+        for phase, projs, inputs, weight in phases:
+            stats = block_statistics(experts, inputs, self.hessian_weighting)
+            H = stats.H
+            W = torch.stack([weight(ex).detach().float() for ex in experts])
+            Hf, W = fix_dead_batched(H, W)
+            fac = damped_factors(Hf, self.percdamp, what=[f"expert {ex.index} {phase.replace('_', '/')} Hessian" for ex in experts])
+            del Hf
+            U = fac.hinv_chol
+            rg = len(projs)
+            if self.refit:
+                support = replace(solver, quantize=False).solve_batched(W, U, row_groups=rg).mask
+                W = masked_optimum_batched(W, fac.H, support, budget // 2)
+                res = solver.solve_batched(W, U, fmt.weight.global_scales(W), mask=support, row_groups=rg)
+                del support
+            else:
+                g = fmt.weight.global_scales(W * provisional_mask(fmt, W, U))
+                res = solver.solve_batched(W, U, g, row_groups=rg)
+            pds, dmps = fac.percdamp, fac.damp
+            del W, U, fac
+            H = stats.H_plain  # report the plain, unweighted error like every method
+            del stats
+            for e, ex in enumerate(experts):
+                r = results[e]
+                r["percdamp"][phase], r["damp"][phase] = pds[e], dmps[e]
+                for k, p in enumerate(projs):
+                    part = res.expert(e, slice(k * I, (k + 1) * I) if rg > 1 else slice(None), k)
+                    r["q"][p] = part.quantized_weight(fmt)
+                    r["latent"][p] = part.latent
+                    r["pinned"][p] = part.pinned
+                    r["rel_err"][p] = relative_error(getattr(ex, p), r["q"][p].dequantize(), H[e])
+            del res, H
+        out = []
+        for ex, r in zip(experts, results):
+            info = {
+                "method": self.name,
+                "tokens": int(ex.x.shape[0]),
+                "percdamp": r["percdamp"],
+                "damp": r["damp"],
+                "exact_scales": self.exact_scales,
+                "refit": self.refit,
+                "pinned_block_max": {p: r["pinned"][p] for p in PROJECTIONS},
+                "rel_err": {p: r["rel_err"][p] for p in PROJECTIONS},
+            }
+            q = r["q"]
+            out.append(CompressedExpert(q["gate"], q["up"], q["down"], latent=r["latent"], info=info))
+        return out
