@@ -166,7 +166,8 @@ def check_output_dir(out_dir: Path, workdir_root: Path, source: Path | None, ove
     if any(p.exists() and not p.is_dir() for p in out.parents):
         raise FileExistsError(f"--out {out_dir}: a parent of it is a file, not a directory")
     if out == wd or wd in out.parents and out != wd / PACKED_SLOT:
-        raise ValueError(f"--out {out_dir} is inside the work dir {workdir_root}, whose artifacts it could replace; "
+        where = "is the work dir" if out == wd else "is inside the work dir"
+        raise ValueError(f"--out {out_dir} {where} {workdir_root}, whose artifacts it could replace; "
                          f"choose a directory outside it (or leave --out out to use {Path(workdir_root) / PACKED_SLOT})")
     if _inside(wd, out):
         raise ValueError(f"--out {out_dir} contains the work dir {workdir_root}; choose another directory")
