@@ -348,6 +348,7 @@ def verify(
     path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack`.")],
     kernel: Annotated[bool, typer.Option(help="Also run every packed s24-fp8 expert through the Hopper kernel.")] = False,
     show: Annotated[int, typer.Option(help="Rows of the per-tensor table to print (0 = all).")] = 12,
+    checksums_only: Annotated[bool, typer.Option(help="Only check the files against moesq_pack.json (fast).")] = False,
     json_out: JsonOpt = None,
     quiet: QuietOpt = False,
 ):
@@ -362,7 +363,7 @@ def verify(
 
     console = _out_console(json_out)
     with RichProgress(quiet) as p:
-        report = verify_packed_dir(path, progress=p)
+        report = verify_packed_dir(path, progress=p, checksums_only=checksums_only)
     doc = report.to_dict()
     table = Table(title=f"moesq verify {path}")
     for c in ("tensor", "shape", "layout", "bits/weight", "status"):

@@ -342,11 +342,12 @@ def _progress_hooks(progress, total: int):
     return None, lambda done: progress(done, total)
 
 
-def verify_packed_dir(path, progress=None) -> VerifyReport:
+def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> VerifyReport:
     """Check a packed model directory; never raises for problems in the checkpoint, reports them instead.
 
     progress: None, a moesq_core.progress.Progress-like object, or a callable(done, total) called after each
-    expert linear.
+    expert linear. checksums_only: stop after the checksum manifest (a fast integrity check; a directory
+    without a manifest is then an error).
     """
     root = Path(path)
     report = VerifyReport(str(root))
@@ -364,6 +365,10 @@ def verify_packed_dir(path, progress=None) -> VerifyReport:
             report._error(p.tensor or p.file, f"{p.problem}" + (f" (in {p.file})" if p.tensor else ""))
         if sums.extra_files:
             report.warnings.append(f"{len(sums.extra_files)} file(s) not written by moesq pack, e.g. {sums.extra_files[0]}")
+    if checksums_only:
+        if not sums.present:
+            report._error(MANIFEST, "missing: there are no checksums to check (pack written by another tool?)")
+        return report
     fmt, has_marker = _read_config(root, report)
     if fmt is None:
         return report
