@@ -297,7 +297,10 @@ def pack(
     from moesq_core.pipeline import default_stage
     from moesq_core.workdir import WorkDir
 
-    max_bytes = parse_size(max_shard_size)
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        _fail(str(e), 2)
     if push_to_hub is not None:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -458,7 +461,14 @@ def generate(
     Example: [bold]moesq generate moesq-work/packed --prompt "The capital of France is" --max-new-tokens 16[/]
     """
     _setup(None, quiet)
-    from moesq_core.checkpoint.generate import generate_text
+    from moesq_core.checkpoint.generate import DTYPES, generate_text
+
+    if max_new_tokens < 1:
+        _fail(f"--max-new-tokens must be at least 1, got {max_new_tokens}", 2)
+    if temperature < 0:
+        _fail(f"--temperature must be >= 0, got {temperature}", 2)
+    if dtype not in DTYPES:
+        _fail(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}", 2)
 
     with RichProgress(quiet) as p:
         doc = generate_text(path, prompt, max_new_tokens=max_new_tokens, device=device, dtype=dtype, chat=chat,
