@@ -541,7 +541,7 @@ def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed,
 
     results = []
     for t in resolved:
-        model, tok = load_target(t, device)
+        model, tok = load_target(t, device, progress=progress)
         if tok is None:
             _fail(f"{t.path} has no tokenizer files; lm-eval needs one")
         with _TaskBars(progress, t.label) as bars:
