@@ -3,6 +3,7 @@
 experts run through the fast kernel module when it is available; otherwise the CPU reference module."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
@@ -64,10 +65,26 @@ def _fast_p48_available(device: torch.device) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build a model with its parameters on the meta device (buffers stay real: rotary tables are computed in
+    __init__); load_packed then gives every parameter its checkpoint tensor."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
 def _progress_task(progress, description: str, total: int):
     """A rich-style task context from a moesq Progress, or a no-op."""
-    import contextlib
-
     if progress is None or not hasattr(progress, "task"):
         return contextlib.nullcontext(None)
     return progress.task(description, total)
@@ -102,7 +119,8 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     raw.pop("quantization_config")
     config = AutoConfig.for_model(**raw)
     adapter = adapter_for(config)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with _parameters_on_meta():  # no memory (nor random init) for weights that the checkpoint replaces
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     reader = _PackedTensors(path)
     names = reader.names()
     blocks = adapter.blocks(model)
@@ -136,24 +154,27 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
                 task.advance(1)
     state = model.state_dict(keep_vars=True)
     unexpected = []
-    with torch.no_grad():
-        for k in names:
-            if k in expert_names:
-                continue
-            target = state.get(k)
-            if target is None or ".mlp.experts." in k:
-                unexpected.append(k)
-                continue
-            t = reader.get(k)
-            if tuple(t.shape) != tuple(target.shape):
-                raise ValueError(f"{path}: {k} has shape {tuple(t.shape)}, the config expects {tuple(target.shape)}")
-            target.copy_(t)
-    loaded = set(names)
-    missing = [k for k in state if k not in loaded and ".mlp.experts." not in k and not k.startswith("lm_head")]
-    if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    for k in names:
+        if k in expert_names:
+            continue
+        target = state.get(k)
+        if target is None or ".mlp.experts." in k:
+            unexpected.append(k)
+            continue
+        t = reader.get(k)
+        if tuple(t.shape) != tuple(target.shape):
+            raise ValueError(f"{path}: {k} has shape {tuple(t.shape)}, the config expects {tuple(target.shape)}")
+        owner, _, leaf = k.rpartition(".")
+        module = model.get_submodule(owner)
+        if leaf in module._parameters:
+            module._parameters[leaf] = torch.nn.Parameter(t.to(target.dtype), requires_grad=False)
+        else:
+            module._buffers[leaf] = t.to(target.dtype)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match the config (missing {still_meta[:5]}, unexpected {unexpected[:5]})")
     model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
     return model, tok
