@@ -291,3 +291,21 @@ def test_overwrite_replaces_only_an_earlier_pack_atomically(packs, tmp_path, mon
     monkeypatch.undo()
     export_packed(wd, "init-rtn", target, overwrite=True)
     assert _digests(target) == _digests(out)
+
+
+@torch.no_grad()
+def test_dense_p48_layout_loads_like_the_sparse_one(packs, tmp_path):
+    """--dense-layout: the release's dense variant (no marker) gives the same model as the sparse layout."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    wd, sparse, _ = packs["p48-nvfp4"]
+    dense = tmp_path / "dense"
+    summary = export_packed(wd, "init-rtn", dense, sparse_layout=False)
+    qc = json.loads((dense / "config.json").read_text())["quantization_config"]
+    assert "paired48_sparse" not in qc and QuantizationConfig.model_validate(qc).format == "nvfp4-pack-quantized"
+    report = verify_packed_dir(dense)
+    assert report.ok and {r.format for r in report.rows} == {"dense-p48"}
+    assert summary["bits_per_weight"] == pytest.approx(4.25, abs=0.01)
+    ids = torch.arange(3, 40).reshape(1, -1)
+    a, b = load_packed(sparse)[0](input_ids=ids).logits, load_packed(dense)[0](input_ids=ids).logits
+    assert torch.equal(a, b)
