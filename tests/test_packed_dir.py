@@ -289,8 +289,10 @@ def test_overwrite_replaces_only_an_earlier_pack_atomically(packs, tmp_path, mon
     assert _digests(target) == before  # the earlier pack is untouched until the new one is complete
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no temp dirs left
     monkeypatch.undo()
+    (tmp_path / ".target.tmp-killed").mkdir()  # what a killed pack leaves: removed by the next one
     export_packed(wd, "init-rtn", target, overwrite=True)
     assert _digests(target) == _digests(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
 
 
 @torch.no_grad()

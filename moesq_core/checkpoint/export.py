@@ -211,6 +211,9 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
     out_dir = Path(out_dir)
     check_output_dir(out_dir, workdir.root, src, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by an interrupted pack
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     old = None
     try:
