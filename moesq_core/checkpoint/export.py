@@ -300,7 +300,8 @@ _LOADERS = {
         "Hopper GPU the packed Triton experts).",
         "vLLM with the public MoESQ release's paired 4:8 patch on Blackwell GPUs (it reads the `paired48_sparse` "
         "marker).",
-        "Stock transformers and stock vLLM cannot load this layout (they raise while converting the expert weights).",
+        "Stock transformers cannot load this layout (it raises while converting the expert weights); stock vLLM "
+        "does not know the `paired48_sparse` marker.",
     ],
     "dense-nvfp4": [
         "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)`.",
@@ -309,10 +310,9 @@ _LOADERS = {
         "experts multiplied by their global scale (wrong outputs): use `load_packed` instead.",
     ],
     "s24-fp8": [
-        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)` only (on a Hopper GPU "
-        "the CUTLASS 2:4 FP8 experts when built).",
-        "This is moesq's own layout (format `moesq-sparse24-fp8`, marker `moesq_sparse24`); stock transformers, "
-        "compressed-tensors and vLLM refuse it.",
+        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)` only.",
+        "This is moesq's own layout (format `moesq-sparse24-fp8`, marker `moesq_sparse24`); compressed-tensors' "
+        "config parsing, and so stock transformers, refuse it.",
     ],
 }
 
