@@ -78,12 +78,12 @@ def quantization_config(fmt_name: str, ignore: list[str], act_quant: bool, spars
         ignore=list(ignore),
     ).model_dump(mode="json")
     qc = {k: v for k, v in qc.items() if v is not None}
-    if not nv:
+    if nv:
+        qc["group_size"] = fmt.scale_block  # the release's top-level copy, read by its vLLM patch
+    else:
         # our own layout: the group's format too, which compressed-tensors' parsing (and so transformers)
         # validates against its known formats and refuses, instead of loading the experts as dense FP8
         qc["config_groups"]["group_0"]["format"] = S24_FORMAT_NAME
-    if nv:
-        qc["group_size"] = fmt.scale_block  # the release's top-level copy, read by its vLLM patch
     qc["moesq"] = {"format": fmt_name, "version": 1, "act_quant": act_quant, "moesq_version": __version__}
     if sparse_layout and fmt_name == "p48-nvfp4":
         qc[MARKER_KEY] = dict(MARKER)
