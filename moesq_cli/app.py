@@ -22,8 +22,23 @@ app = typer.Typer(
          "formats (paired 4:8 NVFP4 for Blackwell, 2:4 FP8 for Hopper) and run them.\n\n"
          "Stages: [bold]calibrate[/] → [bold]init-sgptq[/] → [bold]refine[/] → [bold]pack[/] → [bold]verify[/] / "
          "[bold]eval[/]. Every stage writes resumable artifacts to a work dir; [bold]run[/] chains them. "
-         "With no --model, the embedded micro-qwen3-moe model and calibration sample are used (offline).",
+         "With no --model, the embedded micro-qwen3-moe model and calibration sample are used (offline).\n\n"
+         "Exit codes: 0 ok, 1 failed (the error names what and where), 2 usage error (a bad option).",
 )
+
+
+def _version_callback(value: bool):
+    if value:
+        from moesq_core import __version__
+
+        print(f"moesq {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: Annotated[Optional[bool], typer.Option("--version", callback=_version_callback, is_eager=True,
+                                                          help="Print the moesq version and exit.")] = None):
+    pass
 
 # -- shared options -------------------------------------------------------------------------------------------
 WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", help="Work directory holding this run's artifacts.")]
@@ -235,38 +250,89 @@ def refine(
     console.print(f"stage {stage}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}")
 
 
+JsonOpt = Annotated[Optional[Path], typer.Option(
+    "--json", help="Also write the result as JSON to this file ('-' = stdout, tables then go to stderr); "
+                   "schema in the README (JSON output).")]
+
+
+def _write_json(path: Path | None, doc: dict) -> None:
+    if path is None:
+        return
+    text = json.dumps(doc, indent=2, default=str) + "\n"
+    if str(path) == "-":
+        sys.stdout.write(text)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    err_console.print(f"results → {path}")
+
+
+def _out_console(json_out: Path | None):
+    """Where tables go: stdout, or stderr when stdout carries the JSON."""
+    return err_console if json_out is not None and str(json_out) == "-" else console
+
+
 @app.command()
 @_guard
 def pack(
     workdir: Annotated[Path, typer.Argument(help="Work dir with a finished stage.")],
-    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output model dir (default: WORKDIR/packed).")] = None,
+    out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output model dir (default: WORKDIR/packed). "
+                                                "Never the work dir, the source model, or a dir holding anything but an earlier moesq pack.")] = None,
     stage: Annotated[Optional[str], typer.Option(help="Stage to pack (default: refine if finished, else the last).")] = None,
     dense_layout: Annotated[bool, typer.Option(help="Store p48 weights densely (pruned bytes zero) instead of the sparse layout.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace an existing output dir.")] = False,
+    overwrite: Annotated[bool, typer.Option(help="Replace an earlier moesq pack in --out (atomically; nothing else is ever replaced).")] = False,
+    max_shard_size: Annotated[str, typer.Option(help="Largest weight shard (e.g. 5GB, 500MB); more than one shard gets model.safetensors.index.json.")] = "5GB",
     push_to_hub: Annotated[Optional[str], typer.Option("--push-to-hub", help="Upload to this Hub repo (created if missing).")] = None,
-    private: Annotated[bool, typer.Option(help="Create the Hub repo private.")] = False,
+    private: Annotated[bool, typer.Option(help="Make the Hub repo private (also an existing one).")] = False,
+    json_out: JsonOpt = None,
     quiet: QuietOpt = False,
 ):
     """Write a Hugging Face–style model dir: compressed-tensors config, packed experts, untouched other weights,
-    tokenizer and a model card; optionally push it to the Hub."""
+    tokenizer, model card and a checksum manifest (moesq_pack.json); optionally push it to the Hub.
+
+    Example: [bold]moesq pack moesq-work --out packed-model --overwrite[/]
+    """
     _setup(workdir, quiet)
-    from moesq_core.checkpoint.export import export_packed, push_to_hub as core_push
+    from moesq_core.checkpoint.export import check_output_dir, export_packed, parse_size, push_to_hub as core_push
     from moesq_core.pipeline import default_stage
     from moesq_core.workdir import WorkDir
 
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        _fail(str(e), 2)
+    if push_to_hub is not None:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        try:
+            validate_repo_id(push_to_hub)
+        except HFValidationError as e:
+            _fail(f"--push-to-hub {push_to_hub!r}: not a Hub repo id ({e})", 2)
     wd = WorkDir(workdir)
     stage = stage or default_stage(wd)
     out = out or workdir / "packed"
+    check_output_dir(out, workdir, Path(wd.load()["model"]["path"]), overwrite)  # before any progress is shown
     ppl = _known_ppl(workdir, stage)
     n_blocks = len(wd.stage(stage)["blocks"]) if wd.stage(stage) else 0
     with RichProgress(quiet) as p, p.task(f"pack {stage}", n_blocks) as t:
         summary = export_packed(wd, stage, out, overwrite=overwrite, sparse_layout=not dense_layout, ppl=ppl,
-                                progress=t.advance)
-    console.print(f"packed {stage} → {out}: {summary['bits_per_weight']:.3f} bits/weight over "
-                  f"{summary['expert_weights']:,} expert weights, {summary['shards']} shard(s)")
+                                max_shard_bytes=max_bytes, progress=t.advance)
+    doc = {"schema": "moesq.pack/1", **summary, "hub": None}
+    con = _out_console(json_out)
+    con.print(f"packed {stage} → {out}: {summary['bits_per_weight']:.3f} bits/weight over "
+              f"{summary['expert_weights']:,} expert weights, {summary['shards']} shard(s)")
+    if summary["input_scale_fallbacks"]:
+        con.print(f"[yellow]note:[/] {summary['input_scale_fallbacks']} expert linears saw no calibration token; "
+                  "their input global scale is the layer's calibrated one")
     if push_to_hub:
-        url = core_push(out, push_to_hub, private=private)
-        console.print(f"pushed to {url}")
+        try:
+            doc["hub"] = core_push(out, push_to_hub, private=private)
+        except RuntimeError as e:
+            doc["hub"] = {"repo": push_to_hub, "error": str(e)}
+            _write_json(json_out, doc)
+            raise
+        con.print(f"pushed to {doc['hub']['url']}" + "".join(f" ({n})" for n in doc["hub"]["notes"]))
+    _write_json(json_out, doc)
 
 
 def _known_ppl(workdir: Path, stage: str) -> dict | None:
@@ -285,14 +351,23 @@ def verify(
     path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack`.")],
     kernel: Annotated[bool, typer.Option(help="Also run every packed s24-fp8 expert through the Hopper kernel.")] = False,
     show: Annotated[int, typer.Option(help="Rows of the per-tensor table to print (0 = all).")] = 12,
+    checksums_only: Annotated[bool, typer.Option(help="Only check the files against moesq_pack.json (fast).")] = False,
+    json_out: JsonOpt = None,
     quiet: QuietOpt = False,
 ):
-    """Check every packed expert tensor: admissible sparsity, codes on the grid, finite positive scales,
-    gate/up sharing one global scale, shapes, bits per weight. Exits non-zero naming the first bad tensor."""
+    """Check a packed dir: first every file against the sha256 checksums in moesq_pack.json (naming the file and
+    the tensor whose bytes changed), then every packed expert tensor: admissible sparsity, finite positive
+    scales (input global scales included), gate/up sharing one global scale, shapes, bits per weight, config
+    markers. Exits 1 naming the first bad tensor.
+
+    Example: [bold]moesq verify moesq-work/packed[/]
+    """
     from moesq_core.checkpoint.verify import verify_packed_dir
 
+    console = _out_console(json_out)
     with RichProgress(quiet) as p:
-        report = verify_packed_dir(path, progress=p)
+        report = verify_packed_dir(path, progress=p, checksums_only=checksums_only)
+    doc = report.to_dict()
     table = Table(title=f"moesq verify {path}")
     for c in ("tensor", "shape", "layout", "bits/weight", "status"):
         table.add_column(c)
@@ -307,9 +382,12 @@ def verify(
     for w in report.warnings:
         console.print(f"[yellow]warning:[/] {w}")
     bpw = report.bits_per_weight
-    console.print(f"{report.num_linears} expert linears, format {report.format}, "
+    sums = {"ok": f"checksums ok ({report.checksum_files} files)", "failed": "checksums FAILED",
+            "absent": "no checksum manifest"}[report.checksums]
+    console.print(f"{sums}; {report.num_linears} expert linears, format {report.format}, "
                   f"{'' if bpw is None else f'{bpw:.3f} bits/weight, '}{len(report.errors)} error(s)")
     if not report.ok:
+        _write_json(json_out, doc)
         _fail(f"first bad tensor: {report.first_error}")
     if kernel:
         try:
@@ -318,9 +396,13 @@ def verify(
             _fail(f"the native kernel check is not available in this build ({e})")
         results = kernel_check_packed_dir(path)
         bad = [r for r in results if not r[2]]
+        doc["kernel"] = [{"expert": r[0], "max_abs_err": r[1], "ok": bool(r[2])} for r in results]
+        doc["ok"] = not bad
         console.print(f"kernel check: {len(results) - len(bad)}/{len(results)} experts match the reference")
         if bad:
+            _write_json(json_out, doc)
             _fail(f"kernel mismatch on {bad[0][0]} (max abs err {bad[0][1]:.3g})")
+    _write_json(json_out, doc)
     console.print("[green]verify: ok[/]")
 
 
@@ -335,6 +417,7 @@ def bench_kernel(
     repeats: Annotated[int, typer.Option(help="CUDA-graph replays per timing (median reported).")] = 50,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for JSON, Markdown and PNG results.")] = Path("bench-results"),
     e2e: Annotated[bool, typer.Option(help="End-to-end decode benchmark instead of kernel sweeps (p48).")] = False,
+    json_out: JsonOpt = None,
 ):
     """Time the grouped sparse GEMMs against torch's bf16/fp8 grouped GEMMs and cuSPARSELt (same process,
     CUDA-graph replay). Default shapes: the paper's Table 8 (Qwen3-30B-A3B and Kimi-K2.5 experts)."""
@@ -354,7 +437,49 @@ def bench_kernel(
     from moesq_core.bench.kernel_bench import bench_kernel as core_bench
 
     result = core_bench(format, shapes, G or [8, 32, 128, 384], N or [16, 64, 128, 256, 1024], out, repeats)
-    console.print(f"results written to {out} ({len(result.get('rows', []))} rows)")
+    _out_console(json_out).print(f"results written to {out} ({len(result.get('rows', []))} rows)")
+    _write_json(json_out, {"schema": "moesq.bench-kernel/1", "format": format, "out": str(out), **result})
+
+
+@app.command()
+@_guard
+def generate(
+    path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack` (any format).")],
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue (or the user message with --chat).")],
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples (seeded by --seed).")] = 0.0,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16 for the non-expert weights.")] = "float32",
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N (auto: the GPU when there is one; on "
+                                              "sm_90 packed p48 experts run through the fast Hopper module).")] = "auto",
+    json_out: JsonOpt = None,
+    quiet: QuietOpt = False,
+):
+    """Load a packed checkpoint through load_packed and generate text: the first thing to try with a compressed model.
+
+    Example: [bold]moesq generate moesq-work/packed --prompt "The capital of France is" --max-new-tokens 16[/]
+    """
+    _setup(None, quiet)
+    from moesq_core.checkpoint.generate import DTYPES, generate_text
+
+    if max_new_tokens < 1:
+        _fail(f"--max-new-tokens must be at least 1, got {max_new_tokens}", 2)
+    if temperature < 0:
+        _fail(f"--temperature must be >= 0, got {temperature}", 2)
+    if dtype not in DTYPES:
+        _fail(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}", 2)
+
+    with RichProgress(quiet) as p:
+        doc = generate_text(path, prompt, max_new_tokens=max_new_tokens, device=device, dtype=dtype, chat=chat,
+                            temperature=temperature, seed=seed, progress=p)
+    con = _out_console(json_out)
+    con.print(f"[dim]{doc['format']} on {doc['device']} ({', '.join(doc['experts_module'])}), loaded in "
+              f"{doc['load_seconds']:.1f} s, {doc['tokens_per_second']} tokens/s[/]", highlight=False)
+    from rich.text import Text
+
+    con.print(Text.assemble((doc["prompt"], "bold"), doc["completion"]))  # Text: no markup in user text
+    _write_json(json_out, doc)
 
 
 @app.command("eval")
@@ -371,7 +496,7 @@ def eval_cmd(
     num_fewshot: Annotated[Optional[int], typer.Option(help="lm-eval: override the shots.")] = None,
     batch_size: Annotated[int, typer.Option(help="lm-eval batch size.")] = 8,
     eval_seed: Annotated[int, typer.Option("--eval-seed", help="lm-eval seed.")] = 1234,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write all results to this JSON file.")] = None,
+    json_out: JsonOpt = None,
     device: DeviceOpt = "cpu", quiet: QuietOpt = False,
 ):
     """Perplexity and/or lm-eval task accuracy for reference, fake-quantized (work dir stages) and packed models,
@@ -386,14 +511,15 @@ def eval_cmd(
     resolved = resolve_targets(targets, stages)
     wd = next((Path(t) for t in targets if (Path(t) / "manifest.json").is_file()), None)
     cache = ResultCache(wd / "eval" / "results.json" if wd else None)
-    out = {"ppl": None, "tasks": None}
+    out = {"schema": "moesq.eval/1", "ppl": None, "tasks": None}
+    console = _out_console(json_out)
     with RichProgress(quiet) as p:
         if ppl is not None:
             rows = ppl_for_targets(resolved, ppl, max_tokens=ppl_tokens, window=window, device=device, cache=cache, progress=p)
             out["ppl"] = rows
         if tasks is not None:
             out["tasks"] = _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, eval_seed, device,
-                                      wd / "eval" / "lm_eval" if wd else None, p)
+                                      wd / "eval" / "lm_eval" if wd else None, p, console)
     if out["ppl"]:
         ref = next((r["ppl"] for r in out["ppl"] if r["kind"] == "reference"), None)
         table = Table(title=f"perplexity — {Path(str(ppl)).name}, {out['ppl'][0]['tokens']:,} tokens, window {window}")
@@ -402,13 +528,10 @@ def eval_cmd(
         for r in out["ppl"]:
             table.add_row(r["label"], r["kind"], f"{r['ppl']:.3f}", "" if not ref else f"{r['ppl'] / ref:.3f}")
         console.print(table)
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(out, indent=2, default=str))
-        console.print(f"results → {json_out}")
+    _write_json(json_out, out)
 
 
-def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed, device, cache_dir, progress):
+def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed, device, cache_dir, progress, con=console):
     try:
         from moesq_core.eval.lm_eval_tasks import evaluate_tasks
         from moesq_core.eval.recovery import recovery_table
@@ -418,7 +541,7 @@ def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed,
 
     results = []
     for t in resolved:
-        model, tok = load_target(t, device)
+        model, tok = load_target(t, device, progress=progress)
         if tok is None:
             _fail(f"{t.path} has no tokenizer files; lm-eval needs one")
         with _TaskBars(progress, t.label) as bars:
@@ -428,7 +551,7 @@ def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed,
         del model
     ref = next((t.label for t in resolved if t.kind == "reference"), resolved[0].label)
     table = recovery_table(results, ref)
-    _render_recovery(table)
+    _render_recovery(table, con)
     return {"results": [r.to_dict() for r in results], "table": table.to_dict()}
 
 
@@ -460,7 +583,7 @@ class _TaskBars:
             self._close()
 
 
-def _render_recovery(table) -> None:
+def _render_recovery(table, console=console) -> None:
     t = Table(title=f"lm-eval accuracy (%), recovery vs {table.reference}")
     t.add_column("model")
     for c in table.tasks:

@@ -72,7 +72,10 @@ def _hf_dataset(spec: str) -> list[str]:
     name, _, config = name.partition(":")
     try:
         import datasets
-
+    except ImportError:
+        raise FileNotFoundError(f"--calib {spec!r} names a Hugging Face dataset, which needs the 'datasets' package: "
+                                "pip install 'moesq[datasets]' (or pass a local text/JSONL file)") from None
+    try:
         ds = datasets.load_dataset(name, config or None, split=split or "train")
     except Exception as e:
         raise FileNotFoundError(

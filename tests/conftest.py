@@ -45,3 +45,42 @@ def tiny_path() -> Path:
     if not TINY.is_dir():
         pytest.skip(f"shared model not found at {TINY}")
     return TINY
+
+
+# -- one finished stage and one packed dir per format, shared by the checkpoint tests ----------------------------
+PACK_FORMATS = ("p48-nvfp4", "dense-nvfp4", "s24-fp8")
+
+
+@pytest.fixture(scope="session")
+def stages(micro_path, tmp_path_factory):
+    """{format: WorkDir with a finished init-rtn stage} (seconds each on the embedded model)."""
+    root = tmp_path_factory.mktemp("stages")
+    out = {}
+    from moesq_core.calibration import CalibConfig, build_calibration, read_documents
+    from moesq_core.engine import StageSpec, run_stage
+    from moesq_core.formats import get_format
+    from moesq_core.methods.rtn import RTN
+    from moesq_core.models import load_model
+    from moesq_core.pipeline import DEFAULT_CALIB
+    from moesq_core.workdir import WorkDir, model_fingerprint
+
+    for fmt in PACK_FORMATS:
+        model, tok, adapter, path = load_model(micro_path)  # fresh: run_stage replaces the model's experts
+        calib = build_calibration(tok, read_documents(DEFAULT_CALIB, max_chars=200_000),
+                                  CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
+        wd = WorkDir(root / fmt)
+        wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)},
+                {"format": fmt, "act_quant": True})
+        run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(fmt), lambda li: RTN(), {"method": "rtn"},
+                                                   batch_size=4), wd)
+        out[fmt] = wd
+    return out
+
+
+@pytest.fixture(scope="session")
+def packs(stages, tmp_path_factory):
+    """{format: (work dir, packed dir, pack summary)}."""
+    from moesq_core.checkpoint.export import export_packed
+
+    root = tmp_path_factory.mktemp("packs")
+    return {fmt: (wd, root / fmt, export_packed(wd, "init-rtn", root / fmt)) for fmt, wd in stages.items()}

@@ -7,31 +7,20 @@ import json
 import pytest
 import torch
 
-from moesq_core.calibration import CalibConfig, build_calibration, read_documents
 from moesq_core.checkpoint.export import export_packed
 from moesq_core.checkpoint.loader import load_packed, load_workdir_model
 from moesq_core.checkpoint.verify import verify_packed_dir
-from moesq_core.engine import StageSpec, run_stage
-from moesq_core.formats import get_format
-from moesq_core.methods.rtn import RTN
-from moesq_core.models import load_model
-from moesq_core.workdir import WorkDir, model_fingerprint
-
-from conftest import CALIB_TEXT
 
 
 @pytest.fixture(scope="module", params=["p48-nvfp4", "s24-fp8"])
-def packed(request, micro_path, tmp_path_factory):
+def packed(request, stages, tmp_path_factory):
     fmt = request.param
-    root = tmp_path_factory.mktemp(f"wd-{fmt}")
-    model, tok, adapter, path = load_model(micro_path)
-    calib = build_calibration(tok, read_documents(CALIB_TEXT, max_chars=300_000), CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
-    wd = WorkDir(root / "wd")
-    wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": fmt, "act_quant": True})
-    run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(fmt), lambda li: RTN(), {"method": "rtn"}, batch_size=4), wd)
-    out = root / "packed"
+    wd = stages[fmt]
+    out = tmp_path_factory.mktemp(f"sharded-{fmt}") / "packed"
     summary = export_packed(wd, "init-rtn", out, max_shard_bytes=3 << 20)  # several shards + an index
-    return fmt, wd, out, summary, tok
+    from transformers import AutoTokenizer
+
+    return fmt, wd, out, summary, AutoTokenizer.from_pretrained(out)
 
 
 def test_packed_dir_layout_and_verify(packed):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from moesq_core.checkpoint.export import quantization_config
 from moesq_core.checkpoint.verify import VerifyReport, verify_packed_dir
 from moesq_core.formats import get_format
 from moesq_core.packing import pack
@@ -40,15 +41,8 @@ def build_dir(root: Path, fmt_name: str = "p48-nvfp4", layout: str | None = None
     tensors["model.embed_tokens.weight"] = torch.randn(10, H).bfloat16()
     for layer in range(LAYERS):
         tensors[f"model.layers.{layer}.mlp.gate.weight"] = torch.randn(E, H).bfloat16()
-    qc = {
-        "quant_method": "compressed-tensors",
-        "format": "nvfp4-pack-quantized" if fmt_name != "s24-fp8" else "float-quantized",
-        "group_size": get_format(fmt_name).scale_block or None,
-        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"],
-        "moesq": {"format": fmt_name, "version": 1},
-    }
-    if fmt_name == "p48-nvfp4" and layout is None:
-        qc["paired48_sparse"] = {"layout": "pair-bitmask", "version": 1}
+    # the config moesq pack writes (no checksum manifest here: these dirs test the structural checks)
+    qc = quantization_config(fmt_name, ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"], True, layout is None)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": qc}))
     if shards == 1:
@@ -184,15 +178,16 @@ def test_missing_or_bad_input_scale_is_caught(tmp_path):
     tensors = load_file(f)
     del tensors["model.layers.1.mlp.experts.1.down_proj.input_global_scale"]
     tensors["model.layers.0.mlp.experts.1.up_proj.input_global_scale"] = torch.tensor([-1.0])
-    tensors["model.layers.1.mlp.experts.0.gate_proj.input_global_scale"] = torch.tensor([0.0])  # dynamic: allowed
+    tensors["model.layers.1.mlp.experts.0.gate_proj.input_global_scale"] = torch.tensor([0.0])  # 1/0 when served
+    tensors["model.layers.1.mlp.experts.0.up_proj.input_global_scale"] = torch.tensor([float("inf")])
     save_file(tensors, f)
     report = verify_packed_dir(root)
     assert [str(e) for e in report.errors] == [
         "model.layers.0.mlp.experts.1.up_proj.input_global_scale[0]: input global scale is -1.0, must be finite and > 0",
+        "model.layers.1.mlp.experts.0.gate_proj.input_global_scale[0]: input global scale is 0.0, must be finite and > 0",
+        "model.layers.1.mlp.experts.0.up_proj.input_global_scale[0]: input global scale is inf, must be finite and > 0",
         "model.layers.1.mlp.experts.1.down_proj.input_global_scale: missing (NVFP4 activations need it)",
     ]
-    assert [r.name for r in report.rows if r.dynamic_input_scale] == ["model.layers.1.mlp.experts.0.gate_proj"]
-    assert any("input_global_scale 0" in w for w in report.warnings)
 
 
 def test_progress_object_protocol(tmp_path):

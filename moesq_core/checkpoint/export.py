@@ -1,18 +1,26 @@
 """`moesq pack`: a work dir stage -> a Hugging Face–style model directory.
 
-config.json gets a compressed-tensors–style `quantization_config` (format, group size, ignore list, the
-release's `paired48_sparse` marker for sparse p48, and a `moesq` entry); routed experts are stored per expert
-in the format's packed layout (moesq_core.packing) with a calibrated `input_global_scale`; everything else is
-copied untouched from the source checkpoint at its source precision. The directory is built under a temp name
-and renamed into place, so an interrupted pack leaves nothing half-written.
+config.json gets a compressed-tensors `quantization_config` built with compressed-tensors' own classes
+(`quantization_status: "compressed"`, the format's scheme, the ignore list) plus a `moesq` entry; sparse p48
+adds the public release's `paired48_sparse` marker, s24-fp8 its own `moesq_sparse24` marker and a format name
+(`moesq-sparse24-fp8`) that stock loaders refuse instead of misreading it as dense FP8. Routed experts are
+stored per expert in the format's packed layout (moesq_core.packing) with a calibrated, always finite and
+positive `input_global_scale`; everything else is copied untouched from the source checkpoint. Weights are
+sharded by size (`max_shard_bytes`) with a `model.safetensors.index.json` when there is more than one shard.
+
+Safety: the output is validated before anything is written (never the work dir or the source model, never a
+directory holding anything but an earlier moesq pack); the pack is built in a temp dir beside the output and
+renamed into place, an earlier pack being removed only after the new one is complete. Every file is listed
+with its sha256 (and each tensor's) in `moesq_pack.json`, which `moesq verify` checks. The output is
+byte-deterministic: the same stage gives the same bytes (no timestamps, fixed ordering).
 """
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -22,42 +30,89 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..engine import load_block
 from ..formats import get_format
-from ..runtime.experts import act_global_from_amax
 from ..packing import pack
 from ..packing.p48 import MARKER, MARKER_KEY
+from ..packing.s24 import CONFIG_FORMAT as S24_FORMAT_NAME, MARKER as S24_MARKER, MARKER_KEY as S24_MARKER_KEY
+from ..runtime.experts import act_global_from_amax
 from ..workdir import WorkDir, WorkDirError
+from .checksums import MANIFEST, is_moesq_pack, write_manifest
 
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
 _EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+# Files carried over from the source model besides the weights; remote-code *.py and *.jinja templates too.
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json",
+                 "preprocessor_config.json", "tiktoken.model", "added_tokens.json")
+CARRIED_PATTERNS = ("*.py", "*.jinja")
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hub's customary 5 GB shards
+LARGE_UPLOAD_BYTES = 20 * 10**9  # above this, push with upload_large_folder (resumable, chunked commits)
+PACKED_SLOT = "packed"  # the work dir's own pack location (WORKDIR/packed), the default --out
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+    unit = m.group(2).upper()
+    power = "KMGT".find(unit) + 1 if unit else 0
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
 
 
 def quantization_config(fmt_name: str, ignore: list[str], act_quant: bool, sparse_layout: bool) -> dict:
+    """The config.json `quantization_config`, built with compressed-tensors' classes (field names and defaults
+    are theirs); NVFP4 formats start from its NVFP4 preset, s24-fp8 from FP8_DYNAMIC."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme
+
     fmt = get_format(fmt_name)
     nv = fmt_name.endswith("nvfp4")
-    qc = {
-        "quant_method": "compressed-tensors",
-        "format": "nvfp4-pack-quantized" if nv else "float-quantized",
-        "group_size": fmt.scale_block if nv else None,
-        "ignore": ignore,
-        "config_groups": {"group_0": {
-            "targets": ["re:.*mlp\\.experts\\.\\d+\\.(gate|up|down)_proj$"],
-            "weights": {"num_bits": 4 if nv else 8, "type": "float", "symmetric": True, "dynamic": False,
-                        "strategy": "tensor_group" if nv else "channel", "group_size": fmt.scale_block if nv else None},
-            "input_activations": None if not act_quant else {
-                "num_bits": 4 if nv else 8, "type": "float", "symmetric": True, "dynamic": "local" if nv else True,
-                "strategy": "tensor_group" if nv else "token", "group_size": fmt.act.block if nv else None},
-        }},
-        "moesq": {"format": fmt_name, "version": 1, "act_quant": act_quant, "moesq_version": __version__},
-    }
+    preset = preset_name_to_scheme("NVFP4" if nv else "FP8_DYNAMIC", ["Linear"])
+    weights = preset.weights.model_copy(update={"group_size": fmt.scale_block}) if nv else preset.weights
+    acts = None
+    if act_quant:
+        acts = preset.input_activations.model_copy(update={"group_size": fmt.act.block}) if nv else preset.input_activations
+    qc = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)},
+        format="nvfp4-pack-quantized" if nv else S24_FORMAT_NAME,
+        quantization_status="compressed",
+        ignore=list(ignore),
+    ).model_dump(mode="json")
+    qc = {k: v for k, v in qc.items() if v is not None}
+    if nv:
+        qc["group_size"] = fmt.scale_block  # the release's top-level copy, read by its vLLM patch
+    else:
+        # our own layout: the group's format too, which compressed-tensors' parsing (and so transformers)
+        # validates against its known formats and refuses, instead of loading the experts as dense FP8
+        qc["config_groups"]["group_0"]["format"] = S24_FORMAT_NAME
+    qc["moesq"] = {"format": fmt_name, "version": 1, "act_quant": act_quant, "moesq_version": __version__}
     if sparse_layout and fmt_name == "p48-nvfp4":
         qc[MARKER_KEY] = dict(MARKER)
+    if fmt_name == "s24-fp8":
+        qc[S24_MARKER_KEY] = dict(S24_MARKER)
     return qc
 
 
+def input_global_scales(amax: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """Static activation global scales per expert [E] and how many fell back.
+
+    An expert no calibration token reached has no range; serving engines compute 1/scale and take the max over
+    a layer's experts, so 0 or inf would break the whole layer. Such experts get the layer-level scale
+    calibrated from the largest range seen in the layer, or 1.0 when the layer saw none."""
+    if amax is None:
+        return None, 0
+    g = act_global_from_amax(amax).float().reshape(-1)
+    ok = torch.isfinite(g) & (g > 0)
+    if bool(ok.all()):
+        return g, 0
+    seen = amax.float().reshape(-1)[ok]
+    fallback = act_global_from_amax(seen.max().reshape(1))[0] if seen.numel() else torch.tensor(1.0)
+    if not (torch.isfinite(fallback) and fallback > 0):
+        fallback = torch.tensor(1.0)
+    return torch.where(ok, g, fallback), int((~ok).sum())
+
+
 def _source_tensors(src: Path):
-    """Yield (name, tensor) of every tensor in the source checkpoint, file by file."""
+    """Yield (name, tensor) of every tensor in the source checkpoint, file by file, in stored order."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{src}: no .safetensors weights to copy the non-expert tensors from")
@@ -68,6 +123,8 @@ def _source_tensors(src: Path):
 
 
 class _ShardWriter:
+    """Collects tensors in order and writes a shard whenever the next tensor would pass max_bytes."""
+
     def __init__(self, out: Path, max_bytes: int):
         self.out, self.max, self.cur, self.cur_bytes, self.shards = out, max_bytes, {}, 0, []
 
@@ -80,9 +137,8 @@ class _ShardWriter:
 
     def flush(self) -> None:
         if self.cur:
-            self.shards.append(self.cur)
-            path = self.out / f".shard{len(self.shards)}.tmp"
-            save_file(self.cur, str(path), metadata={"format": "pt"})
+            self.shards.append({k: (tuple(t.shape), t.numel() * t.element_size()) for k, t in self.cur.items()})
+            save_file(self.cur, str(self.out / f".shard{len(self.shards)}.tmp"), metadata={"format": "pt"})
             self.cur, self.cur_bytes = {}, 0
 
     def finish(self) -> dict:
@@ -92,32 +148,74 @@ class _ShardWriter:
         for i, shard in enumerate(self.shards, 1):
             name = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
             (self.out / f".shard{i}.tmp").rename(self.out / name)
-            for k, t in shard.items():
+            for k, (_, nbytes) in shard.items():
                 weight_map[k] = name
-                total += t.numel() * t.element_size()
+                total += nbytes
         if n > 1:
             (self.out / "model.safetensors.index.json").write_text(json.dumps(
-                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
         return {"shards": n, "bytes": total}
 
 
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def check_output_dir(out_dir: Path, workdir_root: Path, source: Path | None, overwrite: bool) -> None:
+    """Refuse an --out that would lose data, before anything is written (ValueError / FileExistsError)."""
+    out = Path(out_dir).expanduser().resolve()
+    wd = Path(workdir_root).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out_dir} is an existing file, not a directory; choose a directory path")
+    if any(p.exists() and not p.is_dir() for p in out.parents):
+        raise FileExistsError(f"--out {out_dir}: a parent of it is a file, not a directory")
+    if out == wd or wd in out.parents and out != wd / PACKED_SLOT:
+        where = "is the work dir" if out == wd else "is inside the work dir"
+        raise ValueError(f"--out {out_dir} {where} {workdir_root}, whose artifacts it could replace; "
+                         f"choose a directory outside it (or leave --out out to use {Path(workdir_root) / PACKED_SLOT})")
+    if _inside(wd, out):
+        raise ValueError(f"--out {out_dir} contains the work dir {workdir_root}; choose another directory")
+    if source is not None:
+        src = Path(source).expanduser().resolve()
+        if _inside(out, src) or _inside(src, out):
+            raise ValueError(f"--out {out_dir} is or overlaps the source model {source}; choose another directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not is_moesq_pack(out):
+            raise FileExistsError(f"--out {out_dir} holds files that are not a moesq pack (no {MANIFEST}, or files it "
+                                  "does not list); moesq only replaces its own packs: choose another --out")
+        if not overwrite:
+            raise FileExistsError(f"--out {out_dir} holds an earlier moesq pack; pass --overwrite to replace it "
+                                  "or choose another --out")
+
+
+def _fix_modes(root: Path) -> None:
+    """Like any model directory: 0755 dirs, 0644 files (temp dirs are created 0700, copies keep odd modes)."""
+    os.chmod(root, 0o755)
+    for p in root.rglob("*"):
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+
+
 def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: bool = False, sparse_layout: bool = True,
-                  max_shard_bytes: int = 2 << 30, ppl: dict | None = None, progress=None) -> dict:
-    """Write the packed model directory; returns a summary (bits/weight, sizes)."""
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ppl: dict | None = None, progress=None) -> dict:
+    """Write the packed model directory; returns a summary (bits/weight, sizes, files)."""
     m = workdir.load()
     st = m["stages"].get(stage)
     if st is None or not st.get("done"):
         have = ", ".join(k for k, v in m["stages"].items() if v.get("done")) or "none"
         raise WorkDirError(f"stage {stage!r} is not finished in {workdir.root} (finished stages: {have})")
+    if max_shard_bytes <= 0:
+        raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
     fmt_name = m["config"]["format"]
     act_quant = m["config"].get("act_quant", True)
     src = Path(m["model"]["path"])
     out_dir = Path(out_dir)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out_dir} exists and is not empty; pass --overwrite or choose another --out")
+    check_output_dir(out_dir, workdir.root, src, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by an interrupted pack
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    old = None
     try:
         writer = _ShardWriter(tmp, max_shard_bytes)
         blocks = sorted(int(k) for k in st["blocks"])
@@ -132,12 +230,14 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
                 ignore.add(name[: -len(".weight")])
         if not any(n.startswith("lm_head") for n in ignore):
             ignore.add("lm_head")
-        packed_bytes, n_weights = 0, 0
+        packed_bytes, n_weights, fallbacks = 0, 0, 0
         nv = fmt_name.endswith("nvfp4")
         layout = None if sparse_layout or fmt_name != "p48-nvfp4" else "dense-p48"
         for li in blocks:
             results, amax_in, amax_mid = load_block(workdir.verified_block(stage, li))
-            g_in, g_mid = act_global_from_amax(amax_in), act_global_from_amax(amax_mid)
+            g_in, n_in = input_global_scales(amax_in)
+            g_mid, n_mid = input_global_scales(amax_mid)
+            fallbacks += n_in + n_mid
             for e, r in enumerate(results):
                 for proj, qw in r.weights().items():
                     name = f"model.layers.{li}.mlp.experts.{e}.{PROJ_NAMES[proj]}"
@@ -145,8 +245,8 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
                     packed_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
                     n_weights += qw.codes.numel()
                     if nv:
-                        # calibrated static activation global scale (0 = dynamic: no token reached it)
-                        tensors["input_global_scale"] = (g_in[e] if proj != "down" else g_mid[e]).reshape(1).clone()
+                        g = g_in if proj != "down" else g_mid
+                        tensors["input_global_scale"] = (g[e] if g is not None else torch.tensor(1.0)).float().reshape(1).clone()
                     for suffix, t in tensors.items():
                         writer.add(f"{name}.{suffix}", t)
             if progress:
@@ -155,57 +255,149 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
         config = json.loads((src / "config.json").read_text())
         config["quantization_config"] = quantization_config(fmt_name, sorted(ignore), act_quant, sparse_layout)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        for f in TOKENIZER_FILES:
-            if (src / f).is_file():
-                shutil.copy2(src / f, tmp / f)
+        carried = sorted({f for f in CARRIED_FILES if (src / f).is_file()}
+                         | {p.name for pat in CARRIED_PATTERNS for p in src.glob(pat) if p.is_file()})
+        for f in carried:
+            shutil.copyfile(src / f, tmp / f)
         summary = {"format": fmt_name, "stage": stage, "method": st["config"].get("method", stage),
-                   "bits_per_weight": 8 * packed_bytes / max(1, n_weights), "expert_weights": n_weights,
-                   "expert_bytes": packed_bytes, **shards}
-        (tmp / "README.md").write_text(model_card(m, summary, ppl))
-        (tmp / "moesq_pack.json").write_text(json.dumps(summary, indent=2) + "\n")
+                   "act_quant": act_quant, "bits_per_weight": 8 * packed_bytes / max(1, n_weights),
+                   "expert_weights": n_weights, "expert_bytes": packed_bytes,
+                   "input_scale_fallbacks": fallbacks, "moesq_version": __version__, **shards}
+        (tmp / "README.md").write_text(model_card(m, src, summary, ppl))
+        _fix_modes(tmp)
+        manifest = write_manifest(tmp, summary)
+        os.chmod(tmp / MANIFEST, 0o644)
+        summary["files"] = sorted([*manifest["files"], MANIFEST])
         if out_dir.exists():
-            shutil.rmtree(out_dir)
+            # keep the earlier pack until the new one is in place; re-check it is still only a moesq pack
+            check_output_dir(out_dir, workdir.root, src, overwrite)
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            out_dir.rename(old / "pack")
         tmp.rename(out_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+            old = None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None and (old / "pack").exists() and not out_dir.exists():
+            (old / "pack").rename(out_dir)  # the swap failed half-way: put the earlier pack back
+            shutil.rmtree(old, ignore_errors=True)
+    summary["path"] = str(out_dir)
     return summary
 
 
-def model_card(manifest: dict, summary: dict, ppl: dict | None) -> str:
-    src = manifest["model"]["source"]
+# -- model card ---------------------------------------------------------------------------------------------
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_FORMAT_TAGS = {
+    "p48-nvfp4": ["nvfp4", "sparse", "paired-4-8-sparsity", "compressed-tensors"],
+    "dense-nvfp4": ["nvfp4", "compressed-tensors"],
+    "s24-fp8": ["fp8", "sparse", "2-4-sparsity"],
+}
+_LOADERS = {
+    "p48-nvfp4": [
+        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)` (CPU reference; on a "
+        "Hopper GPU the packed Triton experts).",
+        "vLLM with the public MoESQ release's paired 4:8 patch on Blackwell GPUs (it reads the `paired48_sparse` "
+        "marker).",
+        "Stock transformers cannot load this layout (it raises while converting the expert weights); stock vLLM "
+        "does not know the `paired48_sparse` marker.",
+    ],
+    "dense-nvfp4": [
+        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)`.",
+        "vLLM and other compressed-tensors `nvfp4-pack-quantized` consumers (standard layout).",
+        "Stock transformers `AutoModelForCausalLM.from_pretrained` loads it without an error but currently returns "
+        "experts multiplied by their global scale (wrong outputs): use `load_packed` instead.",
+    ],
+    "s24-fp8": [
+        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)` only.",
+        "This is moesq's own layout (format `moesq-sparse24-fp8`, marker `moesq_sparse24`); compressed-tensors' "
+        "config parsing, and so stock transformers, refuse it.",
+    ],
+}
+
+
+def hub_id_of(source: str) -> str | None:
+    """The Hub id a model came from: the source itself when it is an id, or read from a Hub cache path."""
+    m = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", source)
+    if m:
+        return f"{m.group(1)}/{m.group(2)}"
+    if not Path(source).expanduser().exists() and _HUB_ID.match(source):
+        return source
+    return None
+
+
+def _base_license(src: Path) -> str | None:
+    from huggingface_hub import ModelCard
+
+    readme = src / "README.md"
+    if not readme.is_file():
+        return None
+    try:
+        return ModelCard.load(readme).data.license
+    except Exception:  # a base model card without front matter
+        return None
+
+
+def model_card(manifest: dict, src: Path, summary: dict, ppl: dict | None) -> str:
+    """README.md with Hub front matter (huggingface_hub.ModelCardData); reproducible (no dates)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    source = manifest["model"]["source"]
+    hub_id = hub_id_of(source) or hub_id_of(str(src))
+    fmt = summary["format"]
+    data = ModelCardData(license=_base_license(src), pipeline_tag="text-generation", base_model=hub_id,
+                         base_model_relation="quantized" if hub_id else None,
+                         tags=["moesq", "moe", *_FORMAT_TAGS[fmt]])
+    name = hub_id or Path(source).name
     lines = [
-        "---", "library_name: transformers", "tags: [moesq, moe, nvfp4, sparse, compressed-tensors]",
-        f"base_model: {src}", "---", "",
-        f"# {Path(src).name} — moesq {summary['format']}", "",
-        f"Routed experts of `{src}` compressed by [moesq](https://github.com/) {__version__}.", "",
+        f"# {name.split('/')[-1]} — moesq {fmt}", "",
+        f"The routed experts of {'`' + hub_id + '`' if hub_id else 'the base model'} compressed by moesq "
+        f"{__version__}; every other weight is unchanged.", "",
         "| | |", "|---|---|",
-        f"| base model | `{src}` |",
+        f"| base model | `{hub_id or Path(source).name}` |",
         f"| method | {summary['method']} |",
-        f"| format | {summary['format']} ({get_format(summary['format']).description}) |",
+        f"| format | {fmt} ({get_format(fmt).description}) |",
+        f"| activations | {'quantized (' + ('NVFP4' if fmt.endswith('nvfp4') else 'FP8') + ')' if summary['act_quant'] else 'not quantized (weights only)'} |",
         f"| expert bits per weight | {summary['bits_per_weight']:.3f} |",
         f"| expert weights | {summary['expert_weights']:,} in {summary['expert_bytes']:,} bytes |",
-        f"| packed | {time.strftime('%Y-%m-%d')} |",
     ]
     if ppl:
         lines += ["", "## Measured perplexity", "", "| model | perplexity |", "|---|---|"]
-        lines += [f"| {k} | {v:.3f} |" for k, v in ppl.items()]
-    lines += ["", "Load with `moesq_core.checkpoint.loader.load_packed(path)`; check with `moesq verify DIR`.", ""]
-    return "\n".join(lines)
+        lines += [f"| {k} | {v:.3f} |" for k, v in sorted(ppl.items())]
+    lines += ["", "## Loading", "", *[f"- {x}" for x in _LOADERS[fmt]], "",
+              "`moesq verify DIR` checks every file against the checksums in `moesq_pack.json` and every packed "
+              "expert tensor's structure.", ""]
+    return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(lines)))
 
 
-def push_to_hub(out_dir: Path, repo_id: str, private: bool = False, token: str | None = None) -> str:
-    """Upload a packed directory, creating the repo if missing. Errors say what to do; the local dir stays."""
+# -- Hub ----------------------------------------------------------------------------------------------------
+def push_to_hub(out_dir: Path, repo_id: str, private: bool = False, token: str | None = None) -> dict:
+    """Upload a packed directory, creating the repo if missing; --private is applied to an existing repo too.
+    Large packs go through upload_large_folder. Errors say what to do; the local dir is never touched."""
     from huggingface_hub import HfApi
 
+    out_dir = Path(out_dir)
+    size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
     try:
         api = HfApi(token=token)
-        api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        info = api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="model",
-                                 commit_message="moesq pack")
-        return str(getattr(info, "commit_url", repo_id))
+        url = str(api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"))
+        notes = []
+        if private:
+            info = api.model_info(repo_id)
+            if not getattr(info, "private", False):
+                api.update_repo_settings(repo_id, private=True, repo_type="model")
+                notes.append("the existing repo was made private")
+        if size > LARGE_UPLOAD_BYTES:
+            api.upload_large_folder(repo_id=repo_id, folder_path=str(out_dir), repo_type="model")
+            commit = url
+        else:
+            info = api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="model", commit_message="moesq pack")
+            commit = str(getattr(info, "commit_url", url))
+        return {"repo": repo_id, "url": commit, "private": private, "bytes": size, "notes": notes}
     except Exception as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RuntimeError(
-            f"push to {repo_id!r} failed ({type(e).__name__}: {e}). The packed model is intact in {out_dir}; "
-            "check your network and `huggingface-cli login` / HF_TOKEN, then push again."
+            f"--push-to-hub {repo_id}: upload failed ({type(e).__name__}: {msg}). The packed model is intact in "
+            f"{out_dir}; check your network and `hf auth login` / HF_TOKEN, then push again."
         ) from None

@@ -9,13 +9,17 @@ linear `<prefix>.mlp.experts.<e>.<gate_proj|up_proj|down_proj>` has its layout's
 moesq_core.packing) plus `input_global_scale` float32 [1] (required for the NVFP4 formats, whose activations
 are NVFP4; checked when present for s24-fp8).
 
-Checks: each file opens (safetensors rejects truncated files and bad headers) and the index matches the files;
-per linear: dtypes and shapes, sparsity metadata (exactly 2 kept pairs per 8-group / 2 of 4 for s24, through
-the packers' unpack), e4m3 values not NaN (s24), block/row scales finite and > 0, weight global scales finite and
-> 0, input global scales finite and > 0 or exactly 0 (the exporter's mark for a dynamic activation scale, an
-expert no calibration token reached: reported as a warning); per expert: all three projections present,
-gate/up/down shapes consistent (and equal across a layer's experts), gate and up sharing one bit-identical
-weight_global_scale (NVFP4 formats). E2M1 codes need no check: all 16 nibbles are grid values.
+Checks, in order: the checksum manifest `moesq_pack.json` written by `moesq pack` (every file's sha256; for a
+changed safetensors file the tensor(s) whose bytes changed are named, the header giving each tensor's byte range;
+a missing manifest is a warning, a damaged one an error); then the structure, which also catches files
+re-encoded by other tools: each file opens (safetensors rejects truncated files and bad headers) and the index
+matches the files; the config has `quantization_status: "compressed"` and, for s24-fp8, its own
+`moesq_sparse24` marker and format name; per linear: dtypes and shapes, sparsity metadata (exactly 2 kept pairs
+per 8-group / 2 of 4 for s24, through the packers' unpack), e4m3 values not NaN (s24), block/row scales, weight
+global scales and input global scales finite and > 0 (serving engines divide by the input scale); per expert:
+all three projections present, gate/up/down shapes consistent (and equal across a layer's experts), gate and
+up sharing one bit-identical weight_global_scale (NVFP4 formats; the tensor the checksums show changed is
+blamed). E2M1 codes need no check: all 16 nibbles are grid values.
 
 Files are visited one at a time with safe_open (memory-mapped); tensors are read one linear at a time.
 Rendering the report is the CLI's job.
@@ -34,6 +38,8 @@ import torch
 from safetensors import safe_open
 
 from ..formats import FORMATS
+from .checksums import MANIFEST, check_manifest
+from ..packing.s24 import CONFIG_FORMAT as S24_FORMAT_NAME, MARKER as S24_MARKER, MARKER_KEY as S24_MARKER_KEY
 from ..packing import ACTIVATION_SUFFIXES, PackingError, bits_per_weight, detect_layout
 from ..packing import p48 as p48_layout
 
@@ -71,7 +77,6 @@ class TensorRow:
     bits_per_weight: float | None
     status: str = "ok"
     file: str = ""
-    dynamic_input_scale: bool = False  # input_global_scale 0: activations scaled per call (no calibration data)
 
     @property
     def ok(self) -> bool:
@@ -86,10 +91,26 @@ class VerifyReport:
     rows: list[TensorRow] = field(default_factory=list)
     errors: list[VerifyError] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    checksums: str = "absent"  # "ok" | "failed" | "absent" (no moesq_pack.json)
+    checksum_files: int = 0
+    changed_tensors: set[str] = field(default_factory=set)
 
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    def to_dict(self) -> dict:
+        """The `moesq verify --json` document (schema "moesq.verify/1")."""
+        return {
+            "schema": "moesq.verify/1", "path": self.path, "ok": self.ok, "format": self.format,
+            "checksums": self.checksums, "checksum_files": self.checksum_files, "files": self.files,
+            "expert_linears": self.num_linears, "bits_per_weight": self.bits_per_weight,
+            "errors": [{"tensor": e.tensor, "position": list(e.position) if e.position is not None else None,
+                        "problem": e.problem} for e in self.errors],
+            "warnings": self.warnings,
+            "rows": [{"name": r.name, "shape": list(r.shape), "layout": r.format, "bits_per_weight": r.bits_per_weight,
+                      "file": r.file, "status": r.status} for r in self.rows],
+        }
 
     @property
     def first_error(self) -> VerifyError | None:
@@ -143,6 +164,9 @@ def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, bool]:
         return None, False
     if qc.get("quant_method") != "compressed-tensors":
         report._error("config.json", f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'compressed-tensors'")
+    if qc.get("quantization_status") != "compressed":
+        report._error("config.json", f"quantization_config.quantization_status is {qc.get('quantization_status')!r}, "
+                      "expected 'compressed' (stock loaders treat anything else as not yet compressed)")
     moesq = qc.get("moesq")
     if not isinstance(moesq, dict):
         report._error("config.json", "quantization_config has no 'moesq' entry {format, version}")
@@ -166,6 +190,14 @@ def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, bool]:
             report.warnings.append("quantization_config has no group_size")
         elif gs != block:
             report._error("config.json", f"group_size is {gs!r}, but {fmt} uses {block}-column scale blocks")
+    if fmt == "s24-fp8":
+        if qc.get("format") != S24_FORMAT_NAME:
+            report._error("config.json", f"quantization_config.format is {qc.get('format')!r}; s24-fp8 must be "
+                          f"{S24_FORMAT_NAME!r} so that stock loaders refuse it instead of reading it as dense FP8")
+        if qc.get(S24_MARKER_KEY) != S24_MARKER:
+            report._error("config.json", f"quantization_config.{S24_MARKER_KEY} is {qc.get(S24_MARKER_KEY)!r}; expected {S24_MARKER!r}")
+    elif qc.get(S24_MARKER_KEY) is not None:
+        report._error("config.json", f"{S24_MARKER_KEY} marker present but the format is {fmt}")
     marker = qc.get(p48_layout.MARKER_KEY, config.get(p48_layout.MARKER_KEY))
     if marker is not None:
         if fmt != "p48-nvfp4":
@@ -281,9 +313,8 @@ def _check_values(module: str, layout: str, tensors: dict[str, torch.Tensor], ne
     else:
         if inp.dtype != torch.float32 or tuple(inp.shape) != (1,):
             return VerifyError(f"{module}.input_global_scale", None, f"is {inp.dtype} {tuple(inp.shape)}, expected float32 (1,)")
-        # 0 is the exporter's "dynamic" marker (no calibration token reached this expert); anything else must be > 0.
-        if bool((inp != 0).all()):
-            checks.append(("input_global_scale", "input global scale"))
+        # never 0 or non-finite: serving engines compute 1/scale and take the max over a layer's experts
+        checks.append(("input_global_scale", "input global scale"))
     for suffix, what in checks:
         t = tensors[suffix]
         bad = _positive_finite(t)
@@ -311,14 +342,33 @@ def _progress_hooks(progress, total: int):
     return None, lambda done: progress(done, total)
 
 
-def verify_packed_dir(path, progress=None) -> VerifyReport:
+def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> VerifyReport:
     """Check a packed model directory; never raises for problems in the checkpoint, reports them instead.
 
     progress: None, a moesq_core.progress.Progress-like object, or a callable(done, total) called after each
-    expert linear.
+    expert linear. checksums_only: stop after the checksum manifest (a fast integrity check; a directory
+    without a manifest is then an error).
     """
     root = Path(path)
     report = VerifyReport(str(root))
+    if not root.is_dir():
+        report._error(str(root), "not a directory")
+        return report
+    sums = check_manifest(root)
+    if not sums.present:
+        report.warnings.append(f"no checksum manifest ({MANIFEST}): only the structure is checked")
+    else:
+        report.checksums = "failed" if sums.problems else "ok"
+        report.checksum_files = sums.files_checked
+        report.changed_tensors = sums.changed_tensors
+        for p in sums.problems:
+            report._error(p.tensor or p.file, f"{p.problem}" + (f" (in {p.file})" if p.tensor else ""))
+        if sums.extra_files:
+            report.warnings.append(f"{len(sums.extra_files)} file(s) not written by moesq pack, e.g. {sums.extra_files[0]}")
+    if checksums_only:
+        if not sums.present:
+            report._error(MANIFEST, "missing: there are no checksums to check (pack written by another tool?)")
+        return report
     fmt, has_marker = _read_config(root, report)
     if fmt is None:
         return report
@@ -362,12 +412,8 @@ def verify_packed_dir(path, progress=None) -> VerifyReport:
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
-    dynamic = [r.name for r in report.rows if r.dynamic_input_scale]
-    if dynamic:
-        report.warnings.append(f"{len(dynamic)} expert linears (e.g. {dynamic[0]}) have input_global_scale 0: their "
-                               "activation global scale is computed at run time (no calibration token reached them)")
     _check_marker(report, has_marker)
-    _check_experts(experts, rows, global_scales, report)
+    _check_experts(experts, rows, global_scales, report, report.changed_tensors)
     return report
 
 
@@ -422,13 +468,10 @@ def _check_linear(module, files, fmt, readable, reader, report, global_scales) -
         report._error(err.tensor, err.problem, err.position, row=row)
     if "weight_global_scale" in tensors:
         global_scales[module] = tensors["weight_global_scale"].clone()
-    inp = tensors.get("input_global_scale")
-    if inp is not None and inp.numel() == 1 and float(inp) == 0:
-        row.dynamic_input_scale = True
     return row
 
 
-def _check_experts(experts, rows, global_scales, report) -> None:
+def _check_experts(experts, rows, global_scales, report, changed: set[str] = frozenset()) -> None:
     layer_shapes: dict[str, tuple] = {}
     for (prefix, e), projs in sorted(experts.items(), key=lambda kv: (_natural(kv[0][0]), kv[0][1])):
         name = f"{prefix}.mlp.experts.{e}"
@@ -450,7 +493,17 @@ def _check_experts(experts, rows, global_scales, report) -> None:
                 report._error(gate.name, f"expert shapes {shapes} differ from the layer's first expert {first}", row=gate)
         g_gate, g_up = global_scales.get(gate.name), global_scales.get(up.name)
         if g_gate is not None and g_up is not None and not torch.equal(g_gate.view(torch.int32), g_up.view(torch.int32)):
-            report._error(
-                f"{up.name}.weight_global_scale", f"{g_up.item()!r} differs from gate_proj's {g_gate.item()!r}; "
-                "gate and up of one expert must share one weight global scale (serving fuses them)", row=up,
-            )
+            # blame the tensor the checksums show changed; without a manifest, name both
+            gate_changed = f"{gate.name}.weight_global_scale" in changed
+            up_changed = f"{up.name}.weight_global_scale" in changed
+            if gate_changed and not up_changed:
+                report._error(f"{gate.name}.weight_global_scale", f"{g_gate.item()!r} was changed after packing and "
+                              f"now differs from up_proj's {g_up.item()!r}; gate and up of one expert must share one "
+                              "weight global scale (serving fuses them)", row=gate)
+            else:
+                what = "was changed after packing and now differs" if up_changed else "differs"
+                report._error(
+                    f"{up.name}.weight_global_scale", f"{g_up.item()!r} {what} from gate_proj's {g_gate.item()!r} "
+                    f"({gate.name}.weight_global_scale); gate and up of one expert must share one weight global "
+                    "scale (serving fuses them)", row=up,
+                )

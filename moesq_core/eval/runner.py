@@ -64,7 +64,8 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
     return out
 
 
-def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress=None):
+    """(model, tokenizer); a packed dir of any moesq format goes through load_packed (fast path on sm_90)."""
     from ..checkpoint.loader import load_packed, load_workdir_model
     from ..models import load_model
 
@@ -73,7 +74,7 @@ def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.
         return model, tok
     if t.kind == "stage":
         return load_workdir_model(t.path, t.stage, device=device, dtype=dtype)
-    return load_packed(t.path, device=device, dtype=dtype)
+    return load_packed(t.path, device=device, dtype=dtype, progress=progress)
 
 
 def target_identity(t: EvalTarget) -> str:
@@ -118,7 +119,7 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
         key = cache.key("ppl", target_identity(t), digest, max_tokens, window)
         hit = cache.get(key)
         if hit is None:
-            model, tok = load_target(t, device)
+            model, tok = load_target(t, device, progress=progress)
             tokens = load_eval_tokens(tok, text_file, max_tokens)
             n = len(tokens) // window
             if progress is not None:

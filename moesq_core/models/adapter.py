@@ -154,7 +154,8 @@ def resolve_model_path(source: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model"]))
+        # *.jinja / *.py: chat templates and remote code that `moesq pack` carries over; README.md: its license
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja", "*.py", "README.md"]))
     except Exception as e:  # network, auth, missing repo: one clear message
         raise FileNotFoundError(
             f"model {source!r}: could not be found locally nor downloaded from the Hugging Face Hub ({type(e).__name__}: {e}). "

@@ -46,6 +46,11 @@ LAYOUT = "s24-fp8"
 FORMAT = "s24-fp8"
 SUFFIXES = ("weight_sparse_values", "weight_sparse_meta", "weight_scale")
 IN_MULTIPLE = 8  # 4-groups, two per metadata byte
+# config.json: quantization_config.format and marker for this layout. The format name is ours, so stock
+# compressed-tensors consumers refuse it instead of loading it as dense channel-wise FP8.
+CONFIG_FORMAT = "moesq-sparse24-fp8"
+MARKER_KEY = "moesq_sparse24"
+MARKER = {"layout": "values-meta", "version": 1}
 # meta nibble i0 | i1 << 2 -> slot bitmask 1 << i0 | 1 << i1 (0 for invalid nibbles, which unpack rejects first)
 _META_TO_KEPT = torch.tensor([(1 << (m & 3) | 1 << (m >> 2)) if (m & 3) < (m >> 2) else 0 for m in range(16)], dtype=torch.uint8)
 

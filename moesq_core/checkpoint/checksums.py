@@ -1,0 +1,202 @@
+"""The checksum manifest of a packed directory (`moesq_pack.json`) and the digests it records.
+
+Every file of the directory is listed with its sha256 and size; a safetensors file also gets the sha256 of its
+header (the 8-byte length, the JSON and its padding) and of each tensor's bytes, so that a changed byte is
+traced to the tensor that holds it (the header gives every tensor's byte range). The manifest checksums
+itself: it is canonical JSON (sorted keys, fixed indent) whose `manifest_sha256` covers everything else, and
+the file must equal that canonical text byte for byte, so no byte of it can change unnoticed either.
+
+The manifest is also how `moesq pack --overwrite` recognises a directory it may replace: a directory holding
+exactly the files its manifest lists (and the manifest).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+MANIFEST = "moesq_pack.json"
+MANIFEST_VERSION = 1
+_CHUNK = 1 << 22
+
+
+def canonical(body: dict) -> bytes:
+    return (json.dumps(body, sort_keys=True, indent=1) + "\n").encode()
+
+
+def safetensors_layout(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(bytes before the data, {tensor: (start, end) within the data}), from the header alone."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError("shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", head)
+        if n > 100_000_000:
+            raise ValueError(f"header length {n} is implausible")
+        raw = f.read(n)
+    if len(raw) != n:
+        raise ValueError("truncated header")
+    header = json.loads(raw)
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    ranges = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        ranges[name] = (int(start), int(end))
+    return 8 + n, ranges
+
+
+def file_digest(path: Path) -> dict:
+    """{"sha256", "bytes"} and, for a .safetensors file, "header" and "tensors" {name: sha256}."""
+    path = Path(path)
+    whole = hashlib.sha256()
+    size = path.stat().st_size
+    if path.suffix != ".safetensors":
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                whole.update(chunk)
+        return {"sha256": whole.hexdigest(), "bytes": size}
+    data_start, ranges = safetensors_layout(path)
+    tensors = {}
+    with open(path, "rb") as f:
+        head = f.read(data_start)
+        whole.update(head)
+        header_sha = hashlib.sha256(head).hexdigest()
+        pos = 0
+        # Tensors in data order cover the data contiguously (safetensors checks that when it opens a file);
+        # bytes outside every range, if any, still count in the whole-file hash.
+        for name, (start, end) in sorted(ranges.items(), key=lambda kv: kv[1]):
+            if start > pos:
+                whole.update(f.read(start - pos))
+                pos = start
+            h = hashlib.sha256()
+            left = end - start
+            while left > 0:
+                chunk = f.read(min(_CHUNK, left))
+                if not chunk:
+                    break
+                h.update(chunk)
+                whole.update(chunk)
+                left -= len(chunk)
+            pos = end
+            tensors[name] = h.hexdigest()
+        while chunk := f.read(_CHUNK):
+            whole.update(chunk)
+    return {"sha256": whole.hexdigest(), "bytes": size, "header": header_sha, "tensors": tensors}
+
+
+def write_manifest(root: Path, summary: dict) -> dict:
+    """Digest every file under root (the manifest itself excluded) and write the manifest; returns it."""
+    root = Path(root)
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            files[p.relative_to(root).as_posix()] = file_digest(p)
+    body = {"moesq_pack": MANIFEST_VERSION, "summary": summary, "files": files}
+    body["manifest_sha256"] = hashlib.sha256(canonical(body)).hexdigest()
+    (root / MANIFEST).write_bytes(canonical(body))
+    return body
+
+
+def read_manifest(root: Path) -> dict:
+    """The manifest, checked against its own checksum; ValueError says what is wrong."""
+    raw = (Path(root) / MANIFEST).read_bytes()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(body, dict) or body.get("moesq_pack") != MANIFEST_VERSION or not isinstance(body.get("files"), dict):
+        raise ValueError(f"not a moesq pack manifest (version {MANIFEST_VERSION})")
+    recorded = body.pop("manifest_sha256", None)
+    if hashlib.sha256(canonical(body)).hexdigest() != recorded:
+        raise ValueError("its content does not match its manifest_sha256 (edited or corrupted)")
+    body["manifest_sha256"] = recorded
+    if canonical(body) != raw:
+        raise ValueError("its bytes differ from the canonical form moesq writes (edited or corrupted)")
+    return body
+
+
+def is_moesq_pack(root: Path) -> bool:
+    """True when root holds a moesq manifest and nothing but the files it lists (the contents may differ:
+    a damaged earlier pack may still be replaced)."""
+    root = Path(root)
+    try:
+        body = json.loads((root / MANIFEST).read_text())
+        listed = set(body["files"])
+    except Exception:
+        return False
+    if body.get("moesq_pack") != MANIFEST_VERSION:
+        return False
+    for p in root.rglob("*"):
+        rel = p.relative_to(root).as_posix()
+        if p.is_dir():
+            if not any(f.startswith(rel + "/") for f in listed):
+                return False
+        elif rel != MANIFEST and rel not in listed:
+            return False
+    return True
+
+
+@dataclass
+class ChecksumProblem:
+    file: str
+    tensor: str | None
+    problem: str
+
+
+@dataclass
+class ChecksumResult:
+    present: bool
+    problems: list[ChecksumProblem] = field(default_factory=list)
+    changed_tensors: set[str] = field(default_factory=set)
+    extra_files: list[str] = field(default_factory=list)
+    files_checked: int = 0
+
+
+def check_manifest(root: Path) -> ChecksumResult:
+    """Compare every listed file with its recorded digests, naming the changed file and tensor(s)."""
+    root = Path(root)
+    if not (root / MANIFEST).is_file():
+        return ChecksumResult(False)
+    res = ChecksumResult(True)
+    try:
+        body = read_manifest(root)
+    except (OSError, ValueError) as e:
+        res.problems.append(ChecksumProblem(MANIFEST, None, f"checksum manifest is damaged: {e}"))
+        return res
+    for rel, want in sorted(body["files"].items()):
+        p = root / rel
+        if not p.is_file():
+            res.problems.append(ChecksumProblem(rel, None, "listed in the checksum manifest but missing"))
+            continue
+        res.files_checked += 1
+        if p.stat().st_size != want.get("bytes"):
+            res.problems.append(ChecksumProblem(rel, None, f"size is {p.stat().st_size} bytes, the pack wrote {want.get('bytes')}"))
+            continue
+        try:
+            got = file_digest(p) if "tensors" in want else {"sha256": file_digest(p)["sha256"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            res.problems.append(ChecksumProblem(rel, None, f"checksum mismatch; its safetensors header is unreadable ({e})"))
+            continue
+        if got["sha256"] == want.get("sha256"):
+            continue
+        if "tensors" not in want:
+            res.problems.append(ChecksumProblem(rel, None, "checksum mismatch: the file changed after packing"))
+            continue
+        if got["header"] != want.get("header"):
+            res.problems.append(ChecksumProblem(rel, None, "checksum mismatch in the safetensors header (tensor names, "
+                                                "dtypes, shapes or offsets changed)"))
+        changed = [n for n, h in want["tensors"].items() if got["tensors"].get(n) != h]
+        for n in changed:
+            res.changed_tensors.add(n)
+            res.problems.append(ChecksumProblem(rel, n, "checksum mismatch: this tensor's bytes changed after packing"))
+        if got["header"] == want.get("header") and not changed:
+            res.problems.append(ChecksumProblem(rel, None, "checksum mismatch outside every tensor's bytes"))
+    listed = set(body["files"])
+    res.extra_files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                             if p.is_file() and p.name != MANIFEST and p.relative_to(root).as_posix() not in listed)
+    return res

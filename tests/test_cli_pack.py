@@ -1,0 +1,71 @@
+"""`moesq pack / verify / generate / --version` as a user runs them: JSON output, refusals that lose nothing,
+a Hub push without network."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+MOESQ = shutil.which("moesq") or str(Path(sys.executable).parent / "moesq")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
+
+
+def moesq(*args, check=True):
+    r = subprocess.run([MOESQ, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=600)
+    if check and r.returncode != 0:
+        raise AssertionError(f"moesq {' '.join(map(str, args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def test_version_and_exit_codes():
+    from moesq_core import __version__
+
+    r = moesq("--version")
+    assert r.stdout.strip() == f"moesq {__version__}"
+    assert "Exit codes: 0 ok, 1 failed" in moesq("--help").stdout
+    r = moesq("pack", check=False)  # missing WORKDIR: a usage error
+    assert r.returncode == 2
+
+
+def test_pack_verify_generate_json(stages, tmp_path):
+    wd = stages["p48-nvfp4"].root
+    out = tmp_path / "model"
+    moesq("pack", wd, "--out", out, "--json", tmp_path / "pack.json", "--quiet")
+    doc = json.loads((tmp_path / "pack.json").read_text())
+    assert doc["schema"] == "moesq.pack/1" and doc["format"] == "p48-nvfp4" and doc["hub"] is None
+    assert "moesq_pack.json" in doc["files"] and doc["bits_per_weight"] > 2.75
+    r = moesq("verify", out, "--json", "-", "--quiet")
+    v = json.loads(r.stdout)  # stdout holds only the JSON; the table went to stderr
+    assert v["schema"] == "moesq.verify/1" and v["ok"] and v["checksums"] == "ok"
+    r = moesq("generate", out, "--prompt", "Memory barriers order", "--max-new-tokens", "3", "--json", "-", "--quiet")
+    g = json.loads(r.stdout)
+    assert g["schema"] == "moesq.generate/1" and g["new_tokens"] == 3 and g["device"] == "cpu"
+
+
+def test_pack_refusals_lose_nothing(stages, tmp_path):
+    wd = stages["dense-nvfp4"].root
+    f = tmp_path / "existing-file"
+    f.write_text("keep")
+    r = moesq("pack", wd, "--out", f, "--overwrite", check=False)
+    assert r.returncode == 1 and "existing file" in r.stderr and "Traceback" not in r.stderr
+    assert f.read_text() == "keep"
+    r = moesq("pack", wd, "--out", wd, "--overwrite", check=False)
+    assert r.returncode == 1 and "is the work dir" in r.stderr
+    assert (wd / "manifest.json").is_file()
+    r = moesq("pack", wd, "--out", tmp_path / "m", "--max-shard-size", "lots", check=False)
+    assert r.returncode == 2 and "--max-shard-size" in r.stderr and not (tmp_path / "m").exists()
+
+
+def test_push_to_hub_without_network_keeps_the_pack(stages, tmp_path):
+    wd = stages["s24-fp8"].root
+    out = tmp_path / "model"
+    r = moesq("pack", wd, "--out", out, "--push-to-hub", "someone/moesq-test", "--json", tmp_path / "p.json", check=False)
+    assert r.returncode == 1
+    err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "--push-to-hub someone/moesq-test" in err[0] and "Traceback" not in r.stderr
+    assert "intact" in r.stderr.replace("\n", " ")
+    assert json.loads((tmp_path / "p.json").read_text())["hub"]["error"]
+    assert moesq("verify", out, "--quiet").returncode == 0

@@ -1,0 +1,316 @@
+"""Packed directories of every format, built once per session from the embedded model (conftest: stages, packs): what stock tools read
+(compressed-tensors config and decompression), checksums that catch every flipped byte, safe --out handling,
+byte-deterministic output, file modes, the model card, load_packed / generate."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from moesq_core.checkpoint.checksums import MANIFEST, safetensors_layout
+from moesq_core.checkpoint.export import check_output_dir, export_packed, input_global_scales, model_card
+from moesq_core.checkpoint.loader import load_packed
+from moesq_core.checkpoint.verify import verify_packed_dir
+
+from conftest import PACK_FORMATS as FORMATS
+
+
+def _digests(d: Path) -> dict:
+    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+# ---- what the directory holds --------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_verifies_with_checksums_and_modes(packs, fmt):
+    wd, out, summary = packs[fmt]
+    report = verify_packed_dir(out)
+    assert report.ok, report.first_error
+    assert report.checksums == "ok" and report.checksum_files == len(summary["files"]) - 1
+    assert oct(stat.S_IMODE(out.stat().st_mode)) == "0o755"
+    assert {oct(stat.S_IMODE(p.stat().st_mode)) for p in out.rglob("*")} == {"0o644"}
+    assert sorted(p.name for p in out.iterdir()) == summary["files"]
+    assert not list(out.parent.glob(f".{out.name}.*"))  # no temp dirs left beside it
+    doc = report.to_dict()
+    assert doc["schema"] == "moesq.verify/1" and doc["ok"] and doc["expert_linears"] == len(report.rows)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_input_global_scales_are_finite_and_positive(packs, fmt):
+    from safetensors import safe_open
+
+    wd, out, summary = packs[fmt]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        scales = [f.get_tensor(k) for k in f.keys() if k.endswith("input_global_scale")]
+    if fmt == "s24-fp8":
+        assert not scales  # FP8 activations are scaled per token
+    else:
+        assert len(scales) == 4 * 8 * 3 and all(bool(torch.isfinite(s).all() and (s > 0).all()) for s in scales)
+
+
+def test_input_global_scale_fallback_never_zero():
+    amax = torch.tensor([2.0, 0.0, 8.0, 0.0])
+    g, n = input_global_scales(amax)
+    assert n == 2 and bool((g > 0).all() and torch.isfinite(g).all())
+    assert g[1] == g[3] == input_global_scales(torch.tensor([8.0]))[0][0]  # the layer's largest calibrated range
+    g, n = input_global_scales(torch.zeros(3))
+    assert n == 3 and torch.equal(g, torch.ones(3))
+    assert input_global_scales(None) == (None, 0)
+
+
+def test_pack_is_byte_deterministic(stages, packs, tmp_path):
+    wd, out, _ = packs["p48-nvfp4"]
+    again = tmp_path / "again"
+    export_packed(wd, "init-rtn", again)
+    assert _digests(again) == _digests(out)
+
+
+# ---- stock tools -----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fmt", ["p48-nvfp4", "dense-nvfp4"])
+def test_standard_configs_pass_compressed_tensors_validation(packs, fmt):
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
+    qc = json.loads((packs[fmt][1] / "config.json").read_text())["quantization_config"]
+    parsed = QuantizationConfig.model_validate(qc)
+    assert parsed.quantization_status == QuantizationStatus.COMPRESSED and parsed.format == "nvfp4-pack-quantized"
+    w = parsed.config_groups["group_0"].weights
+    block = 32 if fmt == "p48-nvfp4" else 16
+    assert (w.num_bits, w.type, w.strategy, w.group_size, w.symmetric, w.dynamic) == (4, "float", "tensor_group", block, True, False)
+    assert parsed.config_groups["group_0"].input_activations.group_size == block
+    assert "lm_head" in parsed.ignore and "model.layers.0.mlp.gate" in parsed.ignore
+    if fmt == "p48-nvfp4":  # as the public release writes it
+        assert qc["paired48_sparse"] == {"layout": "pair-bitmask", "version": 1} and qc["group_size"] == 32
+        assert qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+        assert qc["config_groups"]["group_0"]["weights"]["scale_dtype"] == "torch.float8_e4m3fn"
+
+
+def test_s24_config_is_refused_cleanly_by_stock_parsing(packs):
+    import pydantic
+    from compressed_tensors.quantization import QuantizationConfig
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    qc = json.loads((packs["s24-fp8"][1] / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "moesq-sparse24-fp8" and qc["moesq_sparse24"] == {"layout": "values-meta", "version": 1}
+    assert qc["quantization_status"] == "compressed"
+    with pytest.raises(pydantic.ValidationError, match="moesq-sparse24-fp8"):
+        QuantizationConfig.model_validate(qc)
+    with pytest.raises(pydantic.ValidationError, match="moesq-sparse24-fp8"):  # what from_pretrained parses
+        CompressedTensorsConfig.from_dict(qc)
+
+
+def test_dense_nvfp4_decompresses_bit_exactly_with_compressed_tensors(packs):
+    """compressed-tensors' own NVFP4 decompressor on our files gives exactly load_packed's expert weights."""
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors import safe_open
+
+    out = packs["dense-nvfp4"][1]
+    qc = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"])
+    scheme = qc.config_groups["group_0"]
+    model, _ = load_packed(out)
+    checked = 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        for li, layer in enumerate(model.model.layers):
+            ours = layer.mlp.experts
+            inter = ours.gate_up_proj.shape[1] // 2
+            for e in range(ours.num_experts):
+                for proj, mine in (("gate_proj", ours.gate_up_proj[e, :inter]), ("up_proj", ours.gate_up_proj[e, inter:]),
+                                   ("down_proj", ours.down_proj[e])):
+                    base = f"model.layers.{li}.mlp.experts.{e}.{proj}"
+                    sd = {k: f.get_tensor(f"{base}.{k}") for k in ("weight_packed", "weight_scale", "weight_global_scale")}
+                    theirs = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]  # bf16: its decode dtype
+                    assert torch.equal(theirs.float(), mine.to(theirs.dtype).float()), base
+                    checked += 1
+    assert checked == 4 * 8 * 3
+
+
+def test_load_packed_reads_tensor_by_tensor(packs, monkeypatch):
+    import safetensors.torch
+
+    def whole_file(*a, **k):
+        raise AssertionError("load_packed must not read whole shards")
+
+    monkeypatch.setattr(safetensors.torch, "load_file", whole_file)
+    model, tok = load_packed(packs["dense-nvfp4"][1])
+    assert tok is not None and sum(1 for _ in model.parameters()) > 0
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_generate_loads_every_format(packs, fmt):
+    from moesq_core.checkpoint.generate import generate_text
+
+    doc = generate_text(packs[fmt][1], "Memory barriers order", max_new_tokens=4, device="cpu")
+    assert doc["schema"] == "moesq.generate/1" and doc["format"] == fmt and doc["new_tokens"] == 4
+    assert doc["experts_module"] == ["MoesqExperts"] and isinstance(doc["completion"], str)
+
+
+# ---- model card ------------------------------------------------------------------------------------------------
+def test_model_card_front_matter(packs, tmp_path):
+    from huggingface_hub import ModelCard
+
+    for fmt in FORMATS:
+        card = ModelCard.load(packs[fmt][1] / "README.md")
+        assert card.data.pipeline_tag == "text-generation"
+        assert card.data.base_model is None  # a local source: no Hub id to name
+        assert "http" not in card.text and "load_packed" in card.text  # no placeholder link; names the loader
+        if fmt == "dense-nvfp4":  # loads in stock transformers, but wrongly: the card says so
+            assert "returns experts multiplied by their global scale" in card.text
+        else:
+            assert "from_pretrained" not in card.text and ("refuse" in card.text or "cannot load" in card.text)
+    tags = {fmt: set(ModelCard.load(packs[fmt][1] / "README.md").data.tags) for fmt in FORMATS}
+    assert {"nvfp4", "sparse"} <= tags["p48-nvfp4"] and "sparse" not in tags["dense-nvfp4"]
+    assert "fp8" in tags["s24-fp8"] and "nvfp4" not in tags["s24-fp8"]
+    # a base model with a license and a Hub id
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# base\n")
+    summary = json.loads((packs["p48-nvfp4"][1] / MANIFEST).read_text())["summary"]
+    card = ModelCard(model_card({"model": {"source": "Qwen/Qwen3-30B-A3B"}}, base, summary, {"reference": 1.5}))
+    assert card.data.license == "apache-2.0" and card.data.base_model == "Qwen/Qwen3-30B-A3B"
+    assert card.data.base_model_relation == "quantized"
+
+
+# ---- checksums -------------------------------------------------------------------------------------------------
+def test_every_single_byte_flip_is_detected(packs, tmp_path):
+    """200 seeded single-byte flips spread over every file of a packed dir: verify catches all of them and,
+    inside a safetensors tensor's bytes, names that tensor. Every flip goes through the checksum pass; every
+    20th through the full verify (checksums + structure: seconds each on a 2-core CPU)."""
+    d = tmp_path / "p"
+    shutil.copytree(packs["p48-nvfp4"][1], d)
+    files = sorted(p for p in d.iterdir() if p.is_file())
+    rng = random.Random(0)
+    missed, misnamed = [], []
+    for n in range(200):
+        f = rng.choice(files)  # every file gets flips, small JSON files included
+        data = bytearray(f.read_bytes())
+        i = rng.randrange(len(data))
+        orig = data[i]
+        data[i] ^= rng.randrange(1, 256)
+        f.write_bytes(bytes(data))
+        try:
+            report = verify_packed_dir(d, checksums_only=n % 20 != 0)
+            if report.ok:
+                missed.append((f.name, i))
+            elif f.suffix == ".safetensors":
+                start, ranges = safetensors_layout(packs["p48-nvfp4"][1] / f.name)
+                owner = next((n for n, (a, b) in ranges.items() if a <= i - start < b), None)
+                if owner is not None and report.first_error.tensor != owner:
+                    misnamed.append((f.name, i, owner, str(report.first_error)))
+        finally:
+            data[i] = orig
+            f.write_bytes(bytes(data))
+    assert not missed, missed
+    assert not misnamed, misnamed
+    assert verify_packed_dir(d).ok
+
+
+def test_changed_global_scale_is_blamed_on_the_changed_tensor(packs, tmp_path):
+    """A gate/up shared-scale mismatch names the tensor that was changed, gate or up."""
+    from safetensors.torch import load_file, save_file
+
+    for proj in ("gate_proj", "up_proj"):
+        d = tmp_path / proj
+        shutil.copytree(packs["p48-nvfp4"][1], d)
+        name = f"model.layers.2.mlp.experts.5.{proj}.weight_global_scale"
+        sd = load_file(str(d / "model.safetensors"))
+        sd[name] = sd[name] * 2
+        save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+        report = verify_packed_dir(d)
+        assert report.first_error.tensor == name and "checksum mismatch" in report.first_error.problem
+        shared = [e for e in report.errors if "share one weight global scale" in e.problem]
+        assert [e.tensor for e in shared] == [name] and "changed after packing" in shared[0].problem
+
+
+def test_damaged_manifest_is_reported(packs, tmp_path):
+    d = tmp_path / "p"
+    shutil.copytree(packs["dense-nvfp4"][1], d)
+    body = json.loads((d / MANIFEST).read_text())
+    body["summary"]["bits_per_weight"] = 1.0  # a plausible edit, valid JSON
+    (d / MANIFEST).write_text(json.dumps(body, sort_keys=True, indent=1) + "\n")
+    report = verify_packed_dir(d)
+    assert report.first_error.tensor == MANIFEST and "manifest_sha256" in report.first_error.problem
+    (d / MANIFEST).unlink()
+    report = verify_packed_dir(d)
+    assert report.ok and report.checksums == "absent" and any("no checksum manifest" in w for w in report.warnings)
+
+
+# ---- where a pack may go ---------------------------------------------------------------------------------------
+def test_out_dir_validation_loses_nothing(packs, tmp_path, micro_path):
+    wd, out, _ = packs["p48-nvfp4"]
+    src = Path(wd.load()["model"]["path"])
+    with pytest.raises(ValueError, match="is the work dir"):
+        check_output_dir(wd.root, wd.root, src, True)
+    with pytest.raises(ValueError, match="inside the work dir"):
+        check_output_dir(wd.root / "stages", wd.root, src, True)
+    check_output_dir(wd.root / "packed", wd.root, src, True)  # the work dir's own pack slot is fine
+    with pytest.raises(ValueError, match="source model"):
+        check_output_dir(src, wd.root, src, True)
+    with pytest.raises(ValueError, match="source model"):
+        check_output_dir(src / "sub", wd.root, src, True)
+    with pytest.raises(ValueError, match="contains the work dir"):
+        check_output_dir(wd.root.parent, wd.root, src, True)
+    f = tmp_path / "a-file"
+    f.write_text("keep me")
+    with pytest.raises(FileExistsError, match="existing file"):
+        check_output_dir(f, wd.root, src, True)
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a moesq pack"):
+        export_packed(wd, "init-rtn", user, overwrite=True)
+    assert (user / "notes.txt").read_text() == "mine" and f.read_text() == "keep me"
+    # an earlier pack plus one user file is not a pack any more
+    mixed = tmp_path / "mixed"
+    shutil.copytree(out, mixed)
+    (mixed / "extra.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not a moesq pack"):
+        export_packed(wd, "init-rtn", mixed, overwrite=True)
+    assert (mixed / "extra.txt").is_file()
+
+
+def test_overwrite_replaces_only_an_earlier_pack_atomically(packs, tmp_path, monkeypatch):
+    wd, out, _ = packs["p48-nvfp4"]
+    target = tmp_path / "target"
+    shutil.copytree(out, target)
+    (target / "model.safetensors").write_bytes(b"damaged earlier pack")  # still replaceable: only its own files
+    with pytest.raises(FileExistsError, match="--overwrite"):
+        export_packed(wd, "init-rtn", target)
+    before = _digests(target)
+    import moesq_core.checkpoint.export as export_mod
+
+    def boom(*a, **k):
+        raise RuntimeError("interrupted while writing the manifest")
+
+    monkeypatch.setattr(export_mod, "write_manifest", boom)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        export_packed(wd, "init-rtn", target, overwrite=True)
+    assert _digests(target) == before  # the earlier pack is untouched until the new one is complete
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no temp dirs left
+    monkeypatch.undo()
+    (tmp_path / ".target.tmp-killed").mkdir()  # what a killed pack leaves: removed by the next one
+    export_packed(wd, "init-rtn", target, overwrite=True)
+    assert _digests(target) == _digests(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+
+
+@torch.no_grad()
+def test_dense_p48_layout_loads_like_the_sparse_one(packs, tmp_path):
+    """--dense-layout: the release's dense variant (no marker) gives the same model as the sparse layout."""
+    from compressed_tensors.quantization import QuantizationConfig
+
+    wd, sparse, _ = packs["p48-nvfp4"]
+    dense = tmp_path / "dense"
+    summary = export_packed(wd, "init-rtn", dense, sparse_layout=False)
+    qc = json.loads((dense / "config.json").read_text())["quantization_config"]
+    assert "paired48_sparse" not in qc and QuantizationConfig.model_validate(qc).format == "nvfp4-pack-quantized"
+    report = verify_packed_dir(dense)
+    assert report.ok and {r.format for r in report.rows} == {"dense-p48"}
+    assert summary["bits_per_weight"] == pytest.approx(4.25, abs=0.01)
+    ids = torch.arange(3, 40).reshape(1, -1)
+    a, b = load_packed(sparse)[0](input_ids=ids).logits, load_packed(dense)[0](input_ids=ids).logits
+    assert torch.equal(a, b)
