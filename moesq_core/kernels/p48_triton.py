@@ -81,7 +81,6 @@ SCALE_BLOCK = 32
 PERM = (0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
 if HAS_TRITON and INTERPRET:
     _fix_interpreter_index()
-BF16_SUBNORMAL_SHIFT = 119  # scale factor 2^119 in the bf16 FMA; the products carry 2^-7, alpha carries 2^7
 ALPHA_FOLD = 128.0
 
 

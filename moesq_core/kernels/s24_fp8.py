@@ -209,14 +209,6 @@ def prepare_weights(values: torch.Tensor, meta: torch.Tensor, scale: torch.Tenso
     return S24Fp8Weights(v, m, s, K)
 
 
-def prepare_from_packed(tensors: list[dict[str, torch.Tensor]], device: torch.device | str | None = None) -> S24Fp8Weights:
-    """Per-expert packed dicts (keys weight_sparse_values / weight_sparse_meta / weight_scale) -> one stack."""
-    if not tensors:
-        raise ValueError("no experts given")
-    stack = lambda k: torch.stack([t[k] for t in tensors])  # noqa: E731
-    return prepare_weights(stack("weight_sparse_values"), stack("weight_sparse_meta"), stack("weight_scale"), device)
-
-
 # ------------------------------------------------------------------------------------------------ GPU side
 
 _checked_devices: set[int] = set()
