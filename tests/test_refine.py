@@ -60,7 +60,7 @@ def ref_val_loss(ce, ex, fmt, p=2):
     return float((tw * (yhat - y).square().sum(-1)).sum() / (tw.sum() * y.shape[-1]))
 
 
-FAST = dict(epochs=4, steps_per_epoch=25, micro_batch_rows=256, lr_logits=5e-3, lr_values=1e-3)
+FAST = dict(epochs=4, steps_per_epoch=25, micro_batch_rows=256, lr_logits=5e-3, lr_values=1e-3, lr_budget_steps=None)
 
 
 # --- relaxation ----------------------------------------------------------------------------------------------
@@ -279,7 +279,8 @@ def test_best_epoch_never_worse_than_init():
 def test_same_seed_same_result_and_seed_matters():
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=2, n=100, n_val=0, with_val=False, seed=11)
-    cfg = RefineConfig(epochs=2, steps_per_epoch=5, micro_batch_rows=64, lr_logits=5e-3, lr_values=1e-3, val_fraction=0.2)
+    cfg = RefineConfig(epochs=2, steps_per_epoch=5, micro_batch_rows=64, lr_logits=5e-3, lr_values=1e-3, val_fraction=0.2,
+                       lr_budget_steps=None)
     runs = [RefineMethod(RTN(report_errors=False), c).compress_block(ex, fmt)
             for c in (cfg, cfg, RefineConfig(**{**cfg.__dict__, "seed": 1}))]
     diff_seed = False
@@ -353,7 +354,7 @@ def test_dense_format_refines_values_only():
     fmt = get_format("dense-nvfp4")
     ex = make_block(E=2, n=200, n_val=60, seed=15)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
-    cfg = RefineConfig(epochs=3, steps_per_epoch=20, micro_batch_rows=256, lr_values=1e-4)
+    cfg = RefineConfig(epochs=3, steps_per_epoch=20, micro_batch_rows=256, lr_values=1e-4, lr_budget_steps=None)
     r = BlockRefiner(ex, inits, fmt, cfg)
     assert all(pr.A is None and pr.fixed_mask is None for pr in r.proj.values())
     out = RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
@@ -395,9 +396,10 @@ def test_steps_per_epoch_rule():
     assert (plan.total_steps, plan.rows_per_step) == (30, 60) and "30 Lion steps" in str(plan)
     r = BlockRefiner(ex, inits, fmt, RefineConfig(epochs=2, steps_per_epoch=7))
     assert r.total_steps == 14 and int(r.step_cnt.sum()) == 600
-    assert r.schedule(0) == (2.0, 100.0, 1.0)
-    tau, gain, lrf = r.schedule(13)
-    assert math.isclose(tau, 0.05) and math.isclose(gain, 500.0) and math.isclose(lrf, 0.1)
+    assert tuple(r.schedule(0)) == (2.0, 100.0, 1.0, 1.0, True)
+    sch = r.schedule(13)
+    assert math.isclose(sch.tau, 0.05) and math.isclose(sch.gain, 500.0)
+    assert math.isclose(sch.lr_logits, 0.1) and math.isclose(sch.lr_values, 0.1)
 
 
 def test_bad_inputs_are_refused_clearly():
