@@ -48,12 +48,25 @@ from moesq_core.workdir import WorkDir  # noqa: E402
 log = logging.getLogger("accuracy_table")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path("/work/shared")
-MODELS = {"micro": SHARED / "models/micro-qwen3-moe", "tiny": SHARED / "models/tiny-qwen3-moe"}
+SHARED = REPO.parent / "shared"  # the shared models and texts sit next to the checkout (as the tests expect)
+MODELS = {"micro": SHARED / "models/micro-qwen3-moe", "tiny": SHARED / "models/tiny-qwen3-moe",
+          "embedded": pipeline.DEFAULT_MODEL}
 CALIB = SHARED / "data/calib-docs.txt.xz"
 EVAL = SHARED / "data/eval-docs.txt.xz"
+# `moesq run` calibrates on and evaluates with the embedded samples; the shared models use the shared texts
+TEXTS = {"embedded": (pipeline.DEFAULT_CALIB, pipeline.DEFAULT_EVAL)}
 
-# name -> (format, kind, method or None, options); kind: reference | init | refine
+
+def texts(model: str) -> tuple[Path, Path]:
+    return TEXTS.get(model, (CALIB, EVAL))
+
+
+PAPER = {"epochs": 10, "steps_per_epoch": 128}  # the paper's 1,280 steps per block
+QUARTER = {"epochs": 10, "steps_per_epoch": 32}  # a quarter of it
+RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False}
+
+# name -> (format, kind, method, options); kind: reference | init | refine. For refine rows `method` is the
+# init row refinement starts from and `options` are RefineConfig fields over the command line's.
 ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "reference": (None, "reference", None, {}),
     "dense-rtn": ("dense-nvfp4", "init", "rtn", {}),
@@ -64,12 +77,24 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "obr": ("p48-nvfp4", "init", "obr", {}),
     "sgptq": ("p48-nvfp4", "init", "sgptq", {}),
     "sgptq-fp32scales": ("p48-nvfp4", "init", "sgptq", {"exact_scales": False}),
-    "refine": ("p48-nvfp4", "refine", None, {}),
-    "refine-p0": ("p48-nvfp4", "refine", None, {"loss_power": 0}),
-    "refine-values": ("p48-nvfp4", "refine", None, {"train_support": False}),
-    "refine-support": ("p48-nvfp4", "refine", None, {"train_values": False}),
+    "sgptq-refit": ("p48-nvfp4", "init", "sgptq", {"refit": True}),
+    "refine": ("p48-nvfp4", "refine", "sgptq", {}),
+    "refine-seed1": ("p48-nvfp4", "refine", "sgptq", {"seed": 1}),
+    "refine-paper-lr": ("p48-nvfp4", "refine", "sgptq", {"lr_budget_steps": None}),
+    "refine-values-first": ("p48-nvfp4", "refine", "sgptq", {"values_first": 0.5}),
+    "refine-p0": ("p48-nvfp4", "refine", "sgptq", {"loss_power": 0}),
+    "refine-values": ("p48-nvfp4", "refine", "sgptq", {"train_support": False}),
+    "refine-support": ("p48-nvfp4", "refine", "sgptq", {"train_values": False}),
+    "refine-refit": ("p48-nvfp4", "refine", "sgptq-refit", {}),
+    "refine-refit-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {"seed": 1}),
+    "refine-refit-values": ("p48-nvfp4", "refine", "sgptq-refit", {"train_support": False}),
+    "refine-quarter": ("p48-nvfp4", "refine", "sgptq", QUARTER),
+    "refine-paper": ("p48-nvfp4", "refine", "sgptq", PAPER),
+    "refine-refit-quarter": ("p48-nvfp4", "refine", "sgptq-refit", QUARTER),
+    "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
+    "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
     "s24-sgptq": ("s24-fp8", "init", "sgptq", {}),
-    "s24-refine": ("s24-fp8", "refine", None, {}),
+    "s24-refine": ("s24-fp8", "refine", "s24-sgptq", {}),
 }
 DESCRIPTION = {
     "reference": "reference (bf16 weights evaluated in fp32)",
@@ -81,7 +106,20 @@ DESCRIPTION = {
     "obr": "paired 4:8 NVFP4, OBR (no rotation)",
     "sgptq": "paired 4:8 NVFP4, SGPTQ (export-exact E4M3 scales)",
     "sgptq-fp32scales": "paired 4:8 NVFP4, SGPTQ (fp32 scales, projected after; the release)",
-    "refine": "paired 4:8 NVFP4, moesq refine (full: p=2, support+values)",
+    "sgptq-refit": "paired 4:8 NVFP4, SGPTQ-refit (SparseGPT support, masked least squares, GPTQ)",
+    "refine": "paired 4:8 NVFP4, moesq refine (default: p=2, support+values, lr budget rule)",
+    "refine-seed1": "paired 4:8 NVFP4, moesq refine (default), refine seed 1",
+    "refine-paper-lr": "paired 4:8 NVFP4, refine with the paper's raw lrs (no budget rule)",
+    "refine-values-first": "paired 4:8 NVFP4, refine, values only for the first half of the steps",
+    "refine-refit": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit",
+    "refine-refit-seed1": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit, refine seed 1",
+    "refine-refit-values": "paired 4:8 NVFP4, refine values only from SGPTQ-refit",
+    "refine-quarter": "paired 4:8 NVFP4, refine (default) at 1/4 of the paper's budget (10 × 32 steps)",
+    "refine-paper": "paired 4:8 NVFP4, refine (default) at the paper's budget (10 × 128 steps)",
+    "refine-refit-quarter": "paired 4:8 NVFP4, refine from SGPTQ-refit at 1/4 of the paper's budget",
+    "release-faithful": "paired 4:8 NVFP4, release-faithful (fp32 SGPTQ scales, paper lrs, bf16 logits, last epoch, "
+                        "separate gate/up globals)",
+    "release-faithful-paper": "paired 4:8 NVFP4, release-faithful at the paper's budget (10 × 128 steps)",
     "refine-p0": "paired 4:8 NVFP4, refine ablation: uniform loss (p=0)",
     "refine-values": "paired 4:8 NVFP4, refine ablation: values only (support frozen)",
     "refine-support": "paired 4:8 NVFP4, refine ablation: support only (values frozen)",
@@ -93,6 +131,9 @@ GROUPS = {
     "p48": [r for r in ROWS if not r.startswith("s24")],
     "core": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq", "sgptq-fp32scales", "refine"],
     "ablations": ["refine-p0", "refine-values", "refine-support"],
+    "budget": ["refine-paper-lr", "refine-values-first", "refine-seed1", "sgptq-refit", "refine-refit",
+               "refine-refit-seed1", "refine-refit-values", "release-faithful"],
+    "paper-budget": ["refine-quarter", "refine-paper", "release-faithful-paper"],
     "fp8": ["s24-sgptq", "s24-refine"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
@@ -102,8 +143,8 @@ def stage_name(row: str) -> str:
     fmt, kind, method, opts = ROWS[row]
     if kind == "refine":
         return "refine" if row in ("refine", "s24-refine") else row
-    if row == "sgptq-fp32scales":
-        return "init-sgptq-fp32scales"  # its own stage: init-sgptq already holds the exact variant
+    if opts:  # a variant of a method (e.g. sgptq-refit): its own stage next to the method's own
+        return f"init-{row}"
     return pipeline.init_stage_name(method)
 
 
@@ -146,7 +187,7 @@ def machine() -> str:
 def workdir_for(root: Path, model: str, fmt: str, act: bool, calib: CalibConfig) -> WorkDir:
     wd = WorkDir(root / model / f"{fmt}-{'wa' if act else 'wo'}")
     if not (wd.root / "manifest.json").is_file() or "calibration" not in wd.load():
-        cfg = pipeline.RunConfig(format=fmt, act_quant=act, calib=calib, calib_source=str(CALIB))
+        cfg = pipeline.RunConfig(format=fmt, act_quant=act, calib=calib, calib_source=str(texts(model)[0]))
         pipeline.calibrate(wd, MODELS[model], cfg)
     return wd
 
@@ -175,24 +216,44 @@ def ensure_stage(wd: WorkDir, row: str, refine_cfg: dict, batch_size: int) -> di
     if st and st.get("done"):
         return st
     if kind == "refine":
-        if not (wd.stage("init-sgptq") or {}).get("done"):
-            compress_stage(wd, "sgptq", {}, "init-sgptq", batch_size)
-        pipeline.refine(wd, {**refine_cfg, **opts}, init="sgptq", device="cpu", batch_size=batch_size, stage=name)
+        ensure_stage(wd, method, refine_cfg, batch_size)
+        init = stage_name(method).removeprefix("init-")
+        pipeline.refine(wd, {**refine_cfg, **opts}, init=init, device="cpu", batch_size=batch_size, stage=name)
     else:
         compress_stage(wd, method, opts, name, batch_size)
     return wd.stage(name)
+
+
+def patterns_changed(wd: WorkDir, stage: str) -> float | None:
+    """Fraction of the sparsity groups whose refined pattern differs from the init's (from the stage's blocks)."""
+    from moesq_core.engine import load_block
+
+    changed = total = 0
+    for f in sorted((wd.root / "stages" / stage).glob("*.safetensors")):
+        for ce in load_block(f)[0]:
+            r = ce.info.get("refine", {})
+            changed, total = changed + r.get("groups_changed", 0), total + r.get("groups", 0)
+    return changed / total if total else None
+
+
+def rel(path) -> str:
+    """A path as written into the committed tables: relative to the repository (never a machine path)."""
+    import os
+
+    p = Path(path).resolve()
+    return os.path.relpath(p, REPO) if REPO.parent in p.parents else p.name
 
 
 def fmt_ppl(x):
     return "—" if x is None else f"{x:.2f}"
 
 
-def write_outputs(out_dir: Path, model: str, meta: dict, rows: dict) -> None:
+def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {**meta, "rows": rows}
-    (out_dir / f"accuracy_{model}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
     ref = (rows.get("reference") or {}).get("ppl")
-    lines = [f"# Perplexity accuracy table: {model} ({meta['model_path']})", "",
+    lines = [f"# Perplexity accuracy table: {meta['model']} ({meta['model_path']})", "",
              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}  date: {meta['date']}",
              f"- machine: {meta['machine']}",
              f"- evaluation: {meta['eval']['file']}, first {meta['eval']['tokens']} tokens, "
@@ -200,28 +261,32 @@ def write_outputs(out_dir: Path, model: str, meta: dict, rows: dict) -> None:
              + ("" if meta["eval"]["tokens"] == 65536 else " (REDUCED from the facts §5 protocol's 65,536 tokens)"),
              f"- calibration ({meta['calibration']['source']}): {json.dumps(meta['calibration']['config'])} "
              "— the same splits for every method (one-shot methods use `init`, refinement `train`/`val`)",
-             f"- refinement: {json.dumps(meta['refine'])}", "",
-             "| row | method | weights only | wo / ref | W4A4 (W8A8 for fp8) | wa / ref | stage s (wo / wa) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"- refinement (rows override some fields, see `options` in the JSON): {json.dumps(meta['refine'])}",
+             f"- seeds: calibration split {meta['calibration']['config']['seed']}, refinement {meta['refine']['seed']} "
+             "unless the row says otherwise", "",
+             "| row | method | weights only | wo / ref | W4A4 (W8A8 for fp8) | wa / ref | patterns changed (wo / wa) "
+             "| stage s (wo / wa) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     missing = []
     for name in meta["rows_requested"]:
         r = rows.get(name)
         if name == "reference":
             p = (r or {}).get("ppl")
-            lines.append(f"| reference | {DESCRIPTION[name]} | {fmt_ppl(p)} | 1.000 | {fmt_ppl(p)} | 1.000 | — |")
+            lines.append(f"| reference | {DESCRIPTION[name]} | {fmt_ppl(p)} | 1.000 | {fmt_ppl(p)} | 1.000 | — | — |")
             if p is None:
                 missing.append("reference")
             continue
-        cells, secs = [], []
+        cells, secs, changed = [], [], []
         for act in ("wo", "wa"):
             c = (r or {}).get(act) or {}
             p = c.get("ppl")
             cells += [fmt_ppl(p), "—" if p is None or ref is None else f"{p / ref:.3f}"]
             secs.append("—" if c.get("stage_seconds") is None else f"{c['stage_seconds']:.0f}")
-            if p is None:
+            changed.append("—" if c.get("patterns_changed") is None else f"{100 * c['patterns_changed']:.1f} %")
+            if p is None and act in meta.get("acts", ("wo", "wa")):
                 missing.append(f"{name} ({act})")
         lines.append(f"| {name} | {DESCRIPTION[name]} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
-                     f"{' / '.join(secs)} |")
+                     f"{' / '.join(changed)} | {' / '.join(secs)} |")
     lines += ["", "Stage seconds: the work dir manifest's `stage_seconds` (compression incl. routing of the calibration "
               "states; for refine rows excluding the shared SGPTQ init).", ""]
     lines.append("Missing rows: " + (", ".join(missing) if missing else "none") + ".")
@@ -232,7 +297,10 @@ def write_outputs(out_dir: Path, model: str, meta: dict, rows: dict) -> None:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="micro,tiny", help="comma-separated: micro, tiny")
+    ap.add_argument("--models", default="micro,tiny",
+                    help="comma-separated: micro, tiny (the shared models and texts), embedded (the packaged micro model "
+                         "with its calibration and evaluation samples, as `moesq run` uses them)")
+    ap.add_argument("--tag", default="", help="output name suffix: accuracy_<model>[_<tag>].json/.md (one file per protocol)")
     ap.add_argument("--rows", default="all", help=f"rows or groups ({', '.join(GROUPS)})")
     ap.add_argument("--acts", default="wo,wa", help="wo (weights only), wa (W4A4 / W8A8), or both")
     ap.add_argument("--workdir-root", type=Path, default=Path("/tmp/moesq-accuracy"))
@@ -284,20 +352,22 @@ def main(argv=None):
         # one result cache per model: concurrent runs for different models must not overwrite each other's
         (root / model).mkdir(parents=True, exist_ok=True)
         cache = ResultCache(root / model / "ppl_cache.json")
-        out_json = args.out / f"accuracy_{model}.json"
+        stem = f"accuracy_{model}" + (f"_{args.tag}" if args.tag else "")
+        calib_text, eval_text = texts(model)
+        out_json = args.out / f"{stem}.json"
         old = json.loads(out_json.read_text()) if out_json.is_file() else {}
         same_protocol = (old.get("eval", {}).get("tokens") == args.ppl_tokens
                          and old.get("calibration", {}).get("config") == calib.to_dict()
                          and old.get("refine") == full_refine)
         rows: dict = old.get("rows", {}) if same_protocol else {}
         meta = {
-            "model": model, "model_path": str(MODELS[model]),
+            "model": model, "model_path": rel(MODELS[model]), "acts": acts,
             "command": " ".join(["python", "benchmarks/accuracy_table.py", *(argv if argv is not None else sys.argv[1:])]),
             "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(),
-            "eval": {"file": str(EVAL), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},
-            "calibration": {"source": str(CALIB), "config": calib.to_dict()},
-            "refine": full_refine, "workdir_root": str(root),
+            "eval": {"file": rel(eval_text), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},
+            "calibration": {"source": rel(calib_text), "config": calib.to_dict()},
+            "refine": full_refine,
             "rows_requested": list(dict.fromkeys([*(old.get("rows_requested", []) if same_protocol else []), *rows_req])),
             "notes": args.note,
         }
@@ -317,20 +387,20 @@ def main(argv=None):
                         rows.setdefault(name, {})[act] = {**cell, "merged_from": str(src)}
             meta["rows_requested"] += [n for n in other["rows"] if n not in meta["rows_requested"]]
             meta["notes"] = meta["notes"] + [f"rows marked merged_from in the JSON were run by `{other['command']}` "
-                                             f"(work dirs under {other.get('workdir_root')}, same calibration seed and config)"]
+                                             "(same calibration seed and config)"]
         meta["rows_requested"] = [r for r in ROWS if r in meta["rows_requested"]]
-        write_outputs(args.out, model, meta, rows)
+        write_outputs(args.out, stem, meta, rows)
         if args.no_run:
             continue
         for row in rows_req:
             fmt, kind, method, opts = ROWS[row]
             if row == "reference":
                 t0 = time.perf_counter()
-                res = ppl_for_targets([EvalTarget("reference", "reference", str(MODELS[model]))], EVAL,
+                res = ppl_for_targets([EvalTarget("reference", "reference", str(MODELS[model]))], eval_text,
                                       max_tokens=args.ppl_tokens, window=args.window, cache=cache)[0]
                 rows["reference"] = {"ppl": res["ppl"], "tokens": res["tokens"], "eval_seconds": round(time.perf_counter() - t0, 1)}
                 log.info("%s reference: ppl %.3f", model, res["ppl"])
-                write_outputs(args.out, model, meta, rows)
+                write_outputs(args.out, stem, meta, rows)
                 continue
             for act in acts:
                 wd = workdir_for(root, model, fmt, act == "wa", calib)
@@ -340,21 +410,23 @@ def main(argv=None):
                 except Exception as e:  # keep going: one failing method must not cost the other rows
                     log.exception("%s %s (%s) failed", model, row, act)
                     rows.setdefault(row, {})[act] = {"error": f"{type(e).__name__}: {e}"}
-                    write_outputs(args.out, model, meta, rows)
+                    write_outputs(args.out, stem, meta, rows)
                     continue
                 t_stage = time.perf_counter() - t0
                 name = stage_name(row)
                 t1 = time.perf_counter()
-                res = ppl_for_targets([EvalTarget(f"{row}:{act}", "stage", str(wd.root), name)], EVAL,
+                res = ppl_for_targets([EvalTarget(f"{row}:{act}", "stage", str(wd.root), name)], eval_text,
                                       max_tokens=args.ppl_tokens, window=args.window, cache=cache)[0]
                 summ = st.get("summary", {})
-                cell = {"ppl": res["ppl"], "tokens": res["tokens"], "stage": name, "workdir": str(wd.root),
-                        "format": fmt, "act_quant": act == "wa", "method": method or "refine", "options": opts,
+                cell = {"ppl": res["ppl"], "tokens": res["tokens"], "stage": name,
+                        "format": fmt, "act_quant": act == "wa", "method": "refine" if kind == "refine" else method,
+                        "init": method if kind == "refine" else None, "options": opts,
+                        "patterns_changed": patterns_changed(wd, name) if kind == "refine" else None,
                         "stage_seconds": summ.get("stage_seconds"), "compress_seconds": summ.get("compress_seconds"),
                         "wall_seconds_this_run": round(t_stage, 1), "eval_seconds": round(time.perf_counter() - t1, 1)}
                 rows.setdefault(row, {})[act] = cell
                 log.info("%s %s (%s): ppl %.3f (stage %s s)", model, row, act, res["ppl"], summ.get("stage_seconds"))
-                write_outputs(args.out, model, meta, rows)
+                write_outputs(args.out, stem, meta, rows)
 
 
 if __name__ == "__main__":
