@@ -89,6 +89,7 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-refit-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {"seed": 1}),
     "refine-refit-values": ("p48-nvfp4", "refine", "sgptq-refit", {"train_support": False}),
     "refine-quarter": ("p48-nvfp4", "refine", "sgptq", QUARTER),
+    "refine-quarter-paper-lr": ("p48-nvfp4", "refine", "sgptq", {**QUARTER, "lr_budget_steps": None}),
     "refine-paper": ("p48-nvfp4", "refine", "sgptq", PAPER),
     "refine-refit-quarter": ("p48-nvfp4", "refine", "sgptq-refit", QUARTER),
     "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
@@ -115,6 +116,7 @@ DESCRIPTION = {
     "refine-refit-seed1": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit, refine seed 1",
     "refine-refit-values": "paired 4:8 NVFP4, refine values only from SGPTQ-refit",
     "refine-quarter": "paired 4:8 NVFP4, refine (default) at 1/4 of the paper's budget (10 × 32 steps)",
+    "refine-quarter-paper-lr": "paired 4:8 NVFP4, refine at 1/4 of the paper's budget with the paper's raw lrs",
     "refine-paper": "paired 4:8 NVFP4, refine (default) at the paper's budget (10 × 128 steps)",
     "refine-refit-quarter": "paired 4:8 NVFP4, refine from SGPTQ-refit at 1/4 of the paper's budget",
     "release-faithful": "paired 4:8 NVFP4, release-faithful (fp32 SGPTQ scales, paper lrs, bf16 logits, last epoch, "
@@ -133,7 +135,8 @@ GROUPS = {
     "ablations": ["refine-p0", "refine-values", "refine-support"],
     "budget": ["refine-paper-lr", "refine-values-first", "refine-seed1", "sgptq-refit", "refine-refit",
                "refine-refit-seed1", "refine-refit-values", "release-faithful"],
-    "paper-budget": ["refine-quarter", "refine-paper", "release-faithful-paper"],
+    "paper-budget": ["refine-quarter", "refine-quarter-paper-lr", "refine-refit-quarter", "refine-paper",
+                     "release-faithful-paper"],
     "fp8": ["s24-sgptq", "s24-refine"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}

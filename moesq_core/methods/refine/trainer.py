@@ -103,7 +103,7 @@ class RefineConfig:
     lr_logits: float = 2.5e-4
     lr_values: float = 5e-5
     lr_budget_steps: int | None = PAPER_STEPS  # the budget rule (above); None: lrs as given at any budget
-    lr_budget_cap_logits: float = 100.0  # largest multiplier of lr_logits the rule applies
+    lr_budget_cap_logits: float = 10.0  # largest multiplier of lr_logits the rule applies (see below)
     lr_budget_cap_values: float = 100.0  # largest multiplier of lr_values the rule applies
     values_first: float = 0.0  # fraction of the block's steps that train the values only, before joint training
     betas: tuple[float, float] = (0.9, 0.95)
