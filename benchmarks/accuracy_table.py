@@ -2,21 +2,27 @@
 
     python benchmarks/accuracy_table.py --models micro --workdir-root /tmp/moesq-acc --out benchmarks/results
     python benchmarks/accuracy_table.py --models tiny --rows core --ppl-tokens 65536
+    # `moesq run`'s model, texts and budget (W4A4, 256-token sequences, 2 × 8 refinement steps):
+    python benchmarks/accuracy_table.py --models embedded --tag run-budget --acts wa --seq-len 256 \
+        --n-train 64 --n-val 8 --n-init 64 --epochs 2 --steps-per-epoch 8 --rows reference,sgptq,budget,paper-budget
 
 For each model it builds (or resumes) one work dir per (format, activation setting) under
 `--workdir-root/<model>/`, runs the requested stages there with the pipeline's own functions, evaluates
-perplexity on the shared evaluation text (facts §5 protocol: first `--ppl-tokens` tokens, non-overlapping
-`--window`-token windows, fp32 on CPU, expert weights fake-quantized) and writes
-`<out>/accuracy_<model>.json` and `.md` after every finished row, so an interrupted run leaves a valid
-partial table (missing rows are listed as such). Re-running skips finished stages (work dir manifest) and
-finished evaluations (a result cache keyed by the stage's artifact checksums).
+perplexity on the evaluation text (first `--ppl-tokens` tokens, non-overlapping `--window`-token windows, fp32
+on CPU, expert weights fake-quantized) and writes `<out>/accuracy_<model>[_<tag>].json` and `.md` after every
+finished row, so an interrupted run leaves a valid partial table (missing rows are listed as such). Re-running
+skips finished stages (work dir manifest) and finished evaluations (a result cache keyed by the stage's
+artifact checksums). The shared models are read from `../shared` next to the checkout; `embedded` is the
+packaged micro model with the packaged calibration and evaluation samples.
 
-Rows (`--rows`, comma-separated names or the groups `all`, `core`, `fp8`):
-  reference; dense-nvfp4 rtn / gptq; p48-nvfp4 magnitude, wanda, jsq, obr, sgptq (export-exact scales),
-  sgptq-fp32scales (the release's non-exact variant), refine, refine-p0 (uniform loss), refine-values
-  (support frozen), refine-support (values frozen); s24-fp8 sgptq / refine (W8A8).
-Every compressed row is run weights-only ("wo") and with the format's activation quantizer ("wa": W4A4 for
-NVFP4, W8A8 for FP8), each in its own work dir (a work dir holds one activation setting).
+Rows (`--rows`, comma-separated names or the groups `all`, `core`, `ablations`, `budget`, `paper-budget`,
+`fp8`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8 magnitude, Wanda, JSQ, OBR,
+SGPTQ (export-exact scales, fp32 scales, refit); refinement (default, other seeds, the paper's raw rates,
+values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps); the release-faithful
+configuration (recipes/release-faithful.yaml, minus the serving-time activation scale); s24-fp8 SGPTQ / refine.
+Every compressed row is run weights-only ("wo") and/or with the format's activation quantizer ("wa": W4A4 for
+NVFP4, W8A8 for FP8), each in its own work dir (a work dir holds one activation setting). Refinement rows
+report the fraction of sparsity groups whose pattern differs from their init's.
 
 Work dirs are scratch: keep them outside the repository (default /tmp/moesq-accuracy).
 """
@@ -61,6 +67,7 @@ def texts(model: str) -> tuple[Path, Path]:
     return TEXTS.get(model, (CALIB, EVAL))
 
 
+DEVICE = "cpu"  # where stages run (--device); evaluation is always fp32 on the CPU
 PAPER = {"epochs": 10, "steps_per_epoch": 128}  # the paper's 1,280 steps per block
 QUARTER = {"epochs": 10, "steps_per_epoch": 32}  # a quarter of it
 RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False}
@@ -166,6 +173,10 @@ def expand_rows(spec: str) -> list[str]:
 
 def git_commit() -> str:
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        if Path(top).resolve() != REPO:  # a copy of the tree inside another checkout: its HEAD is not ours
+            return "unknown (not run from a git checkout)"
         c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                            check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "moesq_core"], cwd=REPO,
@@ -184,7 +195,8 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{platform.node()}: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    gpu = f", {torch.cuda.get_device_name(0)}" if DEVICE.startswith("cuda") and torch.cuda.is_available() else ""
+    return f"{platform.node()}: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}{gpu}"
 
 
 def workdir_for(root: Path, model: str, fmt: str, act: bool, calib: CalibConfig) -> WorkDir:
@@ -198,12 +210,12 @@ def workdir_for(root: Path, model: str, fmt: str, act: bool, calib: CalibConfig)
 def compress_stage(wd: WorkDir, method: str, options: dict, name: str, batch_size: int) -> None:
     """pipeline.compress under a chosen stage name (two variants of one method in one work dir)."""
     if name == pipeline.init_stage_name(method):
-        pipeline.compress(wd, method, options, device="cpu", batch_size=batch_size)
+        pipeline.compress(wd, method, options, device=DEVICE, batch_size=batch_size)
         return
     m = wd.load()
     fmt = get_format(m["config"]["format"])
     get_method(method, **options)
-    model, adapter, m = pipeline._load_for_stage(wd, "cpu")
+    model, adapter, m = pipeline._load_for_stage(wd, DEVICE)
     calib = pipeline.load_calibration(wd)
     spec = StageSpec(name=name, fmt=fmt, method_for_block=lambda li: get_method(method, **options),
                      config={"method": method, "options": options}, compress_split="init", val_split=None,
@@ -221,7 +233,7 @@ def ensure_stage(wd: WorkDir, row: str, refine_cfg: dict, batch_size: int) -> di
     if kind == "refine":
         ensure_stage(wd, method, refine_cfg, batch_size)
         init = stage_name(method).removeprefix("init-")
-        pipeline.refine(wd, {**refine_cfg, **opts}, init=init, device="cpu", batch_size=batch_size, stage=name)
+        pipeline.refine(wd, {**refine_cfg, **opts}, init=init, device=DEVICE, batch_size=batch_size, stage=name)
     else:
         compress_stage(wd, method, opts, name, batch_size)
     return wd.stage(name)
@@ -295,7 +307,7 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
     lines.append("Missing rows: " + (", ".join(missing) if missing else "none") + ".")
     if meta.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
-    (out_dir / f"accuracy_{model}.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None):
@@ -321,6 +333,8 @@ def main(argv=None):
                     help="extra RefineConfig field, e.g. lr_logits=1e-3 (repeatable)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="device the compression stages run on (cpu, cuda); "
+                                                    "refinement on CUDA computes its matmuls in bf16")
     ap.add_argument("--merge", action="append", default=[], type=Path, metavar="JSON",
                     help="accuracy_<model>.json of another run of this script (e.g. rows run in parallel under another "
                          "--workdir-root) whose rows are merged in; it must use the same protocol (repeatable)")
@@ -329,6 +343,8 @@ def main(argv=None):
                          "adds row names to the list of requested rows (so missing ones are reported)")
     ap.add_argument("--note", action="append", default=[], help="a note written into the table (repeatable)")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -367,7 +383,7 @@ def main(argv=None):
             "model": model, "model_path": rel(MODELS[model]), "acts": acts,
             "command": " ".join(["python", "benchmarks/accuracy_table.py", *(argv if argv is not None else sys.argv[1:])]),
             "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(),
+            "machine": machine(), "device": args.device,
             "eval": {"file": rel(eval_text), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},
             "calibration": {"source": rel(calib_text), "config": calib.to_dict()},
             "refine": full_refine,

@@ -71,7 +71,10 @@ class RefineConfig:
     `lr_budget_cap_values`; since the cosine factor's mean depends only on the fraction of the run, the
     travel Σ_t lr_t — and the decoupled weight decay Σ_t lr_t·wd it carries — ≈ equals the paper's whenever
     s is below its cap (budgets beyond the paper's get proportionally smaller rates). s = 1 at T = N, i.e.
-    the paper's run is unchanged. `lr_budget_steps = None` uses lr_logits / lr_values as given.
+    the paper's run is unchanged. `lr_budget_steps = None` uses lr_logits / lr_values as given. The logits'
+    cap is lower (10 vs 100) because a pattern flip needs the gradient's sign to agree over many steps: with
+    few large steps the logits follow noisy signs, and on the embedded model at 16 steps raising lr_logits
+    ×25 or ×80 flipped 7–12 % of the patterns and lost to ×10 (benchmarks/results/accuracy_embedded_*).
 
     Can a pattern change at all? The exported pattern is argmax A. init_logits starts the init's pattern
     init_noise·init_match·(c_match − c_next) ahead of its nearest rivals (paired 4:8: 0.01·4·(2 − 0) = 0.08
