@@ -297,7 +297,7 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
             p = c.get("ppl")
             cells += [fmt_ppl(p), "—" if p is None or ref is None else f"{p / ref:.3f}"]
             secs.append("—" if c.get("stage_seconds") is None else f"{c['stage_seconds']:.0f}")
-            changed.append("—" if c.get("patterns_changed") is None else f"{100 * c['patterns_changed']:.1f} %")
+            changed.append("—" if c.get("patterns_changed") is None else f"{100 * c['patterns_changed']:.2f} %")
             if p is None and act in meta.get("acts", ("wo", "wa")):
                 missing.append(f"{name} ({act})")
         lines.append(f"| {name} | {DESCRIPTION[name]} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "

@@ -490,7 +490,7 @@ def test_can_change_patterns_from_the_init_gap():
     # the paper's rates over 16 steps cannot move a pattern; the budget rule can
     raw = RefineConfig(epochs=2, steps_per_epoch=8, lr_budget_steps=None).schedule(10**6, 8)
     assert not raw.can_change_patterns and raw.logit_closure < 0.01
-    assert "cannot change any sparsity pattern" in raw.warning and "CANNOT" in str(raw)
+    assert "cannot change the sparsity patterns" in raw.warning and "CANNOT" in str(raw)
     assert RefineConfig(epochs=2, steps_per_epoch=8, lr_budget_cap_logits=80).schedule(10**6, 8).can_change_patterns
     assert RefineConfig(epochs=10, steps_per_epoch=128).schedule(10**6, 8).can_change_patterns
     # nothing to warn about when the support is not trained

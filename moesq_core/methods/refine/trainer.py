@@ -246,7 +246,8 @@ class RefineSchedule:
 
     @property
     def can_change_patterns(self) -> bool:
-        """False when no group's pattern can move away from the init's (the logits cannot close the gap)."""
+        """False when the logits cannot close the init pattern's nominal lead: then only the rare groups whose
+        init noise (std init_noise per logit) narrowed their lead can change pattern."""
         return self.learns_support and self.init_gap is not None and self.logit_closure is not None \
             and self.logit_closure >= self.init_gap
 
@@ -254,10 +255,10 @@ class RefineSchedule:
     def warning(self) -> str | None:
         if not self.learns_support or self.can_change_patterns or self.total_steps == 0:
             return None
-        return (f"refinement cannot change any sparsity pattern: in {self.total_steps - self.values_first_steps} steps at "
-                f"lr(A) {self.lr_logits:.3g} the logits close at most {self.logit_closure:.3g} of the init pattern's "
-                f"lead of {self.init_gap:.3g}, so this trains the values only; give more steps or a larger lr_logits "
-                f"(or lr_budget_steps / lr_budget_cap_logits)")
+        return (f"refinement cannot change the sparsity patterns: in {self.total_steps - self.values_first_steps} steps "
+                f"at lr(A) {self.lr_logits:.3g} the logits close at most {self.logit_closure:.3g} of the init pattern's "
+                f"lead of {self.init_gap:.3g} (only the rare groups whose init noise narrowed it can flip), so this "
+                f"trains the values only; give more steps or a larger lr_logits (or lr_budget_cap_logits)")
 
     def __str__(self) -> str:
         rates = f"lr(A) {self.lr_logits:.3g}, lr(V) {self.lr_values:.3g}"
