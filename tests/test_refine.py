@@ -579,3 +579,17 @@ def test_no_wall_clock_times_in_the_artifacts():
     out = RefineMethod(RTN(report_errors=False), RefineConfig(epochs=1, steps_per_epoch=2)).compress_block(ex, fmt)
     for ce in out:
         assert not any("second" in k for k in ce.info["refine"]), ce.info["refine"].keys()
+
+
+def test_release_faithful_recipe_names_real_options():
+    yaml = pytest.importorskip("yaml")
+    from pathlib import Path
+
+    from moesq_core.methods.registry import get_method
+
+    r = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes/release-faithful.yaml").read_text())
+    get_format(r["format"])
+    init = get_method(r["init"]["method"], **r["init"]["options"])
+    assert init.exact_scales is False
+    cfg = RefineConfig(**r["refine"])
+    assert (cfg.logits_dtype, cfg.ship, cfg.shared_gate_up_global, cfg.lr_budget_steps) == ("bfloat16", "last", False, None)
