@@ -2,21 +2,27 @@
 
     python benchmarks/accuracy_table.py --models micro --workdir-root /tmp/moesq-acc --out benchmarks/results
     python benchmarks/accuracy_table.py --models tiny --rows core --ppl-tokens 65536
+    # `moesq run`'s model, texts and budget (W4A4, 256-token sequences, 2 × 8 refinement steps):
+    python benchmarks/accuracy_table.py --models embedded --tag run-budget --acts wa --seq-len 256 \
+        --n-train 64 --n-val 8 --n-init 64 --epochs 2 --steps-per-epoch 8 --rows reference,sgptq,budget,paper-budget
 
 For each model it builds (or resumes) one work dir per (format, activation setting) under
 `--workdir-root/<model>/`, runs the requested stages there with the pipeline's own functions, evaluates
-perplexity on the shared evaluation text (facts §5 protocol: first `--ppl-tokens` tokens, non-overlapping
-`--window`-token windows, fp32 on CPU, expert weights fake-quantized) and writes
-`<out>/accuracy_<model>.json` and `.md` after every finished row, so an interrupted run leaves a valid
-partial table (missing rows are listed as such). Re-running skips finished stages (work dir manifest) and
-finished evaluations (a result cache keyed by the stage's artifact checksums).
+perplexity on the evaluation text (first `--ppl-tokens` tokens, non-overlapping `--window`-token windows, fp32
+on CPU, expert weights fake-quantized) and writes `<out>/accuracy_<model>[_<tag>].json` and `.md` after every
+finished row, so an interrupted run leaves a valid partial table (missing rows are listed as such). Re-running
+skips finished stages (work dir manifest) and finished evaluations (a result cache keyed by the stage's
+artifact checksums). The shared models are read from `../shared` next to the checkout; `embedded` is the
+packaged micro model with the packaged calibration and evaluation samples.
 
-Rows (`--rows`, comma-separated names or the groups `all`, `core`, `fp8`):
-  reference; dense-nvfp4 rtn / gptq; p48-nvfp4 magnitude, wanda, jsq, obr, sgptq (export-exact scales),
-  sgptq-fp32scales (the release's non-exact variant), refine, refine-p0 (uniform loss), refine-values
-  (support frozen), refine-support (values frozen); s24-fp8 sgptq / refine (W8A8).
-Every compressed row is run weights-only ("wo") and with the format's activation quantizer ("wa": W4A4 for
-NVFP4, W8A8 for FP8), each in its own work dir (a work dir holds one activation setting).
+Rows (`--rows`, comma-separated names or the groups `all`, `core`, `ablations`, `budget`, `paper-budget`,
+`fp8`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8 magnitude, Wanda, JSQ, OBR,
+SGPTQ (export-exact scales, fp32 scales, refit); refinement (default, other seeds, the paper's raw rates,
+values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps); the release-faithful
+configuration (recipes/release-faithful.yaml, minus the serving-time activation scale); s24-fp8 SGPTQ / refine.
+Every compressed row is run weights-only ("wo") and/or with the format's activation quantizer ("wa": W4A4 for
+NVFP4, W8A8 for FP8), each in its own work dir (a work dir holds one activation setting). Refinement rows
+report the fraction of sparsity groups whose pattern differs from their init's.
 
 Work dirs are scratch: keep them outside the repository (default /tmp/moesq-accuracy).
 """
@@ -48,12 +54,26 @@ from moesq_core.workdir import WorkDir  # noqa: E402
 log = logging.getLogger("accuracy_table")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = Path("/work/shared")
-MODELS = {"micro": SHARED / "models/micro-qwen3-moe", "tiny": SHARED / "models/tiny-qwen3-moe"}
+SHARED = REPO.parent / "shared"  # the shared models and texts sit next to the checkout (as the tests expect)
+MODELS = {"micro": SHARED / "models/micro-qwen3-moe", "tiny": SHARED / "models/tiny-qwen3-moe",
+          "embedded": pipeline.DEFAULT_MODEL}
 CALIB = SHARED / "data/calib-docs.txt.xz"
 EVAL = SHARED / "data/eval-docs.txt.xz"
+# `moesq run` calibrates on and evaluates with the embedded samples; the shared models use the shared texts
+TEXTS = {"embedded": (pipeline.DEFAULT_CALIB, pipeline.DEFAULT_EVAL)}
 
-# name -> (format, kind, method or None, options); kind: reference | init | refine
+
+def texts(model: str) -> tuple[Path, Path]:
+    return TEXTS.get(model, (CALIB, EVAL))
+
+
+DEVICE = "cpu"  # where stages run (--device); evaluation is always fp32 on the CPU
+PAPER = {"epochs": 10, "steps_per_epoch": 128}  # the paper's 1,280 steps per block
+QUARTER = {"epochs": 10, "steps_per_epoch": 32}  # a quarter of it
+RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False}
+
+# name -> (format, kind, method, options); kind: reference | init | refine. For refine rows `method` is the
+# init row refinement starts from and `options` are RefineConfig fields over the command line's.
 ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "reference": (None, "reference", None, {}),
     "dense-rtn": ("dense-nvfp4", "init", "rtn", {}),
@@ -64,12 +84,27 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "obr": ("p48-nvfp4", "init", "obr", {}),
     "sgptq": ("p48-nvfp4", "init", "sgptq", {}),
     "sgptq-fp32scales": ("p48-nvfp4", "init", "sgptq", {"exact_scales": False}),
-    "refine": ("p48-nvfp4", "refine", None, {}),
-    "refine-p0": ("p48-nvfp4", "refine", None, {"loss_power": 0}),
-    "refine-values": ("p48-nvfp4", "refine", None, {"train_support": False}),
-    "refine-support": ("p48-nvfp4", "refine", None, {"train_values": False}),
+    "sgptq-refit": ("p48-nvfp4", "init", "sgptq", {"refit": True}),
+    "refine": ("p48-nvfp4", "refine", "sgptq", {}),
+    "refine-seed1": ("p48-nvfp4", "refine", "sgptq", {"seed": 1}),
+    "refine-paper-lr": ("p48-nvfp4", "refine", "sgptq", {"lr_budget_steps": None}),
+    "refine-values-first": ("p48-nvfp4", "refine", "sgptq", {"values_first": 0.5}),
+    "refine-logits-cap25": ("p48-nvfp4", "refine", "sgptq", {"lr_budget_cap_logits": 25.0}),
+    "refine-logits-cap100": ("p48-nvfp4", "refine", "sgptq", {"lr_budget_cap_logits": 100.0}),
+    "refine-p0": ("p48-nvfp4", "refine", "sgptq", {"loss_power": 0}),
+    "refine-values": ("p48-nvfp4", "refine", "sgptq", {"train_support": False}),
+    "refine-support": ("p48-nvfp4", "refine", "sgptq", {"train_values": False}),
+    "refine-refit": ("p48-nvfp4", "refine", "sgptq-refit", {}),
+    "refine-refit-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {"seed": 1}),
+    "refine-refit-values": ("p48-nvfp4", "refine", "sgptq-refit", {"train_support": False}),
+    "refine-quarter": ("p48-nvfp4", "refine", "sgptq", QUARTER),
+    "refine-quarter-paper-lr": ("p48-nvfp4", "refine", "sgptq", {**QUARTER, "lr_budget_steps": None}),
+    "refine-paper": ("p48-nvfp4", "refine", "sgptq", PAPER),
+    "refine-refit-quarter": ("p48-nvfp4", "refine", "sgptq-refit", QUARTER),
+    "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
+    "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
     "s24-sgptq": ("s24-fp8", "init", "sgptq", {}),
-    "s24-refine": ("s24-fp8", "refine", None, {}),
+    "s24-refine": ("s24-fp8", "refine", "s24-sgptq", {}),
 }
 DESCRIPTION = {
     "reference": "reference (bf16 weights evaluated in fp32)",
@@ -81,7 +116,23 @@ DESCRIPTION = {
     "obr": "paired 4:8 NVFP4, OBR (no rotation)",
     "sgptq": "paired 4:8 NVFP4, SGPTQ (export-exact E4M3 scales)",
     "sgptq-fp32scales": "paired 4:8 NVFP4, SGPTQ (fp32 scales, projected after; the release)",
-    "refine": "paired 4:8 NVFP4, moesq refine (full: p=2, support+values)",
+    "sgptq-refit": "paired 4:8 NVFP4, SGPTQ-refit (SparseGPT support, masked least squares, GPTQ)",
+    "refine": "paired 4:8 NVFP4, moesq refine (default: p=2, support+values, lr budget rule)",
+    "refine-seed1": "paired 4:8 NVFP4, moesq refine (default), refine seed 1",
+    "refine-paper-lr": "paired 4:8 NVFP4, refine with the paper's raw lrs (no budget rule)",
+    "refine-values-first": "paired 4:8 NVFP4, refine, values only for the first half of the steps",
+    "refine-logits-cap25": "paired 4:8 NVFP4, refine, budget rule with the logits' multiplier capped at 25 (not 10)",
+    "refine-logits-cap100": "paired 4:8 NVFP4, refine, budget rule with the logits' multiplier capped at 100",
+    "refine-refit": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit",
+    "refine-refit-seed1": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit, refine seed 1",
+    "refine-refit-values": "paired 4:8 NVFP4, refine values only from SGPTQ-refit",
+    "refine-quarter": "paired 4:8 NVFP4, refine (default) at 1/4 of the paper's budget (10 × 32 steps)",
+    "refine-quarter-paper-lr": "paired 4:8 NVFP4, refine at 1/4 of the paper's budget with the paper's raw lrs",
+    "refine-paper": "paired 4:8 NVFP4, refine (default) at the paper's budget (10 × 128 steps)",
+    "refine-refit-quarter": "paired 4:8 NVFP4, refine from SGPTQ-refit at 1/4 of the paper's budget",
+    "release-faithful": "paired 4:8 NVFP4, release-faithful (fp32 SGPTQ scales, paper lrs, bf16 logits, last epoch, "
+                        "separate gate/up globals)",
+    "release-faithful-paper": "paired 4:8 NVFP4, release-faithful at the paper's budget (10 × 128 steps)",
     "refine-p0": "paired 4:8 NVFP4, refine ablation: uniform loss (p=0)",
     "refine-values": "paired 4:8 NVFP4, refine ablation: values only (support frozen)",
     "refine-support": "paired 4:8 NVFP4, refine ablation: support only (values frozen)",
@@ -93,6 +144,10 @@ GROUPS = {
     "p48": [r for r in ROWS if not r.startswith("s24")],
     "core": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq", "sgptq-fp32scales", "refine"],
     "ablations": ["refine-p0", "refine-values", "refine-support"],
+    "budget": ["refine-paper-lr", "refine-values-first", "refine-logits-cap25", "refine-logits-cap100", "refine-seed1", "sgptq-refit", "refine-refit",
+               "refine-refit-seed1", "refine-refit-values", "release-faithful"],
+    "paper-budget": ["refine-quarter", "refine-quarter-paper-lr", "refine-refit-quarter", "refine-paper",
+                     "release-faithful-paper"],
     "fp8": ["s24-sgptq", "s24-refine"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
@@ -102,8 +157,8 @@ def stage_name(row: str) -> str:
     fmt, kind, method, opts = ROWS[row]
     if kind == "refine":
         return "refine" if row in ("refine", "s24-refine") else row
-    if row == "sgptq-fp32scales":
-        return "init-sgptq-fp32scales"  # its own stage: init-sgptq already holds the exact variant
+    if opts:  # a variant of a method (e.g. sgptq-refit): its own stage next to the method's own
+        return f"init-{row}"
     return pipeline.init_stage_name(method)
 
 
@@ -122,6 +177,10 @@ def expand_rows(spec: str) -> list[str]:
 
 def git_commit() -> str:
     try:
+        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        if Path(top).resolve() != REPO:  # a copy of the tree inside another checkout: its HEAD is not ours
+            return "unknown (not run from a git checkout)"
         c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                            check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "moesq_core"], cwd=REPO,
@@ -140,13 +199,14 @@ def machine() -> str:
                 break
     except OSError:
         pass
-    return f"{platform.node()}: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    gpu = f", {torch.cuda.get_device_name(0)}" if DEVICE.startswith("cuda") and torch.cuda.is_available() else ""
+    return f"{platform.node()}: {cpu}, {torch.get_num_threads()} torch threads, torch {torch.__version__}{gpu}"
 
 
 def workdir_for(root: Path, model: str, fmt: str, act: bool, calib: CalibConfig) -> WorkDir:
     wd = WorkDir(root / model / f"{fmt}-{'wa' if act else 'wo'}")
     if not (wd.root / "manifest.json").is_file() or "calibration" not in wd.load():
-        cfg = pipeline.RunConfig(format=fmt, act_quant=act, calib=calib, calib_source=str(CALIB))
+        cfg = pipeline.RunConfig(format=fmt, act_quant=act, calib=calib, calib_source=str(texts(model)[0]))
         pipeline.calibrate(wd, MODELS[model], cfg)
     return wd
 
@@ -154,12 +214,12 @@ def workdir_for(root: Path, model: str, fmt: str, act: bool, calib: CalibConfig)
 def compress_stage(wd: WorkDir, method: str, options: dict, name: str, batch_size: int) -> None:
     """pipeline.compress under a chosen stage name (two variants of one method in one work dir)."""
     if name == pipeline.init_stage_name(method):
-        pipeline.compress(wd, method, options, device="cpu", batch_size=batch_size)
+        pipeline.compress(wd, method, options, device=DEVICE, batch_size=batch_size)
         return
     m = wd.load()
     fmt = get_format(m["config"]["format"])
     get_method(method, **options)
-    model, adapter, m = pipeline._load_for_stage(wd, "cpu")
+    model, adapter, m = pipeline._load_for_stage(wd, DEVICE)
     calib = pipeline.load_calibration(wd)
     spec = StageSpec(name=name, fmt=fmt, method_for_block=lambda li: get_method(method, **options),
                      config={"method": method, "options": options}, compress_split="init", val_split=None,
@@ -175,24 +235,44 @@ def ensure_stage(wd: WorkDir, row: str, refine_cfg: dict, batch_size: int) -> di
     if st and st.get("done"):
         return st
     if kind == "refine":
-        if not (wd.stage("init-sgptq") or {}).get("done"):
-            compress_stage(wd, "sgptq", {}, "init-sgptq", batch_size)
-        pipeline.refine(wd, {**refine_cfg, **opts}, init="sgptq", device="cpu", batch_size=batch_size, stage=name)
+        ensure_stage(wd, method, refine_cfg, batch_size)
+        init = stage_name(method).removeprefix("init-")
+        pipeline.refine(wd, {**refine_cfg, **opts}, init=init, device=DEVICE, batch_size=batch_size, stage=name)
     else:
         compress_stage(wd, method, opts, name, batch_size)
     return wd.stage(name)
+
+
+def patterns_changed(wd: WorkDir, stage: str) -> float | None:
+    """Fraction of the sparsity groups whose refined pattern differs from the init's (from the stage's blocks)."""
+    from moesq_core.engine import load_block
+
+    changed = total = 0
+    for f in sorted((wd.root / "stages" / stage).glob("*.safetensors")):
+        for ce in load_block(f)[0]:
+            r = ce.info.get("refine", {})
+            changed, total = changed + r.get("groups_changed", 0), total + r.get("groups", 0)
+    return changed / total if total else None
+
+
+def rel(path) -> str:
+    """A path as written into the committed tables: relative to the repository (never a machine path)."""
+    import os
+
+    p = Path(path).resolve()
+    return os.path.relpath(p, REPO) if REPO.parent in p.parents else p.name
 
 
 def fmt_ppl(x):
     return "—" if x is None else f"{x:.2f}"
 
 
-def write_outputs(out_dir: Path, model: str, meta: dict, rows: dict) -> None:
+def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     doc = {**meta, "rows": rows}
-    (out_dir / f"accuracy_{model}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=2) + "\n")
     ref = (rows.get("reference") or {}).get("ppl")
-    lines = [f"# Perplexity accuracy table: {model} ({meta['model_path']})", "",
+    lines = [f"# Perplexity accuracy table: {meta['model']} ({meta['model_path']})", "",
              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}  date: {meta['date']}",
              f"- machine: {meta['machine']}",
              f"- evaluation: {meta['eval']['file']}, first {meta['eval']['tokens']} tokens, "
@@ -200,39 +280,46 @@ def write_outputs(out_dir: Path, model: str, meta: dict, rows: dict) -> None:
              + ("" if meta["eval"]["tokens"] == 65536 else " (REDUCED from the facts §5 protocol's 65,536 tokens)"),
              f"- calibration ({meta['calibration']['source']}): {json.dumps(meta['calibration']['config'])} "
              "— the same splits for every method (one-shot methods use `init`, refinement `train`/`val`)",
-             f"- refinement: {json.dumps(meta['refine'])}", "",
-             "| row | method | weights only | wo / ref | W4A4 (W8A8 for fp8) | wa / ref | stage s (wo / wa) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"- refinement (rows override some fields, see `options` in the JSON): {json.dumps(meta['refine'])}",
+             f"- seeds: calibration split {meta['calibration']['config']['seed']}, refinement {meta['refine']['seed']} "
+             "unless the row says otherwise", "",
+             "| row | method | weights only | wo / ref | W4A4 (W8A8 for fp8) | wa / ref | patterns changed (wo / wa) "
+             "| stage s (wo / wa) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     missing = []
     for name in meta["rows_requested"]:
         r = rows.get(name)
         if name == "reference":
             p = (r or {}).get("ppl")
-            lines.append(f"| reference | {DESCRIPTION[name]} | {fmt_ppl(p)} | 1.000 | {fmt_ppl(p)} | 1.000 | — |")
+            lines.append(f"| reference | {DESCRIPTION[name]} | {fmt_ppl(p)} | 1.000 | {fmt_ppl(p)} | 1.000 | — | — |")
             if p is None:
                 missing.append("reference")
             continue
-        cells, secs = [], []
+        cells, secs, changed = [], [], []
         for act in ("wo", "wa"):
             c = (r or {}).get(act) or {}
             p = c.get("ppl")
             cells += [fmt_ppl(p), "—" if p is None or ref is None else f"{p / ref:.3f}"]
             secs.append("—" if c.get("stage_seconds") is None else f"{c['stage_seconds']:.0f}")
-            if p is None:
+            changed.append("—" if c.get("patterns_changed") is None else f"{100 * c['patterns_changed']:.2f} %")
+            if p is None and act in meta.get("acts", ("wo", "wa")):
                 missing.append(f"{name} ({act})")
         lines.append(f"| {name} | {DESCRIPTION[name]} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
-                     f"{' / '.join(secs)} |")
+                     f"{' / '.join(changed)} | {' / '.join(secs)} |")
     lines += ["", "Stage seconds: the work dir manifest's `stage_seconds` (compression incl. routing of the calibration "
               "states; for refine rows excluding the shared SGPTQ init).", ""]
     lines.append("Missing rows: " + (", ".join(missing) if missing else "none") + ".")
     if meta.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
-    (out_dir / f"accuracy_{model}.md").write_text("\n".join(lines) + "\n")
+    (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="micro,tiny", help="comma-separated: micro, tiny")
+    ap.add_argument("--models", default="micro,tiny",
+                    help="comma-separated: micro, tiny (the shared models and texts), embedded (the packaged micro model "
+                         "with its calibration and evaluation samples, as `moesq run` uses them)")
+    ap.add_argument("--tag", default="", help="output name suffix: accuracy_<model>[_<tag>].json/.md (one file per protocol)")
     ap.add_argument("--rows", default="all", help=f"rows or groups ({', '.join(GROUPS)})")
     ap.add_argument("--acts", default="wo,wa", help="wo (weights only), wa (W4A4 / W8A8), or both")
     ap.add_argument("--workdir-root", type=Path, default=Path("/tmp/moesq-accuracy"))
@@ -250,6 +337,8 @@ def main(argv=None):
                     help="extra RefineConfig field, e.g. lr_logits=1e-3 (repeatable)")
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="device the compression stages run on (cpu, cuda); "
+                                                    "refinement on CUDA computes its matmuls in bf16")
     ap.add_argument("--merge", action="append", default=[], type=Path, metavar="JSON",
                     help="accuracy_<model>.json of another run of this script (e.g. rows run in parallel under another "
                          "--workdir-root) whose rows are merged in; it must use the same protocol (repeatable)")
@@ -258,6 +347,8 @@ def main(argv=None):
                          "adds row names to the list of requested rows (so missing ones are reported)")
     ap.add_argument("--note", action="append", default=[], help="a note written into the table (repeatable)")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -284,20 +375,22 @@ def main(argv=None):
         # one result cache per model: concurrent runs for different models must not overwrite each other's
         (root / model).mkdir(parents=True, exist_ok=True)
         cache = ResultCache(root / model / "ppl_cache.json")
-        out_json = args.out / f"accuracy_{model}.json"
+        stem = f"accuracy_{model}" + (f"_{args.tag}" if args.tag else "")
+        calib_text, eval_text = texts(model)
+        out_json = args.out / f"{stem}.json"
         old = json.loads(out_json.read_text()) if out_json.is_file() else {}
         same_protocol = (old.get("eval", {}).get("tokens") == args.ppl_tokens
                          and old.get("calibration", {}).get("config") == calib.to_dict()
                          and old.get("refine") == full_refine)
         rows: dict = old.get("rows", {}) if same_protocol else {}
         meta = {
-            "model": model, "model_path": str(MODELS[model]),
+            "model": model, "model_path": rel(MODELS[model]), "acts": acts,
             "command": " ".join(["python", "benchmarks/accuracy_table.py", *(argv if argv is not None else sys.argv[1:])]),
             "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine(),
-            "eval": {"file": str(EVAL), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},
-            "calibration": {"source": str(CALIB), "config": calib.to_dict()},
-            "refine": full_refine, "workdir_root": str(root),
+            "machine": machine(), "device": args.device,
+            "eval": {"file": rel(eval_text), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},
+            "calibration": {"source": rel(calib_text), "config": calib.to_dict()},
+            "refine": full_refine,
             "rows_requested": list(dict.fromkeys([*(old.get("rows_requested", []) if same_protocol else []), *rows_req])),
             "notes": args.note,
         }
@@ -317,20 +410,20 @@ def main(argv=None):
                         rows.setdefault(name, {})[act] = {**cell, "merged_from": str(src)}
             meta["rows_requested"] += [n for n in other["rows"] if n not in meta["rows_requested"]]
             meta["notes"] = meta["notes"] + [f"rows marked merged_from in the JSON were run by `{other['command']}` "
-                                             f"(work dirs under {other.get('workdir_root')}, same calibration seed and config)"]
+                                             "(same calibration seed and config)"]
         meta["rows_requested"] = [r for r in ROWS if r in meta["rows_requested"]]
-        write_outputs(args.out, model, meta, rows)
+        write_outputs(args.out, stem, meta, rows)
         if args.no_run:
             continue
         for row in rows_req:
             fmt, kind, method, opts = ROWS[row]
             if row == "reference":
                 t0 = time.perf_counter()
-                res = ppl_for_targets([EvalTarget("reference", "reference", str(MODELS[model]))], EVAL,
+                res = ppl_for_targets([EvalTarget("reference", "reference", str(MODELS[model]))], eval_text,
                                       max_tokens=args.ppl_tokens, window=args.window, cache=cache)[0]
                 rows["reference"] = {"ppl": res["ppl"], "tokens": res["tokens"], "eval_seconds": round(time.perf_counter() - t0, 1)}
                 log.info("%s reference: ppl %.3f", model, res["ppl"])
-                write_outputs(args.out, model, meta, rows)
+                write_outputs(args.out, stem, meta, rows)
                 continue
             for act in acts:
                 wd = workdir_for(root, model, fmt, act == "wa", calib)
@@ -340,21 +433,23 @@ def main(argv=None):
                 except Exception as e:  # keep going: one failing method must not cost the other rows
                     log.exception("%s %s (%s) failed", model, row, act)
                     rows.setdefault(row, {})[act] = {"error": f"{type(e).__name__}: {e}"}
-                    write_outputs(args.out, model, meta, rows)
+                    write_outputs(args.out, stem, meta, rows)
                     continue
                 t_stage = time.perf_counter() - t0
                 name = stage_name(row)
                 t1 = time.perf_counter()
-                res = ppl_for_targets([EvalTarget(f"{row}:{act}", "stage", str(wd.root), name)], EVAL,
+                res = ppl_for_targets([EvalTarget(f"{row}:{act}", "stage", str(wd.root), name)], eval_text,
                                       max_tokens=args.ppl_tokens, window=args.window, cache=cache)[0]
                 summ = st.get("summary", {})
-                cell = {"ppl": res["ppl"], "tokens": res["tokens"], "stage": name, "workdir": str(wd.root),
-                        "format": fmt, "act_quant": act == "wa", "method": method or "refine", "options": opts,
+                cell = {"ppl": res["ppl"], "tokens": res["tokens"], "stage": name,
+                        "format": fmt, "act_quant": act == "wa", "method": "refine" if kind == "refine" else method,
+                        "init": method if kind == "refine" else None, "options": opts,
+                        "patterns_changed": patterns_changed(wd, name) if kind == "refine" else None,
                         "stage_seconds": summ.get("stage_seconds"), "compress_seconds": summ.get("compress_seconds"),
                         "wall_seconds_this_run": round(t_stage, 1), "eval_seconds": round(time.perf_counter() - t1, 1)}
                 rows.setdefault(row, {})[act] = cell
                 log.info("%s %s (%s): ppl %.3f (stage %s s)", model, row, act, res["ppl"], summ.get("stage_seconds"))
-                write_outputs(args.out, model, meta, rows)
+                write_outputs(args.out, stem, meta, rows)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def ref_val_loss(ce, ex, fmt, p=2):
     return float((tw * (yhat - y).square().sum(-1)).sum() / (tw.sum() * y.shape[-1]))
 
 
-FAST = dict(epochs=4, steps_per_epoch=25, micro_batch_rows=256, lr_logits=5e-3, lr_values=1e-3)
+FAST = dict(epochs=4, steps_per_epoch=25, micro_batch_rows=256, lr_logits=5e-3, lr_values=1e-3, lr_budget_steps=None)
 
 
 # --- relaxation ----------------------------------------------------------------------------------------------
@@ -279,7 +279,8 @@ def test_best_epoch_never_worse_than_init():
 def test_same_seed_same_result_and_seed_matters():
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=2, n=100, n_val=0, with_val=False, seed=11)
-    cfg = RefineConfig(epochs=2, steps_per_epoch=5, micro_batch_rows=64, lr_logits=5e-3, lr_values=1e-3, val_fraction=0.2)
+    cfg = RefineConfig(epochs=2, steps_per_epoch=5, micro_batch_rows=64, lr_logits=5e-3, lr_values=1e-3, val_fraction=0.2,
+                       lr_budget_steps=None)
     runs = [RefineMethod(RTN(report_errors=False), c).compress_block(ex, fmt)
             for c in (cfg, cfg, RefineConfig(**{**cfg.__dict__, "seed": 1}))]
     diff_seed = False
@@ -353,7 +354,7 @@ def test_dense_format_refines_values_only():
     fmt = get_format("dense-nvfp4")
     ex = make_block(E=2, n=200, n_val=60, seed=15)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
-    cfg = RefineConfig(epochs=3, steps_per_epoch=20, micro_batch_rows=256, lr_values=1e-4)
+    cfg = RefineConfig(epochs=3, steps_per_epoch=20, micro_batch_rows=256, lr_values=1e-4, lr_budget_steps=None)
     r = BlockRefiner(ex, inits, fmt, cfg)
     assert all(pr.A is None and pr.fixed_mask is None for pr in r.proj.values())
     out = RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
@@ -395,9 +396,10 @@ def test_steps_per_epoch_rule():
     assert (plan.total_steps, plan.rows_per_step) == (30, 60) and "30 Lion steps" in str(plan)
     r = BlockRefiner(ex, inits, fmt, RefineConfig(epochs=2, steps_per_epoch=7))
     assert r.total_steps == 14 and int(r.step_cnt.sum()) == 600
-    assert r.schedule(0) == (2.0, 100.0, 1.0)
-    tau, gain, lrf = r.schedule(13)
-    assert math.isclose(tau, 0.05) and math.isclose(gain, 500.0) and math.isclose(lrf, 0.1)
+    assert tuple(r.schedule(0)) == (2.0, 100.0, 1.0, 1.0, True)
+    sch = r.schedule(13)
+    assert math.isclose(sch.tau, 0.05) and math.isclose(sch.gain, 500.0)
+    assert math.isclose(sch.lr_logits, 0.1) and math.isclose(sch.lr_values, 0.1)
 
 
 def test_bad_inputs_are_refused_clearly():
@@ -446,3 +448,148 @@ def test_compiled_relaxation_matches_eager():
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
     for p in PROJECTIONS:
         assert float((rs[0].proj[p].V - rs[1].proj[p].V).abs().gt(1e-7).float().mean()) < 1e-3
+
+
+# --- budget rule, pattern-change check, values-first, release-faithful options ---------------------------------
+
+
+def test_budget_rule_keeps_the_papers_travel():
+    paper = RefineConfig(epochs=10, steps_per_epoch=128).schedule(10**6, 8)
+    assert (paper.lr_scale_logits, paper.lr_scale_values) == (1.0, 1.0)  # the paper's run is unchanged
+    assert (paper.lr_logits, paper.lr_values) == (2.5e-4, 5e-5)
+    small = RefineConfig(epochs=2, steps_per_epoch=8).schedule(10**6, 8)
+    assert small.lr_scale_values == 80.0 and math.isclose(small.lr_values, 80 * 5e-5)
+    # Σ lr over the run (cosine to 0.1×) matches the paper's within the discretisation of the cosine
+    travel = lambda s: sum(s.lr_values * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t / (s.total_steps - 1))))
+                           for t in range(s.total_steps))
+    assert travel(small) == pytest.approx(travel(paper), rel=0.05)
+    # capped: 1 step per block would need ×1280
+    tiny = RefineConfig(epochs=1, steps_per_epoch=1, lr_budget_cap_values=100).schedule(10**6, 8)
+    assert tiny.lr_scale_values == 100.0
+    # beyond the paper's budget the rates shrink; off = the rates as given
+    assert RefineConfig(epochs=20, steps_per_epoch=128).schedule(10**6, 8).lr_scale_values == 0.5
+    raw = RefineConfig(epochs=2, steps_per_epoch=8, lr_budget_steps=None).schedule(10**6, 8)
+    assert (raw.lr_logits, raw.lr_values, raw.lr_scale_values) == (2.5e-4, 5e-5, 1.0)
+    # the trainer's optimizer uses the scheduled rates
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=200, n_val=20, seed=21)
+    r = BlockRefiner(ex, RTN(report_errors=False).compress_block(ex, fmt), fmt, RefineConfig(epochs=2, steps_per_epoch=8))
+    assert {g["name"]: g["base_lr"] for g in r.opt.param_groups} == {"logits": r.plan.lr_logits, "values": r.plan.lr_values}
+    assert r.plan.lr_values == pytest.approx(80 * 5e-5)
+
+
+def test_can_change_patterns_from_the_init_gap():
+    from moesq_core.methods.refine.relaxation import init_gap
+    from moesq_core.methods.refine.trainer import remaining_gap
+
+    assert init_gap(P48) == pytest.approx(0.01 * 4 * (2 - 0)) and init_gap(S24) == pytest.approx(0.08)
+    # two logits closing 2·lr per step from a gap of 0.08: constant lr 0.01 without decay needs 4 steps
+    assert remaining_gap(0.08, [0.01] * 3, 0.0) == pytest.approx(0.02)
+    assert remaining_gap(0.08, [0.01] * 4, 0.0) <= 1e-12
+    assert remaining_gap(0.08, [0.01], 1.0) == pytest.approx(0.08 * 0.99 - 0.02)
+    # the paper's rates over 16 steps cannot move a pattern; the budget rule can
+    raw = RefineConfig(epochs=2, steps_per_epoch=8, lr_budget_steps=None).schedule(10**6, 8)
+    assert not raw.can_change_patterns and raw.logit_closure < 0.01
+    assert "cannot change the sparsity patterns" in raw.warning and "CANNOT" in str(raw)
+    assert RefineConfig(epochs=2, steps_per_epoch=8, lr_budget_cap_logits=80).schedule(10**6, 8).can_change_patterns
+    assert RefineConfig(epochs=10, steps_per_epoch=128).schedule(10**6, 8).can_change_patterns
+    # nothing to warn about when the support is not trained
+    vo = RefineConfig(epochs=2, steps_per_epoch=8, lr_budget_steps=None, train_support=False).schedule(10**6, 8)
+    assert vo.warning is None and not vo.learns_support
+
+
+def test_no_pattern_moves_when_the_schedule_says_it_cannot(caplog):
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=200, n_val=40, seed=22)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    cfg = RefineConfig(epochs=2, steps_per_epoch=6, micro_batch_rows=512, lr_budget_steps=None, lr_logits=1e-3, seed=3)
+    from moesq_core.methods.refine import trainer
+
+    trainer._WARNED.clear()
+    with caplog.at_level("WARNING"):
+        r = BlockRefiner(ex, inits, fmt, cfg)
+    assert not r.plan.can_change_patterns and "cannot change" in caplog.text
+    for epoch in (1, 2):
+        r.end_epoch(epoch, r.train_epoch())
+    _, masks = r.hard_state()
+    for p in PROJECTIONS:
+        for e in range(2):
+            assert torch.equal(masks[p][e], inits[e].weights()[p].mask)
+    for ce in r.export():
+        assert ce.info["refine"]["groups_changed"] == 0 and ce.info["refine"]["groups"] > 0
+
+
+def test_values_first_trains_values_then_both():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=200, n_val=40, seed=23)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    cfg = RefineConfig(**{**FAST, "epochs": 2, "steps_per_epoch": 5, "values_first": 0.5})
+    r = BlockRefiner(ex, inits, fmt, cfg)
+    assert r.values_steps == r.plan.values_first_steps == 5
+    sch = [r.schedule(t) for t in range(10)]
+    assert [s.joint for s in sch] == [False] * 5 + [True] * 5
+    assert sch[5].tau == cfg.tau[0] and sch[9].tau == pytest.approx(cfg.tau[1])  # τ anneals over the joint phase
+    assert sch[5].lr_logits == 1.0 and sch[9].lr_values == pytest.approx(0.1)
+    A0 = {p: r.proj[p].A.detach().clone() for p in PROJECTIONS}
+    V0 = {p: r.proj[p].V.detach().clone() for p in PROJECTIONS}
+    r.end_epoch(1, r.train_epoch())
+    for p in PROJECTIONS:
+        assert torch.equal(r.proj[p].A, A0[p]) and not torch.equal(r.proj[p].V, V0[p])
+    r.end_epoch(2, r.train_epoch())
+    assert any(not torch.equal(r.proj[p].A, A0[p]) for p in PROJECTIONS)
+    with pytest.raises(ValueError, match="values_first"):
+        RefineConfig(values_first=1.0)
+
+
+def test_release_faithful_options():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=3, n=200, n_val=40, seed=24)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    # lr far too large: every epoch validates worse than the init, yet "last" ships the last epoch everywhere
+    bad = dict(epochs=2, steps_per_epoch=10, micro_batch_rows=512, lr_values=0.05, lr_logits=0.05, lr_budget_steps=None)
+    best = RefineMethod(RTN(report_errors=False), RefineConfig(**bad)).compress_block(ex, fmt)
+    last = RefineMethod(RTN(report_errors=False), RefineConfig(**bad, ship="last")).compress_block(ex, fmt)
+    assert any(ce.info["refine"]["best_epoch"] == 0 for ce in best)
+    assert all(ce.info["refine"]["best_epoch"] == 2 for ce in last)
+    # bf16 logits: Lion's steps below half a bf16 ulp round away (the release's fault). At lr 1e-4 the logits
+    # of the init's pattern and of its complement (|A| ≈ 0.08, half an ulp 2.4e-4) never move; in fp32 they do.
+    for dtype, big_moved in (("bfloat16", 0), ("float32", None)):
+        cfg = RefineConfig(epochs=1, steps_per_epoch=4, micro_batch_rows=512, lr_budget_steps=None, lr_logits=1e-4,
+                           logits_dtype=dtype, train_values=False)
+        r = BlockRefiner(ex, inits, fmt, cfg)
+        assert all(pr.A.dtype == getattr(torch, dtype) for pr in r.proj.values())
+        A0 = {p: r.proj[p].A.detach().clone() for p in PROJECTIONS}
+        r.train_epoch()
+        big = sum(int(((r.proj[p].A != A0[p]) & (A0[p].float().abs() >= 0.0625)).sum()) for p in PROJECTIONS)
+        assert big == 0 if big_moved == 0 else big > 0, (dtype, big)
+    # separate gate/up global scales in training; the export still shares one (re-quantized, as served)
+    sep = RefineMethod(RTN(report_errors=False), RefineConfig(**FAST, shared_gate_up_global=False)).compress_block(ex, fmt)
+    _check_export(sep, inits, fmt)
+    for e in range(len(ex)):
+        assert ref_val_loss(sep[e], ex[e], fmt) < ref_val_loss(inits[e], ex[e], fmt)
+    with pytest.raises(ValueError, match="ship"):
+        RefineConfig(ship="first")
+    with pytest.raises(ValueError, match="logits_dtype"):
+        RefineConfig(logits_dtype="float16")
+
+
+def test_no_wall_clock_times_in_the_artifacts():
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, n=100, n_val=20, seed=25)
+    out = RefineMethod(RTN(report_errors=False), RefineConfig(epochs=1, steps_per_epoch=2)).compress_block(ex, fmt)
+    for ce in out:
+        assert not any("second" in k for k in ce.info["refine"]), ce.info["refine"].keys()
+
+
+def test_release_faithful_recipe_names_real_options():
+    yaml = pytest.importorskip("yaml")
+    from pathlib import Path
+
+    from moesq_core.methods.registry import get_method
+
+    r = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes/release-faithful.yaml").read_text())
+    get_format(r["format"])
+    init = get_method(r["init"]["method"], **r["init"]["options"])
+    assert init.exact_scales is False
+    cfg = RefineConfig(**r["refine"])
+    assert (cfg.logits_dtype, cfg.ship, cfg.shared_gate_up_global, cfg.lr_budget_steps) == ("bfloat16", "last", False, None)

@@ -5,8 +5,12 @@ Score per weight (the public JSQ code's metric, rho = 2.1, clip 1 %):
     S_ij = |W_ij|·‖X̃_j‖₂ + rho·range_t( (X̃ W_{-j}ᵀ)_{t,i} )
 where X̃ are the calibration inputs with their top `clip_h` fraction of |entries| clamped to that
 percentile ("activation editing", computed on the statistics only, the forward pass is unchanged), and the
-second term is the range over tokens of output i when input column j is removed (removing j must not blow up
-the output range that quantization has to cover). The pattern keeping the largest summed score wins.
+second term is the range over tokens of output i when input column j is removed. It is that range itself, not
+its change |range(y) − range(y − x_j W_ij)|: the authors' public code scores ss[i, j] = max_t − min_t of the
+output with W[:, j] zeroed, and within one output row (where the pattern choice happens) range(y) is a
+constant, so the change would reverse the order for weights whose removal shrinks the range — it would keep
+the outlier-producing weights the paper sets out to prune (pruning them is what makes the pruned layer
+"quantization friendly"). The pattern keeping the largest summed score wins.
 
 Adaptations to MoE experts (documented, not in the paper):
 - The paper averages activations over calibration sequences position-wise (a 2048-row "mean sequence") for

@@ -11,11 +11,11 @@ import time
 
 from ...formats import Format
 from ..base import CompressedExpert, ExpertData, Method, ProgressFn
-from .trainer import BlockRefiner, RefineConfig
+from .trainer import PAPER_STEPS, BlockRefiner, RefineConfig, RefineSchedule
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RefineMethod", "RefineConfig", "BlockRefiner"]
+__all__ = ["RefineMethod", "RefineConfig", "RefineSchedule", "BlockRefiner", "PAPER_STEPS"]
 
 
 class RefineMethod:
@@ -38,14 +38,14 @@ class RefineMethod:
     def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
         if not experts:
             return []
+        # Timings are logged, never stored in CompressedExpert.info: artifacts must be byte-identical across runs.
         t0 = time.perf_counter()
         inits = self.init.compress_block(experts, fmt, None)
         t_init = time.perf_counter() - t0
         refiner = BlockRefiner(experts, inits, fmt, self.config)
         out = refiner.run()
-        for ce in out:
-            ce.info["refine"]["seconds_block"] = time.perf_counter() - t0
-            ce.info["refine"]["seconds_init_block"] = t_init
+        log.info("refine: %d experts, init %.1f s, refinement %.1f s (%s)", len(experts), t_init,
+                 time.perf_counter() - t0 - t_init, refiner.plan)
         if progress is not None:
             progress(len(experts))
         return out

@@ -1,7 +1,9 @@
 """The router-weighted reconstruction objective (paper eq. 4, generalised to w^p as the release ships it).
 
 Per expert e: L_e = Σ_t w_t^p ‖ŷ_t − y_t‖² / (Σ_t w_t^p · hidden), over the tokens routed to e.
-p = 0 is plain MSE, p = 1 the paper's formula, p = 2 the release's default. Tensors are batched over
+p = 2 is the paper's eq. 4, ‖diag(w)(Y − f)‖²_F = Σ_t w_t²‖y_t − ŷ_t‖² (the norm is squared, so are the
+weights), and the release's default; p = 0 is plain MSE (the paper's "uniform loss" ablation); p = 1 weights
+tokens by w itself (neither the paper's formula nor its ablation). Tensors are batched over
 experts and capacity-padded: `valid` marks real token rows, padding rows get weight 0 whatever w says.
 """
 from __future__ import annotations

@@ -8,6 +8,8 @@ gain·A + G); the exported mask is the noise-free argmax of A.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ...formats import PatternSet
@@ -55,3 +57,12 @@ def init_logits(mask: torch.Tensor, ps: PatternSet, generator: torch.Generator |
     c = ps.overlap_init(mask)
     n = torch.randn(c.shape, generator=generator, device=c.device, dtype=torch.float32)
     return noise * (n + match * c.float())
+
+
+def init_gap(ps: PatternSet, noise: float = 0.01, match: float = 4.0) -> float:
+    """The noise-free lead of the init's pattern over its nearest rival in init_logits:
+    noise·match·(c_match − c_next), from the same overlap formula (paired 4:8 and 2:4: 0.01·4·(2 − 0) = 0.08)."""
+    if ps.num_patterns < 2:
+        return math.inf
+    c = ps.overlap_init(ps.mask_from_index(torch.zeros(1, 1, dtype=torch.long)))[0, 0].sort(descending=True).values
+    return float(noise * match * (c[0] - c[1]))

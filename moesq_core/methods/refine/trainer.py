@@ -23,11 +23,12 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from ...formats import Format
+from ...formats import P48, Format, PatternSet
 from ...formats.quantizers import (
     FP8ChannelQuantizer,
     FP8TokenActQuantizer,
@@ -41,23 +42,59 @@ from . import objective, relaxation
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_WARNED: set[str] = set()
+
+
+PAPER_STEPS = 1280  # the paper's budget per block: 10 epochs × 128 Lion steps (its learning rates are set for it)
+SHIP = ("best", "last")
 
 
 @dataclass(frozen=True)
 class RefineConfig:
-    """Hyperparameters of refinement. Defaults are the paper's Qwen3-30B-A3B settings (facts §2).
+    """Hyperparameters of refinement. Defaults are the paper's Qwen3-30B-A3B settings (facts §2), except
+    the learning-rate budget rule, per-expert best-epoch selection and fp32 logits (see below).
 
     Steps. Each optimizer step gives every expert an equal share (1/steps_per_epoch) of its own training rows.
-    The paper takes 128 steps per epoch (8,192 sequences in batches of 64), and its learning rates and
-    schedules are set for that many Lion steps, so that is the default whatever the calibration set's size;
-    `batch_rows` (routed rows per step over the block; the paper's batch is 64 × 4,096 × top-8 = 2,097,152)
-    derives the count from the data instead. Either way the count is capped so the experts average at least
-    `min_rows_per_step` rows per step. Micro-batches are counted in routed rows over the block (the paper's 8
-    sequences: 262,144); they bound memory and change no result.
+    The paper takes 128 steps per epoch (8,192 sequences in batches of 64), so that is the default whatever
+    the calibration set's size; `batch_rows` (routed rows per step over the block; the paper's batch is
+    64 × 4,096 × top-8 = 2,097,152) derives the count from the data instead (at least min_steps_per_epoch).
+    Either way the count is capped so the experts average at least `min_rows_per_step` rows per step.
+    Micro-batches are counted in routed rows over the block (the paper's 8 sequences: 262,144); they bound
+    memory and change no result.
+
+    Learning-rate budget rule (`lr_budget_steps`). Lion moves every parameter by exactly lr per step (the
+    sign of its update), so what a run can do is bounded by its travel Σ_t lr_t. The paper's rates are set
+    for its 1,280 steps per block; at a CPU budget of 16 steps the same rates travel 80× less and the logits
+    cannot leave their init (see `can_change_patterns` below). With `lr_budget_steps = N` (default 1,280)
+    each parameter group's base rate is multiplied by s = min(cap, N / T), T = the optimizer steps that
+    group trains (the logits: only the joint phase under `values_first`), cap = `lr_budget_cap_logits` /
+    `lr_budget_cap_values`; since the cosine factor's mean depends only on the fraction of the run, the
+    travel Σ_t lr_t — and the decoupled weight decay Σ_t lr_t·wd it carries — ≈ equals the paper's whenever
+    s is below its cap (budgets beyond the paper's get proportionally smaller rates). s = 1 at T = N, i.e.
+    the paper's run is unchanged. `lr_budget_steps = None` uses lr_logits / lr_values as given. The logits'
+    cap is lower (10 vs 100) because a pattern flip needs the gradient's sign to agree over many steps: with
+    few large steps the logits follow noisy signs, and on the embedded model at 16 steps raising lr_logits
+    ×25 or ×80 flipped 7–12 % of the patterns and lost to ×10 (benchmarks/results/accuracy_embedded_*).
+
+    Can a pattern change at all? The exported pattern is argmax A. init_logits starts the init's pattern
+    init_noise·init_match·(c_match − c_next) ahead of its nearest rivals (paired 4:8: 0.01·4·(2 − 0) = 0.08
+    over the 4 patterns sharing one pair; init noise of std init_noise on each logit aside). Per step two
+    logits can close that gap by at most 2·lr, while the weight decay shrinks it by (1 − lr·wd): the gap
+    after the run is g_T with g_{t+1} = g_t·(1 − lr_t·wd) − 2·lr_t. If g_T > 0 no pattern can change (the
+    run is values-only with extra cost); the schedule says so and the trainer logs a warning.
+
+    `values_first = f` trains only the values for the first ⌊f·T⌋ steps (hard init mask, no Gumbel noise),
+    then logits and values jointly; τ, the gain and the logits' cosine run over the joint phase only.
 
     Weight decay is lion-pytorch's (non-"decoupled") form, p ← p·(1 − lr·wd), i.e. the AdamW-style decoupled
     decay the paper means; lion-pytorch's `decoupled_weight_decay=True` would divide wd by the initial lr
     (with wd = 1.0 that zeroes the parameters), so it is not used.
+
+    Release-faithful options (to reproduce the public release's behaviour next to moesq's): logits_dtype
+    "bfloat16" (where Lion's small steps round away), ship "last" (the last epoch ships even when an earlier
+    one, or the init, validated better), shared_gate_up_global False (gate and up train with their own
+    global scales; export then quantizes each with its own and re-quantizes both under one shared scale, as
+    the release's serving merge does).
     """
 
     epochs: int = 10
@@ -68,12 +105,16 @@ class RefineConfig:
     micro_batch_rows: int = 8 * 4096 * 8
     lr_logits: float = 2.5e-4
     lr_values: float = 5e-5
+    lr_budget_steps: int | None = PAPER_STEPS  # the budget rule (above); None: lrs as given at any budget
+    lr_budget_cap_logits: float = 10.0  # largest multiplier of lr_logits the rule applies (see below)
+    lr_budget_cap_values: float = 100.0  # largest multiplier of lr_values the rule applies
+    values_first: float = 0.0  # fraction of the block's steps that train the values only, before joint training
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 1.0
     lr_final_ratio: float = 0.1  # cosine decay to this fraction of the base lr at the last step
     tau: tuple[float, float] = (2.0, 0.05)  # Gumbel-softmax temperature, linear per optimizer step
     gain: tuple[float, float] = (100.0, 500.0)  # multiplier of A before the noise, linear per step
-    loss_power: int = 2  # token weight w^p: 0 uniform, 1 the paper's eq. 4, 2 the release
+    loss_power: int = 2  # token weight w^p: 2 is the paper's eq. 4 (‖diag(w)(Y − f)‖² = Σ w²‖·‖²), 0 uniform
     train_support: bool = True  # False: the init's mask stays (values-only ablation)
     train_values: bool = True  # False: V stays at the init's latent (support-only ablation)
     val_fraction: float = 0.05  # held out from each expert's rows when the engine gives no x_val
@@ -83,13 +124,16 @@ class RefineConfig:
     seed: int = 0
     compute_dtype: str = "auto"  # matmul operands in training: "float32", "bfloat16", auto = bf16 on CUDA
     cache_dtype: str = "float32"  # dtype of the cached quantized inputs X ("bfloat16" halves their memory)
+    logits_dtype: str = "float32"  # dtype of the logits A ("bfloat16": the release's, where small steps vanish)
+    ship: str = "best"  # "best": per expert the best-validating epoch (the init included); "last": the last epoch
+    shared_gate_up_global: bool = True  # False: gate and up train with separate global scales (the release)
     compile: bool = False  # torch.compile the relaxation/quantization and the micro-batch forward+loss
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
 
     def __post_init__(self):
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
-        for name in ("micro_batch_rows", "steps_per_epoch", "min_steps_per_epoch", "min_rows_per_step"):
+        for name in ("micro_batch_rows", "steps_per_epoch", "min_steps_per_epoch", "min_rows_per_step", "lr_budget_steps"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -97,6 +141,13 @@ class RefineConfig:
             raise ValueError(f"batch_rows must be a positive number of routed rows (or None), got {self.batch_rows}")
         if self.lr_logits <= 0 or self.lr_values <= 0:
             raise ValueError("learning rates must be positive")
+        for name in ("lr_budget_cap_logits", "lr_budget_cap_values"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be >= 1 (1 = never raise the lr), got {getattr(self, name)}")
+        if not 0 <= self.values_first < 1:
+            raise ValueError(f"values_first must be in [0, 1) (a fraction of the block's steps), got {self.values_first}")
+        if self.values_first > 0 and not (self.train_support and self.train_values):
+            raise ValueError("values_first needs both train_support and train_values")
         if not 0 < self.lr_final_ratio <= 1:
             raise ValueError(f"lr_final_ratio must be in (0, 1], got {self.lr_final_ratio}")
         if min(self.tau) <= 0:
@@ -108,17 +159,26 @@ class RefineConfig:
             raise ValueError("train_support and train_values are both False: nothing to refine")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        for name in ("compute_dtype", "cache_dtype"):
+        for name in ("compute_dtype", "cache_dtype", "logits_dtype"):
             v = getattr(self, name)
             if v not in _DTYPES and not (name == "compute_dtype" and v == "auto"):
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}{' or auto' if name == 'compute_dtype' else ''}, got {v!r}")
+        if self.ship not in SHIP:
+            raise ValueError(f"ship must be one of {SHIP}, got {self.ship!r}")
 
+    def lr_scale(self, steps: int, cap: float) -> float:
+        """The budget rule's multiplier for a group that trains `steps` optimizer steps."""
+        if self.lr_budget_steps is None or steps <= 0:
+            return 1.0
+        return min(cap, self.lr_budget_steps / steps)
 
-    def schedule(self, train_rows: int, experts_with_rows: int) -> "RefineSchedule":
+    def schedule(self, train_rows: int, experts_with_rows: int, patterns: PatternSet | None = None) -> "RefineSchedule":
         """The optimizer schedule of one block holding `train_rows` routed training rows spread over
         `experts_with_rows` experts: steps per epoch from steps_per_epoch, or from batch_rows (at least
         min_steps_per_epoch), or the paper's 128; never so many that an expert averages fewer than
-        min_rows_per_step rows per step (a step of ~0 rows would be Lion momentum alone)."""
+        min_rows_per_step rows per step (a step of ~0 rows would be Lion momentum alone). Then the learning
+        rates of the budget rule and whether any pattern can change (`patterns`: the format's pattern set,
+        default paired 4:8)."""
         if self.steps_per_epoch is not None:
             S = self.steps_per_epoch
         elif self.batch_rows is not None:
@@ -128,8 +188,40 @@ class RefineConfig:
         if experts_with_rows > 0:
             S = min(S, (train_rows // experts_with_rows) // self.min_rows_per_step)
         S = max(1, S)
+        T = self.epochs * S
+        T1 = values_first_steps(self.values_first, T)
+        ps = P48 if patterns is None else patterns
+        learn = self.train_support and ps.num_patterns > 1
+        s_a = self.lr_scale(T - T1, self.lr_budget_cap_logits) if learn else 1.0
+        s_v = self.lr_scale(T, self.lr_budget_cap_values) if self.train_values else 1.0
+        gap = closure = None
+        if learn:
+            gap = relaxation.init_gap(ps, self.init_noise, self.init_match)
+            lrs = [self.lr_logits * s_a * _cosine_factor(self.lr_final_ratio, _frac(t, T - T1)) for t in range(T - T1)]
+            closure = gap - remaining_gap(gap, lrs, self.weight_decay)
         return RefineSchedule(epochs=self.epochs, steps_per_epoch=S, rows_per_step=math.ceil(train_rows / S),
-                              lr_logits=self.lr_logits, lr_values=self.lr_values)
+                              lr_logits=self.lr_logits * s_a, lr_values=self.lr_values * s_v,
+                              lr_scale_logits=s_a, lr_scale_values=s_v, values_first_steps=T1 if learn else 0,
+                              learns_support=learn, init_gap=gap, logit_closure=closure)
+
+
+def values_first_steps(fraction: float, total: int) -> int:
+    """Steps of the values-only phase: ⌊fraction·total⌋, leaving the joint phase at least one step."""
+    if fraction <= 0 or total <= 1:
+        return 0
+    return min(int(fraction * total), total - 1)
+
+
+def remaining_gap(gap: float, lrs, weight_decay: float) -> float:
+    """The smallest gap between two logits after Lion steps at rates `lrs` that push them together as hard
+    as they can: each moves by lr towards the other (closing 2·lr) after the weight decay shrank both by
+    (1 − lr·wd). ≤ 0 means the order can flip."""
+    g = gap
+    for lr in lrs:
+        g = g * (1.0 - lr * weight_decay) - 2.0 * lr
+        if g <= 0:
+            return g
+    return g
 
 
 @dataclass(frozen=True)
@@ -139,16 +231,46 @@ class RefineSchedule:
     epochs: int
     steps_per_epoch: int
     rows_per_step: int  # routed rows per optimizer step over the whole block
-    lr_logits: float
+    lr_logits: float  # base rates after the budget rule (the cosine decays them to lr_final_ratio×)
     lr_values: float
+    lr_scale_logits: float = 1.0  # the budget rule's multipliers (1.0: the rates as configured)
+    lr_scale_values: float = 1.0
+    values_first_steps: int = 0  # steps training the values only, before the joint phase
+    learns_support: bool = True  # False: the support stays the init's (values only, or a dense format)
+    init_gap: float | None = None  # the init pattern's logit lead over its nearest rivals
+    logit_closure: float | None = None  # how much of it the logits' schedule can close at most
 
     @property
     def total_steps(self) -> int:
         return self.epochs * self.steps_per_epoch
 
+    @property
+    def can_change_patterns(self) -> bool:
+        """False when the logits cannot close the init pattern's nominal lead: then only the rare groups whose
+        init noise (std init_noise per logit) narrowed their lead can change pattern."""
+        return self.learns_support and self.init_gap is not None and self.logit_closure is not None \
+            and self.logit_closure >= self.init_gap
+
+    @property
+    def warning(self) -> str | None:
+        if not self.learns_support or self.can_change_patterns or self.total_steps == 0:
+            return None
+        return (f"refinement cannot change the sparsity patterns: in {self.total_steps - self.values_first_steps} steps "
+                f"at lr(A) {self.lr_logits:.3g} the logits close at most {self.logit_closure:.3g} of the init pattern's "
+                f"lead of {self.init_gap:.3g} (only the rare groups whose init noise narrowed it can flip), so this "
+                f"trains the values only; give more steps or a larger lr_logits (or lr_budget_cap_logits)")
+
     def __str__(self) -> str:
-        return (f"{self.epochs} epochs × {self.steps_per_epoch} steps = {self.total_steps} Lion steps per block, "
-                f"~{self.rows_per_step:,} routed rows per step; lr(A) {self.lr_logits:.3g}, lr(V) {self.lr_values:.3g}")
+        rates = f"lr(A) {self.lr_logits:.3g}, lr(V) {self.lr_values:.3g}"
+        if self.lr_scale_logits != 1.0 or self.lr_scale_values != 1.0:
+            rates += f" (budget rule: ×{self.lr_scale_logits:.3g} / ×{self.lr_scale_values:.3g})"
+        s = (f"{self.epochs} epochs × {self.steps_per_epoch} steps = {self.total_steps} Lion steps per block, "
+             f"~{self.rows_per_step:,} routed rows per step; {rates}")
+        if self.values_first_steps:
+            s += f"; values only for the first {self.values_first_steps} steps"
+        if self.learns_support:
+            s += "; patterns can change" if self.can_change_patterns else "; patterns CANNOT change"
+        return s
 
 # ---------------------------------------------------------------------------------------------------------
 # Format-generic helpers, batched over experts (leading axis). Known quantizers get a vectorised path that is
@@ -191,8 +313,21 @@ def _linear_schedule(a: float, b: float, frac: float) -> float:
     return a + (b - a) * frac
 
 
+def _frac(t: int, n: int) -> float:
+    """Position of step t in a phase of n steps, 0 at its first step and 1 at its last."""
+    return min(max(t / (n - 1), 0.0), 1.0) if n > 1 else 0.0
+
+
 def _cosine_factor(final: float, frac: float) -> float:
     return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+class StepSchedule(NamedTuple):
+    tau: float  # Gumbel-softmax temperature
+    gain: float  # multiplier of A before the noise
+    lr_logits: float  # cosine factors of the base learning rates
+    lr_values: float
+    joint: bool  # False in the values-only phase (values_first)
 
 
 @dataclass
@@ -203,6 +338,7 @@ class _Proj:
     fixed_mask: torch.Tensor | None  # bool [E, O, K] when the support is fixed (None for dense formats)
     best_V: torch.Tensor | None = None
     best_mask: torch.Tensor | None = None
+    init_mask: torch.Tensor | None = None  # bool [E, O, K]: the init's support (to count changed groups)
 
 
 @dataclass
@@ -328,12 +464,16 @@ class BlockRefiner:
         del X
         self._tick("quantize_inputs")
         ntr_t = self.n_train[self.n_train > 0]
-        self.plan = self.cfg.schedule(int(ntr_t.sum()), int(ntr_t.numel()))
+        self.plan = self.cfg.schedule(int(ntr_t.sum()), int(ntr_t.numel()), self.ps)
+        if self.plan.warning and self.plan.warning not in _WARNED:
+            _WARNED.add(self.plan.warning)  # once per process, not once per block
+            log.warning(self.plan.warning)
         self.steps_per_epoch = S = self.plan.steps_per_epoch
         s = torch.arange(S + 1, dtype=torch.int64)[:, None]
         bounds = (s * self.n_train[None, :]) // S  # [S+1, E] each expert's rows split into S near-equal chunks
         self.step_start, self.step_cnt = bounds[:-1], bounds[1:] - bounds[:-1]
         self.total_steps = S * self.cfg.epochs
+        self.values_steps = self.plan.values_first_steps  # values-only phase before the joint one
 
     def _ranges(self, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
         C = max(int(count.max()), 1)
@@ -462,22 +602,25 @@ class BlockRefiner:
                 raise ValueError(f"init latent for {p} has shape {tuple(V.shape[1:])}, weights {tuple(deq.shape[1:])}")
             V.requires_grad_(cfg.train_values)
             if self.learn_support:
-                A = relaxation.init_logits(mask, self.ps, self.gen, cfg.init_noise, cfg.init_match).requires_grad_()
+                A = relaxation.init_logits(mask, self.ps, self.gen, cfg.init_noise, cfg.init_match)
+                A = A.to(_DTYPES[cfg.logits_dtype]).requires_grad_()
                 fixed = None
             else:
                 A, fixed = None, (None if self.ps.num_patterns == 1 else mask)
-            pr = _Proj(p, V, A, fixed)
+            pr = _Proj(p, V, A, fixed, init_mask=mask)
             if cfg.train_values:
                 pr.best_V = V.detach().clone()
             if A is not None:
                 pr.best_mask = relaxation.hard_mask(A.detach(), self.ps)
             self.proj[p] = pr
             init_weights[p] = deq
-        groups = []
+        groups = []  # base rates after the budget rule (self.plan)
         if self.learn_support:
-            groups.append({"params": [pr.A for pr in self.proj.values()], "lr": cfg.lr_logits, "base_lr": cfg.lr_logits})
+            groups.append({"params": [pr.A for pr in self.proj.values()], "lr": self.plan.lr_logits,
+                           "base_lr": self.plan.lr_logits, "name": "logits"})
         if cfg.train_values:
-            groups.append({"params": [pr.V for pr in self.proj.values()], "lr": cfg.lr_values, "base_lr": cfg.lr_values})
+            groups.append({"params": [pr.V for pr in self.proj.values()], "lr": self.plan.lr_values,
+                           "base_lr": self.plan.lr_values, "name": "values"})
         from lion_pytorch import Lion  # imported here so formats/methods load without it
 
         self.opt = Lion(groups, lr=groups[0]["lr"], betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
@@ -492,18 +635,24 @@ class BlockRefiner:
 
     # --- the relaxed forward -------------------------------------------------------------------------------
 
-    def schedule(self, t: int) -> tuple[float, float, float]:
-        """(τ, gain, lr factor) at optimizer step t of the block."""
-        frac = t / (self.total_steps - 1) if self.total_steps > 1 else 0.0
-        frac = min(max(frac, 0.0), 1.0)
-        return (_linear_schedule(*self.cfg.tau, frac), _linear_schedule(*self.cfg.gain, frac),
-                _cosine_factor(self.cfg.lr_final_ratio, frac))
+    def schedule(self, t: int) -> StepSchedule:
+        """τ, gain and the cosine lr factors at optimizer step t of the block. The values' cosine spans all
+        steps; the logits', τ's and the gain's span the joint phase (all steps unless values_first)."""
+        c = self.cfg
+        fv = _frac(t, self.total_steps)
+        fa = _frac(t - self.values_steps, self.total_steps - self.values_steps)
+        return StepSchedule(_linear_schedule(*c.tau, fa), _linear_schedule(*c.gain, fa),
+                            _cosine_factor(c.lr_final_ratio, fa), _cosine_factor(c.lr_final_ratio, fv),
+                            joint=t >= self.values_steps)
 
-    def soft_weights(self, tau: float, gain: float) -> dict[str, torch.Tensor]:
-        """Fake-quantized relaxed weights W̃ = Q(Z ⊙ V) per projection (STE), with fresh Gumbel noise."""
+    def soft_weights(self, tau: float, gain: float, joint: bool = True) -> dict[str, torch.Tensor]:
+        """Fake-quantized relaxed weights W̃ = Q(Z ⊙ V) per projection (STE), with fresh Gumbel noise;
+        joint=False (the values-only phase): the current hard mask instead, A gets no gradient."""
         soft = {}
         for p, pr in self.proj.items():
-            if pr.A is not None:
+            if pr.A is not None and not joint:
+                soft[p] = pr.V * relaxation.hard_mask(pr.A.detach(), self.ps)
+            elif pr.A is not None:
                 G = relaxation.gumbel_noise(pr.A.shape, self.gen, self.device)
                 soft[p] = self._relax(pr.A, pr.V, G, tau, gain)
             elif pr.fixed_mask is not None:
@@ -518,11 +667,17 @@ class BlockRefiner:
         return fn(A, V, G, tau, gain)
 
     def _quant_soft(self, soft: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # Scales from the soft weights, detached; gate and up share one global scale from the start.
-        g_gu = batched_weight_global(self.fmt, soft["gate"], soft["up"])
-        g_d = batched_weight_global(self.fmt, soft["down"])
+        # Scales from the soft weights, detached; gate and up share one global scale from the start (unless
+        # shared_gate_up_global is off, as in the release).
+        g = self._weight_globals(soft)
         fq = self._maybe_compile("wq", lambda w, g: self.fmt.fake_quant_weight(w, None, g, ste=True))
-        return {"gate": fq(soft["gate"], g_gu), "up": fq(soft["up"], g_gu), "down": fq(soft["down"], g_d)}
+        return {p: fq(soft[p], g[p]) for p in PROJECTIONS}
+
+    def _weight_globals(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.cfg.shared_gate_up_global:
+            g_gu = batched_weight_global(self.fmt, w["gate"], w["up"])
+            return {"gate": g_gu, "up": g_gu, "down": batched_weight_global(self.fmt, w["down"])}
+        return {p: batched_weight_global(self.fmt, w[p]) for p in PROJECTIONS}
 
     def _maybe_compile(self, key, fn):
         if not self.cfg.compile:
@@ -570,9 +725,9 @@ class BlockRefiner:
 
     def train_step(self, order: torch.Tensor, s: int) -> torch.Tensor:
         """One optimizer step (step s of the epoch with row order `order`). Returns the per-expert loss [E]."""
-        tau, gain, lrf = self.schedule(self.step_count)
+        sch = self.schedule(self.step_count)
         for grp in self.opt.param_groups:
-            grp["lr"] = grp["base_lr"] * lrf
+            grp["lr"] = grp["base_lr"] * (sch.lr_logits if grp["name"] == "logits" else sch.lr_values)
         cnt = self.step_cnt[s]
         C = int(cnt.max())
         mb = self._micro_batches(cnt, C, self.step_start[s], cnt)
@@ -586,7 +741,7 @@ class BlockRefiner:
         den = tw_all.sum(1) * self.H
         inv_den = torch.where(den > 0, 1.0 / den.clamp_min(1e-30), torch.zeros_like(den))
 
-        Wq = self.soft_weights(tau, gain)
+        Wq = self.soft_weights(sch.tau, sch.gain, sch.joint)
         Wc = {p: w.detach().to(self.cd) for p, w in Wq.items()}
         gacc = {p: torch.zeros_like(w) for p, w in Wq.items()}
         num = torch.zeros(self.E, device=self.device)
@@ -642,9 +797,11 @@ class BlockRefiner:
             else:
                 masks[p] = pr.fixed_mask
             masked[p] = pr.V.detach() if masks[p] is None else pr.V.detach() * masks[p]
-        g_gu = batched_weight_global(self.fmt, masked["gate"], masked["up"])
-        g_d = batched_weight_global(self.fmt, masked["down"])
-        W = {p: self.fmt.fake_quant_weight(masked[p], None, g_gu if p != "down" else g_d) for p in PROJECTIONS}
+        g = self._weight_globals(masked)
+        W = {p: self.fmt.fake_quant_weight(masked[p], None, g[p]) for p in PROJECTIONS}
+        if not self.cfg.shared_gate_up_global:  # what serving sees: re-quantized under one shared scale
+            g_gu = batched_weight_global(self.fmt, W["gate"], W["up"])
+            W["gate"], W["up"] = (self.fmt.fake_quant_weight(W[p], None, g_gu) for p in ("gate", "up"))
         return W, masks
 
     @torch.no_grad()
@@ -686,7 +843,10 @@ class BlockRefiner:
         """Validate the current parameters and keep, per expert, whichever epoch validates best so far."""
         W, masks = self.hard_state()
         v = self.validate(W)
-        better = v < self.best_loss  # NaN (no validation rows) never wins: those experts keep their init
+        if self.cfg.ship == "last":  # the release: the last epoch ships wherever the expert trained
+            better = (self.n_train > 0).to(self.device) if epoch == self.cfg.epochs else torch.zeros_like(v, dtype=torch.bool)
+        else:
+            better = v < self.best_loss  # NaN (no validation rows) never wins: those experts keep their init
         self.best_loss = torch.where(better, v, self.best_loss)
         self.best_epoch = torch.where(better, torch.full_like(self.best_epoch, epoch), self.best_epoch)
         b3 = better[:, None, None]
@@ -714,6 +874,19 @@ class BlockRefiner:
         self.seconds = time.perf_counter() - t0
         return self.export()
 
+    def _groups_changed(self, e: int) -> dict:
+        """How many sparsity groups of expert e ship a pattern other than the init's (sparse formats)."""
+        if self.ps.is_dense:
+            return {}
+        changed = total = 0
+        for pr in self.proj.values():
+            if pr.best_mask is None or self.best_epoch[e] == 0:
+                total += pr.init_mask[e].numel() // self.ps.group
+                continue
+            diff = (pr.best_mask[e] != pr.init_mask[e]).reshape(-1, self.ps.group).any(-1)
+            changed, total = changed + int(diff.sum()), total + diff.numel()
+        return {"groups_changed": changed, "groups": total}
+
     @torch.no_grad()
     def export(self) -> list[CompressedExpert]:
         """Per expert: the init itself where no epoch validated better, else fmt.quantize of the best epoch's
@@ -732,6 +905,7 @@ class BlockRefiner:
                     "train_loss": train[:, e].tolist() if train is not None else [],
                     "n_train": int(self.n_train[e]), "n_val": int(self.n_val[e]),
                     "steps": self.step_count,
+                    **self._groups_changed(e),
                 },
             }
             if best_epoch[e] == 0:
@@ -746,8 +920,14 @@ class BlockRefiner:
                     masks[p] = pr.fixed_mask[e]
                 else:
                     masks[p] = torch.ones_like(vals[p], dtype=torch.bool)
-            g = fmt.global_scale(vals["gate"] * masks["gate"], vals["up"] * masks["up"])
-            q = {p: fmt.quantize(vals[p], masks[p], g if p != "down" else None) for p in PROJECTIONS}
+            if self.cfg.shared_gate_up_global:
+                g = fmt.global_scale(vals["gate"] * masks["gate"], vals["up"] * masks["up"])
+                q = {p: fmt.quantize(vals[p], masks[p], g if p != "down" else None) for p in PROJECTIONS}
+            else:  # the release: each with its own global scale, then re-quantized under the merged one
+                q = {p: fmt.quantize(vals[p], masks[p]) for p in PROJECTIONS}
+                deq = {p: q[p].dequantize() for p in ("gate", "up")}
+                g = fmt.global_scale(deq["gate"], deq["up"])
+                q.update({p: fmt.quantize(deq[p], masks[p], g) for p in ("gate", "up")})
             latent = {p: vals[p].clone() for p in PROJECTIONS} if self.cfg.keep_latent else None
             out.append(CompressedExpert(q["gate"], q["up"], q["down"], latent=latent, info=info))
         return out
