@@ -62,16 +62,19 @@ class ShardReader:
         with sf:
             yield sf
 
-    def read(self, names: list[str], index: int | None = None) -> list[torch.Tensor]:
-        """The tensors `names` (all from the checkpoint), or row `index` of each."""
-        out: dict[str, torch.Tensor] = {}
+    def iter(self, names: list[str], index: int | None = None):
+        """(name, tensor) for each of `names` (or row `index` of each), shard by shard, one tensor at a time."""
         by_file: dict[Path, list[str]] = {}
         for n in names:
             by_file.setdefault(self.files[n], []).append(n)
         for f, ns in by_file.items():
             with self._open(f) as sf:
                 for n in ns:
-                    out[n] = sf.get_tensor(n) if index is None else sf.get_slice(n)[index].clone()
+                    yield n, sf.get_tensor(n) if index is None else sf.get_slice(n)[index].clone()
+
+    def read(self, names: list[str], index: int | None = None) -> list[torch.Tensor]:
+        """The tensors `names` (all from the checkpoint), or row `index` of each."""
+        out = dict(self.iter(names, index))
         return [out[n] for n in names]
 
 
@@ -220,8 +223,9 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     mod_name, _, attr = name.rpartition(".")
     mod = model.get_submodule(mod_name)
     if attr in mod._parameters:
-        old = mod._parameters[attr]
-        value = mod._parameters[attr] = nn.Parameter(value, requires_grad=old.requires_grad)
+        # Frozen: a lazily opened model is for inference and compression, and a forward pass must not keep an
+        # autograd graph (with every layer's activations) alive.
+        value = mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
     else:
         mod._buffers[attr] = value
     value._is_hf_initialized = True  # transformers' initialize_weights leaves it alone
@@ -277,10 +281,10 @@ def load_lazy(path: Path, config, adapter: MoEAdapter, dtype: torch.dtype, devic
         sources[name].check(E, I, H, reader.shapes)
         block.mlp.experts = LazyExperts(template, sources[name], reader, block.layer_index, dtype, mlps)
 
-    names = sorted(dense)
-    for target, t in zip(names, reader.read([dense[n] for n in names])):
-        t = t.to(_target_dtype(model, target, dtype))
-        _set_tensor(model, target, t)
+    target_of = {key: target for target, key in dense.items()}
+    for key, t in reader.iter(sorted(target_of)):
+        target = target_of[key]
+        _set_tensor(model, target, t.to(_target_dtype(model, target, dtype)))
     model.tie_weights()
     missing = [n for n, t in model.state_dict(keep_vars=True).items() if t.device.type == "meta"]
     if missing:
