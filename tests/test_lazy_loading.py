@@ -228,6 +228,8 @@ print(json.dumps({{"baseline": base, "peak": peak, "blocks": summary["blocks"]}}
 
 
 def _peak_rss_of_compressing(tmp_path: Path, **shape) -> tuple[int, dict]:
+    """(model weight bytes, RSS figures) of `moesq calibrate` + `init-rtn` through moesq_core.pipeline as is: the
+    stages must open the model lazily for the bound to hold (eagerly, the 48-block model takes ~7x its size)."""
     model = tmp_path / "model"
     size = write_synthetic_qwen3_moe(model, **shape)
     script = tmp_path / "rss_worker.py"
