@@ -117,16 +117,27 @@ class MoEBlock:
     def expert_weights(self, e: int) -> dict[str, torch.Tensor]:
         """Dense fp32 (gate [I, H], up [I, H], down [H, I]) of the original expert e."""
         ex = self.dense_experts
+        if hasattr(ex, "expert_weights"):  # a lazily opened model reads the one expert from the checkpoint
+            return ex.expert_weights(e)
         gu = ex.gate_up_proj[e].detach().float()
         inter = gu.shape[0] // 2
         return {"gate": gu[:inter].clone(), "up": gu[inter:].clone(), "down": ex.down_proj[e].detach().float().clone()}
 
     def set_experts(self, module: nn.Module) -> None:
         """Swap in a module with the fused-experts call signature. The original is kept aside (not as a
-        submodule, so it is neither saved nor moved) for later stages that need the dense weights."""
+        submodule, so it is neither saved nor moved) for later stages that need the dense weights.
+
+        On a lazily opened model this frees the block's materialised dense weights and releases the modules
+        installed earlier in other blocks, so one block's worth of experts is held at a time."""
+        from .lazy import LazyExperts, release_installed
+
         if not hasattr(self.mlp, "_moesq_dense_experts"):
             object.__setattr__(self.mlp, "_moesq_dense_experts", self.mlp.experts)
         self.mlp.experts = module
+        dense = self.dense_experts
+        if isinstance(dense, LazyExperts) and module is not dense:
+            dense.release()
+            release_installed(dense.model_mlps, keep=self.mlp)
 
     def restore_dense(self) -> None:
         self.mlp.experts = self.dense_experts
@@ -163,14 +174,23 @@ def resolve_model_path(source: str) -> Path:
         ) from None
 
 
-def load_model(source: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """(model, tokenizer, adapter, path) for a supported MoE model; refuses others before loading weights."""
+def load_model(source: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               lazy: bool = False):
+    """(model, tokenizer, adapter, path) for a supported MoE model; refuses others before loading weights.
+
+    lazy: load only the non-expert weights; each MoE block's experts are read from the safetensors shards when
+    used and dropped afterwards (moesq_core.models.lazy), so a model larger than host memory can be compressed."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(str(source))
     config = AutoConfig.from_pretrained(path)
     adapter = adapter_for(config)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.to(device).eval()
+    if lazy:
+        from .lazy import load_lazy
+
+        model = load_lazy(path, config, adapter, dtype, device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(path) if any(path.glob("tokenizer*")) else None
     return model, tok, adapter, path
