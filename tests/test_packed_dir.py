@@ -63,6 +63,20 @@ def test_input_global_scale_fallback_never_zero():
     assert input_global_scales(None) == (None, 0)
 
 
+def test_fake_quantized_module_uses_the_packs_fallback_scale():
+    from moesq_core.formats import get_format
+    from moesq_core.runtime.experts import MoesqExperts
+
+    fmt = get_format("p48-nvfp4")
+    gen = torch.Generator().manual_seed(0)
+    weights = [{p: fmt.quantize(torch.randn(64 if p != "down" else 32, 32 if p != "down" else 64, generator=gen))
+                for p in ("gate", "up", "down")} for _ in range(3)]
+    amax = torch.tensor([2.0, 0.0, 8.0])  # expert 1 saw no calibration token
+    m = MoesqExperts.from_quantized(fmt, weights, True, amax, amax)
+    g, _ = input_global_scales(amax)
+    assert torch.equal(m.act_global_in, g) and torch.equal(m.act_global_mid, g) and bool((g > 0).all())
+
+
 def test_pack_is_byte_deterministic(stages, packs, tmp_path):
     wd, out, _ = packs["p48-nvfp4"]
     again = tmp_path / "again"

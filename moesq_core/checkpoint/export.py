@@ -33,7 +33,7 @@ from ..formats import get_format
 from ..packing import pack
 from ..packing.p48 import MARKER, MARKER_KEY
 from ..packing.s24 import CONFIG_FORMAT as S24_FORMAT_NAME, MARKER as S24_MARKER, MARKER_KEY as S24_MARKER_KEY
-from ..runtime.experts import act_global_from_amax
+from ..runtime.experts import input_global_scales
 from ..workdir import WorkDir, WorkDirError
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
 
@@ -90,25 +90,6 @@ def quantization_config(fmt_name: str, ignore: list[str], act_quant: bool, spars
     if fmt_name == "s24-fp8":
         qc[S24_MARKER_KEY] = dict(S24_MARKER)
     return qc
-
-
-def input_global_scales(amax: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
-    """Static activation global scales per expert [E] and how many fell back.
-
-    An expert no calibration token reached has no range; serving engines compute 1/scale and take the max over
-    a layer's experts, so 0 or inf would break the whole layer. Such experts get the layer-level scale
-    calibrated from the largest range seen in the layer, or 1.0 when the layer saw none."""
-    if amax is None:
-        return None, 0
-    g = act_global_from_amax(amax).float().reshape(-1)
-    ok = torch.isfinite(g) & (g > 0)
-    if bool(ok.all()):
-        return g, 0
-    seen = amax.float().reshape(-1)[ok]
-    fallback = act_global_from_amax(seen.max().reshape(1))[0] if seen.numel() else torch.tensor(1.0)
-    if not (torch.isfinite(fallback) and fallback > 0):
-        fallback = torch.tensor(1.0)
-    return torch.where(ok, g, fallback), int((~ok).sum())
 
 
 def _source_tensors(src: Path):

@@ -25,6 +25,25 @@ def act_global_from_amax(amax: torch.Tensor | None) -> torch.Tensor | None:
     return torch.where(amax > 0, nvfp4_global_scale(amax), torch.zeros_like(amax))
 
 
+def input_global_scales(amax: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """Static activation global scales per expert [E] and how many fell back.
+
+    An expert no calibration token reached has no range; serving engines compute 1/scale and take the max over
+    a layer's experts, so 0 or inf would break the whole layer. Such experts get the layer-level scale
+    calibrated from the largest range seen in the layer, or 1.0 when the layer saw none."""
+    if amax is None:
+        return None, 0
+    g = act_global_from_amax(amax).float().reshape(-1)
+    ok = torch.isfinite(g) & (g > 0)
+    if bool(ok.all()):
+        return g, 0
+    seen = amax.float().reshape(-1)[ok]
+    fallback = act_global_from_amax(seen.max().reshape(1))[0] if seen.numel() else torch.tensor(1.0)
+    if not (torch.isfinite(fallback) and fallback > 0):
+        fallback = torch.tensor(1.0)
+    return torch.where(ok, g, fallback), int((~ok).sum())
+
+
 class MoesqExperts(nn.Module):
     def __init__(self, fmt: Format | str, gate_up: torch.Tensor, down: torch.Tensor, act_quant: bool,
                  act_global_in: torch.Tensor | None = None, act_global_mid: torch.Tensor | None = None):
@@ -41,10 +60,11 @@ class MoesqExperts(nn.Module):
     @classmethod
     def from_quantized(cls, fmt: Format | str, weights: list[dict[str, QuantizedWeight]], act_quant: bool,
                        act_amax_in: torch.Tensor | None = None, act_amax_mid: torch.Tensor | None = None) -> "MoesqExperts":
-        """From per-expert QuantizedWeights and calibrated activation ranges (amax; 0 = none)."""
+        """From per-expert QuantizedWeights and calibrated activation ranges (amax; 0 = none). Experts without a
+        range get the fallback scale that `moesq pack` writes, so this module computes what the pack serves."""
         gate_up = torch.stack([torch.cat([w["gate"].dequantize(), w["up"].dequantize()]) for w in weights])
         down = torch.stack([w["down"].dequantize() for w in weights])
-        return cls(fmt, gate_up, down, act_quant, act_global_from_amax(act_amax_in), act_global_from_amax(act_amax_mid))
+        return cls(fmt, gate_up, down, act_quant, input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
 
     def _global(self, g: torch.Tensor) -> torch.Tensor | None:
         # The FP8 activation quantizer has no global scale; NVFP4's is static when calibrated.
