@@ -86,7 +86,7 @@ def test_corrupt_artifact_and_foreign_config_are_refused(micro, tmp_path):
     wd = _new_wd(tmp_path / "wd", path)
     run_stage(model, adapter, calib, _spec(), wd)
     before = sha256_file(wd.manifest_path)
-    with pytest.raises(WorkDirError, match="another model or config"):
+    with pytest.raises(WorkDirError, match="made for another model"):
         wd.init({"source": "x", "path": "x", "fingerprint": "0" * 32}, {"format": "p48-nvfp4"})
     with pytest.raises(WorkDirError, match="format: 'p48-nvfp4' \\(work dir\\) vs 's24-fp8'"):
         wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": "s24-fp8"})
