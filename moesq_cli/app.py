@@ -55,9 +55,8 @@ def _check_workdir(value: Path | None) -> Path | None:
 
 def _check_calib(value: str | None) -> str | None:
     if value is not None:
-        p = Path(value).expanduser()
-        hub_name = "/" in value and not value.startswith((".", "/", "~")) and not p.parent.exists()
-        if not p.exists() and not hub_name:
+        hub_name = re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?(@[\w.:%\[\]-]+)?", value)
+        if not Path(value).expanduser().exists() and not hub_name:
             raise typer.BadParameter(f"{value}: no such file or directory (or a Hub dataset 'org/name[:config][@split]')")
     return value
 
@@ -273,7 +272,7 @@ def calibrate(
 
     [bold]Examples[/]
 
-      moesq calibrate -w moesq-work --seq-len 64 --n-train 8 --n-val 4 --n-init 8
+      moesq calibrate -w moesq-work --seq-len 32 --n-train 2 --n-val 2 --n-init 8
 
       moesq calibrate --model Qwen/Qwen3-30B-A3B -w qwen3-work --calib allenai/c4:en@train
     """
@@ -319,7 +318,7 @@ def init_sgptq(
 
     [bold]Examples[/]
 
-      moesq init-sgptq -w moesq-work --seq-len 64 --n-train 8 --n-val 4 --n-init 8
+      moesq init-sgptq -w moesq-work --seq-len 32 --n-train 2 --n-val 2 --n-init 8
 
       moesq init-sgptq -w moesq-work --method rtn
 
@@ -385,7 +384,7 @@ def refine(
 
     [bold]Examples[/]
 
-      moesq refine -w moesq-work --seq-len 64 --n-train 8 --n-val 4 --n-init 8
+      moesq refine -w moesq-work --seq-len 32 --n-train 2 --n-val 2 --n-init 8
 
       moesq refine -w moesq-work --stage refine-short --epochs 2 --steps-per-epoch 4
 
@@ -658,47 +657,68 @@ def _render_recovery(table) -> None:
 @app.command()
 @_guard
 def run(
-    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = None,
-    act_quant: ActQuantOpt = None, calib: CalibOpt = None,
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
+    recipe: Annotated[Optional[Path], typer.Option("--recipe", help="A recipe (YAML CompressConfig, e.g. recipes/micro-quick.yaml); the options given here override it.")] = None,
+    format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Evaluation text (default: the embedded sample).")] = None,
     ppl_tokens: Annotated[int, typer.Option(min=1, help="Evaluate the first N tokens.")] = 65536,
-    method: Annotated[str, typer.Option(callback=_check_method, help="One-shot init method.")] = "sgptq",
-    baselines: Annotated[str, typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none). "
-                                                "On sparse formats rtn and magnitude are the same weights.")] = "magnitude",
-    refine_stage: Annotated[bool, typer.Option("--refine/--no-refine", help="Run refinement after the init.")] = True,
-    epochs: Annotated[int, typer.Option(min=0, help="Refinement epochs.")] = 2,
-    steps_per_epoch: Annotated[int, typer.Option(min=1, help="Refinement optimizer steps per epoch.")] = 8,
+    method: Annotated[Optional[str], typer.Option(callback=lambda v: v and _check_method(v), help="One-shot init method (default sgptq).")] = None,
+    baselines: Annotated[Optional[str], typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none; default magnitude). "
+                                                          "On sparse formats rtn and magnitude are the same weights.")] = None,
+    refine_stage: Annotated[Optional[bool], typer.Option("--refine/--no-refine", help="Run refinement after the init (default: yes).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(min=0, help="Refinement epochs (default 2).")] = None,
+    steps_per_epoch: Annotated[Optional[int], typer.Option(min=1, help="Refinement optimizer steps per epoch (default 8).")] = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None,
     seed: SeedOpt = None, device: DeviceOpt = "auto", quiet: QuietOpt = False, json_out: JsonOpt = False,
 ):
     """Everything in one go: calibrate → baselines → init → refine → pack → verify → perplexity table.
 
-    With no options it compresses the embedded micro-qwen3-moe model offline on a CPU in minutes. Defaults
-    here are a small budget (256-token sequences: 64 for the one-shot stage, 64 + 8 for refinement, 2 epochs
-    × 8 steps); use the stage commands for the paper's settings.
+    With no options it compresses the embedded micro-qwen3-moe model offline on a CPU in minutes, with the
+    micro-quick recipe (256-token sequences: 64 for the one-shot stage, 64 + 8 for refinement, 2 epochs × 8
+    steps). On an existing work dir without --recipe, the work dir's calibration settings are kept.
 
     [bold]Examples[/]
 
-      moesq run
-
       moesq run -w run-rtn --method rtn --baselines '' --no-refine --seq-len 64 --n-train 8 --n-val 4 --n-init 8 --ppl-tokens 4096
     """
-    from moesq_core.config import MethodConfig
-    from moesq_core.pipeline import run_all
+    import dataclasses
+
+    from moesq_core.api import default_run_config
+    from moesq_core.config import CompressConfig, MethodConfig
+    from moesq_core.pipeline import run_all, run_config_of
 
     _setup(workdir, quiet)
     if ppl is not None and not ppl.is_file():
         _fail(f"--ppl {ppl}: no such file", 2)
+    if recipe is not None and not recipe.is_file():
+        _fail(f"--recipe {recipe}: no such file", 2)
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
     _as_usage_error(_run_config_check, **given)
-    base = tuple(b.strip() for b in baselines.split(",") if b.strip())
-    for b in base:
-        if b not in _methods():
-            _fail(f"--baselines: unknown method {b!r}; choose from {', '.join(_methods())}", 2)
+    try:
+        cfg = CompressConfig.from_file(recipe) if recipe else run_config_of(workdir, default_run_config())
+    except ValueError as e:
+        _fail(str(e), 2)
+    changes = {}
+    if method is not None:
+        changes["init"] = MethodConfig(method)
+    if baselines is not None:
+        base = tuple(b.strip() for b in baselines.split(",") if b.strip())
+        for b in base:
+            if b not in _methods():
+                _fail(f"--baselines: unknown method {b!r}; choose from {', '.join(_methods())}", 2)
+        changes["baselines"] = base
+    if refine_stage is False:
+        changes["refine"] = None
+    elif refine_stage and cfg.refine is None:
+        from moesq_core.methods.refine import RefineConfig
+
+        changes["refine"] = RefineConfig()
+    cfg = dataclasses.replace(cfg, **changes)
+    if cfg.refine is None and (epochs is not None or steps_per_epoch is not None):
+        _fail("--epochs / --steps-per-epoch need refinement (drop --no-refine)", 2)
+    cfg = _as_usage_error(cfg.with_overrides, **given, epochs=epochs, steps_per_epoch=steps_per_epoch)
     with RichProgress(quiet) as p:
-        res = run_all(workdir, model, given, method=MethodConfig(method), baselines=base,
-                      refine_config=dict(epochs=epochs, steps_per_epoch=steps_per_epoch) if refine_stage else None,
-                      device=device, ppl=ppl, ppl_tokens=ppl_tokens, progress=p)
+        res = run_all(workdir, cfg, model, device=device, ppl=ppl, ppl_tokens=ppl_tokens, progress=p)
     _attach_log(workdir, quiet)
     if json_out:
         return _print_json({"workdir": str(workdir), **res})

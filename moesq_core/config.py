@@ -107,3 +107,96 @@ class MethodConfig:
 def refine_identity(rcfg, init_stage: str) -> dict:
     """The manifest identity of a refinement stage: its init stage and the full RefineConfig."""
     return {"method": "refine", "init": init_stage, "refine": jsonable(asdict(rcfg))}
+
+
+@dataclass
+class CompressConfig:
+    """Everything `compress()` / `moesq run` does to one model: the work dir's run config (format, activation
+    quantization, calibration), the one-shot init method, refinement (None: init only) and extra one-shot
+    baselines. `to_dict()` is normalised (every default filled in); recipes are its YAML form."""
+
+    format: str = "p48-nvfp4"
+    act_quant: bool = True
+    calib: CalibConfig = field(default_factory=CalibConfig)
+    calib_source: str = str(DEFAULT_CALIB)
+    init: MethodConfig = field(default_factory=MethodConfig)
+    refine: Any = None  # a RefineConfig, or None for the init stage only
+    baselines: tuple[str, ...] = ()
+    model: str | None = None  # a recipe may name its model; compress()'s model argument wins
+
+    def __post_init__(self):
+        from .methods.refine import RefineConfig
+
+        if isinstance(self.calib, dict):
+            self.calib = CalibConfig(**self.calib)
+        if isinstance(self.init, dict):
+            self.init = MethodConfig(self.init.get("method", "sgptq"), self.init.get("options") or {})
+        elif isinstance(self.init, str):
+            self.init = MethodConfig(self.init)
+        if isinstance(self.refine, dict):
+            self.refine = RefineConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in self.refine.items()})
+        elif self.refine is not None and not isinstance(self.refine, RefineConfig):
+            raise ValueError(f"refine must be a RefineConfig, a dict of its fields or None, got {type(self.refine).__name__}")
+        self.baselines = tuple(self.baselines or ())
+        for b in self.baselines:
+            MethodConfig(b)  # an unknown baseline is refused here
+        run = self.run_config()  # validates format and calibration; normalises the source
+        self.calib_source, self.act_quant = run.calib_source, run.act_quant
+
+    def run_config(self) -> RunConfig:
+        return RunConfig(self.format, self.act_quant, self.calib, self.calib_source)
+
+    def to_dict(self) -> dict:
+        return jsonable({"model": self.model, **self.run_config().to_dict(), "init": self.init.to_dict(),
+                         "refine": asdict(self.refine) if self.refine is not None else None,
+                         "baselines": list(self.baselines)})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CompressConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown config key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        d = dict(d)
+        if d.get("calib_source") is None:
+            d.pop("calib_source", None)
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "CompressConfig":
+        """A recipe: YAML (or JSON) with the keys of to_dict(); omitted keys take their defaults."""
+        import yaml
+
+        path = Path(path)
+        try:
+            d = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            raise ValueError(f"recipe {path}: cannot be read ({type(e).__name__}: {e})") from None
+        if not isinstance(d, dict):
+            raise ValueError(f"recipe {path}: expected a mapping of config keys, got {type(d).__name__}")
+        try:
+            return cls.from_dict(d)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"recipe {path}: {e}") from None
+
+    def with_overrides(self, **flat) -> "CompressConfig":
+        """A copy with command-line–style overrides (None = not given): RUN_OPTIONS, and `epochs`,
+        `steps_per_epoch` of refinement."""
+        given = {k: v for k, v in flat.items() if v is not None}
+        d = self.to_dict()
+        for k in ("format", "act_quant", "calib_source"):
+            if k in given:
+                d[k] = given.pop(k)
+        for k in _CALIB_KEYS:
+            if k in given:
+                d["calib"][k] = given.pop(k)
+        for k in ("epochs", "steps_per_epoch"):
+            if k in given:
+                if d["refine"] is None:
+                    raise ValueError(f"{k} is a refinement option, and this config has no refinement")
+                d["refine"][k] = given.pop(k)
+                if k == "steps_per_epoch":
+                    d["refine"]["batch_rows"] = None
+        if given:
+            raise ValueError(f"unknown override(s) {', '.join(sorted(given))}")
+        return CompressConfig.from_dict(d)

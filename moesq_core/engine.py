@@ -313,10 +313,9 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
                             timings[str(e)] = t
                     if is_main:
                         save_block(path, results, amax_in, amax_mid)
-                        extra = {"experts": len(results), "seconds": round(time.perf_counter() - t0, 2)}
-                        if timings:
-                            extra["expert_timings"] = timings
-                        workdir.record_block(spec.name, li, path, extra)
+                        workdir.record_block(spec.name, li, path, {"experts": len(results)},
+                                             timings={"seconds": round(time.perf_counter() - t0, 2),
+                                                      **({"experts": timings} if timings else {})})
                     if dist:
                         dist.barrier()
                     computed += 1

@@ -338,39 +338,36 @@ def run_refine(workdir: str | Path, config, model: str | Path | None = None, opt
                       progress=progress, cache_limit_gb=cache_limit_gb, stage=stage)
 
 
-RUN_DEFAULTS = {"seq_len": 256, "n_train": 64, "n_val": 8, "n_init": 64}  # `moesq run`'s small budget
+def run_config_of(workdir: str | Path, config):
+    """`config` (a CompressConfig) with an existing work dir's run config (format, activation quantization,
+    calibration) in place of its own: what `moesq run` without a recipe does on a work dir another command
+    made. A new work dir keeps the config's."""
+    import dataclasses
+
+    wd = WorkDir(workdir)
+    if not wd.exists():
+        return config
+    rec = RunConfig.from_dict(wd.load()["config"])
+    return dataclasses.replace(config, format=rec.format, act_quant=rec.act_quant, calib=rec.calib,
+                               calib_source=rec.calib_source)
 
 
-def run_all(workdir: str | Path, model: str | Path | None = None, options: dict | None = None, *,
-            method: MethodConfig | None = None, baselines: tuple[str, ...] = ("magnitude",), refine_config=None,
-            device: str | None = None, ppl: str | Path | None = None, ppl_tokens: int = 65536, progress=None) -> dict:
-    """`moesq run`: calibrate → baselines → init → refine (when refine_config is given) → pack → verify →
-    perplexity of the reference, every stage and the packed model. Returns {stage, config, packed, rows,
-    bits_per_weight}."""
-    from .checkpoint.export import export_packed
+def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *, device: str | None = None,
+            ppl: str | Path | None = None, ppl_tokens: int = 65536, progress=None) -> dict:
+    """`moesq run`: compress (calibrate → baselines → init → refine, as the CompressConfig says; default: the
+    micro-quick recipe) → pack → verify → perplexity of the reference, every stage and the packed model.
+    Returns {stage, config, packed, rows, bits_per_weight}."""
+    from .api import compress as compress_model
     from .checkpoint.verify import verify_packed_dir
     from .eval.runner import ResultCache, ppl_for_targets, resolve_targets
-    from .methods.refine import RefineConfig
 
-    method = method or MethodConfig()
-    base = [MethodConfig(b) for b in baselines if b and b != method.name]
-    rcfg = (refine_config if isinstance(refine_config, RefineConfig) or refine_config is None
-            else RefineConfig(**refine_config))
-    _check_run_args(device, 1, None, 0)
     progress = progress or NullProgress()
     wd = WorkDir(workdir)
     with _command_lock(wd):
-        wd = open_workdir(wd, model, options, defaults=RUN_DEFAULTS, progress=progress)
-        for b in base:
-            compress(wd, b, device=device, progress=progress)
-        compress(wd, method, device=device, progress=progress)
-        stage = init_stage_name(method.name)
-        if rcfg is not None:
-            refine(wd, rcfg, init=method.name, device=device, progress=progress)
-            stage = "refine"
+        handle = compress_model(model, config, workdir, device=device, progress=progress)
         out = wd.root / "packed"
-        with progress.task(f"pack {stage}", None):
-            export_packed(wd, stage, out, overwrite=True)
+        with progress.task(f"pack {handle.stage}", None):
+            handle.save_pretrained(out, overwrite=True)
         report = verify_packed_dir(out)
         if not report.ok:
             raise RuntimeError(f"verify failed on the packed model: {report.first_error}")
@@ -380,7 +377,7 @@ def run_all(workdir: str | Path, model: str | Path | None = None, options: dict 
         (wd.root / "eval").mkdir(exist_ok=True)
         with atomic_path(wd.root / "eval" / "run_table.json") as tmp:
             tmp.write_text(json.dumps(rows, indent=2))
-    return {"stage": stage, "config": wd.load()["config"], "packed": str(out), "rows": rows,
+    return {"stage": handle.stage, "config": handle.config.to_dict(), "packed": str(out), "rows": rows,
             "bits_per_weight": report.bits_per_weight}
 
 

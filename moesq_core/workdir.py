@@ -7,7 +7,7 @@ run left behind.
 
 Layout:
     manifest.json                 moesq version, model {source, fingerprint}, config, calibration,
-                                  stages {name: {config, blocks {N: {file, sha256, timings}}, done, runs}}
+                                  stages {name: {config, blocks {N: {file, sha256}}, block_timings, done, runs}}
     calib/calibration.safetensors token splits (train / val / init)
     stages/<stage>/block_NNN.safetensors   one artifact per MoE block (no timings: byte-deterministic)
     logs/moesq.log
@@ -337,10 +337,15 @@ class WorkDir:
     def stage(self, stage: str) -> dict | None:
         return self.load()["stages"].get(stage)
 
-    def record_block(self, stage: str, block: int, path: Path, extra: dict | None = None) -> None:
+    def record_block(self, stage: str, block: int, path: Path, extra: dict | None = None,
+                     timings: dict | None = None) -> None:
+        """Record a finished block's artifact and checksum. Its timings go to the stage's `block_timings`
+        (apart from the block record, which identifies the artifact and is the same in every run)."""
         m = self.load()
-        m["stages"][stage]["blocks"][str(block)] = {
-            "file": str(path.relative_to(self.root)), "sha256": sha256_file(path), **(extra or {})}
+        st = m["stages"][stage]
+        st["blocks"][str(block)] = {"file": str(path.relative_to(self.root)), "sha256": sha256_file(path), **(extra or {})}
+        if timings:
+            st.setdefault("block_timings", {})[str(block)] = timings
         self.save(m)
 
     def finish_stage(self, stage: str, summary: dict | None = None) -> None:
