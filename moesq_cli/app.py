@@ -155,17 +155,12 @@ def _saved_state(workdir: Path | None) -> str:
     return f"saved in {workdir}: {', '.join(parts)}; re-run the same command to resume"
 
 
-def _log_traceback(workdir: Path | None) -> str | None:
+def _log_traceback(workdir: Path | None) -> Path | None:
     """Write the current exception's traceback to the work dir's log; the log's path (None without one)."""
-    from moesq_core.workdir import WorkDir, setup_logging
+    from moesq_core.workdir import WorkDirLogHandler
 
-    logfile = None
-    if workdir is not None and WorkDir(workdir).exists():
-        logfile = Path(workdir) / "logs" / "moesq.log"
-        if not any(isinstance(h, logging.FileHandler) for h in log.handlers):
-            setup_logging(Path(workdir), True)
     log.info("traceback:\n%s", traceback.format_exc())
-    return logfile
+    return next((h.path for h in log.handlers if isinstance(h, WorkDirLogHandler) and h.path), None)
 
 
 def _guard(fn):
@@ -212,22 +207,11 @@ def _guard(fn):
 def _setup(workdir: Path | None, quiet: bool):
     from transformers.utils import logging as hf_logging
 
-    from moesq_core.workdir import WorkDir, setup_logging
-
-    hf_logging.disable_progress_bar()  # moesq shows its own progress; per-load weight bars are noise
-
-    # log into the work dir only when it is one (never create logs/ in a directory moesq did not make)
-    setup_logging(workdir if workdir is not None and WorkDir(workdir).exists() else None, quiet)
-    if workdir is not None:
-        log.info("moesq %s", " ".join(sys.argv[1:]))
-
-
-def _attach_log(workdir: Path, quiet: bool) -> None:
-    """Start the work dir's log once a command has created the work dir."""
     from moesq_core.workdir import setup_logging
 
-    if not any(isinstance(h, logging.FileHandler) for h in log.handlers):
-        setup_logging(workdir, quiet)
+    hf_logging.disable_progress_bar()  # moesq shows its own progress; per-load weight bars are noise
+    setup_logging(workdir, quiet)  # the log file starts once the work dir exists (see WorkDirLogHandler)
+    if workdir is not None:
         log.info("moesq %s", " ".join(sys.argv[1:]))
 
 
@@ -283,7 +267,6 @@ def calibrate(
     _as_usage_error(_run_config_check, **given)
     with RichProgress(quiet) as p:
         info = run_calibrate(workdir, model, given, progress=p)
-    _attach_log(workdir, quiet)
     if json_out:
         return _print_json({"workdir": str(workdir), "calibration": info})
     console.print(f"calibration: {info['sequences']} sequences of {info['seq_len']} tokens → {workdir / info['file']}")
@@ -342,7 +325,6 @@ def init_sgptq(
     with RichProgress(quiet) as p:
         summary = run_init(workdir, mcfg, model, given, device=device, batch_size=batch_size, redo_from=redo_from,
                            cache_limit_gb=cache_gb, progress=p)
-    _attach_log(workdir, quiet)
     stage = init_stage_name(method)
     if json_out:
         return _print_json({"workdir": str(workdir), "stage": stage, "config": mcfg.to_dict(), **summary})
@@ -407,7 +389,6 @@ def refine(
     with RichProgress(quiet) as p:
         summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,
                              batch_size=batch_size, redo_from=redo_from, cache_limit_gb=cache_gb, progress=p)
-    _attach_log(workdir, quiet)
     if json_out:
         return _print_json({"workdir": str(workdir), "stage": stage, **summary})
     console.print(_stage_line(stage, summary, workdir))
@@ -719,7 +700,6 @@ def run(
     cfg = _as_usage_error(cfg.with_overrides, **given, epochs=epochs, steps_per_epoch=steps_per_epoch)
     with RichProgress(quiet) as p:
         res = run_all(workdir, cfg, model, device=device, ppl=ppl, ppl_tokens=ppl_tokens, progress=p)
-    _attach_log(workdir, quiet)
     if json_out:
         return _print_json({"workdir": str(workdir), **res})
     rows = res["rows"]

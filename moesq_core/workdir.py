@@ -387,15 +387,54 @@ class WorkDir:
         self.save(m)
 
 
+class WorkDirLogHandler(logging.Handler):
+    """Appends to <workdir>/logs/moesq.log once the work dir exists (its manifest is written); records from
+    before that are kept and written then. A command refused before it made the work dir writes nothing, so
+    no logs/ appears in a directory moesq did not make."""
+
+    def __init__(self, root: Path):
+        super().__init__(logging.INFO)
+        self.root = Path(root)
+        self.pending: list[logging.LogRecord] = []
+        self.file: logging.FileHandler | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if self.file is None:
+                if not (self.root / MANIFEST).is_file():
+                    if len(self.pending) < 10_000:
+                        self.pending.append(record)
+                    return
+                (self.root / "logs").mkdir(exist_ok=True)
+                self.file = logging.FileHandler(self.root / "logs" / "moesq.log")
+                self.file.setFormatter(self.formatter)
+                for r in self.pending:
+                    self.file.emit(r)
+                self.pending = []
+            self.file.emit(record)
+        except Exception:
+            self.handleError(record)
+
+    @property
+    def path(self) -> Path | None:
+        return self.root / "logs" / "moesq.log" if self.file is not None else None
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        super().close()
+
+
 def setup_logging(root: Path | None, quiet: bool = False) -> None:
-    """Log to <workdir>/logs/moesq.log (always, at INFO) and, unless quiet, warnings to stderr."""
+    """Log to <workdir>/logs/moesq.log (at INFO, once the work dir exists) and, unless quiet, warnings to
+    stderr."""
     logger = logging.getLogger("moesq")
     logger.setLevel(logging.INFO)
     for h in list(logger.handlers):
         logger.removeHandler(h)
+        h.close()
     if root is not None:
-        (Path(root) / "logs").mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(Path(root) / "logs" / "moesq.log")
+        fh = WorkDirLogHandler(Path(root))
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logger.addHandler(fh)
     sh = logging.StreamHandler()
