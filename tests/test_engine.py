@@ -238,6 +238,7 @@ def test_lock_is_exclusive_and_cleans_temp_files(tmp_path):
     from moesq_core.workdir import WorkDirLocked
 
     wd = WorkDir(tmp_path / "wd")
+    wd.init({"source": "m", "path": "m", "fingerprint": "0" * 32}, {"format": "p48-nvfp4"})
     (wd.root / "stages" / "s").mkdir(parents=True)
     stale = wd.root / "stages" / "s" / ".block_000.safetensors.a1b2c3d4.tmp"
     stale.write_bytes(b"half")
@@ -253,3 +254,11 @@ def test_lock_is_exclusive_and_cleans_temp_files(tmp_path):
         assert r.returncode != 0 and "WorkDirLocked" in r.stderr and f"pid {os.getpid()}" in r.stderr
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0  # released
     assert issubclass(WorkDirLocked, WorkDirError)
+    # a directory moesq did not make gets no lock file
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "data.txt").write_text("x")
+    with pytest.raises(WorkDirError, match="not a moesq work dir"):
+        with WorkDir(foreign).locked():
+            pass
+    assert [p.name for p in foreign.iterdir()] == ["data.txt"]
