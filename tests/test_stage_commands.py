@@ -246,11 +246,16 @@ KILL_CMD = ["refine", *TINY, *SHORT, *FAST]
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory, micro_path):
-    """Artifacts and wall time of one uninterrupted calibrate → init-sgptq → refine."""
+    """Artifacts of one uninterrupted calibrate → init-sgptq → refine, its wall time and the time at which its
+    calibration was recorded (so kills can aim at the calibration phase too)."""
     wd = tmp_path_factory.mktemp("ref") / "wd"
     t0 = time.time()
-    moesq(*KILL_CMD, "--model", micro_path, "-w", wd)
-    return _artifacts(wd), time.time() - t0
+    p = subprocess.Popen([MOESQ, *KILL_CMD, "--model", str(micro_path), "-w", str(wd)], env=ENV,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert _wait_for(lambda: p.poll() is not None or "calibration" in _manifest(wd))
+    t_calib = time.time() - t0
+    assert p.wait(timeout=1200) == 0, p.stderr.read()
+    return _artifacts(wd), time.time() - t0, t_calib
 
 
 def _state(wd: Path) -> str:
@@ -265,14 +270,16 @@ def _state(wd: Path) -> str:
 
 
 def _kill_and_resume(micro_path, wd: Path, seed: int, uninterrupted, kills: int = 2) -> list[str]:
-    want, seconds = uninterrupted
+    want, seconds, t_calib = uninterrupted
     rng = random.Random(seed)
     stops = []
-    for _ in range(kills):
+    for k in range(kills):
+        # the first kill aims at the end of start-up and calibration, the others anywhere in the run
+        at = rng.uniform(0.6 * t_calib, 1.05 * t_calib) if k == 0 else rng.uniform(0.5, seconds)
         p = subprocess.Popen([MOESQ, *KILL_CMD, "--model", str(micro_path), "-w", str(wd)], env=ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            p.wait(timeout=rng.uniform(0.5, seconds))
+            p.wait(timeout=at)
         except subprocess.TimeoutExpired:
             p.send_signal(signal.SIGKILL)
             p.wait()
