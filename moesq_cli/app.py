@@ -1,16 +1,23 @@
 """moesq: compress the routed experts of MoE LLMs into hardware-native sparse low-precision formats.
 
 Each command parses options, calls one moesq_core function and renders the result; all the work lives in
-moesq_core. Errors that the user can fix are printed as one message with exit code 1 (2 for usage).
+moesq_core. Errors that the user can fix are printed as one line: exit code 2 for a bad option (named), 1 for
+a failure. The traceback of any error goes to the work dir's log (and to the screen with `moesq --debug`).
+SIGINT / SIGTERM print what was saved and how to resume, and exit 130 / 143.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import re
+import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
 from rich.table import Table
 
@@ -35,56 +42,176 @@ def _version_callback(value: bool):
         raise typer.Exit()
 
 
+_DEBUG = False  # `moesq --debug ...`: tracebacks on screen too
+
+
 @app.callback()
-def _main(version: Annotated[Optional[bool], typer.Option("--version", callback=_version_callback, is_eager=True,
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Print the traceback of an error (it is always in the work dir's log).")] = False,
+          version: Annotated[Optional[bool], typer.Option("--version", callback=_version_callback, is_eager=True,
                                                           help="Print the moesq version and exit.")] = None):
-    pass
+    global _DEBUG
+    _DEBUG = debug
+
+
+# -- option validation (usage errors exit 2, naming the option) ------------------------------------------------
+def _check_workdir(value: Path | None) -> Path | None:
+    from moesq_core.workdir import WorkDirError, check_location
+
+    if value is not None:
+        try:
+            check_location(value)
+        except WorkDirError as e:
+            raise typer.BadParameter(str(e)) from None
+    return value
+
+
+def _check_calib(value: str | None) -> str | None:
+    if value is not None:
+        hub_name = re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?(@[\w.:%\[\]-]+)?", value)
+        if not Path(value).expanduser().exists() and not hub_name:
+            raise typer.BadParameter(f"{value}: no such file or directory (or a Hub dataset 'org/name[:config][@split]')")
+    return value
+
+
+def _check_device(value: str) -> str:
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
+        raise typer.BadParameter(f"{value!r} is not one of auto, cpu, cuda, cuda:N")
+    return value
+
+
+def _choice(*allowed: str):
+    def check(value):
+        if value is not None and value not in allowed:
+            raise typer.BadParameter(f"{value!r} is not one of: {', '.join(allowed)}")
+        return value
+    return check
+
+
+def _positive_float(value):
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"must be > 0, got {value}")
+    return value
+
+
+def _stage_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
+        raise typer.BadParameter(f"{value!r}: a stage name is letters, digits, '.', '_' and '-'")
+    return value
+
+
+def _methods() -> tuple[str, ...]:
+    from moesq_core.methods.registry import METHODS
+
+    return METHODS
+
+
+def _check_method(value: str) -> str:
+    return _choice(*_methods())(value)
+
 
 # -- shared options -------------------------------------------------------------------------------------------
-WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", help="Work directory holding this run's artifacts.")]
+WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", callback=_check_workdir,
+                                          help="Work directory holding this run's artifacts.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="Local model dir or Hugging Face id (default: the embedded micro-qwen3-moe).")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", help="p48-nvfp4 (default) | dense-nvfp4 | s24-fp8.")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", callback=_choice("p48-nvfp4", "dense-nvfp4", "s24-fp8"),
+                                                  help="p48-nvfp4 (default) | dense-nvfp4 | s24-fp8.")]
 ActQuantOpt = Annotated[Optional[bool], typer.Option("--act-quant/--weights-only",
                                                      help="Quantize activations too (W4A4 / W8A8, default), or weights only.")]
 CalibOpt = Annotated[Optional[str], typer.Option(
-    "--calib", help="Calibration text: .txt/.txt.xz (blank-line separated), .jsonl ('text'), a dir, or an HF "
-                    "dataset 'name[:config][@split]' (default: the embedded sample).")]
-SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", help="Tokens per calibration sequence (default 512).")]
-NTrainOpt = Annotated[Optional[int], typer.Option("--n-train", help="Refinement sequences (default 128).")]
-NValOpt = Annotated[Optional[int], typer.Option("--n-val", help="Held-out sequences; refinement picks its best epoch on them (default 16).")]
-NInitOpt = Annotated[Optional[int], typer.Option("--n-init", help="Sequences for the one-shot (SGPTQ) stage (default 64).")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Seed for the calibration splits (default 0).")]
-DeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N.")]
+    "--calib", callback=_check_calib,
+    help="Calibration text: .txt/.txt.xz (blank-line separated), .jsonl ('text'), a dir, or an HF "
+         "dataset 'name[:config][@split]' (default: the embedded sample).")]
+SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=1, help="Tokens per calibration sequence (default 512).")]
+NTrainOpt = Annotated[Optional[int], typer.Option("--n-train", min=1, help="Refinement sequences (default 128).")]
+NValOpt = Annotated[Optional[int], typer.Option("--n-val", min=1, help="Held-out sequences; refinement picks its best epoch on them (default 16).")]
+NInitOpt = Annotated[Optional[int], typer.Option("--n-init", min=1, help="Sequences for the one-shot (SGPTQ) stage (default 64).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help="Seed for the calibration splits (default 0).")]
+DeviceOpt = Annotated[str, typer.Option("--device", callback=_check_device, help="auto | cpu | cuda | cuda:N.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
-RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", help="Recompute this stage from this layer on.")]
-BatchOpt = Annotated[int, typer.Option("--batch-size", help="Calibration sequences per forward pass.")]
-CacheOpt = Annotated[float, typer.Option("--cache-gb", help="Calibration states kept in memory; the rest spill to the work dir.")]
+RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, help="Recompute this stage from this layer on.")]
+BatchOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Calibration sequences per forward pass.")]
+CacheOpt = Annotated[float, typer.Option("--cache-gb", min=0.0, help="Calibration states kept in memory; the rest spill to the work dir.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (messages go to stderr).")]
 
 log = logging.getLogger("moesq")
 
 
 def _fail(msg: str, code: int = 1):
-    err_console.print(f"[bold red]error:[/] {msg}")
+    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
+class _Terminated(BaseException):
+    """SIGTERM, raised like KeyboardInterrupt so that `except Exception` blocks do not swallow it."""
+
+
+def _on_sigterm(signum, frame):
+    raise _Terminated()
+
+
+def _saved_state(workdir: Path | None) -> str:
+    """What an interrupted command left in the work dir, and how to go on (one line)."""
+    from moesq_core.workdir import WorkDir, WorkDirError
+
+    if workdir is None or not WorkDir(workdir).exists():
+        return "nothing was saved; re-run the command"
+    try:
+        m = WorkDir(workdir).load()
+    except WorkDirError:
+        return f"see {workdir}"
+    parts = ["calibration" if "calibration" in m else "no calibration yet"]
+    for name, st in m.get("stages", {}).items():
+        total = st.get("num_blocks")
+        parts.append(f"{name} {len(st['blocks'])}{f'/{total}' if total else ''} blocks{' (done)' if st.get('done') else ''}")
+    return f"saved in {workdir}: {', '.join(parts)}; re-run the same command to resume"
+
+
+def _log_traceback(workdir: Path | None) -> Path | None:
+    """Write the current exception's traceback to the work dir's log; the log's path (None without one)."""
+    from moesq_core.workdir import WorkDirLogHandler
+
+    log.info("traceback:\n%s", traceback.format_exc())
+    return next((h.path for h in log.handlers if isinstance(h, WorkDirLogHandler) and h.path), None)
+
+
 def _guard(fn):
-    """Turn expected failures (bad input, foreign work dir, missing files) into one clear message."""
-    import functools
+    """Errors as one clear line (exit 1; 2 for a usage error), tracebacks to the log (and the screen with
+    --debug); SIGINT / SIGTERM as one line saying what was saved (exit 130 / 143)."""
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         from moesq_core.models import UnsupportedModelError
         from moesq_core.workdir import WorkDirError
 
+        workdir = kw.get("workdir")
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
             return fn(*a, **kw)
-        except (typer.Exit, typer.Abort, KeyboardInterrupt):
+        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
             raise
-        except (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError, RuntimeError) as e:
-            log.info("failed: %s: %s", type(e).__name__, e)  # to the work-dir log; the user sees _fail's line
-            _fail(str(e))
+        except (KeyboardInterrupt, _Terminated) as e:
+            what = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
+            _log_traceback(workdir)
+            err_console.print(f"[bold yellow]interrupted ({what}):[/] {_saved_state(workdir)}", highlight=False,
+                              soft_wrap=True)
+            raise typer.Exit(130 if what == "SIGINT" else 143)
+        except (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError, RuntimeError,
+                OSError) as e:
+            logfile = _log_traceback(workdir)
+            if _DEBUG:
+                traceback.print_exc()
+            msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.strerror or e}: {e.filename}"
+            if not isinstance(e, (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError)):
+                msg = f"{type(e).__name__}: {msg}" + (f" (traceback in {logfile})" if logfile else "")
+            _fail(msg)
+        except Exception as e:  # a bug: say so, keep the traceback
+            logfile = _log_traceback(workdir)
+            if _DEBUG or logfile is None:
+                traceback.print_exc()
+            _fail(f"unexpected {type(e).__name__}: {e}" + (f" (traceback in {logfile}; --debug prints it)" if logfile else ""))
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
     return wrapper
 
@@ -95,8 +222,7 @@ def _setup(workdir: Path | None, quiet: bool):
     from moesq_core.workdir import setup_logging
 
     hf_logging.disable_progress_bar()  # moesq shows its own progress; per-load weight bars are noise
-
-    setup_logging(workdir if workdir and workdir.exists() else None, quiet)
+    setup_logging(workdir, quiet)  # the log file starts once the work dir exists (see WorkDirLogHandler)
     if workdir is not None:
         log.info("moesq %s", " ".join(sys.argv[1:]))
 
@@ -107,42 +233,23 @@ def _given(fmt, act_quant, calib, seq_len, n_train, n_val, n_init, seed) -> dict
                                   n_train=n_train, n_val=n_val, n_init=n_init, seed=seed).items() if v is not None}
 
 
-def _run_config(given: dict, **defaults):
-    """RunConfig from the given options over the defaults (a command may have its own, e.g. `run`)."""
-    from moesq_core.calibration import CalibConfig
-    from moesq_core.pipeline import DEFAULT_CALIB, RunConfig
+def _as_usage_error(build, **fields):
+    """Build a config from option values; a ValueError becomes a usage error naming the options as flags."""
+    try:
+        return build(**fields)
+    except ValueError as e:
+        msg = str(e)
+        for name in sorted(fields, key=len, reverse=True):
+            msg = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), msg)
+        _fail(msg, 2)
 
-    opts = {**defaults, **given}
-    calib_keys = ("seq_len", "n_train", "n_val", "n_init", "seed")
-    return RunConfig(format=opts.get("format", "p48-nvfp4"), act_quant=opts.get("act_quant", True),
-                     calib_source=str(opts.get("calib_source", DEFAULT_CALIB)),
-                     calib=CalibConfig(**{k: opts[k] for k in calib_keys if k in opts}))
+
+def _print_json(obj) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
-def _ensure_calibrated(workdir, model, given: dict, progress, **defaults):
-    """Open the work dir, creating and calibrating it when new. Options given for an existing work dir must
-    match what it was made with (they are refused otherwise, naming the differences)."""
-    from moesq_core.pipeline import DEFAULT_MODEL, calibrate
-    from moesq_core.workdir import WorkDir, WorkDirError, setup_logging
-
-    wd = WorkDir(workdir)
-    if wd.exists():
-        recorded = wd.load()["config"]
-        flat = {**{k: v for k, v in recorded.items() if k != "calib"}, **recorded.get("calib", {})}
-        diffs = [f"{k}: {flat.get(k)!r} (work dir) vs {v!r} (now)" for k, v in given.items()
-                 if str(flat.get(k)) != str(v)]
-        if diffs:
-            raise WorkDirError(f"{workdir} was made with other settings:\n  " + "\n  ".join(diffs)
-                               + "\nUse another --workdir, or leave these options out to use the work dir's.")
-        if model is None:
-            return wd
-        cfg = _run_config({**flat, **given})
-    else:
-        cfg = _run_config(given, **defaults)
-    info = calibrate(wd, model or DEFAULT_MODEL, cfg, progress)
-    setup_logging(workdir, progress.quiet)
-    log.info("calibration ready: %s", info)
-    return wd
+def _stage_line(stage: str, summary: dict, workdir: Path) -> str:
+    return f"stage {stage}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}"
 
 
 # -- commands ---------------------------------------------------------------------------------------------------
@@ -152,102 +259,151 @@ def calibrate(
     model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = None,
     act_quant: ActQuantOpt = None, calib: CalibOpt = None, seq_len: SeqLenOpt = None, n_train: NTrainOpt = None,
     n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None, quiet: QuietOpt = False,
+    json_out: JsonOpt = False,
 ):
     """Create a work dir for a model + format and build its calibration set (seeded train / val / init splits).
 
-    Re-running with the same settings is a no-op; other settings on an existing work dir are refused.
-    """
-    _setup(workdir, quiet)
-    from moesq_core.pipeline import DEFAULT_MODEL
+    Re-running with the same settings is a no-op; other settings on an existing work dir are refused. A
+    calibration that was interrupted or failed (e.g. a bad --calib file) is simply run again.
 
+    [bold]Examples[/]
+
+      moesq calibrate -w moesq-work --seq-len 32 --n-train 2 --n-val 2 --n-init 8
+
+      moesq calibrate --model Qwen/Qwen3-30B-A3B -w qwen3-work --calib allenai/c4:en@train
+    """
+    from moesq_core.pipeline import run_calibrate
+
+    _setup(workdir, quiet)
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    _as_usage_error(_run_config_check, **given)
     with RichProgress(quiet) as p:
-        wd = _ensure_calibrated(workdir, model or DEFAULT_MODEL, given, p)
-    info = wd.load()["calibration"]
+        info = run_calibrate(workdir, model, given, progress=p)
+    if json_out:
+        return _print_json({"workdir": str(workdir), "calibration": info})
     console.print(f"calibration: {info['sequences']} sequences of {info['seq_len']} tokens → {workdir / info['file']}")
 
 
-def _method_options(method, percdamp, hessian_weighting, exact_scales):
-    opts = {}
-    if method in ("sgptq", "gptq", "obr"):
-        opts["percdamp"] = percdamp
-        opts["hessian_weighting"] = hessian_weighting
-    if method in ("sgptq", "gptq"):
-        opts["exact_scales"] = exact_scales
-    return opts
+def _run_config_check(**given):
+    """Validate run options alone (format, counts) before any model or work dir is looked at."""
+    from moesq_core.config import RunConfig
+
+    return RunConfig.from_options(given)
 
 
 @app.command("init-sgptq")
 @_guard
 def init_sgptq(
     model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
-    method: Annotated[str, typer.Option(help="sgptq | gptq | obr | jsq | wanda | rtn | magnitude.")] = "sgptq",
-    percdamp: Annotated[float, typer.Option(help="Hessian damping as a fraction of mean(diag H).")] = 0.01,
-    hessian_weighting: Annotated[str, typer.Option(help="Router weighting of the Hessian: none | w | w2.")] = "none",
-    exact_scales: Annotated[bool, typer.Option("--exact-scales/--fp32-scales",
-                                               help="GPTQ with the final E4M3 block scales (export-exact) or fp32 scales projected afterwards.")] = True,
+    method: Annotated[str, typer.Option(callback=_check_method, help="sgptq | gptq | obr | jsq | wanda | rtn | magnitude.")] = "sgptq",
+    percdamp: Annotated[Optional[float], typer.Option(callback=_positive_float, help="Hessian damping as a fraction of mean(diag H) (sgptq, gptq, obr; default 0.01).")] = None,
+    hessian_weighting: Annotated[Optional[str], typer.Option(callback=_choice("none", "w", "w2"), help="Router weighting of the Hessian: none (default) | w | w2.")] = None,
+    exact_scales: Annotated[Optional[bool], typer.Option("--exact-scales/--fp32-scales",
+                                                         help="GPTQ with the final E4M3 block scales (export-exact, default) or fp32 scales projected afterwards.")] = None,
+    refit: Annotated[Optional[bool], typer.Option("--refit/--no-refit", help="sgptq/gptq: SparseGPT's support, then a closed-form reconstruction and GPTQ on it (default off).")] = None,
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
-    quiet: QuietOpt = False,
+    quiet: QuietOpt = False, json_out: JsonOpt = False,
 ):
     """One-shot compression of every routed expert, block by block (SparseGPT+GPTQ by default).
 
-    Writes stage [bold]init-<method>[/]; calibrates first if the work dir has no calibration yet.
-    """
-    _setup(workdir, quiet)
-    from moesq_core.pipeline import compress
+    Writes stage [bold]init-<method>[/]; calibrates first if the work dir has no calibration yet. The stage's
+    identity is its method with every option filled in, so defaults typed or not are the same stage.
 
+    [bold]Examples[/]
+
+      moesq init-sgptq -w moesq-work --seq-len 32 --n-train 2 --n-val 2 --n-init 8
+
+      moesq init-sgptq -w moesq-work --method rtn
+
+      moesq init-sgptq -w moesq-work --redo-from 2
+    """
+    from moesq_core.config import MethodConfig
+    from moesq_core.methods.registry import method_options
+    from moesq_core.pipeline import init_stage_name, run_init
+
+    _setup(workdir, quiet)
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
+    _as_usage_error(_run_config_check, **given)
+    opts = {k: v for k, v in dict(percdamp=percdamp, hessian_weighting=hessian_weighting, exact_scales=exact_scales,
+                                  refit=refit).items() if v is not None}
+    valid = method_options(method)
+    for k in opts:
+        if k not in valid:
+            flag = {"exact_scales": "--exact-scales/--fp32-scales", "refit": "--refit/--no-refit"}.get(k, "--" + k.replace("_", "-"))
+            _fail(f"{flag} does not apply to --method {method}", 2)
+    mcfg = _as_usage_error(MethodConfig, name=method, options=opts)
     with RichProgress(quiet) as p:
-        wd = _ensure_calibrated(workdir, model, given, p)
-        summary = compress(wd, method, _method_options(method, percdamp, hessian_weighting, exact_scales),
-                           device=device, batch_size=batch_size, redo_from=redo_from, progress=p, cache_limit_gb=cache_gb)
-    console.print(f"stage init-{method}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}")
+        summary = run_init(workdir, mcfg, model, given, device=device, batch_size=batch_size, redo_from=redo_from,
+                           cache_limit_gb=cache_gb, progress=p)
+    stage = init_stage_name(method)
+    if json_out:
+        return _print_json({"workdir": str(workdir), "stage": stage, "config": mcfg.to_dict(), **summary})
+    console.print(_stage_line(stage, summary, workdir))
 
 
 @app.command()
 @_guard
 def refine(
     model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
-    epochs: Annotated[int, typer.Option(help="Passes over the training tokens per block.")] = 10,
-    steps_per_epoch: Annotated[Optional[int], typer.Option(help="Optimizer steps per epoch (default: from --batch-rows if given, else the paper's 128; capped so each expert averages ≥ 8 rows per step).")] = None,
-    batch_rows: Annotated[Optional[int], typer.Option(help="Routed token rows per optimizer step over the block (the paper's: 2097152); derives the steps per epoch, at least 16.")] = None,
-    micro_batch_rows: Annotated[int, typer.Option(help="Rows per forward/backward (memory bound).")] = 8 * 4096 * 8,
-    lr_logits: Annotated[float, typer.Option(help="Lion learning rate of the pattern logits A.")] = 2.5e-4,
-    lr_values: Annotated[float, typer.Option(help="Lion learning rate of the latent weights V.")] = 5e-5,
-    loss_power: Annotated[int, typer.Option(help="Token weight w^p in the loss: 0 uniform, 1 paper, 2 release.")] = 2,
+    epochs: Annotated[int, typer.Option(min=0, help="Passes over the training tokens per block.")] = 10,
+    steps_per_epoch: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps per epoch (see Budget below).")] = None,
+    batch_rows: Annotated[Optional[int], typer.Option(min=1, help="Routed token rows per optimizer step over the block (the paper's: 2097152); derives the steps per epoch, at least 16.")] = None,
+    micro_batch_rows: Annotated[int, typer.Option(min=1, help="Rows per forward/backward (memory bound).")] = 8 * 4096 * 8,
+    lr_logits: Annotated[float, typer.Option(callback=_positive_float, help="Lion learning rate of the pattern logits A.")] = 2.5e-4,
+    lr_values: Annotated[float, typer.Option(callback=_positive_float, help="Lion learning rate of the latent weights V.")] = 5e-5,
+    loss_power: Annotated[int, typer.Option(min=0, max=2, help="Token weight w^p in the loss: 0 uniform, 1 paper, 2 release.")] = 2,
     values_only: Annotated[bool, typer.Option(help="Ablation: keep the init's support, learn values only.")] = False,
     support_only: Annotated[bool, typer.Option(help="Ablation: learn the support only, values stay.")] = False,
-    refine_seed: Annotated[int, typer.Option(help="Seed of the Gumbel noise and the init of A.")] = 0,
-    stage: Annotated[str, typer.Option(help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
-    init: Annotated[str, typer.Option(help="Init method whose stage refinement starts from.")] = "sgptq",
+    refine_seed: Annotated[int, typer.Option(min=0, help="Seed of the Gumbel noise and the init of A.")] = 0,
+    stage: Annotated[str, typer.Option(callback=_stage_name, help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
+    init: Annotated[str, typer.Option(callback=_check_method, help="Init method whose stage refinement starts from.")] = "sgptq",
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
-    quiet: QuietOpt = False,
+    quiet: QuietOpt = False, json_out: JsonOpt = False,
 ):
     """Learn each expert's sparsity pattern jointly with its quantized values (the moesq algorithm).
 
     Gumbel-softmax over the format's patterns, a latent fp32 weight copy, straight-through quantization and a
     router-weighted reconstruction loss, block by block on the compressed prefix. Starts from stage
-    init-<init> (run first if missing); ships each block's best validation epoch.
-    """
-    _setup(workdir, quiet)
-    from moesq_core.pipeline import compress, refine as core_refine
+    init-<init> (run first, with its recorded or default options, if missing); ships each block's best
+    validation epoch.
 
+    [bold]Budget[/]: --epochs × steps per epoch. Steps per epoch are --steps-per-epoch if given; else derived
+    from --batch-rows (⌈routed training rows of the block / batch rows⌉, at least 16); else the paper's 128.
+    Either way they are capped so each expert averages at least 8 routed rows per step. The resulting
+    schedule (epochs × steps, rows per step, learning rates) is printed before training.
+
+    [bold]Examples[/]
+
+      moesq refine -w moesq-work --seq-len 32 --n-train 2 --n-val 2 --n-init 8
+
+      moesq refine -w moesq-work --stage refine-short --epochs 2 --steps-per-epoch 4
+
+      moesq refine --model Qwen/Qwen3-30B-A3B -w qwen3-work --device cuda
+    """
+    from moesq_core.methods.refine import RefineConfig
+    from moesq_core.pipeline import run_refine
+
+    _setup(workdir, quiet)
     if values_only and support_only:
         _fail("--values-only and --support-only exclude each other", 2)
+    if steps_per_epoch is not None and batch_rows is not None:
+        _fail("--steps-per-epoch and --batch-rows exclude each other", 2)
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
-    rcfg = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows, micro_batch_rows=micro_batch_rows,
-                lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power, train_support=not values_only,
-                train_values=not support_only, seed=refine_seed)
+    _as_usage_error(_run_config_check, **given)
+    rcfg = _as_usage_error(RefineConfig, epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows,
+                           micro_batch_rows=micro_batch_rows, lr_logits=lr_logits, lr_values=lr_values,
+                           loss_power=loss_power, train_support=not values_only, train_values=not support_only,
+                           seed=refine_seed)
     with RichProgress(quiet) as p:
-        wd = _ensure_calibrated(workdir, model, given, p)
-        compress(wd, init, {}, device=device, batch_size=batch_size, progress=p, cache_limit_gb=cache_gb)
-        summary = core_refine(wd, rcfg, init=init, device=device, batch_size=batch_size, redo_from=redo_from,
-                              progress=p, stage=stage, cache_limit_gb=cache_gb)
-    console.print(f"stage {stage}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}")
+        summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,
+                             batch_size=batch_size, redo_from=redo_from, cache_limit_gb=cache_gb, progress=p)
+    if json_out:
+        return _print_json({"workdir": str(workdir), "stage": stage, **summary})
+    console.print(_stage_line(stage, summary, workdir))
 
 
 JsonOpt = Annotated[Optional[Path], typer.Option(
@@ -602,54 +758,73 @@ def _render_recovery(table, console=console) -> None:
 @app.command()
 @_guard
 def run(
-    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = None,
-    act_quant: ActQuantOpt = None, calib: CalibOpt = None,
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
+    recipe: Annotated[Optional[Path], typer.Option("--recipe", help="A recipe (YAML CompressConfig, e.g. recipes/micro-quick.yaml); the options given here override it.")] = None,
+    format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Evaluation text (default: the embedded sample).")] = None,
-    ppl_tokens: Annotated[int, typer.Option(help="Evaluate the first N tokens.")] = 65536,
-    method: Annotated[str, typer.Option(help="One-shot init method.")] = "sgptq",
-    baselines: Annotated[str, typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none). "
-                                                "On sparse formats rtn and magnitude are the same weights.")] = "magnitude",
-    refine_stage: Annotated[bool, typer.Option("--refine/--no-refine", help="Run refinement after the init.")] = True,
-    epochs: Annotated[int, typer.Option(help="Refinement epochs.")] = 2,
-    steps_per_epoch: Annotated[int, typer.Option(help="Refinement optimizer steps per epoch.")] = 8,
+    ppl_tokens: Annotated[int, typer.Option(min=1, help="Evaluate the first N tokens.")] = 65536,
+    method: Annotated[Optional[str], typer.Option(callback=lambda v: v and _check_method(v), help="One-shot init method (default sgptq).")] = None,
+    baselines: Annotated[Optional[str], typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none; default magnitude). "
+                                                          "On sparse formats rtn and magnitude are the same weights.")] = None,
+    refine_stage: Annotated[Optional[bool], typer.Option("--refine/--no-refine", help="Run refinement after the init (default: yes).")] = None,
+    epochs: Annotated[Optional[int], typer.Option(min=0, help="Refinement epochs (default 2).")] = None,
+    steps_per_epoch: Annotated[Optional[int], typer.Option(min=1, help="Refinement optimizer steps per epoch (default 8).")] = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None,
-    seed: SeedOpt = None, device: DeviceOpt = "auto", quiet: QuietOpt = False,
+    seed: SeedOpt = None, device: DeviceOpt = "auto", quiet: QuietOpt = False, json_out: JsonOpt = False,
 ):
     """Everything in one go: calibrate → baselines → init → refine → pack → verify → perplexity table.
 
-    With no options it compresses the embedded micro-qwen3-moe model offline on a CPU in minutes. Defaults
-    here are a small budget; use the stage commands for the paper's settings.
-    """
-    _setup(workdir, quiet)
-    from moesq_core.checkpoint.export import export_packed
-    from moesq_core.checkpoint.verify import verify_packed_dir
-    from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
-    from moesq_core.pipeline import DEFAULT_EVAL, compress, refine as core_refine
+    With no options it compresses the embedded micro-qwen3-moe model offline on a CPU in minutes, with the
+    micro-quick recipe (256-token sequences: 64 for the one-shot stage, 64 + 8 for refinement, 2 epochs × 8
+    steps). On an existing work dir without --recipe, the work dir's calibration settings are kept.
 
+    [bold]Examples[/]
+
+      moesq run -w run-rtn --method rtn --baselines '' --no-refine --seq-len 64 --n-train 8 --n-val 4 --n-init 8 --ppl-tokens 4096
+    """
+    import dataclasses
+
+    from moesq_core.api import default_run_config
+    from moesq_core.config import CompressConfig, MethodConfig
+    from moesq_core.pipeline import run_all, run_config_of
+
+    _setup(workdir, quiet)
+    if ppl is not None and not ppl.is_file():
+        _fail(f"--ppl {ppl}: no such file", 2)
+    if recipe is not None and not recipe.is_file():
+        _fail(f"--recipe {recipe}: no such file", 2)
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
-    base = [b for b in baselines.split(",") if b and b != method]
-    with RichProgress(quiet) as p:
-        # a small default budget: 256-token sequences, 64 for the one-shot stage, 64 + 8 for refinement
-        wd = _ensure_calibrated(workdir, model, given, p, seq_len=256, n_train=64, n_val=8, n_init=64)
-        cfg = wd.load()["config"]
+    _as_usage_error(_run_config_check, **given)
+    try:
+        cfg = CompressConfig.from_file(recipe) if recipe else run_config_of(workdir, default_run_config())
+    except ValueError as e:
+        _fail(str(e), 2)
+    changes = {}
+    if method is not None:
+        changes["init"] = MethodConfig(method)
+    if baselines is not None:
+        base = tuple(b.strip() for b in baselines.split(",") if b.strip())
         for b in base:
-            compress(wd, b, {}, device=device, progress=p)
-        compress(wd, method, {}, device=device, progress=p)
-        stage = f"init-{method}"
-        if refine_stage:
-            core_refine(wd, dict(epochs=epochs, steps_per_epoch=steps_per_epoch), init=method, device=device, progress=p)
-            stage = "refine"
-        out = workdir / "packed"
-        with p.task(f"pack {stage}", None):
-            export_packed(wd, stage, out, overwrite=True)
-        report = verify_packed_dir(out)
-        if not report.ok:
-            _fail(f"verify failed on the packed model: {report.first_error}")
-        targets = resolve_targets([str(workdir), str(out)])
-        rows = ppl_for_targets(targets, ppl or DEFAULT_EVAL, max_tokens=ppl_tokens, device="cpu",
-                               cache=ResultCache(workdir / "eval" / "results.json"), progress=p)
+            if b not in _methods():
+                _fail(f"--baselines: unknown method {b!r}; choose from {', '.join(_methods())}", 2)
+        changes["baselines"] = base
+    if refine_stage is False:
+        changes["refine"] = None
+    elif refine_stage and cfg.refine is None:
+        from moesq_core.methods.refine import RefineConfig
+
+        changes["refine"] = RefineConfig()
+    cfg = dataclasses.replace(cfg, **changes)
+    if cfg.refine is None and (epochs is not None or steps_per_epoch is not None):
+        _fail("--epochs / --steps-per-epoch need refinement (drop --no-refine)", 2)
+    cfg = _as_usage_error(cfg.with_overrides, **given, epochs=epochs, steps_per_epoch=steps_per_epoch)
+    with RichProgress(quiet) as p:
+        res = run_all(workdir, cfg, model, device=device, ppl=ppl, ppl_tokens=ppl_tokens, progress=p)
+    if json_out:
+        return _print_json({"workdir": str(workdir), **res})
+    rows = res["rows"]
     ref = next(r["ppl"] for r in rows if r["kind"] == "reference")
-    fmt_name, aq = cfg["format"], cfg["act_quant"]
+    fmt_name, aq = res["config"]["format"], res["config"]["act_quant"]
     table = Table(title=f"moesq run — {fmt_name}{(' W4A4' if 'nvfp4' in fmt_name else ' W8A8') if aq else ' weights only'}, perplexity on "
                         f"{rows[0]['tokens']:,} tokens")
     for c in ("model", "perplexity", "× reference"):
@@ -657,9 +832,7 @@ def run(
     for r in rows:
         table.add_row(r["label"], f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}")
     console.print(table)
-    console.print(f"verify: ok ({report.bits_per_weight:.3f} bits/weight); packed model in {out}")
-    (workdir / "eval").mkdir(exist_ok=True)
-    (workdir / "eval" / "run_table.json").write_text(json.dumps(rows, indent=2))
+    console.print(f"verify: ok ({res['bits_per_weight']:.3f} bits/weight); packed model in {res['packed']}")
 
 
 def main():

@@ -45,6 +45,10 @@ class RichProgress:
     def __exit__(self, *exc):
         return self.bar.__exit__(*exc)
 
+    def note(self, message: str) -> None:
+        """A one-line notice (e.g. the refinement schedule), shown even with --quiet, on stderr."""
+        err_console.print(message, highlight=False, soft_wrap=True)
+
     @contextmanager
     def task(self, description: str, total: int | None):
         if self.quiet:

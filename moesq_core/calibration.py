@@ -22,6 +22,15 @@ class CalibConfig:
     n_init: int = 64  # SGPTQ / one-shot methods' sequences
     seed: int = 0
 
+    def __post_init__(self):
+        for name, what in (("seq_len", "tokens per sequence"), ("n_train", "refinement sequences"),
+                           ("n_val", "held-out sequences"), ("n_init", "one-shot sequences")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive number of {what}, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -32,6 +41,35 @@ def open_text(path: Path):
     if path.suffix == ".gz":
         return gzip.open(path, "rt", encoding="utf-8")
     return open(path, encoding="utf-8")
+
+
+def _read_file(p: Path, max_chars: int | None) -> list[str]:
+    """Documents of one text or JSONL file; a file that is not (compressed) UTF-8 text is named in the error."""
+    try:
+        with open_text(p) as fh:
+            if ".jsonl" in p.name or ".json" in p.name:
+                docs = []
+                for i, line in enumerate(fh, 1):
+                    if line.strip():
+                        try:
+                            docs.append(json.loads(line)["text"])
+                        except (json.JSONDecodeError, KeyError, TypeError):
+                            raise ValueError(f"{p}:{i}: expected a JSON object with a 'text' field per line") from None
+            else:
+                text = fh.read(max_chars) if max_chars else fh.read()
+                docs = [d.strip() for d in text.split("\n\n") if d.strip()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"calibration file {p} is not UTF-8 text (undecodable byte at offset {e.start}); "
+                         "pass a .txt/.txt.xz/.jsonl file") from None
+    except (lzma.LZMAError, gzip.BadGzipFile, EOFError, OSError) as e:
+        if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
+            raise
+        raise ValueError(f"calibration file {p} could not be decompressed ({type(e).__name__}: {e})") from None
+    if not docs:
+        raise ValueError(f"calibration file {p} contains no text")
+    if any("\x00" in d for d in docs):
+        raise ValueError(f"calibration file {p} is binary (contains NUL bytes), not text; pass a .txt/.txt.xz/.jsonl file")
+    return docs
 
 
 def read_documents(source: str | Path, max_chars: int | None = None) -> list[str]:
@@ -47,21 +85,7 @@ def read_documents(source: str | Path, max_chars: int | None = None) -> list[str
             raise ValueError(f"{source}: no .txt/.jsonl files with text found")
         return docs
     if p.is_file():
-        with open_text(p) as fh:
-            if ".jsonl" in p.name or ".json" in p.name:
-                docs = []
-                for i, line in enumerate(fh, 1):
-                    if line.strip():
-                        try:
-                            docs.append(json.loads(line)["text"])
-                        except (json.JSONDecodeError, KeyError, TypeError):
-                            raise ValueError(f"{p}:{i}: expected a JSON object with a 'text' field per line") from None
-            else:
-                text = fh.read(max_chars) if max_chars else fh.read()
-                docs = [d.strip() for d in text.split("\n\n") if d.strip()]
-        if not docs:
-            raise ValueError(f"{source}: contains no text")
-        return docs
+        return _read_file(p, max_chars)
     if "/" in str(source) and not str(source).startswith((".", "/", "~")):
         return _hf_dataset(str(source))
     raise FileNotFoundError(f"calibration source {source!r}: no such file or directory")

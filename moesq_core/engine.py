@@ -91,6 +91,27 @@ class StageSpec:
 
 
 # -- artifacts -----------------------------------------------------------------------------------------
+def is_timing_key(key: str) -> bool:
+    return key.startswith("seconds") or key.endswith("_seconds")
+
+
+def split_timings(info: dict) -> tuple[dict, dict]:
+    """(info without wall-clock timings, the timings): artifacts must be byte-identical between runs, so
+    timings (keys named seconds* / *_seconds, at any depth) go to the manifest's block record instead."""
+    clean, timings = {}, {}
+    for k, v in info.items():
+        if is_timing_key(str(k)):
+            timings[k] = v
+        elif isinstance(v, dict):
+            c, t = split_timings(v)
+            clean[k] = c
+            if t:
+                timings[k] = t
+        else:
+            clean[k] = v
+    return clean, timings
+
+
 def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor,
                keep_latent: bool = True) -> None:
     tensors: dict[str, torch.Tensor] = {"act_amax_in": act_amax_in.float().contiguous(),
@@ -244,14 +265,16 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
     dist = _dist()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     is_main = rank == 0
+    blocks = {b.layer_index: b for b in adapter.blocks(model)}
+    if redo_from is not None and not 0 <= redo_from <= max(blocks):
+        raise ValueError(f"--redo-from {redo_from}: the model's MoE blocks are layers {min(blocks)}..{max(blocks)}")
     if is_main:
-        workdir.open_stage(spec.name, spec.config)
+        workdir.open_stage(spec.name, spec.config, num_blocks=len(blocks))
         if redo_from is not None:
             workdir.drop_blocks_from(spec.name, redo_from)
     if dist:
         dist.barrier()
     stage_dir = workdir.stage_dir(spec.name)
-    blocks = {b.layer_index: b for b in adapter.blocks(model)}
     for b in blocks.values():  # every stage starts from the dense model
         b.restore_dense()
     device = next(model.parameters()).device
@@ -283,9 +306,16 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
                     log.info("%s: layer %d, %d experts compressed in %.1f s (rank %d of %d)", spec.name, li,
                              len(results), time.perf_counter() - t0, rank, world)
                     path = stage_dir / f"block_{li:03d}.safetensors"
+                    timings = {}
+                    for e, r in enumerate(results):
+                        r.info, t = split_timings(r.info or {})
+                        if t:
+                            timings[str(e)] = t
                     if is_main:
                         save_block(path, results, amax_in, amax_mid)
-                        workdir.record_block(spec.name, li, path, {"experts": len(results)})
+                        workdir.record_block(spec.name, li, path, {"experts": len(results)},
+                                             timings={"seconds": round(time.perf_counter() - t0, 2),
+                                                      **({"experts": timings} if timings else {})})
                     if dist:
                         dist.barrier()
                     computed += 1

@@ -1,55 +1,41 @@
 """The stages as functions the CLI calls: calibrate -> init (one-shot method) -> refine -> pack -> eval.
 
-Each stage checks the work dir (same model, same config), skips what is finished and resumes what is not.
-A stage whose prerequisites are missing runs them first with the options given, so
-`moesq refine --model M` works from nothing.
+Each stage checks the work dir (same model, same normalised config), skips what is finished and resumes
+what is not, holding the work dir's lock. A stage whose prerequisites are missing runs them first, so
+`moesq refine --model M` works from nothing. Every option is validated before the work dir is touched.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from .calibration import CalibConfig, build_calibration, read_documents
+from .config import (DEFAULT_CALIB, DEFAULT_EVAL, DEFAULT_MODEL, ASSETS, MethodConfig, RunConfig,  # noqa: F401
+                     refine_identity)
 from .engine import StageSpec, load_block, run_stage
 from .formats import get_format
 from .methods.base import CompressedExpert, ExpertData
 from .models import load_model
-from .progress import NullProgress
-from .workdir import WorkDir, WorkDirError, atomic_path, model_fingerprint, sha256_file
+from .progress import NullProgress, note
+from .workdir import WorkDir, WorkDirError, _diff, atomic_path, model_fingerprint, sha256_file
 
 log = logging.getLogger("moesq")
 
-ASSETS = Path(__file__).parent / "assets"
-DEFAULT_MODEL = ASSETS / "micro-qwen3-moe"
-DEFAULT_CALIB = ASSETS / "calib-sample.txt.xz"
-DEFAULT_EVAL = ASSETS / "eval-sample.txt.xz"
 CALIB_FILE = "calib/calibration.safetensors"
-
-
-@dataclass
-class RunConfig:
-    """Work-dir–level settings: a work dir holds one model, one format, one calibration set."""
-
-    format: str = "p48-nvfp4"
-    act_quant: bool = True  # W4A4 / W8A8 (the format's activation quantizer) vs weights only
-    calib: CalibConfig = field(default_factory=CalibConfig)
-    calib_source: str = str(DEFAULT_CALIB)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["calib"] = self.calib.to_dict()
-        return d
 
 
 def _device(device: str | None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA GPU is visible; use --device cpu (or auto)")
+    return dev
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -57,40 +43,118 @@ def _dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" else torch.bfloat16
 
 
-# -- calibrate ---------------------------------------------------------------------------------------------
-def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progress=None) -> dict:
-    """Create (or check) the work dir for this model + config and write the calibration token splits."""
-    progress = progress or NullProgress()
-    from .models.adapter import adapter_for, read_config, resolve_model_path
-    from transformers import AutoConfig, AutoTokenizer
+def _locked(workdir: WorkDir):
+    """The work dir's lock; under torch.distributed only rank 0 takes it (the ranks of one run share it)."""
+    import torch.distributed as dist
 
-    get_format(cfg.format)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return contextlib.nullcontext(workdir)
+    return workdir.locked()
+
+
+def _command_lock(workdir: WorkDir) -> contextlib.ExitStack:
+    """Hold the lock for a whole command when the work dir exists (a new one is locked once created)."""
+    stack = contextlib.ExitStack()
+    workdir.check_usable()
+    if workdir.root.is_dir():
+        stack.enter_context(_locked(workdir))
+    return stack
+
+
+# -- calibrate ---------------------------------------------------------------------------------------------
+def _model_info(model_source: str | Path) -> tuple[Path, dict]:
+    from transformers import AutoConfig
+
+    from .models.adapter import adapter_for, read_config, resolve_model_path
+
     path = resolve_model_path(str(model_source))
     adapter = adapter_for(AutoConfig.from_pretrained(path))  # refuse non-MoE before any work
-    model_info = {"source": str(model_source), "path": str(path.resolve()), "fingerprint": model_fingerprint(path),
+    return path, {"source": str(model_source), "path": str(path.resolve()), "fingerprint": model_fingerprint(path),
                   "family": adapter.family, "model_type": read_config(path).get("model_type")}
-    m = workdir.init(model_info, cfg.to_dict())
-    calib_path = workdir.root / CALIB_FILE
-    if m.get("calibration", {}).get("sha256") and calib_path.is_file():
-        if sha256_file(calib_path) != m["calibration"]["sha256"]:
-            raise WorkDirError(f"{calib_path} is corrupt or truncated (checksum mismatch); delete it and re-run `moesq calibrate`")
-        log.info("calibration already done: %s", calib_path)
-        return m["calibration"]
+
+
+def _check_calibration(workdir: WorkDir, m: dict) -> dict | None:
+    """The recorded calibration if its file is there and intact; None if there is none to keep."""
+    info = m.get("calibration")
+    if not info:
+        return None
+    path = workdir.root / info["file"]
+    if not path.is_file():
+        return None
+    if sha256_file(path) != info["sha256"]:
+        raise WorkDirError(f"{path} is corrupt or truncated (checksum mismatch); delete it and re-run `moesq calibrate`")
+    return info
+
+
+def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progress=None) -> dict:
+    """Create (or check) the work dir for this model + config and write the calibration token splits.
+
+    Everything that can fail (model, format, calibration text, too few sequences) is checked before the work
+    dir is written; a work dir whose calibration was interrupted or failed is calibrated again."""
+    progress = progress or NullProgress()
+    from transformers import AutoTokenizer
+
+    workdir.check_usable()
+    path, model_info = _model_info(model_source)
+    if workdir.exists():
+        m = workdir.load()
+        if "calibration" in m or m.get("stages"):
+            workdir.check_matches(model_info, cfg.to_dict())
+        info = _check_calibration(workdir, m)
+        if info is not None:
+            log.info("calibration already done: %s", workdir.root / info["file"])
+            return info
     tok = AutoTokenizer.from_pretrained(path)
     with progress.task("calibrate: reading and tokenizing", None) as t:
         docs = read_documents(cfg.calib_source)
         splits = build_calibration(tok, docs, cfg.calib)
         t.advance()
-    with atomic_path(calib_path) as tmp:
-        save_file(splits, str(tmp))
-    info = {"file": CALIB_FILE, "sha256": sha256_file(calib_path),
-            "sequences": {k: int(v.shape[0]) for k, v in splits.items()}, "seq_len": cfg.calib.seq_len,
-            "tokens": int(sum(v.numel() for v in splits.values())), "documents": len(docs)}
-    m = workdir.load()
-    m["calibration"] = info
-    workdir.save(m)
+    with _locked(workdir):
+        m = workdir.init(model_info, cfg.to_dict())
+        info = _check_calibration(workdir, m)
+        if info is not None:  # another process finished it meanwhile
+            return info
+        calib_path = workdir.root / CALIB_FILE
+        with atomic_path(calib_path) as tmp:
+            save_file(splits, str(tmp))
+        info = {"file": CALIB_FILE, "sha256": sha256_file(calib_path),
+                "sequences": {k: int(v.shape[0]) for k, v in splits.items()}, "seq_len": cfg.calib.seq_len,
+                "tokens": int(sum(v.numel() for v in splits.values())), "documents": len(docs)}
+        m = workdir.load()
+        m["calibration"] = info
+        workdir.save(m)
     log.info("calibration: %s", info)
     return info
+
+
+def open_workdir(workdir: WorkDir | str | Path, model: str | Path | None = None, options: dict | None = None,
+                 defaults: dict | None = None, progress=None) -> WorkDir:
+    """The work dir for a stage command, calibrated: created when new, calibrated when its calibration never
+    finished. Run options given (RUN_OPTIONS; None = not given) must match those an existing work dir was made
+    with; they are refused otherwise, naming the differences, and nothing is written."""
+    wd = workdir if isinstance(workdir, WorkDir) else WorkDir(workdir)
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    wd.check_usable()
+    if wd.exists():
+        m = wd.load()
+        recorded = RunConfig.from_dict(m["config"])
+        if "calibration" in m or m.get("stages"):
+            wanted = RunConfig.from_options({**recorded.flat(), **options})
+            problems = _diff(recorded.to_dict(), wanted.to_dict())
+            if problems:
+                raise WorkDirError(f"{wd.root} was made with other settings:\n  " + "\n  ".join(problems)
+                                   + "\nUse another --workdir, or leave these options out to use the work dir's.")
+            if model is None and _check_calibration(wd, m) is not None:
+                return wd
+            cfg = recorded
+        else:  # an interrupted or failed calibration: nothing depends on its settings, the ones given now count
+            cfg = RunConfig.from_options({**recorded.flat(), **options})
+        source = model or m["model"]["source"]
+    else:
+        cfg = RunConfig.from_options(options, defaults)
+        source = model or DEFAULT_MODEL
+    calibrate(wd, source, cfg, progress)
+    return wd
 
 
 def load_calibration(workdir: WorkDir) -> dict[str, torch.Tensor]:
@@ -123,9 +187,13 @@ class StoredInit:
 def _load_for_stage(workdir: WorkDir, device: str | None):
     m = workdir.load()
     dev = _device(device)
-    model, tok, adapter, _ = load_model(m["model"]["path"], dtype=_dtype(dev), device=dev)
-    if model_fingerprint(Path(m["model"]["path"])) != m["model"]["fingerprint"]:
-        raise WorkDirError(f"the model at {m['model']['path']} changed since this work dir was made")
+    path = Path(m["model"]["path"])
+    if not (path / "config.json").is_file():
+        raise WorkDirError(f"the model this work dir was made for ({m['model']['source']}) is no longer at {path}")
+    if model_fingerprint(path) != m["model"]["fingerprint"]:
+        raise WorkDirError(f"the model at {path} changed since this work dir was made (its weights or config "
+                           "differ); restore it, or use another --workdir for the changed model")
+    model, tok, adapter, _ = load_model(path, dtype=_dtype(dev), device=dev)
     return model, adapter, m
 
 
@@ -133,51 +201,184 @@ def init_stage_name(method: str) -> str:
     return f"init-{method}"
 
 
-def compress(workdir: WorkDir, method: str = "sgptq", options: dict | None = None, *, device: str | None = None,
-             batch_size: int = 8, redo_from: int | None = None, progress=None, cache_limit_gb: float = 4.0) -> dict:
-    """The one-shot stage `init-<method>` (sgptq, rtn, magnitude, wanda, jsq, obr, gptq)."""
-    from .methods.registry import get_method
+def compress(workdir: WorkDir, method: str | MethodConfig = "sgptq", options: dict | None = None, *,
+             device: str | None = None, batch_size: int = 8, redo_from: int | None = None, progress=None,
+             cache_limit_gb: float = 4.0) -> dict:
+    """The one-shot stage `init-<method>` (sgptq, rtn, magnitude, wanda, jsq, obr, gptq). A finished stage
+    with the same normalised config is only checked (checksums), not recomputed."""
+    mcfg = method if isinstance(method, MethodConfig) else MethodConfig(method, dict(options or {}))
+    _check_run_args(device, batch_size, redo_from, cache_limit_gb)
+    name = init_stage_name(mcfg.name)
+    with _locked(workdir):
+        m = workdir.load()
+        fmt = get_format(m["config"]["format"])
+        mcfg.check_format(fmt)
+        if redo_from is None:
+            done = workdir.finished_stage_summary(name, mcfg.to_dict())
+            if done is not None:
+                return done
+        else:
+            workdir.check_stage_config(name, mcfg.to_dict())
+        model, adapter, m = _load_for_stage(workdir, device)
+        calib = load_calibration(workdir)
+        spec = StageSpec(
+            name=name, fmt=fmt, method_for_block=lambda li: mcfg.build(), config=mcfg.to_dict(),
+            compress_split="init", val_split=None, act_quant=m["config"]["act_quant"], batch_size=batch_size,
+            cache_limit_bytes=int(cache_limit_gb * 2**30))
+        return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
 
-    options = dict(options or {})
+
+def _check_run_args(device, batch_size: int, redo_from: int | None, cache_limit_gb: float) -> None:
+    _device(device)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 sequence, got {batch_size}")
+    if redo_from is not None and redo_from < 0:
+        raise ValueError(f"redo_from must be a layer index >= 0, got {redo_from}")
+    if cache_limit_gb < 0:
+        raise ValueError(f"cache_limit_gb must be >= 0, got {cache_limit_gb}")
+
+
+def refine_schedule(workdir: WorkDir, rcfg) -> str:
+    """The per-block refinement schedule, estimated from the calibration (training sequences × tokens ×
+    top-k routed rows, spread over the experts), as one line."""
+    from .models.adapter import read_config
+
     m = workdir.load()
-    fmt = get_format(m["config"]["format"])
-    get_method(method, **options)  # validate options before loading anything
-    model, adapter, m = _load_for_stage(workdir, device)
-    calib = load_calibration(workdir)
-    spec = StageSpec(
-        name=init_stage_name(method), fmt=fmt, method_for_block=lambda li: get_method(method, **options),
-        config={"method": method, "options": options}, compress_split="init", val_split=None,
-        act_quant=m["config"]["act_quant"], batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30))
-    return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+    cal = m["calibration"]
+    cfg = read_config(Path(m["model"]["path"]))
+    top_k = cfg.get("num_experts_per_tok") or 1
+    n_exp = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 1
+    rows = cal["sequences"]["train"] * cal["seq_len"] * top_k
+    return (f"{rcfg.schedule(rows, n_exp)} (from {cal['sequences']['train']} training sequences × "
+            f"{cal['seq_len']} tokens × top-{top_k} ≈ {rows:,} routed rows over {n_exp} experts per block)")
 
 
-def refine(workdir: WorkDir, config: dict | None = None, *, init: str = "sgptq", device: str | None = None,
+def refine(workdir: WorkDir, config=None, *, init: str = "sgptq", device: str | None = None,
            batch_size: int = 8, redo_from: int | None = None, progress=None, cache_limit_gb: float = 4.0,
            stage: str = "refine") -> dict:
-    """The refinement stage, initialised from the finished `init-<init>` stage's artifacts."""
+    """The refinement stage (a RefineConfig, or a dict of its fields), initialised from the finished
+    `init-<init>` stage's artifacts. Prints (progress.note) its schedule before training."""
     from .methods.refine import RefineConfig, RefineMethod
 
-    config = dict(config or {})
-    rcfg = RefineConfig(**config)
+    rcfg = config if isinstance(config, RefineConfig) else RefineConfig(**dict(config or {}))
+    _check_run_args(device, batch_size, redo_from, cache_limit_gb)
     init_stage = init_stage_name(init)
-    st = workdir.stage(init_stage)
-    if st is None or not st.get("done"):
-        raise WorkDirError(f"refinement starts from stage {init_stage!r}, which is not finished in {workdir.root}")
-    m = workdir.load()
-    fmt = get_format(m["config"]["format"])
-    model, adapter, m = _load_for_stage(workdir, device)
-    calib = load_calibration(workdir)
+    identity = refine_identity(rcfg, init_stage)
+    with _locked(workdir):
+        st = workdir.stage(init_stage)
+        if st is None or not st.get("done"):
+            raise WorkDirError(f"refinement starts from stage {init_stage!r}, which is not finished in {workdir.root}")
+        if redo_from is None:
+            done = workdir.finished_stage_summary(stage, identity)
+            if done is not None:
+                return done
+        else:
+            workdir.check_stage_config(stage, identity)
+        m = workdir.load()
+        fmt = get_format(m["config"]["format"])
+        model, adapter, m = _load_for_stage(workdir, device)
+        calib = load_calibration(workdir)
+        note(progress, f"{stage} schedule: {refine_schedule(workdir, rcfg)}")
 
-    def method_for_block(li: int):
-        results, _, _ = load_block(workdir.verified_block(init_stage, li))
-        return RefineMethod(StoredInit(results), rcfg)
+        def method_for_block(li: int):
+            results, _, _ = load_block(workdir.verified_block(init_stage, li))
+            return RefineMethod(StoredInit(results), rcfg)
 
-    spec = StageSpec(
-        name=stage, fmt=fmt, method_for_block=method_for_block,
-        config={"method": "refine", "init": init_stage, "refine": json.loads(json.dumps(asdict(rcfg)))},
-        compress_split="train", val_split="val", act_quant=m["config"]["act_quant"], batch_size=batch_size,
-        cache_limit_bytes=int(cache_limit_gb * 2**30))
-    return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+        spec = StageSpec(
+            name=stage, fmt=fmt, method_for_block=method_for_block, config=identity,
+            compress_split="train", val_split="val", act_quant=m["config"]["act_quant"], batch_size=batch_size,
+            cache_limit_bytes=int(cache_limit_gb * 2**30))
+        return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+
+
+# -- what the stage commands run ------------------------------------------------------------------------------
+def run_calibrate(workdir: str | Path, model: str | Path | None = None, options: dict | None = None,
+                  progress=None) -> dict:
+    """`moesq calibrate`: the work dir created (or checked) and calibrated; returns the calibration record."""
+    wd = WorkDir(workdir)
+    with _command_lock(wd):
+        wd = open_workdir(wd, model, options, progress=progress)
+        return wd.load()["calibration"]
+
+
+def run_init(workdir: str | Path, method: MethodConfig, model: str | Path | None = None,
+             options: dict | None = None, *, device: str | None = None, batch_size: int = 8,
+             redo_from: int | None = None, cache_limit_gb: float = 4.0, progress=None) -> dict:
+    """`moesq init-sgptq`: calibrate if needed, then the one-shot stage of `method`."""
+    _check_run_args(device, batch_size, redo_from, cache_limit_gb)
+    wd = WorkDir(workdir)
+    with _command_lock(wd):
+        wd = open_workdir(wd, model, options, progress=progress)
+        return compress(wd, method, device=device, batch_size=batch_size, redo_from=redo_from, progress=progress,
+                        cache_limit_gb=cache_limit_gb)
+
+
+def _init_prerequisite(wd: WorkDir, init: str) -> MethodConfig:
+    """The init stage refinement starts from: as it was recorded (another command may have started it with
+    its own options), else the method's defaults."""
+    st = wd.stage(init_stage_name(init))
+    return MethodConfig(init, st["config"].get("options", {})) if st else MethodConfig(init)
+
+
+def run_refine(workdir: str | Path, config, model: str | Path | None = None, options: dict | None = None, *,
+               init: str = "sgptq", stage: str = "refine", device: str | None = None, batch_size: int = 8,
+               redo_from: int | None = None, cache_limit_gb: float = 4.0, progress=None) -> dict:
+    """`moesq refine`: calibrate and run the init stage if needed, then refinement."""
+    from .methods.refine import RefineConfig
+
+    rcfg = config if isinstance(config, RefineConfig) else RefineConfig(**dict(config or {}))
+    MethodConfig(init)  # an unknown init method is refused before anything runs
+    _check_run_args(device, batch_size, redo_from, cache_limit_gb)
+    wd = WorkDir(workdir)
+    with _command_lock(wd):
+        wd = open_workdir(wd, model, options, progress=progress)
+        compress(wd, _init_prerequisite(wd, init), device=device, batch_size=batch_size, progress=progress,
+                 cache_limit_gb=cache_limit_gb)
+        return refine(wd, rcfg, init=init, device=device, batch_size=batch_size, redo_from=redo_from,
+                      progress=progress, cache_limit_gb=cache_limit_gb, stage=stage)
+
+
+def run_config_of(workdir: str | Path, config):
+    """`config` (a CompressConfig) with an existing work dir's run config (format, activation quantization,
+    calibration) in place of its own: what `moesq run` without a recipe does on a work dir another command
+    made. A new work dir keeps the config's."""
+    import dataclasses
+
+    wd = WorkDir(workdir)
+    if not wd.exists():
+        return config
+    rec = RunConfig.from_dict(wd.load()["config"])
+    return dataclasses.replace(config, format=rec.format, act_quant=rec.act_quant, calib=rec.calib,
+                               calib_source=rec.calib_source)
+
+
+def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *, device: str | None = None,
+            ppl: str | Path | None = None, ppl_tokens: int = 65536, progress=None) -> dict:
+    """`moesq run`: compress (calibrate → baselines → init → refine, as the CompressConfig says; default: the
+    micro-quick recipe) → pack → verify → perplexity of the reference, every stage and the packed model.
+    Returns {stage, config, packed, rows, bits_per_weight}."""
+    from .api import compress as compress_model
+    from .checkpoint.verify import verify_packed_dir
+    from .eval.runner import ResultCache, ppl_for_targets, resolve_targets
+
+    progress = progress or NullProgress()
+    wd = WorkDir(workdir)
+    with _command_lock(wd):
+        handle = compress_model(model, config, workdir, device=device, progress=progress)
+        out = wd.root / "packed"
+        with progress.task(f"pack {handle.stage}", None):
+            handle.save_pretrained(out, overwrite=True)
+        report = verify_packed_dir(out)
+        if not report.ok:
+            raise RuntimeError(f"verify failed on the packed model: {report.first_error}")
+        targets = resolve_targets([str(wd.root), str(out)])
+        rows = ppl_for_targets(targets, ppl or DEFAULT_EVAL, max_tokens=ppl_tokens, device="cpu",
+                               cache=ResultCache(wd.root / "eval" / "results.json"), progress=progress)
+        (wd.root / "eval").mkdir(exist_ok=True)
+        with atomic_path(wd.root / "eval" / "run_table.json") as tmp:
+            tmp.write_text(json.dumps(rows, indent=2))
+    return {"stage": handle.stage, "config": handle.config.to_dict(), "packed": str(out), "rows": rows,
+            "bits_per_weight": report.bits_per_weight}
 
 
 def finished_stages(workdir: WorkDir) -> list[str]:

@@ -2,6 +2,7 @@
 The CLI passes a rich-backed implementation; the default does nothing."""
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Iterator, Protocol
 
@@ -23,3 +24,11 @@ class NullProgress:
     @contextmanager
     def task(self, description: str, total: int | None) -> Iterator[_NullTask]:
         yield _NullTask()
+
+
+def note(progress, message: str) -> None:
+    """A one-line notice for the user (e.g. a schedule before training): shown by progress objects that
+    have `note`, always logged."""
+    logging.getLogger("moesq").info("%s", message)
+    if progress is not None and hasattr(progress, "note"):
+        progress.note(message)

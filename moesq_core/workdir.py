@@ -1,19 +1,26 @@
-"""The work directory: one per run. A manifest records the command's config, the model fingerprint and a
-checksum for every artifact; artifacts are written atomically (temp file + rename), so an interrupted stage
-resumes at its first unfinished block and a work dir made for another model or config is refused.
+"""The work directory: one per run. A manifest records the normalised run config, the model fingerprint
+(config + the sha256 of every weight file, or the Hub revision) and a checksum for every artifact; artifacts
+are written atomically (temp file + rename), so an interrupted stage resumes at its first unfinished block and
+a work dir made for another model or config is refused. One process at a time: `locked()` takes an exclusive
+fcntl lock on the work dir (a second process gets WorkDirLocked) and removes temp files that an interrupted
+run left behind.
 
 Layout:
-    manifest.json                 moesq version, model {source, fingerprint}, stages {name: {config, blocks, done}}
+    manifest.json                 moesq version, model {source, fingerprint}, config, calibration,
+                                  stages {name: {config, blocks {N: {file, sha256}}, block_timings, done, runs}}
     calib/calibration.safetensors token splits (train / val / init)
-    stages/<stage>/block_NNN.safetensors   one artifact per MoE block
+    stages/<stage>/block_NNN.safetensors   one artifact per MoE block (no timings: byte-deterministic)
     logs/moesq.log
+    .moesq.lock                   the lock file (holds the pid of the process using the work dir)
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from contextlib import contextmanager
@@ -25,10 +32,19 @@ from . import __version__
 log = logging.getLogger("moesq")
 
 MANIFEST = "manifest.json"
+LOCK_FILE = ".moesq.lock"
+# atomic_path's temp names: "." + final name + "." + mkstemp's 8 random characters + ".tmp"
+_TMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
+# StateStore's spilled calibration states under cache/<stage>-rank<N>/
+_SPILL_NAME = re.compile(r"^tmp[a-z0-9_]{8}\.pt$")
 
 
 class WorkDirError(RuntimeError):
     """A work dir that cannot be used as asked (other model/config, corrupt artifact). Nothing was changed."""
+
+
+class WorkDirLocked(WorkDirError):
+    """Another process holds the work dir's lock."""
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -62,21 +78,92 @@ def write_json_atomic(path: Path, obj: Any) -> None:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def user_cache_dir() -> Path:
+    """moesq's per-user cache ($MOESQ_CACHE_DIR, else $XDG_CACHE_HOME/moesq, else ~/.cache/moesq)."""
+    if os.environ.get("MOESQ_CACHE_DIR"):
+        return Path(os.environ["MOESQ_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moesq"
+
+
+WEIGHT_HASH_CACHE = "weight-sha256.json"
+
+
+def weight_file_sha256(path: Path) -> str:
+    """sha256 of a weight file, cached in the user cache by (absolute path, size, mtime): a model's weights
+    are read once, later runs only stat them. A file rewritten in place gets a new mtime and is hashed again."""
+    path = Path(path)
+    st = path.stat()
+    key, stamp = str(path.resolve()), [st.st_size, st.st_mtime_ns]
+    cache_file = user_cache_dir() / WEIGHT_HASH_CACHE
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    hit = cache.get(key) if isinstance(cache, dict) else None
+    if isinstance(hit, dict) and hit.get("stamp") == stamp:
+        return hit["sha256"]
+    digest = sha256_file(path)
+    cache = cache if isinstance(cache, dict) else {}
+    cache[key] = {"stamp": stamp, "sha256": digest}
+    try:
+        write_json_atomic(cache_file, cache)
+    except OSError as e:  # a read-only home only costs re-hashing next time
+        log.info("could not update the weight hash cache %s: %s", cache_file, e)
+    return digest
+
+
+def hub_revision(model_dir: Path) -> str | None:
+    """The commit hash of a Hugging Face Hub snapshot dir (…/snapshots/<revision>), else None."""
+    model_dir = Path(model_dir)
+    if model_dir.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", model_dir.name):
+        return model_dir.name
+    return None
+
+
 def model_fingerprint(model_dir: Path) -> str:
-    """sha256 over config.json and the weight index (tensor names, dtypes, shapes): identifies the model
-    without hashing gigabytes of weights."""
+    """sha256 over config.json, the tensor index (names, dtypes, shapes) and the weights' content: the sha256
+    of every weight file (cached, see weight_file_sha256), or for a Hub snapshot its revision (the Hub's
+    files are content-addressed by it). A copy of a model with changed weights has another fingerprint."""
     from safetensors import safe_open
 
     model_dir = Path(model_dir)
     h = hashlib.sha256()
     cfg = json.loads((model_dir / "config.json").read_text())
     h.update(json.dumps(cfg, sort_keys=True).encode())
+    revision = hub_revision(model_dir)
+    if revision:
+        h.update(f"hub-revision:{revision};".encode())
     for f in sorted(model_dir.glob("*.safetensors")):
         with safe_open(f, "pt") as sf:
             for name in sorted(sf.keys()):
                 sl = sf.get_slice(name)
                 h.update(f"{name}:{sl.get_dtype()}:{list(sl.get_shape())};".encode())
+    if not revision:
+        for f in sorted([*model_dir.glob("*.safetensors"), *model_dir.glob("*.bin")]):
+            h.update(f"{f.name}:{weight_file_sha256(f)};".encode())
     return h.hexdigest()[:32]
+
+
+def check_location(root: Path) -> None:
+    """Refuse a work dir path that cannot be one (a file, below a file, not writable) before anything is
+    written."""
+    root = Path(root)
+    if root.exists():
+        if not root.is_dir():
+            raise WorkDirError(f"work dir {root} is a file, not a directory; choose another --workdir")
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise WorkDirError(f"work dir {root} is not writable; choose another --workdir")
+        return
+    parent = root.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise WorkDirError(f"work dir {root} cannot be created: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise WorkDirError(f"work dir {root} cannot be created: {parent} is not writable")
+
+
+_HELD: dict[str, list] = {}  # real path -> [lock fd, depth]: the locks this process holds (re-entrant)
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -114,19 +201,95 @@ class WorkDir:
         manifest["updated"] = time.strftime("%Y-%m-%dT%H:%M:%S")
         write_json_atomic(self.manifest_path, manifest)
 
+    # -- lock and cleanup -----------------------------------------------------------------------------
+    def check_usable(self) -> None:
+        """Refuse (before writing anything) a path that is not a directory moesq may use as a work dir."""
+        check_location(self.root)
+        if self.root.is_dir() and not self.exists() and any(p.name != LOCK_FILE for p in self.root.iterdir()):
+            raise WorkDirError(f"{self.root} exists, is not empty and is not a moesq work dir; choose another --workdir")
+
+    @contextmanager
+    def locked(self):
+        """Hold the work dir's exclusive lock (re-entrant within a process). A second process is refused at
+        once with WorkDirLocked naming the holder's pid; the lock goes with the process, even on SIGKILL.
+        On taking it, temp files left by an interrupted run are removed (no other process can own them)."""
+        key = os.path.realpath(self.root)
+        if key in _HELD:
+            _HELD[key][1] += 1
+            try:
+                yield self
+            finally:
+                _HELD[key][1] -= 1
+            return
+        self.check_usable()
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise WorkDirLocked(f"{self.root} is in use by another moesq process (pid {holder}); wait for it to "
+                                "finish, or use another --workdir") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _HELD[key] = [fd, 1]
+        try:
+            self.remove_stale_temp_files()
+            yield self
+        finally:
+            _HELD[key][1] -= 1
+            if _HELD[key][1] == 0:
+                del _HELD[key]
+                os.close(fd)  # releases the lock; the file stays (unlinking a lock file races with waiters)
+
+    def remove_stale_temp_files(self) -> list[Path]:
+        """Remove what an interrupted run of moesq left: atomic_path's temp files and spilled calibration
+        states. Only moesq's own temp names are touched; call with the lock held."""
+        gone = []
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                p = Path(dirpath) / f
+                spill = p.parent.parent == self.root / "cache" and _SPILL_NAME.match(f)
+                if _TMP_NAME.match(f) or spill:
+                    p.unlink(missing_ok=True)
+                    gone.append(p)
+        if gone:
+            log.info("removed %d temp file(s) left by an interrupted run: %s", len(gone),
+                     ", ".join(str(p.relative_to(self.root)) for p in gone[:10]))
+        return gone
+
+    def check_matches(self, model: dict, config: dict) -> dict:
+        """The manifest, after checking the work dir was made for this model (fingerprint) and run config;
+        raises WorkDirError naming the differences otherwise. Writes nothing."""
+        m = self.load()
+        if m["model"]["fingerprint"] != model["fingerprint"]:
+            raise WorkDirError(
+                f"{self.root} was made for another model: {m['model']['source']} (fingerprint "
+                f"{m['model']['fingerprint']}); {model['source']} has other weights or config (fingerprint "
+                f"{model['fingerprint']}). Use another --workdir for it.")
+        problems = _diff(m["config"], config)
+        if problems:
+            raise WorkDirError(
+                f"{self.root} was made with another config:\n  " + "\n  ".join(problems)
+                + "\nUse another --workdir (or delete this one)."
+            )
+        return m
+
     def init(self, model: dict, config: dict) -> dict:
-        """Create, or open and check, the work dir for this model and run-level config."""
+        """Create, or open and check, the work dir for this model and run-level config. A work dir whose
+        calibration never finished (killed or failed) and that has no stage takes the new model and config:
+        nothing depends on the old ones."""
         if self.exists():
             m = self.load()
-            problems = _diff({"model": m["model"]["fingerprint"], **m["config"]}, {"model": model["fingerprint"], **config})
-            if problems:
-                raise WorkDirError(
-                    f"{self.root} was made for another model or config:\n  " + "\n  ".join(problems)
-                    + "\nUse another --workdir (or delete this one)."
-                )
-            return m
-        if self.root.exists() and any(self.root.iterdir()):
-            raise WorkDirError(f"{self.root} exists, is not empty and is not a moesq work dir; choose another --workdir")
+            if "calibration" not in m and not m.get("stages"):
+                if m["model"] != model or m["config"] != config:
+                    log.info("work dir had no calibration yet: taking the new model/config")
+                    m["model"], m["config"] = model, config
+                    self.save(m)
+                return m
+            return self.check_matches(model, config)
+        self.check_usable()
         self.root.mkdir(parents=True, exist_ok=True)
         m = {"moesq_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": model,
              "config": config, "stages": {}}
@@ -137,36 +300,62 @@ class WorkDir:
     def stage_dir(self, stage: str) -> Path:
         return self.root / "stages" / stage
 
-    def open_stage(self, stage: str, config: dict) -> dict:
-        """Register a stage with its config, or check it matches the recorded one."""
-        m = self.load()
-        st = m["stages"].get(stage)
+    def check_stage_config(self, stage: str, config: dict) -> dict | None:
+        """The stage's record, after checking it was run with this (normalised) config; None if never run."""
+        st = self.load()["stages"].get(stage)
         if st is not None:
             problems = _diff(st["config"], config)
             if problems:
                 raise WorkDirError(
                     f"stage {stage!r} in {self.root} was run with another config:\n  " + "\n  ".join(problems)
-                    + f"\nUse another --workdir, or remove {self.stage_dir(stage)} and its entry to redo it."
+                    + f"\nUse another --workdir, or another stage name (refine: --stage), to keep both."
                 )
+        return st
+
+    def open_stage(self, stage: str, config: dict, num_blocks: int | None = None) -> dict:
+        """Register a stage with its config, or check it matches the recorded one."""
+        st = self.check_stage_config(stage, config)
+        if st is not None and (num_blocks is None or st.get("num_blocks") == num_blocks):
             return st
-        m["stages"][stage] = {"config": config, "blocks": {}, "done": False}
+        m = self.load()
+        st = m["stages"].setdefault(stage, {"config": config, "blocks": {}, "done": False})
+        if num_blocks is not None:
+            st["num_blocks"] = num_blocks
         self.save(m)
-        return m["stages"][stage]
+        return st
+
+    def finished_stage_summary(self, stage: str, config: dict) -> dict | None:
+        """For a finished stage run with this config whose artifacts all check out: a summary of it (nothing
+        is recomputed or rewritten); None when the stage is not finished."""
+        st = self.check_stage_config(stage, config)
+        if st is None or not st.get("done"):
+            return None
+        for b in st["blocks"]:
+            self.verified_block(stage, int(b))
+        return {"blocks": len(st["blocks"]), "computed_now": 0}
 
     def stage(self, stage: str) -> dict | None:
         return self.load()["stages"].get(stage)
 
-    def record_block(self, stage: str, block: int, path: Path, extra: dict | None = None) -> None:
+    def record_block(self, stage: str, block: int, path: Path, extra: dict | None = None,
+                     timings: dict | None = None) -> None:
+        """Record a finished block's artifact and checksum. Its timings go to the stage's `block_timings`
+        (apart from the block record, which identifies the artifact and is the same in every run)."""
         m = self.load()
-        m["stages"][stage]["blocks"][str(block)] = {
-            "file": str(path.relative_to(self.root)), "sha256": sha256_file(path), **(extra or {})}
+        st = m["stages"][stage]
+        st["blocks"][str(block)] = {"file": str(path.relative_to(self.root)), "sha256": sha256_file(path), **(extra or {})}
+        if timings:
+            st.setdefault("block_timings", {})[str(block)] = timings
         self.save(m)
 
     def finish_stage(self, stage: str, summary: dict | None = None) -> None:
+        """Mark a stage done; its summary (with timings) goes into the stage's run log in the manifest."""
         m = self.load()
-        m["stages"][stage]["done"] = True
+        st = m["stages"][stage]
+        st["done"] = True
         if summary:
-            m["stages"][stage]["summary"] = summary
+            st["summary"] = summary
+            st.setdefault("runs", []).append({"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **summary})
         self.save(m)
 
     def verified_block(self, stage: str, block: int) -> Path | None:
@@ -198,15 +387,54 @@ class WorkDir:
         self.save(m)
 
 
+class WorkDirLogHandler(logging.Handler):
+    """Appends to <workdir>/logs/moesq.log once the work dir exists (its manifest is written); records from
+    before that are kept and written then. A command refused before it made the work dir writes nothing, so
+    no logs/ appears in a directory moesq did not make."""
+
+    def __init__(self, root: Path):
+        super().__init__(logging.INFO)
+        self.root = Path(root)
+        self.pending: list[logging.LogRecord] = []
+        self.file: logging.FileHandler | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            if self.file is None:
+                if not (self.root / MANIFEST).is_file():
+                    if len(self.pending) < 10_000:
+                        self.pending.append(record)
+                    return
+                (self.root / "logs").mkdir(exist_ok=True)
+                self.file = logging.FileHandler(self.root / "logs" / "moesq.log")
+                self.file.setFormatter(self.formatter)
+                for r in self.pending:
+                    self.file.emit(r)
+                self.pending = []
+            self.file.emit(record)
+        except Exception:
+            self.handleError(record)
+
+    @property
+    def path(self) -> Path | None:
+        return self.root / "logs" / "moesq.log" if self.file is not None else None
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+        super().close()
+
+
 def setup_logging(root: Path | None, quiet: bool = False) -> None:
-    """Log to <workdir>/logs/moesq.log (always, at INFO) and, unless quiet, warnings to stderr."""
+    """Log to <workdir>/logs/moesq.log (at INFO, once the work dir exists) and, unless quiet, warnings to
+    stderr."""
     logger = logging.getLogger("moesq")
     logger.setLevel(logging.INFO)
     for h in list(logger.handlers):
         logger.removeHandler(h)
+        h.close()
     if root is not None:
-        (Path(root) / "logs").mkdir(parents=True, exist_ok=True)
-        fh = logging.FileHandler(Path(root) / "logs" / "moesq.log")
+        fh = WorkDirLogHandler(Path(root))
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         logger.addHandler(fh)
     sh = logging.StreamHandler()

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,10 +16,16 @@ import pytest
 import torch
 
 from conftest import CALIB_TEXT, EVAL_TEXT
+from moesq_core.config import DEFAULT_CALIB, DEFAULT_EVAL
 
 MOESQ = shutil.which("moesq") or str(Path(sys.executable).parent / "moesq")
-SMALL = ["--seq-len", "64", "--n-train", "8", "--n-val", "4", "--n-init", "8", "--calib", str(CALIB_TEXT)]
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
+# the shared data when it is there (CI), else the embedded samples (a user's clone)
+CALIB = CALIB_TEXT if CALIB_TEXT.is_file() else DEFAULT_CALIB
+EVAL = EVAL_TEXT if EVAL_TEXT.is_file() else DEFAULT_EVAL
+SMALL = ["--seq-len", "64", "--n-train", "8", "--n-val", "4", "--n-init", "8", "--calib", str(CALIB)]
+# offline, a wide terminal, and the weight-hash cache in a temp dir instead of the user's home
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120",
+       "MOESQ_CACHE_DIR": os.environ.get("MOESQ_CACHE_DIR") or tempfile.mkdtemp(prefix="moesq-test-cache-")}
 
 
 def moesq(*args, check=True, timeout=900):
@@ -46,7 +53,7 @@ def test_pipeline_pack_verify_eval(micro_path, tmp_path):
     assert "2.75" in r.stdout
     r = moesq("verify", tmp_path / "packed", "--quiet")
     assert "verify: ok" in r.stdout
-    r = moesq("eval", wd, tmp_path / "packed", "--ppl", EVAL_TEXT, "--ppl-tokens", "2048", "--json",
+    r = moesq("eval", wd, tmp_path / "packed", "--ppl", EVAL, "--ppl-tokens", "2048", "--json",
               tmp_path / "ppl.json", "--quiet")
     rows = {x["label"]: x["ppl"] for x in json.loads((tmp_path / "ppl.json").read_text())["ppl"]}
     assert set(rows) == {"reference", "rtn", "packed:packed"}
@@ -105,7 +112,7 @@ def test_bad_inputs_get_clear_errors(micro_path, tmp_path):
     moesq("calibrate", "--model", micro_path, "-w", wd, *SMALL, "--quiet")
     before = (wd / "manifest.json").read_text()
     r = moesq("calibrate", "--model", micro_path, "-w", wd, *SMALL, "--format", "s24-fp8", check=False)
-    assert r.returncode == 1 and "format: 'p48-nvfp4' (work dir) vs 's24-fp8'" in r.stdout + r.stderr
+    assert r.returncode == 1 and "format: 'p48-nvfp4' (work dir) vs 's24-fp8' (now)" in r.stdout + r.stderr
     assert (wd / "manifest.json").read_text() == before
     r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--seq-len", "128", check=False)  # no --model: still checked
     assert r.returncode == 1 and "seq_len: 64 (work dir) vs 128 (now)" in r.stdout + r.stderr

@@ -18,14 +18,16 @@ from moesq_core.models import load_model
 from moesq_core.workdir import WorkDir, WorkDirError, model_fingerprint, sha256_file
 
 from conftest import CALIB_TEXT
+from moesq_core.config import DEFAULT_CALIB
 
+CALIB = CALIB_TEXT if CALIB_TEXT.is_file() else DEFAULT_CALIB  # the embedded sample in a clone without ../shared
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def micro(micro_path):
     model, tok, adapter, path = load_model(micro_path)
-    docs = read_documents(CALIB_TEXT, max_chars=400_000)
+    docs = read_documents(CALIB, max_chars=400_000)
     calib = build_calibration(tok, docs, CalibConfig(seq_len=64, n_train=8, n_val=4, n_init=8))
     return model, tok, adapter, path, calib
 
@@ -86,7 +88,7 @@ def test_corrupt_artifact_and_foreign_config_are_refused(micro, tmp_path):
     wd = _new_wd(tmp_path / "wd", path)
     run_stage(model, adapter, calib, _spec(), wd)
     before = sha256_file(wd.manifest_path)
-    with pytest.raises(WorkDirError, match="another model or config"):
+    with pytest.raises(WorkDirError, match="made for another model"):
         wd.init({"source": "x", "path": "x", "fingerprint": "0" * 32}, {"format": "p48-nvfp4"})
     with pytest.raises(WorkDirError, match="format: 'p48-nvfp4' \\(work dir\\) vs 's24-fp8'"):
         wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": "s24-fp8"})
@@ -149,16 +151,16 @@ def test_compressed_prefix_is_seen_by_later_blocks(micro, tmp_path):
 WORKER = r"""
 import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
-from test_engine import _spec, _new_wd, _checksums
+from test_engine import _spec, _new_wd, _checksums, CALIB
 from moesq_core.models import load_model
 from moesq_core.calibration import CalibConfig, build_calibration, read_documents
 from moesq_core.engine import run_stage
 from moesq_core.workdir import WorkDir
-from conftest import CALIB_TEXT, MICRO
+from conftest import MICRO
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
 model, tok, adapter, path = load_model(MICRO)
-calib = build_calibration(tok, read_documents(CALIB_TEXT, max_chars=400_000), CalibConfig(seq_len=64, n_train=8, n_val=4, n_init=8))
+calib = build_calibration(tok, read_documents(CALIB, max_chars=400_000), CalibConfig(seq_len=64, n_train=8, n_val=4, n_init=8))
 root = {root!r}
 if dist.get_rank() == 0:
     _new_wd(root, path)
@@ -185,3 +187,78 @@ def test_expert_parallel_equals_single_process(micro, tmp_path):
     outs = [p.communicate(timeout=600)[0].decode() for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(outs)
     assert _checksums(WorkDir(tmp_path / "ep"), "init-rtn") == _checksums(single, "init-rtn")
+
+
+def test_timings_are_kept_out_of_artifacts():
+    from moesq_core.engine import split_timings
+
+    info = {"init": {"method": "sgptq", "seconds": 1.5}, "refine": {"best_epoch": 2, "seconds_block": 3.0,
+                                                                      "init_seconds": 0.5, "val_loss": [1.0]}}
+    clean, timings = split_timings(info)
+    assert clean == {"init": {"method": "sgptq"}, "refine": {"best_epoch": 2, "val_loss": [1.0]}}
+    assert timings == {"init": {"seconds": 1.5}, "refine": {"seconds_block": 3.0, "init_seconds": 0.5}}
+
+
+def test_stage_identity_is_the_normalised_config():
+    from moesq_core.config import MethodConfig, RunConfig
+
+    assert MethodConfig("sgptq").to_dict() == MethodConfig("sgptq", {"percdamp": 0.01, "exact_scales": True}).to_dict()
+    assert MethodConfig("sgptq", {"refit": True}).to_dict() != MethodConfig("sgptq").to_dict()
+    assert MethodConfig("sgptq").options["refit"] is False and "dense_only" not in MethodConfig("gptq").options
+    with pytest.raises(ValueError, match="no option"):
+        MethodConfig("rtn", {"percdamp": 0.1})
+    with pytest.raises(ValueError, match="unknown method"):
+        MethodConfig("nope")
+    assert RunConfig.from_options({}).to_dict() == RunConfig.from_options({"seq_len": 512, "format": "p48-nvfp4"}).to_dict()
+    with pytest.raises(ValueError, match="seq_len must be a positive"):
+        RunConfig.from_options({"seq_len": -5})
+    with pytest.raises(ValueError, match="unknown format"):
+        RunConfig.from_options({"format": "p24"})
+
+
+def test_fingerprint_covers_weight_content(micro_path, tmp_path, monkeypatch):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("MOESQ_CACHE_DIR", str(tmp_path / "cache"))
+    copy = tmp_path / "copy"
+    shutil.copytree(micro_path, copy)
+    assert model_fingerprint(copy) == model_fingerprint(micro_path)
+    assert (tmp_path / "cache" / "weight-sha256.json").is_file()  # hashed once, then looked up
+    f = copy / "model.safetensors"
+    sd = load_file(str(f))
+    name = next(k for k in sd if k.endswith("down_proj.weight"))
+    sd[name] = sd[name] * 1.05
+    save_file(sd, str(f), metadata={"format": "pt"})
+    assert model_fingerprint(copy) != model_fingerprint(micro_path)
+
+
+def test_lock_is_exclusive_and_cleans_temp_files(tmp_path):
+    from moesq_core.workdir import WorkDirLocked
+
+    wd = WorkDir(tmp_path / "wd")
+    wd.init({"source": "m", "path": "m", "fingerprint": "0" * 32}, {"format": "p48-nvfp4"})
+    (wd.root / "stages" / "s").mkdir(parents=True)
+    stale = wd.root / "stages" / "s" / ".block_000.safetensors.a1b2c3d4.tmp"
+    stale.write_bytes(b"half")
+    mine = wd.root / "stages" / "s" / "user.tmp"
+    mine.write_bytes(b"keep")
+    code = ("import sys; sys.path.insert(0, %r); from moesq_core.workdir import WorkDir\n"
+            "with WorkDir(%r).locked(): pass" % (str(REPO), str(wd.root)))
+    with wd.locked():
+        assert not stale.exists() and mine.exists()
+        with wd.locked():  # re-entrant in one process
+            pass
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert r.returncode != 0 and "WorkDirLocked" in r.stderr and f"pid {os.getpid()}" in r.stderr
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0  # released
+    assert issubclass(WorkDirLocked, WorkDirError)
+    # a directory moesq did not make gets no lock file
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "data.txt").write_text("x")
+    with pytest.raises(WorkDirError, match="not a moesq work dir"):
+        with WorkDir(foreign).locked():
+            pass
+    assert [p.name for p in foreign.iterdir()] == ["data.txt"]

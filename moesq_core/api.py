@@ -1,0 +1,82 @@
+"""The library entry point: `compress(model, config, workdir=...)` runs calibrate → init → refine as the config
+says, resumably, in a work dir, and returns a handle whose `save_pretrained(out)` writes the packed model.
+
+    from moesq_core import compress, CompressConfig
+    handle = compress("Qwen/Qwen3-30B-A3B", CompressConfig.from_file("recipes/qwen3-30b-a3b-p48-nvfp4.yaml"),
+                      workdir="qwen3-work")
+    handle.save_pretrained("qwen3-p48")
+
+The CLI's stage commands and `moesq run` call the same functions (moesq_core.pipeline).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .calibration import CalibConfig
+from .config import CompressConfig, MethodConfig
+
+
+def default_run_config() -> CompressConfig:
+    """What `moesq run` does with no options (recipes/micro-quick.yaml): a small budget on the embedded model —
+    256-token sequences, 64 for the one-shot stage, 64 + 8 for refinement (2 epochs × 8 steps), magnitude as
+    the baseline."""
+    from .methods.refine import RefineConfig
+
+    return CompressConfig(calib=CalibConfig(seq_len=256, n_train=64, n_val=8, n_init=64), init=MethodConfig("sgptq"),
+                          refine=RefineConfig(epochs=2, steps_per_epoch=8), baselines=("magnitude",))
+
+
+@dataclass
+class CompressedModel:
+    """A finished compression in a work dir: `stage` is what `save_pretrained` packs."""
+
+    workdir: Path
+    stage: str
+    config: CompressConfig
+    summaries: dict  # stage -> its summary (blocks, computed_now, timings)
+
+    def save_pretrained(self, out: str | Path, *, overwrite: bool = False, dense_layout: bool = False,
+                        progress=None) -> dict:
+        """Write the Hugging Face–style packed model dir (moesq pack); returns the export summary."""
+        from .checkpoint.export import export_packed
+        from .workdir import WorkDir
+
+        kw = {"progress": progress} if progress is not None else {}
+        return export_packed(WorkDir(self.workdir), self.stage, Path(out), overwrite=overwrite,
+                             sparse_layout=not dense_layout, **kw)
+
+
+def compress(model: str | Path | None = None, config: CompressConfig | str | Path | None = None,
+             workdir: str | Path = "moesq-work", *, device: str | None = None, batch_size: int = 8,
+             cache_limit_gb: float = 4.0, progress=None) -> CompressedModel:
+    """Compress `model` (a local dir or Hub id; default: the config's `model`, else the embedded micro model)
+    as `config` says (a CompressConfig or a recipe file; default: `moesq run`'s). Resumable: finished stages
+    are only checked, an interrupted one continues at its first unfinished block. A work dir made for another
+    model or run config is refused."""
+    from . import pipeline
+    from .workdir import WorkDir
+
+    if config is None:
+        config = default_run_config()
+    elif not isinstance(config, CompressConfig):
+        config = CompressConfig.from_file(config)
+    pipeline._check_run_args(device, batch_size, None, cache_limit_gb)
+    wd = WorkDir(workdir)
+    summaries = {}
+    with pipeline._command_lock(wd):
+        pipeline.open_workdir(wd, model or config.model, config.run_config().flat(), progress=progress)
+        for b in config.baselines:
+            if b != config.init.name:
+                summaries[pipeline.init_stage_name(b)] = pipeline.compress(
+                    wd, MethodConfig(b), device=device, batch_size=batch_size, progress=progress,
+                    cache_limit_gb=cache_limit_gb)
+        stage = pipeline.init_stage_name(config.init.name)
+        summaries[stage] = pipeline.compress(wd, config.init, device=device, batch_size=batch_size,
+                                             progress=progress, cache_limit_gb=cache_limit_gb)
+        if config.refine is not None:
+            stage = "refine"
+            summaries[stage] = pipeline.refine(wd, config.refine, init=config.init.name, device=device,
+                                               batch_size=batch_size, progress=progress,
+                                               cache_limit_gb=cache_limit_gb)
+    return CompressedModel(wd.root, stage, config, summaries)

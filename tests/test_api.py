@@ -1,0 +1,86 @@
+"""The library entry point and recipes: `compress(model, CompressConfig)` and `moesq run --recipe` give the
+same artifacts; the shipped recipes load and mean what they say; configs normalise and validate."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from test_cli import moesq
+
+REPO = Path(__file__).resolve().parents[1]
+
+TINY_RECIPE = """
+format: p48-nvfp4
+calib: {seq_len: 32, n_train: 2, n_val: 2, n_init: 4}
+init: {method: rtn}
+refine: {epochs: 1, steps_per_epoch: 2}
+"""
+
+
+def _artifacts(wd: Path) -> dict[str, str]:
+    return {str(p.relative_to(wd)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for d in ("calib", "stages") for p in sorted((wd / d).rglob("*")) if p.is_file()}
+
+
+def test_shipped_recipes():
+    from moesq_core import CompressConfig
+    from moesq_core.api import default_run_config
+
+    quick = CompressConfig.from_file(REPO / "recipes" / "micro-quick.yaml")
+    assert quick.to_dict() == default_run_config().to_dict()  # `moesq run`'s default is this recipe
+    paper = CompressConfig.from_file(REPO / "recipes" / "qwen3-30b-a3b-p48-nvfp4.yaml")
+    assert paper.model == "Qwen/Qwen3-30B-A3B" and paper.calib.seq_len == 4096 and paper.init.options["percdamp"] == 0.01
+    # 8,192 sequences × 4,096 tokens × top-8 over 128 experts: the paper's 128 steps per epoch
+    assert paper.refine.schedule(8192 * 4096 * 8, 128).steps_per_epoch == 128
+    assert CompressConfig.from_dict(quick.to_dict()).to_dict() == quick.to_dict()  # to_dict round-trips
+
+
+def test_config_errors_name_the_key(tmp_path):
+    from moesq_core import CompressConfig
+
+    bad = tmp_path / "bad.yaml"
+    for text, msg in (("formt: p48-nvfp4", "unknown config key(s) formt"), ("calib: {seq_len: 0}", "seq_len"),
+                      ("init: {method: nope}", "unknown method"), ("refine: {epochs: -1}", "epochs"),
+                      ("- a list", "expected a mapping"), ("baselines: [nope]", "unknown method")):
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            CompressConfig.from_file(bad)
+    with pytest.raises(ValueError, match="steps_per_epoch is a refinement option"):
+        CompressConfig(refine=None).with_overrides(steps_per_epoch=3)
+
+
+def test_compress_api_and_cli_recipe_give_identical_artifacts(micro_path, tmp_path):
+    from moesq_core import CompressConfig, compress
+
+    recipe = tmp_path / "tiny.yaml"
+    recipe.write_text(TINY_RECIPE)
+    handle = compress(micro_path, CompressConfig.from_file(recipe), workdir=tmp_path / "api", device="cpu")
+    assert handle.stage == "refine" and set(handle.summaries) == {"init-rtn", "refine"}
+    summary = handle.save_pretrained(tmp_path / "api-packed")
+    assert summary["bits_per_weight"] == pytest.approx(2.75, abs=0.01)
+    assert (tmp_path / "api-packed" / "config.json").is_file()
+    r = moesq("run", "--recipe", recipe, "--model", micro_path, "-w", tmp_path / "cli", "--ppl-tokens", "1024",
+              "--quiet", "--device", "cpu", "--json")
+    out = json.loads(r.stdout)
+    assert out["stage"] == "refine" and out["config"]["init"]["method"] == "rtn"
+    assert _artifacts(tmp_path / "cli") == _artifacts(tmp_path / "api")
+    # the API on a finished work dir only checks it
+    again = compress(micro_path, CompressConfig.from_file(recipe), workdir=tmp_path / "api", device="cpu")
+    assert all(s["computed_now"] == 0 for s in again.summaries.values())
+    # command-line options override the recipe, and a work dir made otherwise is refused
+    r = moesq("run", "--recipe", recipe, "-w", tmp_path / "cli", "--seq-len", "64", "--quiet", check=False)
+    assert r.returncode == 1 and "seq_len: 32 (work dir) vs 64 (now)" in r.stderr
+
+
+def test_stage_commands_print_json(micro_path, tmp_path):
+    wd = tmp_path / "wd"
+    r = moesq("calibrate", "--model", micro_path, "-w", wd, "--seq-len", "32", "--n-train", "2", "--n-val", "2",
+              "--n-init", "4", "--quiet", "--json")
+    assert json.loads(r.stdout)["calibration"]["sequences"] == {"train": 2, "val": 2, "init": 4}
+    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--quiet", "--device", "cpu", "--json")
+    out = json.loads(r.stdout)
+    assert out["stage"] == "init-rtn" and out["blocks"] == 4 and out["config"] == {"method": "rtn", "options": {"report_errors": True}}

@@ -1,0 +1,143 @@
+"""Every `moesq …` command line the docs show runs as written: the README's shell code blocks (in order, in one
+fresh directory) and the "Examples" of every command's --help (in stage order, in one directory that holds a
+calibrated work dir `moesq-work`). Nothing here lists the commands: one added to the README or to a --help
+later is run too.
+
+A command that needs what the test machine lacks — a GPU (`bench-kernel`, `--kernel`, `--device cuda`) or the
+network (a Hub model or dataset id, `--push-to-hub`, lm-eval tasks other than the shipped offline one) — must
+fail cleanly instead: exit code 1, one `error:` line, no traceback. Help examples are written so that they
+run in seconds on a CPU (small calibration budgets); the README's `moesq run` is the real default run.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_cli import ENV, MOESQ, moesq
+
+REPO = Path(__file__).resolve().parents[1]
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?(@[\w.:%\[\]-]+)?$")
+# the stage order: a later command's examples may use what an earlier one made
+ORDER = ["calibrate", "init-sgptq", "refine", "pack", "verify", "eval", "run", "bench-kernel"]
+
+
+def readme_commands() -> list[str]:
+    """`moesq …` command lines in the README's shell code blocks (also after `&&`), comments dropped."""
+    text = (REPO / "README.md").read_text()
+    cmds = []
+    for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, flags=re.S):
+        if lang not in ("bash", "sh", "shell", "console"):
+            continue
+        for line in body.splitlines():
+            for part in re.split(r"&&|;", line):
+                part = part.strip()
+                if part.startswith("$ "):
+                    part = part[2:]
+                if part.startswith("moesq ") or part == "moesq":
+                    cmds.append(" ".join(shlex.split(part, comments=True)))
+    return cmds
+
+
+def help_examples() -> list[tuple[str, str]]:
+    """(command, example) for the lines starting with `moesq ` in each command's help after "Examples"."""
+    from typer.main import get_command
+
+    from moesq_cli.app import app
+
+    group = get_command(app)
+    names = sorted(group.commands, key=lambda n: (ORDER.index(n) if n in ORDER else len(ORDER), n))
+    out = []
+    for name in names:
+        help_text = group.commands[name].help or ""
+        _, found, examples = re.sub(r"\[/?[a-z ]*\]", "", help_text).partition("Examples")
+        if found:
+            out += [(name, line.strip()) for line in examples.splitlines() if line.strip().startswith("moesq ")]
+    return out
+
+
+def needs(argv: list[str]) -> str | None:
+    """What a command needs that the test machine may lack: 'gpu', 'network' or None."""
+    opts = {a: argv[i + 1] if i + 1 < len(argv) else "" for i, a in enumerate(argv)}
+    hub_model = any(HUB_ID.match(opts.get(o, "")) and not Path(opts[o]).exists() for o in ("--model", "-m"))
+    hub_calib = HUB_ID.match(opts.get("--calib", "")) and not Path(opts["--calib"]).exists()
+    tasks = [t for t in opts.get("--tasks", "").split(",") if t]
+    if hub_model or hub_calib or "--push-to-hub" in argv or any(t != "moesq_cloze" for t in tasks):
+        return "network"
+    gpu = (len(argv) > 1 and argv[1] == "bench-kernel") or "--kernel" in argv or \
+        opts.get("--device", "").startswith("cuda")
+    if gpu and not torch.cuda.is_available():
+        return "gpu"
+    return None
+
+
+def run_as_written(cmd: str, cwd: Path) -> None:
+    argv = shlex.split(cmd)
+    assert argv[0] == "moesq"
+    r = subprocess.run([MOESQ, *argv[1:]], capture_output=True, text=True, env=ENV, cwd=cwd, timeout=1800)
+    out = r.stdout + r.stderr
+    assert "Traceback" not in out, f"{cmd}\n{out}"
+    lack = needs(argv)
+    if lack is None:
+        assert r.returncode == 0, f"{cmd} exited {r.returncode}\n{out}"
+        return
+    # expected to fail here (no GPU / no network): exit 1 with one clear line, nothing half-done
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert r.returncode == 1 and len(errors) == 1, f"{cmd} (needs {lack}) exited {r.returncode}\n{out}"
+    assert r.stderr.strip().splitlines()[-1] == errors[0], f"{cmd}: the error is not the last line\n{out}"
+
+
+def test_docs_have_commands():
+    assert "moesq run" in readme_commands()
+    with_examples = {c for c, _ in help_examples()}
+    assert {"calibrate", "init-sgptq", "refine", "run"} <= with_examples
+
+
+def test_readme_commands_run_as_written(tmp_path):
+    for cmd in readme_commands():
+        run_as_written(cmd, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def example_dir(tmp_path_factory, micro_path) -> Path:
+    """A directory whose `moesq-work` is calibrated with the examples' small budget."""
+    d = tmp_path_factory.mktemp("examples")
+    moesq("calibrate", "--model", micro_path, "-w", d / "moesq-work", "--seq-len", "32", "--n-train", "2",
+          "--n-val", "2", "--n-init", "8", "--quiet")
+    return d
+
+
+def test_help_examples_run_as_written(example_dir):
+    examples = help_examples()
+    for _, cmd in examples:
+        run_as_written(cmd, example_dir)
+
+
+@pytest.mark.parametrize("argv, want", [
+    ("moesq refine --model Qwen/Qwen3-30B-A3B", "network"),
+    ("moesq calibrate --calib allenai/c4:en@train", "network"),
+    ("moesq pack moesq-work --push-to-hub me/x", "network"),
+    ("moesq eval moesq-work --tasks moesq_cloze", None),
+    ("moesq eval moesq-work --tasks arc_easy", "network"),
+    ("moesq init-sgptq --model ./local/dir", None),
+])
+def test_needs_classifies(argv, want):
+    assert needs(shlex.split(argv)) == want
+
+
+def test_examples_fail_cleanly_without_gpu_or_network(tmp_path):
+    """The help examples that need the network or a GPU really are refused here with one line."""
+    lacking = [c for _, c in help_examples() if needs(shlex.split(c))]
+    if not lacking:
+        pytest.skip("every example runs on this machine")
+    assert any("Qwen/Qwen3-30B-A3B" in c for c in lacking)
+    shutil.rmtree(tmp_path)
+    tmp_path.mkdir()
+    for cmd in lacking:
+        run_as_written(cmd, tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing was created by a refused command
