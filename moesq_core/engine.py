@@ -324,8 +324,9 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
             if li < last_moe:
                 for s in splits:
                     new = StateStore(stores[s].limit, spill)
-                    for hidden in stores[s]:
-                        new.append(_layer_out(layer(hidden, **kwargs_by_bs[hidden.shape[0]])))
+                    with torch.no_grad():  # an autograd graph kept across layers would grow with depth
+                        for hidden in stores[s]:
+                            new.append(_layer_out(layer(hidden, **kwargs_by_bs[hidden.shape[0]])))
                     stores[s].close()
                     stores[s] = new
     for s in stores.values():

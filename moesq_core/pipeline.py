@@ -193,7 +193,8 @@ def _load_for_stage(workdir: WorkDir, device: str | None):
     if model_fingerprint(path) != m["model"]["fingerprint"]:
         raise WorkDirError(f"the model at {path} changed since this work dir was made (its weights or config "
                            "differ); restore it, or use another --workdir for the changed model")
-    model, tok, adapter, _ = load_model(path, dtype=_dtype(dev), device=dev)
+    # lazily: host memory stays bounded by a few blocks, not the model
+    model, tok, adapter, _ = load_model(path, dtype=_dtype(dev), device=dev, lazy=True)
     return model, adapter, m
 
 

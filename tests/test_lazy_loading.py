@@ -102,7 +102,7 @@ def _compress_rtn(root: Path, model: Path, lazy: bool, monkeypatch) -> dict:
 
     def load(*args, **kw):
         opened.append(lazy)
-        return load_model(*args, **kw, lazy=lazy)
+        return load_model(*args, **{**kw, "lazy": lazy})
 
     monkeypatch.setattr(pipeline, "load_model", load)  # choose the loader; everything else is the real pipeline
     wd = WorkDir(root)
