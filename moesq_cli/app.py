@@ -132,7 +132,26 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars;
 RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, help="Recompute this stage from this layer on.")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Calibration sequences per forward pass.")]
 CacheOpt = Annotated[float, typer.Option("--cache-gb", min=0.0, help="Calibration states kept in memory; the rest spill to the work dir.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout (messages go to stderr).")]
+JsonOpt = Annotated[Optional[Path], typer.Option(
+    "--json", help="Also write the result as JSON to this file ('-' = stdout, tables then go to stderr); "
+                   "schema in the README (JSON output).")]
+
+
+def _write_json(path: Path | None, doc: dict) -> None:
+    if path is None:
+        return
+    text = json.dumps(doc, indent=2, default=str) + "\n"
+    if str(path) == "-":
+        sys.stdout.write(text)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    err_console.print(f"results → {path}")
+
+
+def _out_console(json_out: Path | None):
+    """Where tables go: stdout, or stderr when stdout carries the JSON."""
+    return err_console if json_out is not None and str(json_out) == "-" else console
 
 log = logging.getLogger("moesq")
 
@@ -244,10 +263,6 @@ def _as_usage_error(build, **fields):
         _fail(msg, 2)
 
 
-def _print_json(obj) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
-
-
 def _stage_line(stage: str, summary: dict, workdir: Path) -> str:
     return f"stage {stage}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}"
 
@@ -259,7 +274,7 @@ def calibrate(
     model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = None,
     act_quant: ActQuantOpt = None, calib: CalibOpt = None, seq_len: SeqLenOpt = None, n_train: NTrainOpt = None,
     n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None, quiet: QuietOpt = False,
-    json_out: JsonOpt = False,
+    json_out: JsonOpt = None,
 ):
     """Create a work dir for a model + format and build its calibration set (seeded train / val / init splits).
 
@@ -279,8 +294,10 @@ def calibrate(
     _as_usage_error(_run_config_check, **given)
     with RichProgress(quiet) as p:
         info = run_calibrate(workdir, model, given, progress=p)
-    if json_out:
-        return _print_json({"workdir": str(workdir), "calibration": info})
+    if json_out is not None:
+        _write_json(json_out, {"schema": "moesq.calibrate/1", "workdir": str(workdir), "calibration": info})
+        if str(json_out) == "-":
+            return
     console.print(f"calibration: {info['sequences']} sequences of {info['seq_len']} tokens → {workdir / info['file']}")
 
 
@@ -300,11 +317,11 @@ def init_sgptq(
     hessian_weighting: Annotated[Optional[str], typer.Option(callback=_choice("none", "w", "w2"), help="Router weighting of the Hessian: none (default) | w | w2.")] = None,
     exact_scales: Annotated[Optional[bool], typer.Option("--exact-scales/--fp32-scales",
                                                          help="GPTQ with the final E4M3 block scales (export-exact, default) or fp32 scales projected afterwards.")] = None,
-    refit: Annotated[Optional[bool], typer.Option("--refit/--no-refit", help="sgptq/gptq: SparseGPT's support, then a closed-form reconstruction and GPTQ on it (default off).")] = None,
+    refit: Annotated[Optional[bool], typer.Option("--refit/--no-refit", help="sgptq/gptq: SparseGPT's support, then a closed-form reconstruction and GPTQ on it (default: on for sgptq, off for gptq; --no-refit is the paper's SGPTQ).")] = None,
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
-    quiet: QuietOpt = False, json_out: JsonOpt = False,
+    quiet: QuietOpt = False, json_out: JsonOpt = None,
 ):
     """One-shot compression of every routed expert, block by block (SparseGPT+GPTQ by default).
 
@@ -338,8 +355,10 @@ def init_sgptq(
         summary = run_init(workdir, mcfg, model, given, device=device, batch_size=batch_size, redo_from=redo_from,
                            cache_limit_gb=cache_gb, progress=p)
     stage = init_stage_name(method)
-    if json_out:
-        return _print_json({"workdir": str(workdir), "stage": stage, "config": mcfg.to_dict(), **summary})
+    if json_out is not None:
+        _write_json(json_out, {"schema": "moesq.stage/1", "workdir": str(workdir), "stage": stage, "config": mcfg.to_dict(), **summary})
+        if str(json_out) == "-":
+            return
     console.print(_stage_line(stage, summary, workdir))
 
 
@@ -353,7 +372,7 @@ def refine(
     micro_batch_rows: Annotated[int, typer.Option(min=1, help="Rows per forward/backward (memory bound).")] = 8 * 4096 * 8,
     lr_logits: Annotated[float, typer.Option(callback=_positive_float, help="Lion learning rate of the pattern logits A.")] = 2.5e-4,
     lr_values: Annotated[float, typer.Option(callback=_positive_float, help="Lion learning rate of the latent weights V.")] = 5e-5,
-    loss_power: Annotated[int, typer.Option(min=0, max=2, help="Token weight w^p in the loss: 0 uniform, 1 paper, 2 release.")] = 2,
+    loss_power: Annotated[int, typer.Option(min=0, max=2, help="Token weight w^p in the loss: 0 uniform (ablation), 2 the paper's eq. 4 (Σ w²‖y − ŷ‖²).")] = 2,
     values_only: Annotated[bool, typer.Option(help="Ablation: keep the init's support, learn values only.")] = False,
     support_only: Annotated[bool, typer.Option(help="Ablation: learn the support only, values stay.")] = False,
     refine_seed: Annotated[int, typer.Option(min=0, help="Seed of the Gumbel noise and the init of A.")] = 0,
@@ -362,7 +381,7 @@ def refine(
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
-    quiet: QuietOpt = False, json_out: JsonOpt = False,
+    quiet: QuietOpt = False, json_out: JsonOpt = None,
 ):
     """Learn each expert's sparsity pattern jointly with its quantized values (the moesq algorithm).
 
@@ -401,31 +420,11 @@ def refine(
     with RichProgress(quiet) as p:
         summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,
                              batch_size=batch_size, redo_from=redo_from, cache_limit_gb=cache_gb, progress=p)
-    if json_out:
-        return _print_json({"workdir": str(workdir), "stage": stage, **summary})
+    if json_out is not None:
+        _write_json(json_out, {"schema": "moesq.stage/1", "workdir": str(workdir), "stage": stage, **summary})
+        if str(json_out) == "-":
+            return
     console.print(_stage_line(stage, summary, workdir))
-
-
-JsonOpt = Annotated[Optional[Path], typer.Option(
-    "--json", help="Also write the result as JSON to this file ('-' = stdout, tables then go to stderr); "
-                   "schema in the README (JSON output).")]
-
-
-def _write_json(path: Path | None, doc: dict) -> None:
-    if path is None:
-        return
-    text = json.dumps(doc, indent=2, default=str) + "\n"
-    if str(path) == "-":
-        sys.stdout.write(text)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-    err_console.print(f"results → {path}")
-
-
-def _out_console(json_out: Path | None):
-    """Where tables go: stdout, or stderr when stdout carries the JSON."""
-    return err_console if json_out is not None and str(json_out) == "-" else console
 
 
 @app.command()
@@ -770,13 +769,13 @@ def run(
     epochs: Annotated[Optional[int], typer.Option(min=0, help="Refinement epochs (default 2).")] = None,
     steps_per_epoch: Annotated[Optional[int], typer.Option(min=1, help="Refinement optimizer steps per epoch (default 8).")] = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None,
-    seed: SeedOpt = None, device: DeviceOpt = "auto", quiet: QuietOpt = False, json_out: JsonOpt = False,
+    seed: SeedOpt = None, device: DeviceOpt = "auto", quiet: QuietOpt = False, json_out: JsonOpt = None,
 ):
     """Everything in one go: calibrate → baselines → init → refine → pack → verify → perplexity table.
 
     With no options it compresses the embedded micro-qwen3-moe model offline on a CPU in minutes, with the
     micro-quick recipe (256-token sequences: 64 for the one-shot stage, 64 + 8 for refinement, 2 epochs × 8
-    steps). On an existing work dir without --recipe, the work dir's calibration settings are kept.
+    steps refining the values on the init's support: 16 steps cannot move a sparsity pattern). On an existing work dir without --recipe, the work dir's calibration settings are kept.
 
     [bold]Examples[/]
 
@@ -820,8 +819,10 @@ def run(
     cfg = _as_usage_error(cfg.with_overrides, **given, epochs=epochs, steps_per_epoch=steps_per_epoch)
     with RichProgress(quiet) as p:
         res = run_all(workdir, cfg, model, device=device, ppl=ppl, ppl_tokens=ppl_tokens, progress=p)
-    if json_out:
-        return _print_json({"workdir": str(workdir), **res})
+    if json_out is not None:
+        _write_json(json_out, {"schema": "moesq.run/1", "workdir": str(workdir), **res})
+        if str(json_out) == "-":
+            return
     rows = res["rows"]
     ref = next(r["ppl"] for r in rows if r["kind"] == "reference")
     fmt_name, aq = res["config"]["format"], res["config"]["act_quant"]

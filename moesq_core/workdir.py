@@ -427,17 +427,24 @@ class WorkDirLogHandler(logging.Handler):
 
 def setup_logging(root: Path | None, quiet: bool = False) -> None:
     """Log to <workdir>/logs/moesq.log (at INFO, once the work dir exists) and, unless quiet, warnings to
-    stderr."""
-    logger = logging.getLogger("moesq")
-    logger.setLevel(logging.INFO)
-    for h in list(logger.handlers):
-        logger.removeHandler(h)
+    stderr. Both the "moesq" loggers and the library's module loggers ("moesq_core.*") go there."""
+    loggers = [logging.getLogger("moesq"), logging.getLogger("moesq_core")]
+    old = {h for lg in loggers for h in lg.handlers}
+    for lg in loggers:
+        for h in list(lg.handlers):
+            lg.removeHandler(h)
+    for h in old:
         h.close()
+    handlers = []
     if root is not None:
         fh = WorkDirLogHandler(Path(root))
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        logger.addHandler(fh)
+        handlers.append(fh)
     sh = logging.StreamHandler()
     sh.setLevel(logging.ERROR if quiet else logging.WARNING)
-    logger.addHandler(sh)
-    logger.propagate = False
+    handlers.append(sh)
+    for lg in loggers:
+        lg.setLevel(logging.INFO)
+        for h in handlers:
+            lg.addHandler(h)
+        lg.propagate = False

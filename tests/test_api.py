@@ -64,7 +64,7 @@ def test_compress_api_and_cli_recipe_give_identical_artifacts(micro_path, tmp_pa
     assert summary["bits_per_weight"] == pytest.approx(2.75, abs=0.01)
     assert (tmp_path / "api-packed" / "config.json").is_file()
     r = moesq("run", "--recipe", recipe, "--model", micro_path, "-w", tmp_path / "cli", "--ppl-tokens", "1024",
-              "--quiet", "--device", "cpu", "--json")
+              "--quiet", "--device", "cpu", "--json", "-")
     out = json.loads(r.stdout)
     assert out["stage"] == "refine" and out["config"]["init"]["method"] == "rtn"
     assert _artifacts(tmp_path / "cli") == _artifacts(tmp_path / "api")
@@ -79,8 +79,8 @@ def test_compress_api_and_cli_recipe_give_identical_artifacts(micro_path, tmp_pa
 def test_stage_commands_print_json(micro_path, tmp_path):
     wd = tmp_path / "wd"
     r = moesq("calibrate", "--model", micro_path, "-w", wd, "--seq-len", "32", "--n-train", "2", "--n-val", "2",
-              "--n-init", "4", "--quiet", "--json")
+              "--n-init", "4", "--quiet", "--json", "-")
     assert json.loads(r.stdout)["calibration"]["sequences"] == {"train": 2, "val": 2, "init": 4}
-    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--quiet", "--device", "cpu", "--json")
+    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--quiet", "--device", "cpu", "--json", "-")
     out = json.loads(r.stdout)
     assert out["stage"] == "init-rtn" and out["blocks"] == 4 and out["config"] == {"method": "rtn", "options": {"report_errors": True}}

@@ -25,15 +25,12 @@ _FACTORIES: dict[str, tuple[Callable[..., Method], dict[str, Any]]] = {
     # GPTQ is SGPTQ on a dense format; asking it for a sparse format is an error (see SGPTQ.dense_only).
     "gptq": (SGPTQ, {"name": "gptq", "dense_only": True}),
 }
+# Defaults that differ from the class's own (the caller may override them). sgptq refits its values on
+# SparseGPT's support: lower perplexity than plain SGPTQ on both shared models, alone and as refinement's init
+# (benchmarks/results/accuracy_embedded_run-budget.md, accuracy_tiny_budget.md); --no-refit is the paper's SGPTQ.
+_DEFAULTS: dict[str, dict[str, Any]] = {"sgptq": {"refit": True}}
 
 METHODS: tuple[str, ...] = tuple(_FACTORIES)
-
-
-def register_method(name: str, factory: Callable[..., Method], **fixed: Any) -> None:
-    """Add a method (e.g. refinement) under `name`; `fixed` options are always passed to the factory."""
-    global METHODS
-    _FACTORIES[name] = (factory, fixed)
-    METHODS = tuple(_FACTORIES)
 
 
 def method_options(name: str) -> list[str]:
@@ -58,4 +55,4 @@ def get_method(name: str, **options: Any) -> Method:
     if bad:
         raise ValueError(f"method {name!r} has no option(s) {', '.join(bad)}; "
                          f"valid options: {', '.join(valid) or '(none)'}")
-    return factory(**{**options, **fixed})
+    return factory(**{**_DEFAULTS.get(name, {}), **options, **fixed})

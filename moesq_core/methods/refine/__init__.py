@@ -1,7 +1,7 @@
 """moesq refinement: joint learning of the sparsity support (Gumbel-softmax over the format's patterns) and the
 quantized values of every expert of a block, starting from an init method's solution (SGPTQ in the paper).
 
-    method = RefineMethod(init=SGPTQ(), config=RefineConfig(epochs=10))   # init defaults to SGPTQ()
+    method = RefineMethod(init=SGPTQ(), config=RefineConfig(epochs=10))   # init defaults to get_method("sgptq")
     compressed = method.compress_block(experts, get_format("p48-nvfp4"))
 """
 from __future__ import annotations
@@ -27,9 +27,9 @@ class RefineMethod:
 
     def __init__(self, init: Method | None = None, config: RefineConfig | None = None):
         if init is None:
-            from ..sparsegpt_gptq import SGPTQ  # the paper's init; imported lazily (methods import each other rarely)
+            from ..registry import get_method  # moesq's default init (SGPTQ with refit); imported lazily
 
-            init = SGPTQ()
+            init = get_method("sgptq")
         if not hasattr(init, "compress_block"):
             raise TypeError(f"RefineMethod needs an init method (an object with compress_block), got {type(init).__name__}")
         self.init = init
