@@ -40,7 +40,7 @@ def readme_commands() -> list[str]:
                 if part.startswith("$ "):
                     part = part[2:]
                 if part.startswith("moesq ") or part == "moesq":
-                    cmds.append(" ".join(shlex.split(part, comments=True)))
+                    cmds.append(shlex.join(shlex.split(part, comments=True)))  # quoting kept
     return cmds
 
 
