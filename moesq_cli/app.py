@@ -430,14 +430,14 @@ def refine(
 @app.command()
 @_guard
 def pack(
-    workdir: Annotated[Path, typer.Argument(help="Work dir with a finished stage.")],
+    workdir: Annotated[Path, typer.Argument(help="Work dir with a finished stage (default: moesq-work).")] = Path("moesq-work"),
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output model dir (default: WORKDIR/packed). "
                                                 "Never the work dir, the source model, or a dir holding anything but an earlier moesq pack.")] = None,
     stage: Annotated[Optional[str], typer.Option(help="Stage to pack (default: refine if finished, else the last).")] = None,
     dense_layout: Annotated[bool, typer.Option(help="Store p48 weights densely (pruned bytes zero) instead of the sparse layout.")] = False,
     overwrite: Annotated[bool, typer.Option(help="Replace an earlier moesq pack in --out (atomically; nothing else is ever replaced).")] = False,
     max_shard_size: Annotated[str, typer.Option(help="Largest weight shard (e.g. 5GB, 500MB); more than one shard gets model.safetensors.index.json.")] = "5GB",
-    push_to_hub: Annotated[Optional[str], typer.Option("--push-to-hub", help="Upload to this Hub repo (created if missing).")] = None,
+    push_to_hub: Annotated[Optional[str], typer.Option("--push-to-hub", metavar="[REPO]", help="Upload to this Hub repo (created if missing); given alone (last, or before another option), to <your user>/<model>-moesq-<format>.")] = None,
     private: Annotated[bool, typer.Option(help="Make the Hub repo private (also an existing one).")] = False,
     json_out: JsonOpt = None,
     quiet: QuietOpt = False,
@@ -445,7 +445,8 @@ def pack(
     """Write a Hugging Face–style model dir: compressed-tensors config, packed experts, untouched other weights,
     tokenizer, model card and a checksum manifest (moesq_pack.json); optionally push it to the Hub.
 
-    Example: [bold]moesq pack moesq-work --out packed-model --overwrite[/]
+    Example: [bold]moesq pack moesq-work --out packed-model --overwrite[/]; [bold]moesq pack --push-to-hub[/] packs
+    ./moesq-work into moesq-work/packed and uploads it to <your user>/<model>-moesq-<format>.
     """
     _setup(workdir, quiet)
     from moesq_core.checkpoint.export import check_output_dir, export_packed, parse_size, push_to_hub as core_push
@@ -456,7 +457,7 @@ def pack(
         max_bytes = parse_size(max_shard_size)
     except ValueError as e:
         _fail(str(e), 2)
-    if push_to_hub is not None:
+    if push_to_hub is not None and push_to_hub != _DEFAULT_REPO:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
 
         try:
@@ -480,10 +481,14 @@ def pack(
         con.print(f"[yellow]note:[/] {summary['input_scale_fallbacks']} expert linears saw no calibration token; "
                   "their input global scale is the layer's calibrated one")
     if push_to_hub:
+        from moesq_core.checkpoint.export import default_repo_name
+
+        repo = None if push_to_hub == _DEFAULT_REPO else push_to_hub
+        name = default_repo_name(wd.load()["model"]["source"], summary["format"])
         try:
-            doc["hub"] = core_push(out, push_to_hub, private=private)
+            doc["hub"] = core_push(out, repo, private=private, default_name=name)
         except RuntimeError as e:
-            doc["hub"] = {"repo": push_to_hub, "error": str(e)}
+            doc["hub"] = {"repo": repo, "error": str(e)}
             _write_json(json_out, doc)
             raise
         con.print(f"pushed to {doc['hub']['url']}" + "".join(f" ({n})" for n in doc["hub"]["notes"]))
@@ -836,7 +841,16 @@ def run(
     console.print(f"verify: ok ({res['bits_per_weight']:.3f} bits/weight); packed model in {res['packed']}")
 
 
+_DEFAULT_REPO = "<default>"  # `--push-to-hub` given without a repo
+
+
 def main():
+    # `--push-to-hub` may stand alone (the card's `moesq pack --push-to-hub`): give it the default-repo marker.
+    argv = sys.argv[1:]
+    for i, a in enumerate(argv):
+        if a == "--push-to-hub" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            sys.argv.insert(i + 2, _DEFAULT_REPO)
+            break
     app()
 
 

@@ -13,21 +13,23 @@ MOESQ = shutil.which("moesq") or str(Path(sys.executable).parent / "moesq")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
 
 
-def moesq(*args, check=True):
-    r = subprocess.run([MOESQ, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=600)
+def moesq(*args, check=True, cwd=None):
+    r = subprocess.run([MOESQ, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=600, cwd=cwd)
     if check and r.returncode != 0:
         raise AssertionError(f"moesq {' '.join(map(str, args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r
 
 
-def test_version_and_exit_codes():
+def test_version_and_exit_codes(tmp_path):
     from moesq_core import __version__
 
     r = moesq("--version")
     assert r.stdout.strip() == f"moesq {__version__}"
     assert "Exit codes: 0 ok, 1 failed" in moesq("--help").stdout
-    r = moesq("pack", check=False)  # missing WORKDIR: a usage error
+    r = moesq("pack", "--max-shard-size", "lots", check=False, cwd=tmp_path)  # a bad option: a usage error
     assert r.returncode == 2
+    r = moesq("pack", check=False, cwd=tmp_path)  # WORKDIR defaults to ./moesq-work, which is not there
+    assert r.returncode == 1 and "not a moesq work dir" in r.stderr and not any(tmp_path.iterdir())
 
 
 def test_pack_verify_generate_json(stages, tmp_path):
@@ -69,3 +71,14 @@ def test_push_to_hub_without_network_keeps_the_pack(stages, tmp_path):
     assert "intact" in r.stderr.replace("\n", " ")
     assert json.loads((tmp_path / "p.json").read_text())["hub"]["error"]
     assert moesq("verify", out, "--quiet").returncode == 0
+
+
+def test_the_cards_pack_push_to_hub_as_written(stages, tmp_path):
+    """`moesq pack --push-to-hub`, as the design card writes it: ./moesq-work packed into moesq-work/packed and
+    pushed to <user>/<model>-moesq-<format>; offline, one error line and the pack stays."""
+    shutil.copytree(stages["p48-nvfp4"].root, tmp_path / "moesq-work", ignore=shutil.ignore_patterns("packed"))
+    r = moesq("pack", "--push-to-hub", check=False, cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "-moesq-p48-nvfp4" in err[0] and "intact" in r.stderr.replace("\n", " ")
+    assert moesq("verify", tmp_path / "moesq-work" / "packed", "--quiet").returncode == 0

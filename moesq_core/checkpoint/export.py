@@ -353,15 +353,25 @@ def model_card(manifest: dict, src: Path, summary: dict, ppl: dict | None) -> st
 
 
 # -- Hub ----------------------------------------------------------------------------------------------------
-def push_to_hub(out_dir: Path, repo_id: str, private: bool = False, token: str | None = None) -> dict:
+def default_repo_name(model_source: str, fmt: str) -> str:
+    """The repo name `--push-to-hub` without a value uses (under the logged-in user): <model>-moesq-<format>."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", Path(str(model_source).rstrip("/")).name).strip("-.") or "model"
+    return f"{name}-moesq-{fmt}"
+
+
+def push_to_hub(out_dir: Path, repo_id: str | None, private: bool = False, token: str | None = None,
+                default_name: str | None = None) -> dict:
     """Upload a packed directory, creating the repo if missing; --private is applied to an existing repo too.
-    Large packs go through upload_large_folder. Errors say what to do; the local dir is never touched."""
+    Large packs go through upload_large_folder. With no repo_id the repo is <logged-in user>/<default_name>.
+    Errors say what to do; the local dir is never touched."""
     from huggingface_hub import HfApi
 
     out_dir = Path(out_dir)
     size = sum(p.stat().st_size for p in out_dir.rglob("*") if p.is_file())
     try:
         api = HfApi(token=token)
+        if repo_id is None:
+            repo_id = f"{api.whoami()['name']}/{default_name or out_dir.name}"
         url = str(api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model"))
         notes = []
         if private:
@@ -379,6 +389,6 @@ def push_to_hub(out_dir: Path, repo_id: str, private: bool = False, token: str |
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RuntimeError(
-            f"--push-to-hub {repo_id}: upload failed ({type(e).__name__}: {msg}). The packed model is intact in "
+            f"--push-to-hub {repo_id or '(your user)/' + str(default_name)}: upload failed ({type(e).__name__}: {msg}). The packed model is intact in "
             f"{out_dir}; check your network and `hf auth login` / HF_TOKEN, then push again."
         ) from None
