@@ -203,8 +203,9 @@ def test_stage_identity_is_the_normalised_config():
     from moesq_core.config import MethodConfig, RunConfig
 
     assert MethodConfig("sgptq").to_dict() == MethodConfig("sgptq", {"percdamp": 0.01, "exact_scales": True}).to_dict()
-    assert MethodConfig("sgptq", {"refit": True}).to_dict() != MethodConfig("sgptq").to_dict()
-    assert MethodConfig("sgptq").options["refit"] is False and "dense_only" not in MethodConfig("gptq").options
+    assert MethodConfig("sgptq", {"refit": False}).to_dict() != MethodConfig("sgptq").to_dict()
+    assert MethodConfig("sgptq").to_dict() == MethodConfig("sgptq", {"refit": True}).to_dict()  # refit is sgptq's default
+    assert MethodConfig("gptq").options["refit"] is False and "dense_only" not in MethodConfig("gptq").options
     with pytest.raises(ValueError, match="no option"):
         MethodConfig("rtn", {"percdamp": 0.1})
     with pytest.raises(ValueError, match="unknown method"):

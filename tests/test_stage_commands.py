@@ -80,10 +80,10 @@ def test_refine_then_init(micro_path, tmp_path):
 
 def test_refit_is_part_of_the_stage_identity(wd):
     before = (wd / "manifest.json").read_bytes()
-    r = moesq("init-sgptq", "-w", wd, "--refit", *FAST, check=False)
-    assert r.returncode == 1 and "options.refit: False (work dir) vs True (now)" in r.stderr
+    r = moesq("init-sgptq", "-w", wd, "--no-refit", *FAST, check=False)  # refit is sgptq's default
+    assert r.returncode == 1 and "options.refit: True (work dir) vs False (now)" in r.stderr
     assert (wd / "manifest.json").read_bytes() == before
-    assert _manifest(wd)["stages"]["init-sgptq"]["config"]["options"]["refit"] is False
+    assert _manifest(wd)["stages"]["init-sgptq"]["config"]["options"]["refit"] is True
     r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--refit", *FAST, check=False)
     assert r.returncode == 2 and "--refit/--no-refit does not apply to --method rtn" in r.stderr
 
