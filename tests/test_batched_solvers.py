@@ -330,11 +330,12 @@ def real_block(path, layer=0, n_seq=8, seq=128, max_experts=None) -> list[Expert
     """Every expert of one MoE block of a shared model with the calibration tokens its router sends it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import CALIB_TEXT
+    from conftest import CALIB_TEXT, REPO
 
+    calib = CALIB_TEXT if CALIB_TEXT.is_file() else REPO / "moesq_core" / "assets" / "calib-sample.txt.xz"  # a user's clone
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    with lzma.open(CALIB_TEXT, "rt") as f:
+    with lzma.open(calib, "rt") as f:
         text = f.read(60_000)
     ids = tok(text, return_tensors="pt").input_ids[0][: n_seq * seq].view(n_seq, seq)
     mlp = model.model.layers[layer].mlp

@@ -185,12 +185,13 @@ def test_not_positive_definite_hessian_is_retried_inside_a_method(caplog):
 def micro_expert(micro_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import CALIB_TEXT
+    from conftest import CALIB_TEXT, REPO
 
+    calib = CALIB_TEXT if CALIB_TEXT.is_file() else REPO / "moesq_core" / "assets" / "calib-sample.txt.xz"  # a user's clone
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(micro_path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(micro_path)
-    with lzma.open(CALIB_TEXT, "rt") as f:
+    with lzma.open(calib, "rt") as f:
         text = f.read(120_000)
     ids = tok(text, return_tensors="pt").input_ids[0][: 16 * 128].view(16, 128)
     mlp = model.model.layers[0].mlp
