@@ -277,7 +277,7 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
              f"- machine: {meta['machine']}",
              f"- evaluation: {meta['eval']['file']}, first {meta['eval']['tokens']} tokens, "
              f"{meta['eval']['window']}-token windows, fp32 on CPU, expert weights fake-quantized"
-             + ("" if meta["eval"]["tokens"] == 65536 else " (REDUCED from the facts §5 protocol's 65,536 tokens)"),
+             + ("" if meta["eval"]["tokens"] == 65536 else " (REDUCED from the standard 65,536 tokens)"),
              f"- calibration ({meta['calibration']['source']}): {json.dumps(meta['calibration']['config'])} "
              "— the same splits for every method (one-shot methods use `init`, refinement `train`/`val`)",
              f"- refinement (rows override some fields, see `options` in the JSON): {json.dumps(meta['refine'])}",

@@ -1,4 +1,4 @@
-"""The blockwise loop of Algorithm 1 (facts §2): for each MoE block in order, route the current calibration
+"""The blockwise loop of Algorithm 1: for each MoE block in order, route the current calibration
 states once, gather each expert's routed tokens X, router weights w (and the dense targets through
 ExpertData), compress the experts, install the compressed block, and run it to produce the next block's
 inputs, so every block sees the error of the compressed prefix.

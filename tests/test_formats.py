@@ -17,7 +17,7 @@ finite = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, allow_infinit
 
 
 def test_e2m1_ties_go_to_even_code():
-    # facts §1: 0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4, saturate above 6
+    # 0.25→0, 0.75→1, 1.25→1, 1.75→2, 2.5→2, 3.5→4, 5→4, saturate above 6
     x = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.5, 100.0, -0.25, -0.75, -5.0, -7.0])
     want = torch.tensor([0, 1, 1, 2, 2, 4, 4, 6, 6, -0, -1, -4, -6], dtype=torch.float32)
     assert torch.equal(round_e2m1(x), want)

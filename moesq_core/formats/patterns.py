@@ -91,7 +91,7 @@ class PatternSet:
 
 
 DENSE = PatternSet("dense", 1, ("1",))
-# The public release's order (facts §1) so indices interoperate.
+# The public release's order so indices interoperate.
 P48 = PatternSet("p48", 8, ("11110000", "11001100", "11000011", "00111100", "00110011", "00001111"))
 S24 = PatternSet("s24", 4, ("1100", "1010", "1001", "0110", "0101", "0011"))
 

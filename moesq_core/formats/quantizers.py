@@ -19,7 +19,7 @@ def _ste(x: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
-    """g = 448 * 6 / amax (facts §1); 1.0 for an all-zero tensor."""
+    """g = 448 * 6 / amax; 1.0 for an all-zero tensor."""
     amax = torch.as_tensor(amax, dtype=torch.float32)
     return torch.where(amax > 0, (E4M3_MAX * E2M1_MAX) / amax.clamp_min(1e-30), torch.ones_like(amax))
 
@@ -70,7 +70,7 @@ class NVFP4ActQuantizer:
     """Dynamic NVFP4 activations: per token, `block` elements along K share a UE4M3 scale.
 
     The global scale is the tensor's own (dynamic) unless a calibrated static one is given: serving with a
-    fixed 1.0 pushes small activations into e4m3 subnormals (a fault of the public release, facts §1).
+    fixed 1.0 pushes small activations into e4m3 subnormals (a fault of the public release).
     """
 
     block: int = 32

@@ -2,7 +2,7 @@
 Hessian-based solvers (SGPTQ, OBR) share.
 
 gate and up see the same input (the tokens routed to the expert), so they share one Hessian; down sees the
-SwiGLU intermediate of the *uncompressed* gate/up (the dense target of each projection, facts §2).
+SwiGLU intermediate of the *uncompressed* gate/up (the dense target of each projection).
 c_t is 1, the router weight w_t or w_t² (`weighting`), which turns ‖(W−Ŵ)X‖² into the router-weighted
 objective of the paper's eq. 4.
 

@@ -124,7 +124,7 @@ def spread_pairs(values: torch.Tensor, nib: torch.Tensor) -> torch.Tensor:
 
 
 def complete_kept(kept: torch.Tensor, k: int = 2) -> torch.Tensor:
-    """Top up slot groups with fewer than k kept slots using their lowest-index free slots (facts §1)."""
+    """Top up slot groups with fewer than k kept slots using their lowest-index free slots."""
     free = ~kept
     rank = free.to(torch.int16).cumsum(-1)  # 1-based rank of each free slot within its group
     need = (k - kept.sum(-1, keepdim=True)).clamp_min(0)

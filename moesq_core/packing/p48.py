@@ -1,4 +1,4 @@
-"""`p48-nvfp4` on disk: the public release's pair-bitmask layout for paired 4:8 sparse NVFP4 (facts §1).
+"""`p48-nvfp4` on disk: the public release's pair-bitmask layout for paired 4:8 sparse NVFP4.
 
 Per linear with logical weight [out, in] (in a multiple of 32; leading expert dims allowed):
 

@@ -49,7 +49,7 @@ def hard_mask(A: torch.Tensor, ps: PatternSet) -> torch.Tensor:
 
 def init_logits(mask: torch.Tensor, ps: PatternSet, generator: torch.Generator | None = None,
                 noise: float = 0.01, match: float = 4.0) -> torch.Tensor:
-    """A = noise·(N(0,1) + match·c), c the centred overlap of each pattern with the init support (facts §2).
+    """A = noise·(N(0,1) + match·c), c the centred overlap of each pattern with the init support.
 
     mask: bool [..., O, K] -> fp32 [..., O, K/group, P]. fp32 on purpose: Lion's steps of ~1e-4 vanish
     against logits of ~1e-2 in bf16 (a fault of the public release).

@@ -51,7 +51,7 @@ SHIP = ("best", "last")
 
 @dataclass(frozen=True)
 class RefineConfig:
-    """Hyperparameters of refinement. Defaults are the paper's Qwen3-30B-A3B settings (facts §2), except
+    """Hyperparameters of refinement. Defaults are the paper's Qwen3-30B-A3B settings, except
     the learning-rate budget rule, per-expert best-epoch selection and fp32 logits (see below).
 
     Steps. Each optimizer step gives every expert an equal share (1/steps_per_epoch) of its own training rows.
