@@ -17,6 +17,27 @@ if not MICRO.is_dir():
 TINY = SHARED / "models" / "tiny-qwen3-moe"
 EVAL_TEXT = SHARED / "data" / "eval-docs.txt.xz"
 CALIB_TEXT = SHARED / "data" / "calib-docs.txt.xz"
+# In a user's clone (no ../shared) the texts embedded in the package stand in.
+CALIB = CALIB_TEXT if CALIB_TEXT.is_file() else REPO / "moesq_core" / "assets" / "calib-sample.txt.xz"
+EVAL = EVAL_TEXT if EVAL_TEXT.is_file() else REPO / "moesq_core" / "assets" / "eval-sample.txt.xz"
+
+
+def moe_block_inputs(model, tok, layer: int, n_seq: int, seq: int, chars: int) -> torch.Tensor:
+    """The hidden states entering layer `layer`'s MoE block for the first n_seq × seq tokens of CALIB."""
+    import lzma
+
+    with lzma.open(CALIB, "rt") as f:
+        text = f.read(chars)
+    ids = tok(text, return_tensors="pt").input_ids[0][: n_seq * seq].view(n_seq, seq)
+    caps = []
+    h = model.model.layers[layer].mlp.register_forward_hook(
+        lambda mod, inp, out: caps.append(inp[0].detach().reshape(-1, inp[0].shape[-1])))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        h.remove()
+    return torch.cat(caps)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -8,7 +8,6 @@ them forced on against the reference within float tolerance.
 from __future__ import annotations
 
 import logging
-import lzma
 
 import pytest
 import torch
@@ -330,21 +329,12 @@ def real_block(path, layer=0, n_seq=8, seq=128, max_experts=None) -> list[Expert
     """Every expert of one MoE block of a shared model with the calibration tokens its router sends it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import CALIB_TEXT, REPO
+    from conftest import moe_block_inputs
 
-    calib = CALIB_TEXT if CALIB_TEXT.is_file() else REPO / "moesq_core" / "assets" / "calib-sample.txt.xz"  # a user's clone
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(path)
-    with lzma.open(calib, "rt") as f:
-        text = f.read(60_000)
-    ids = tok(text, return_tensors="pt").input_ids[0][: n_seq * seq].view(n_seq, seq)
+    x = moe_block_inputs(model, tok, layer, n_seq, seq, chars=60_000)
     mlp = model.model.layers[layer].mlp
-    caps = []
-    h = mlp.register_forward_hook(lambda mod, inp, out: caps.append(inp[0].detach().reshape(-1, inp[0].shape[-1])))
-    with torch.no_grad():
-        model(ids)
-    h.remove()
-    x = torch.cat(caps)
     with torch.no_grad():
         _, weights, idx = mlp.gate(x)
     E, _, I = mlp.experts.down_proj.shape

@@ -15,13 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CALIB_TEXT, EVAL_TEXT
-from moesq_core.config import DEFAULT_CALIB, DEFAULT_EVAL
+from conftest import CALIB, EVAL
 
 MOESQ = shutil.which("moesq") or str(Path(sys.executable).parent / "moesq")
 # the shared data when it is there (CI), else the embedded samples (a user's clone)
-CALIB = CALIB_TEXT if CALIB_TEXT.is_file() else DEFAULT_CALIB
-EVAL = EVAL_TEXT if EVAL_TEXT.is_file() else DEFAULT_EVAL
 SMALL = ["--seq-len", "64", "--n-train", "8", "--n-val", "4", "--n-init", "8", "--calib", str(CALIB)]
 # offline, a wide terminal, and the weight-hash cache in a temp dir instead of the user's home
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120",

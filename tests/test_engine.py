@@ -17,10 +17,8 @@ from moesq_core.methods.rtn import RTN
 from moesq_core.models import load_model
 from moesq_core.workdir import WorkDir, WorkDirError, model_fingerprint, sha256_file
 
-from conftest import CALIB_TEXT
-from moesq_core.config import DEFAULT_CALIB
+from conftest import CALIB
 
-CALIB = CALIB_TEXT if CALIB_TEXT.is_file() else DEFAULT_CALIB  # the embedded sample in a clone without ../shared
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -18,12 +18,10 @@ def _pack_micro(micro_path, root, fmt_name):
     from moesq_core.models import load_model
     from moesq_core.workdir import WorkDir, model_fingerprint
 
-    from conftest import CALIB_TEXT
+    from conftest import CALIB
 
     model, tok, adapter, path = load_model(micro_path)
-    from moesq_core.pipeline import DEFAULT_CALIB
-
-    text = CALIB_TEXT if CALIB_TEXT.is_file() else DEFAULT_CALIB
+    text = CALIB
     calib = build_calibration(tok, read_documents(text, max_chars=300_000), CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
     wd = WorkDir(root / "wd")
     wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": fmt_name, "act_quant": True})

@@ -1,7 +1,6 @@
 """The one-shot methods through the `Method` interface: registry, outputs, fallbacks, and a real expert."""
 from __future__ import annotations
 
-import lzma
 
 import pytest
 import torch
@@ -185,22 +184,13 @@ def test_not_positive_definite_hessian_is_retried_inside_a_method(caplog):
 def micro_expert(micro_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from conftest import CALIB_TEXT, REPO
+    from conftest import moe_block_inputs
 
-    calib = CALIB_TEXT if CALIB_TEXT.is_file() else REPO / "moesq_core" / "assets" / "calib-sample.txt.xz"  # a user's clone
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(micro_path, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(micro_path)
-    with lzma.open(calib, "rt") as f:
-        text = f.read(120_000)
-    ids = tok(text, return_tensors="pt").input_ids[0][: 16 * 128].view(16, 128)
+    x = moe_block_inputs(model, tok, 0, 16, 128, chars=120_000)
     mlp = model.model.layers[0].mlp
-    caps = []
-    h = mlp.register_forward_hook(lambda mod, inp, out: caps.append(inp[0].detach().reshape(-1, inp[0].shape[-1])))
-    with torch.no_grad():
-        model(ids)
-    h.remove()
-    x = torch.cat(caps)
     cal, val = x[: x.shape[0] // 2], x[x.shape[0] // 2:]
     with torch.no_grad():
         _, weights, idx = mlp.gate(cal)
