@@ -33,7 +33,6 @@ import datetime as _dt
 import json
 import logging
 import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict
@@ -49,6 +48,7 @@ from moesq_core.engine import StageSpec, run_stage  # noqa: E402
 from moesq_core.eval.runner import EvalTarget, ResultCache, ppl_for_targets  # noqa: E402
 from moesq_core.formats import get_format  # noqa: E402
 from moesq_core.methods.registry import get_method  # noqa: E402
+from moesq_core.bench.kernel_bench import git_commit  # noqa: E402
 from moesq_core.workdir import WorkDir  # noqa: E402
 
 log = logging.getLogger("accuracy_table")
@@ -173,21 +173,6 @@ def expand_rows(spec: str) -> list[str]:
             if n not in out:
                 out.append(n)
     return out
-
-
-def git_commit() -> str:
-    try:
-        top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        if Path(top).resolve() != REPO:  # a copy of the tree inside another checkout: its HEAD is not ours
-            return "unknown (not run from a git checkout)"
-        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "moesq_core"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return c + ("+dirty(moesq_core)" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def machine() -> str:

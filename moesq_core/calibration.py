@@ -11,8 +11,6 @@ from pathlib import Path
 
 import torch
 
-SPLITS = ("train", "val", "init")
-
 
 @dataclass(frozen=True)
 class CalibConfig:

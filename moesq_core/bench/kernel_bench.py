@@ -60,15 +60,18 @@ def _named_shapes(shapes: list[tuple[int, int]] | None) -> list[tuple[str, int, 
 
 
 def git_commit() -> str:
-    """HEAD of the checkout (+"-dirty"), or $MOESQ_COMMIT where the tree was copied without .git (device runs)."""
+    """HEAD of this checkout (+"-dirty"), or $MOESQ_COMMIT where the tree was copied without its .git (device
+    runs); "unknown" when the tree is a copy inside another checkout, whose HEAD is not ours."""
     if os.environ.get("MOESQ_COMMIT"):
         return os.environ["MOESQ_COMMIT"]
     try:
-        sha = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO_ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout.strip()
-        return sha + ("-dirty" if dirty else "")
+        def git(*args):
+            return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != REPO_ROOT:
+            return "unknown"
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 

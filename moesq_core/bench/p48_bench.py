@@ -43,14 +43,6 @@ VALID_NIBBLES = (3, 5, 6, 9, 10, 12)
 COPY_BANDWIDTH_TBPS = 4.3  # device-to-device copy measured on an H200
 
 
-def _commit() -> str:
-    """git HEAD, or MOESQ_COMMIT when the tree has no .git (the device machine gets a copy without history)."""
-    import os
-
-    c = git_commit()
-    return os.environ.get("MOESQ_COMMIT", c) if c == "unknown" else c
-
-
 def random_p48_tensors(G: int, M: int, K: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
     """Random valid release-layout tensors [G, M, ...]: any kept byte, any of the 6 pair patterns, scales
     2^-3..2^3 (e4m3), global scales around 1e3."""
@@ -255,7 +247,7 @@ def bench_p48(shapes, G, N, out_dir: Path, repeats: int = 50, log=print,
         "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
         "triton": __import__("triton").__version__,
-        "commit": _commit(), "repeats": repeats,
+        "commit": git_commit(), "repeats": repeats,
         "token_pattern": "{N, 3N/4, N/2, N/4} repeated over G experts (each >= 1)",
         "timing": "moesq_core.bench.harness.graph_time: CUDA-graph replay, median; weight copies rotated "
                   "so a replay streams >= 256 MiB",

@@ -341,14 +341,6 @@ class _Proj:
     init_mask: torch.Tensor | None = None  # bool [E, O, K]: the init's support (to count changed groups)
 
 
-@dataclass
-class EpochStats:
-    epoch: int
-    train_loss: torch.Tensor | None  # [E] mean normalised train loss over the epoch's steps (relaxed weights)
-    val_loss: torch.Tensor  # [E] hard-mask, exported-quantizer loss on held-out rows (NaN without rows)
-    seconds: float = 0.0
-
-
 class BlockRefiner:
     """Refines all experts of one block together. `run()` = validate the init, train + validate per epoch,
     export the best epoch per expert. The pieces are public so benchmarks can time single steps."""
@@ -389,7 +381,6 @@ class BlockRefiner:
         self._t = time.perf_counter()
         self._setup_data()
         self._setup_params()
-        self.history: list[EpochStats] = []
         self.step_count = 0
         self._compiled: dict = {}
 

@@ -1,0 +1,244 @@
+"""Render the README's result tables from the committed results files.
+
+Every table of numbers in README.md sits between `<!-- results:NAME -->` and `<!-- /results:NAME -->` and is
+produced here from benchmarks/results/*.json, so the README cannot drift from what was measured:
+
+    python benchmarks/render_readme.py           # rewrite the tables in README.md
+    python benchmarks/render_readme.py --check   # exit 1 naming the tables that differ (tests run this)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "README.md"
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def link(name: str) -> str:
+    return f"[`{name}`](benchmarks/results/{name})"
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def pct(x) -> str:
+    return "—" if x is None else f"{100 * x:.2f} %"
+
+
+# -- `moesq run` on the embedded model ---------------------------------------------------------------------
+RUN_FILE = "moesq_run_embedded.json"
+
+
+def render_run() -> str:
+    d = load(RUN_FILE)
+    ref = next(r["ppl"] for r in d["rows"] if r["kind"] == "reference")
+    refine = d["config"].get("refine") or {}
+    labels = {"reference": "reference", "packed": "packed (loaded back from disk)"}
+    rows = []
+    for r in d["rows"]:
+        if r["kind"] in labels:
+            label = labels[r["kind"]]
+        elif r["stage"] == "refine":
+            label = f"refine ({refine.get('epochs')} epochs × {refine.get('steps_per_epoch')} steps, init in the loop)"
+        else:
+            label = r["stage"].removeprefix("init-") + " (one-shot baseline)"
+        rows.append([label, f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}"])
+    return table(["model", "perplexity", "× reference"], rows) + (
+        f"\n\nFrom {link(RUN_FILE)} (`moesq run --json`, commit {d['commit']}); "
+        f"`verify`: {d['bits_per_weight']:.3f} bits per expert weight.")
+
+
+# -- accuracy ----------------------------------------------------------------------------------------------
+def _acc_row(d: dict, row: str, acts: str = "wa") -> dict:
+    r = d["rows"][row]
+    return r if "ppl" in r else r[acts]
+
+
+BUDGET_EMBEDDED = [  # (file, row, label, steps per block)
+    ("accuracy_embedded_run-budget.json", "sgptq", "SGPTQ (`--no-refit`, the paper's)", "—"),
+    ("accuracy_embedded_run-budget.json", "refine-paper-lr", "refine from SGPTQ, the paper's rates as given", "16"),
+    ("accuracy_embedded_run-budget.json", "refine", "refine from SGPTQ, budget rule", "16"),
+    ("accuracy_embedded_run-budget.json", "refine-seed1", "&nbsp;&nbsp;seed 1", "16"),
+    ("accuracy_embedded_run-budget.json", "refine-values", "&nbsp;&nbsp;values only", "16"),
+    ("accuracy_embedded_run-budget.json", "refine-values-first", "&nbsp;&nbsp;values only for the first half", "16"),
+    ("accuracy_embedded_run-budget.json", "sgptq-refit", "SGPTQ-refit (one-shot, the default init)", "—"),
+    ("accuracy_embedded_run-budget.json", "refine-refit", "**refine from SGPTQ-refit (default)**", "16"),
+    ("accuracy_embedded_run-budget.json", "refine-refit-seed1", "&nbsp;&nbsp;seed 1", "16"),
+    ("accuracy_embedded_run-budget.json", "release-faithful",
+     "release-faithful (recipes/release-faithful.yaml, without its serving-time activation scale)", "16"),
+    ("accuracy_embedded_run-budget.json", "refine-quarter", "refine from SGPTQ, budget rule", "320 (¼ paper)"),
+    ("accuracy_embedded_run-budget.json", "refine-quarter-paper-lr", "refine from SGPTQ, the paper's rates", "320 (¼ paper)"),
+    ("accuracy_embedded_run-budget.json", "refine-refit-quarter", "refine from SGPTQ-refit, budget rule", "320 (¼ paper)"),
+    ("accuracy_embedded_run-budget-h200.json", "refine-paper", "refine from SGPTQ (H200, fp32)", "1,280 (paper)"),
+    ("accuracy_embedded_run-budget-h200.json", "release-faithful-paper", "release-faithful (H200, fp32)", "1,280 (paper)"),
+]
+
+
+def render_budget_embedded() -> str:
+    rows, files = [], []
+    for f, row, label, steps in BUDGET_EMBEDDED:
+        d = load(f)
+        files.append(f) if f not in files else None
+        sg = _acc_row(d, "sgptq")["ppl"]
+        r = _acc_row(d, row)
+        rows.append([label, steps, f"{r['ppl']:.2f}", f"{r['ppl'] / sg:.3f}", pct(r.get("patterns_changed"))])
+    ref = load(BUDGET_EMBEDDED[0][0])["rows"]["reference"]["ppl"]
+    return table(["configuration", "steps per block", "perplexity", "× SGPTQ of its file", "patterns changed"], rows) + (
+        f"\n\nReference {ref:.2f}. From " + " and ".join(link(f.replace(".json", ".md")) for f in files) + ".")
+
+
+BUDGET_TINY = [
+    ("sgptq", "SGPTQ"), ("sgptq-refit", "SGPTQ-refit"), ("refine-paper-lr", "refine, the paper's rates as given"),
+    ("refine", "refine from SGPTQ, budget rule"), ("refine-refit", "**refine from SGPTQ-refit (default)**"),
+]
+
+
+def render_budget_tiny() -> str:
+    f = "accuracy_tiny_budget.json"
+    d = load(f)
+    ref = d["rows"]["reference"]["ppl"]
+    rows = [[label, f"{_acc_row(d, row)['ppl']:.2f}", f"{_acc_row(d, row)['ppl'] / ref:.3f}",
+             pct(_acc_row(d, row).get("patterns_changed"))] for row, label in BUDGET_TINY]
+    return table(["configuration", "perplexity", "× reference", "patterns changed"], rows) + (
+        f"\n\nReference {ref:.2f}. From {link(f.replace('.json', '.md'))}.")
+
+
+METHODS = [
+    ("reference", "reference"), ("dense-rtn", "dense NVFP4 RTN (4.5 bits)"), ("magnitude", "magnitude + RTN"),
+    ("wanda", "Wanda"), ("jsq", "JSQ"), ("obr", "OBR (no rotation)"),
+    ("sgptq-fp32scales", "SGPTQ, fp32 scales (the release's)"), ("sgptq", "SGPTQ, export-exact"),
+    ("refine", "**moesq refine**"),
+]
+
+
+def render_methods() -> str:
+    files = ["accuracy_micro.json", "accuracy_tiny.json"]
+    ds = [load(f) for f in files]
+    rows = []
+    for row, label in METHODS:
+        cells = []
+        for d in ds:
+            for acts in ("wo", "wa"):
+                r = d["rows"][row]
+                ppl = r["ppl"] if "ppl" in r else r[acts]["ppl"]
+                s = f"{ppl:.2f}"
+                cells.append(f"**{s}**" if label.startswith("**") else s)
+        rows.append([label, *cells])
+    return table(["method", "micro, weights only", "micro, W4A4", "tiny, weights only", "tiny, W4A4"], rows) + (
+        "\n\nFrom " + " and ".join(link(f.replace(".json", ".md")) for f in files) + ".")
+
+
+# -- GPU speed ---------------------------------------------------------------------------------------------
+E2E_FILE = "e2e_decode_h200_2026-12-01_a73d532.json"
+SOLVER_FILES = ["solvers_h200_2026-12-01_0a68eba.json", "solvers_h200_2026-12-01_862ffa3.json"]
+REFINE_FILE = "refine_h200_2026-11-29_e570e83.json"
+S24_FILE = "s24_fp8_kernel_bench.json"
+P48_FILE = "p48_kernel_bench.json"
+
+
+def render_decode() -> str:
+    d = load(E2E_FILE)
+    by = {(r["variant"], r["batch"]): r for r in d["runs"]}
+    batches = sorted({b for _, b in by})
+    names = {"bf16": "bf16 (torch grouped GEMM)", "fp8": "fp8 (torch scaled grouped GEMM)",
+             "s24_w8a8": "**s24-fp8** (`S24HopperExperts`, W8A8)", "p48_w4a16": "p48-nvfp4 (`P48HopperExperts`, W4A16)"}
+    rows = []
+    for v in dict.fromkeys(v for v, _ in by):
+        cells = [f"{by[v, b]['tokens_per_s'] / by['bf16', b]['tokens_per_s']:.2f}×" for b in batches]
+        rows.append([names.get(v, v), f"{by[v, batches[0]]['expert_GiB']:.1f}", *cells])
+    return table(["experts", "expert GiB", *[f"batch {b} vs bf16" for b in batches]], rows) + (
+        f"\n\n{d['gpu']}, {d['layers']} layers × {d['experts']} experts, top-{d['top_k']}, one decode step in a CUDA "
+        f"graph; {link(E2E_FILE.replace('.json', '.md'))} (commit {d['commit']}).")
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def render_kernels() -> str:
+    rows = []
+    s24 = load(S24_FILE)
+    t = s24["targets"]
+    rows.append(["s24-fp8 CUTLASS grouped GEMM vs the best of torch bf16/fp8 and cuSPARSELt",
+                 f"N ≤ 64: geomean {t['decode_N_le_64']['geomean']:.2f}× (min {t['decode_N_le_64']['min']:.2f}×); "
+                 f"N ≥ 256: geomean {t['N_ge_256']['geomean']:.2f}× "
+                 f"({s24['targets_fast_accum']['N_ge_256']['geomean']:.2f}× with fast accumulation)",
+                 link(S24_FILE.replace(".json", ".md"))])
+    p48 = load(P48_FILE)
+    dec = [r for r in p48["rows"] if r["N"] <= 16]
+    tbps = [r["methods"]["p48_w4a16"]["weight_TBps"] for r in dec if "p48_w4a16" in r["methods"]]
+    vs8 = [r["methods"]["p48_w4a16"]["speedup_vs_fp8"] for r in dec if "p48_w4a16" in r["methods"]]
+    rows.append(["p48-nvfp4 Triton grouped GEMM (W4A16), N ≤ 16",
+                 f"{min(tbps):.2f}–{max(tbps):.2f} TB/s of packed bytes; {min(vs8):.2f}–{max(vs8):.2f}× torch fp8",
+                 link(P48_FILE.replace(".json", ".md"))])
+    return table(["kernel", "measured on an H200", "file"], rows)
+
+
+def render_compression() -> str:
+    rows = []
+    d = load(SOLVER_FILES[0])
+    for m, r in d["results"].items():
+        rows.append([f"{m} ({r['format']}), one Qwen3-30B-A3B block", f"{r['batched_block_s']:.2f} s measured",
+                     f"{r['per_expert_block_s_extrapolated']:.0f} s", link(SOLVER_FILES[0].replace(".json", ".md"))])
+    k = load(SOLVER_FILES[1])["results"].get("sgptq_kimi_k2")
+    if k:
+        rows.append(["sgptq (p48-nvfp4), one Kimi-K2 block (384 experts of 7168 × 2048)",
+                     f"≈ {k['block_s_extrapolated']:.0f} s (one chunk of {k['experts_timed']} experts timed, extrapolated)",
+                     "—", link(SOLVER_FILES[1].replace(".json", ".md"))])
+    r = load(REFINE_FILE)
+    rows.append(["refine at the paper's budget, one Qwen3-30B-A3B block",
+                 f"≈ {r['paper_budget_extrapolated']['gpu_min_per_block']:.1f} GPU-min (one step measured, extrapolated)",
+                 f"{r['speedup_vs_loop']:.1f}× faster than a per-expert loop", link(REFINE_FILE.replace(".json", ".md"))])
+    return table(["work", "batched (moesq)", "per-expert path (extrapolated)", "file"], rows)
+
+
+TABLES = {"run": render_run, "accuracy-budget-embedded": render_budget_embedded,
+          "accuracy-budget-tiny": render_budget_tiny, "accuracy-methods": render_methods,
+          "decode": render_decode, "kernels": render_kernels, "compression": render_compression}
+
+
+def render(text: str) -> tuple[str, list[str]]:
+    """README text with every marked table re-rendered, and the names of the tables that changed."""
+    changed = []
+    for name, fn in TABLES.items():
+        pat = re.compile(rf"<!-- results:{re.escape(name)} -->(.*?)<!-- /results:{re.escape(name)} -->", re.S)
+        m = pat.search(text)
+        if m is None:
+            raise SystemExit(f"README.md has no <!-- results:{name} --> block")
+        new = "\n" + fn() + "\n"
+        if m.group(1) != new:
+            changed.append(name)
+        text = text[: m.start(1)] + new + text[m.end(1):]
+    return text, changed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the README's tables differ from the results")
+    args = ap.parse_args(argv)
+    text, changed = render(README.read_text())
+    if args.check:
+        if changed:
+            print("README.md tables out of date: " + ", ".join(changed) + " (run python benchmarks/render_readme.py)")
+            return 1
+        return 0
+    README.write_text(text)
+    print("rendered: " + (", ".join(changed) or "nothing changed"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
