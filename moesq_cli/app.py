@@ -42,6 +42,20 @@ def _version_callback(value: bool):
         raise typer.Exit()
 
 
+def _default(cls_path: str, field: str):
+    """A config dataclass field's default, for --help: the CLI holds no defaults of its own."""
+    import dataclasses
+    import importlib
+
+    mod, name = cls_path.rsplit(".", 1)
+    f = next(f for f in dataclasses.fields(getattr(importlib.import_module(mod), name)) if f.name == field)
+    return f.default
+
+
+_CALIB = "moesq_core.calibration.CalibConfig"
+_REFINE = "moesq_core.methods.refine.trainer.RefineConfig"
+
+
 _DEBUG = False  # `moesq --debug ...`: tracebacks on screen too
 
 
@@ -122,11 +136,11 @@ CalibOpt = Annotated[Optional[str], typer.Option(
     "--calib", callback=_check_calib,
     help="Calibration text: .txt/.txt.xz (blank-line separated), .jsonl ('text'), a dir, or an HF "
          "dataset 'name[:config][@split]' (default: the embedded sample).")]
-SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=1, help="Tokens per calibration sequence (default 512).")]
-NTrainOpt = Annotated[Optional[int], typer.Option("--n-train", min=1, help="Refinement sequences (default 128).")]
-NValOpt = Annotated[Optional[int], typer.Option("--n-val", min=1, help="Held-out sequences; refinement picks its best epoch on them (default 16).")]
-NInitOpt = Annotated[Optional[int], typer.Option("--n-init", min=1, help="Sequences for the one-shot (SGPTQ) stage (default 64).")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help="Seed for the calibration splits (default 0).")]
+SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=1, help=f"Tokens per calibration sequence (default {_default(_CALIB, 'seq_len')}).")]
+NTrainOpt = Annotated[Optional[int], typer.Option("--n-train", min=1, help=f"Refinement sequences (default {_default(_CALIB, 'n_train')}).")]
+NValOpt = Annotated[Optional[int], typer.Option("--n-val", min=1, help=f"Held-out sequences; refinement picks its best epoch on them (default {_default(_CALIB, 'n_val')}).")]
+NInitOpt = Annotated[Optional[int], typer.Option("--n-init", min=1, help=f"Sequences for the one-shot (SGPTQ) stage (default {_default(_CALIB, 'n_init')}).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help=f"Seed for the calibration splits (default {_default(_CALIB, 'seed')}).")]
 DeviceOpt = Annotated[str, typer.Option("--device", callback=_check_device, help="auto | cpu | cuda | cuda:N.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
 RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, help="Recompute this stage from this layer on.")]
@@ -366,16 +380,16 @@ def init_sgptq(
 @_guard
 def refine(
     model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
-    epochs: Annotated[int, typer.Option(min=0, help="Passes over the training tokens per block.")] = 10,
+    epochs: Annotated[Optional[int], typer.Option(min=0, help=f"Passes over the training tokens per block (default {_default(_REFINE, 'epochs')}).")] = None,
     steps_per_epoch: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps per epoch (see Budget below).")] = None,
     batch_rows: Annotated[Optional[int], typer.Option(min=1, help="Routed token rows per optimizer step over the block (the paper's: 2097152); derives the steps per epoch, at least 16.")] = None,
-    micro_batch_rows: Annotated[int, typer.Option(min=1, help="Rows per forward/backward (memory bound).")] = 8 * 4096 * 8,
-    lr_logits: Annotated[float, typer.Option(callback=_positive_float, help="Lion learning rate of the pattern logits A.")] = 2.5e-4,
-    lr_values: Annotated[float, typer.Option(callback=_positive_float, help="Lion learning rate of the latent weights V.")] = 5e-5,
-    loss_power: Annotated[int, typer.Option(min=0, max=2, help="Token weight w^p in the loss: 0 uniform (ablation), 2 the paper's eq. 4 (Σ w²‖y − ŷ‖²).")] = 2,
+    micro_batch_rows: Annotated[Optional[int], typer.Option(min=1, help=f"Rows per forward/backward (memory bound; default {_default(_REFINE, 'micro_batch_rows')}).")] = None,
+    lr_logits: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Lion learning rate of the pattern logits A at the paper's budget (default {_default(_REFINE, 'lr_logits')}; scaled to the step budget, see Budget).")] = None,
+    lr_values: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Lion learning rate of the latent weights V at the paper's budget (default {_default(_REFINE, 'lr_values')}; scaled likewise).")] = None,
+    loss_power: Annotated[Optional[int], typer.Option(min=0, max=2, help=f"Token weight w^p in the loss: 0 uniform (ablation), 2 the paper's eq. 4 (Σ w²‖y − ŷ‖²; default {_default(_REFINE, 'loss_power')}).")] = None,
     values_only: Annotated[bool, typer.Option(help="Ablation: keep the init's support, learn values only.")] = False,
     support_only: Annotated[bool, typer.Option(help="Ablation: learn the support only, values stay.")] = False,
-    refine_seed: Annotated[int, typer.Option(min=0, help="Seed of the Gumbel noise and the init of A.")] = 0,
+    refine_seed: Annotated[Optional[int], typer.Option(min=0, help=f"Seed of the Gumbel noise and the init of A (default {_default(_REFINE, 'seed')}).")] = None,
     stage: Annotated[str, typer.Option(callback=_stage_name, help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
     init: Annotated[str, typer.Option(callback=_check_method, help="Init method whose stage refinement starts from.")] = "sgptq",
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
@@ -392,8 +406,11 @@ def refine(
 
     [bold]Budget[/]: --epochs × steps per epoch. Steps per epoch are --steps-per-epoch if given; else derived
     from --batch-rows (⌈routed training rows of the block / batch rows⌉, at least 16); else the paper's 128.
-    Either way they are capped so each expert averages at least 8 routed rows per step. The resulting
-    schedule (epochs × steps, rows per step, learning rates) is printed before training.
+    Either way they are capped so each expert averages at least 8 routed rows per step. The learning rates
+    are the paper's for its 1,280 steps per block and scale with the budget (× min(cap, 1280 / steps); caps
+    10 for the logits, 100 for the values), so a short run travels as far as the paper's. The resulting
+    schedule (epochs × steps, rows per step, effective learning rates) is printed before training, with a
+    warning when no pattern can change.
 
     [bold]Examples[/]
 
@@ -413,10 +430,11 @@ def refine(
         _fail("--steps-per-epoch and --batch-rows exclude each other", 2)
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
     _as_usage_error(_run_config_check, **given)
-    rcfg = _as_usage_error(RefineConfig, epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows,
-                           micro_batch_rows=micro_batch_rows, lr_logits=lr_logits, lr_values=lr_values,
-                           loss_power=loss_power, train_support=not values_only, train_values=not support_only,
-                           seed=refine_seed)
+    options = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows,
+                   micro_batch_rows=micro_batch_rows, lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power,
+                   train_support=False if values_only else None, train_values=False if support_only else None,
+                   seed=refine_seed)
+    rcfg = _as_usage_error(RefineConfig, **{k: v for k, v in options.items() if v is not None})
     with RichProgress(quiet) as p:
         summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,
                              batch_size=batch_size, redo_from=redo_from, cache_limit_gb=cache_gb, progress=p)
@@ -840,6 +858,22 @@ def run(
     console.print(table)
     console.print(f"verify: ok ({res['bits_per_weight']:.3f} bits/weight); packed model in {res['packed']}")
 
+
+def _reflow_help() -> None:
+    """Docstrings are wrapped for the source; rich markup keeps single newlines, so each paragraph's lines are
+    joined and the terminal wraps them (indented lines, the examples, stay as written)."""
+    import inspect
+
+    for info in app.registered_commands:
+        paragraphs = []
+        for para in (inspect.getdoc(info.callback) or "").split("\n\n"):
+            lines = para.split("\n")
+            indented = any(line.startswith(" ") for line in lines)
+            paragraphs.append(para if indented else " ".join(line.strip() for line in lines))
+        info.help = "\n\n".join(paragraphs)
+
+
+_reflow_help()
 
 _DEFAULT_REPO = "<default>"  # `--push-to-hub` given without a repo
 
