@@ -48,7 +48,7 @@ from moesq_core.engine import StageSpec, run_stage  # noqa: E402
 from moesq_core.eval.runner import EvalTarget, ResultCache, ppl_for_targets  # noqa: E402
 from moesq_core.formats import get_format  # noqa: E402
 from moesq_core.methods.registry import get_method  # noqa: E402
-from moesq_core.bench.kernel_bench import git_commit  # noqa: E402
+from moesq_core.bench.harness import git_commit  # noqa: E402
 from moesq_core.workdir import WorkDir  # noqa: E402
 
 log = logging.getLogger("accuracy_table")

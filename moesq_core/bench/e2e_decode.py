@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .kernel_bench import git_commit
+from .harness import git_commit
 from .p48_bench import random_p48_tensors
 from ..runtime.p48_hopper import P48HopperExperts
 from ..runtime.s24_hopper import S24HopperExperts

@@ -16,8 +16,11 @@ Baselines (same process, same data, same token counts):
 from __future__ import annotations
 
 import math
+import os
 import statistics
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -104,6 +107,47 @@ class Problem:
     @property
     def capacity(self) -> int:
         return max(self.counts)
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def git_commit() -> str:
+    """HEAD of this checkout (+"-dirty"), or $MOESQ_COMMIT where the tree was copied without its .git (device
+    runs); "unknown" when the tree is a copy inside another checkout, whose HEAD is not ours."""
+    if os.environ.get("MOESQ_COMMIT"):
+        return os.environ["MOESQ_COMMIT"]
+    try:
+        def git(*args):
+            return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True,
+                                  check=True).stdout.strip()
+
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != REPO_ROOT:
+            return "unknown"
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_header(fmt: str, device, repeats: int) -> dict:
+    """What every kernel benchmark's result starts with: the format, date, GPU, software and commit."""
+    import datetime
+    import platform
+
+
+    return {"format": fmt, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "gpu": torch.cuda.get_device_name(device),
+            "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+            "commit": git_commit(), "repeats": repeats}
+
+
+def new_row(name: str, M: int, K: int, G: int, N: int, seed: int, device) -> tuple[Problem, torch.Generator, dict]:
+    """One sweep point: its problem, a generator seeded from the shape (rows are reproducible one by one) and
+    the result row the methods' records go into."""
+    prob = Problem(M, K, token_counts(N, G), seed)
+    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + M * 31 + K * 17 + G * 7 + N)
+    return prob, gen, {"shape": name, "M": M, "K": K, "G": G, "N": N, "tokens": prob.tokens, "methods": {}}
 
 
 def random_2to4_dense_e4m3(G: int, M: int, K: int, gen: torch.Generator, device) -> tuple[torch.Tensor, torch.Tensor]:

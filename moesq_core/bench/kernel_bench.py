@@ -12,20 +12,16 @@ like the paper's Figure 5). Other formats plug in by module: `p48-nvfp4` dispatc
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import gc
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from .harness import BASELINES, Problem, Timing, copies_for, effective_tflops, graph_time, pack_logical
-from .harness import random_2to4_dense_e4m3, random_e4m3, time_method, token_counts
+from .harness import BASELINES, REPO_ROOT, Problem, new_row, run_header, Timing, copies_for, effective_tflops, graph_time, pack_logical
+from .harness import random_2to4_dense_e4m3, random_e4m3, time_method
 
 PAPER_SHAPES: dict[str, tuple[int, int]] = {
     "Qwen3-30B-A3B gate/up": (1536, 2048),
@@ -35,7 +31,6 @@ PAPER_SHAPES: dict[str, tuple[int, int]] = {
 }
 DEFAULT_G = [8, 32, 128, 384]
 DEFAULT_N = [16, 32, 64, 128, 256, 512, 1024]
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench_kernel(fmt: str, shapes: list[tuple[int, int]] | None, G: list[int], N: list[int], out_dir: Path,
@@ -57,23 +52,6 @@ def _named_shapes(shapes: list[tuple[int, int]] | None) -> list[tuple[str, int, 
         return [(name, M, K) for name, (M, K) in PAPER_SHAPES.items()]
     names = {v: k for k, v in PAPER_SHAPES.items()}
     return [(names.get((M, K), f"M={M} K={K}"), M, K) for M, K in shapes]
-
-
-def git_commit() -> str:
-    """HEAD of this checkout (+"-dirty"), or $MOESQ_COMMIT where the tree was copied without its .git (device
-    runs); "unknown" when the tree is a copy inside another checkout, whose HEAD is not ours."""
-    if os.environ.get("MOESQ_COMMIT"):
-        return os.environ["MOESQ_COMMIT"]
-    try:
-        def git(*args):
-            return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True,
-                                  check=True).stdout.strip()
-
-        if Path(git("rev-parse", "--show-toplevel")).resolve() != REPO_ROOT:
-            return "unknown"
-        return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 # ------------------------------------------------------------------------------------------------ s24-fp8
@@ -140,9 +118,7 @@ def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, s
               baselines: tuple[str, ...] = tuple(BASELINES)) -> dict:
     from ..kernels import s24_fp8 as s24
 
-    prob = Problem(M, K, token_counts(N, G), seed)
-    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + M * 31 + K * 17 + G * 7 + N)
-    row: dict = {"shape": name, "M": M, "K": K, "G": G, "N": N, "tokens": prob.tokens, "methods": {}}
+    prob, gen, row = new_row(name, M, K, G, N, seed, device)
 
     for bname in baselines:
         try:
@@ -226,13 +202,7 @@ def bench_s24(shapes, G, N, out_dir: Path, repeats: int = 50, baselines: tuple[s
     s24.check_device(device)
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {
-        "format": "s24-fp8",
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(device),
-        "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "commit": git_commit(),
-        "repeats": repeats,
+        **run_header("s24-fp8", device, repeats),
         "token_pattern": "{N, 3N/4, N/2, N/4} repeated over G experts",
         "timing": "CUDA-graph replay, median over replays; weight copies rotated so a replay streams >= 256 MiB",
         "methods": {k: BASELINES[k].description for k in baselines} | {

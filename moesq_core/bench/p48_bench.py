@@ -21,17 +21,15 @@ Writes p48_kernel_bench.json / .md / .png into out_dir.
 """
 from __future__ import annotations
 
-import datetime as _dt
 import gc
 import json
 import math
-import platform
 from pathlib import Path
 
 import torch
 
-from .harness import BASELINES, Problem, Timing, copies_for, effective_tflops, graph_time, time_method, token_counts
-from .kernel_bench import PAPER_SHAPES, git_commit
+from .harness import BASELINES, Problem, new_row, run_header, Timing, copies_for, effective_tflops, graph_time, time_method
+from .kernel_bench import PAPER_SHAPES
 
 P48_METHODS = {
     "p48_w4a16": "moesq p48 Triton grouped GEMM, bf16 activations, inline-PTX weight expansion",
@@ -147,9 +145,7 @@ def _free():
 
 def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, seed: int = 0,
               methods: tuple[str, ...] = tuple(P48_METHODS)) -> dict:
-    prob = Problem(M, K, token_counts(N, G), seed)
-    gen = torch.Generator(device=device).manual_seed(seed * 1000003 + M * 31 + K * 17 + G * 7 + N)
-    row: dict = {"shape": name, "M": M, "K": K, "G": G, "N": N, "tokens": prob.tokens, "methods": {}}
+    prob, gen, row = new_row(name, M, K, G, N, seed, device)
     for bname in BASELINE_NAMES:
         m = None
         try:
@@ -241,13 +237,7 @@ def bench_p48(shapes, G, N, out_dir: Path, repeats: int = 50, log=print,
     out_dir.mkdir(parents=True, exist_ok=True)
     Ns = [N] if isinstance(N, int) else list(N)
     result = {
-        "format": "p48-nvfp4",
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(device),
-        "sm_count": torch.cuda.get_device_properties(device).multi_processor_count,
-        "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
-        "triton": __import__("triton").__version__,
-        "commit": git_commit(), "repeats": repeats,
+        **run_header("p48-nvfp4", device, repeats), "triton": __import__("triton").__version__,
         "token_pattern": "{N, 3N/4, N/2, N/4} repeated over G experts (each >= 1)",
         "timing": "moesq_core.bench.harness.graph_time: CUDA-graph replay, median; weight copies rotated "
                   "so a replay streams >= 256 MiB",

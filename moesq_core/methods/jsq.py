@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Format
-from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
-from .rtn import check_expert, fallback_no_tokens, rtn_expert
+from .base import CompressedExpert, ExpertData, ProgressFn, compress_each
+from .rtn import score_masked_expert
 
 
 def clip_activations(x: torch.Tensor, clip_h: float = 0.01) -> torch.Tensor:
@@ -82,16 +82,9 @@ class JSQ:
     report_errors: bool = True
 
     def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
-        check_expert(ex, fmt)
-        if ex.x.shape[0] == 0:
-            return fallback_no_tokens(ex, fmt, self.name)
-        inputs = {"gate": ex.x, "up": ex.x, "down": ex.dense_intermediate()}
-        masks = {
-            p: fmt.patterns.best_mask(jsq_scores(getattr(ex, p), inputs[p], self.rho, self.clip_h,
-                                                 self.range_tokens, self.ref_tokens))
-            for p in PROJECTIONS
-        }
-        return rtn_expert(ex, fmt, masks, info={"method": self.name}, report_errors=self.report_errors)
+        return score_masked_expert(
+            ex, fmt, self.name,
+            lambda W, x: jsq_scores(W, x, self.rho, self.clip_h, self.range_tokens, self.ref_tokens), self.report_errors)
 
     def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
         return compress_each(experts, fmt, self.compress_expert, progress)

@@ -74,6 +74,17 @@ def fallback_no_tokens(ex: ExpertData, fmt: Format, method: str) -> CompressedEx
     return rtn_expert(ex, fmt, info={"method": method, "fallback": "rtn-magnitude (no routed tokens)"}, report_errors=False)
 
 
+def score_masked_expert(ex: ExpertData, fmt: Format, method: str, score, report_errors: bool = True) -> CompressedExpert:
+    """The score-based pruning methods (Wanda, JSQ): each projection's pattern per group keeps the largest summed
+    `score(W, inputs)` (gate/up scored on the routed tokens, down on the dense SwiGLU intermediate), then RTN."""
+    check_expert(ex, fmt)
+    if ex.x.shape[0] == 0:
+        return fallback_no_tokens(ex, fmt, method)
+    inputs = {"gate": ex.x, "up": ex.x, "down": ex.dense_intermediate()}
+    masks = {p: fmt.patterns.best_mask(score(getattr(ex, p), inputs[p])) for p in PROJECTIONS}
+    return rtn_expert(ex, fmt, masks, info={"method": method}, report_errors=report_errors)
+
+
 @dataclass
 class RTN:
     """Magnitude masks + round-to-nearest in the format (dense formats: plain RTN)."""

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import Format
-from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
+from .base import CompressedExpert, ExpertData, ProgressFn, compress_each
 from .hessian import input_sq_norms
-from .rtn import check_expert, fallback_no_tokens, rtn_expert
+from .rtn import score_masked_expert
 
 
 def wanda_scores(W: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = None, weighting: str = "none") -> torch.Tensor:
@@ -28,13 +28,8 @@ class Wanda:
     report_errors: bool = True
 
     def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
-        check_expert(ex, fmt)
-        if ex.x.shape[0] == 0:
-            return fallback_no_tokens(ex, fmt, self.name)
-        inputs = {"gate": ex.x, "up": ex.x, "down": ex.dense_intermediate()}
-        masks = {p: fmt.patterns.best_mask(wanda_scores(getattr(ex, p), inputs[p], ex.w, self.hessian_weighting))
-                 for p in PROJECTIONS}
-        return rtn_expert(ex, fmt, masks, info={"method": self.name}, report_errors=self.report_errors)
+        return score_masked_expert(ex, fmt, self.name, lambda W, x: wanda_scores(W, x, ex.w, self.hessian_weighting),
+                                   self.report_errors)
 
     def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
         return compress_each(experts, fmt, self.compress_expert, progress)
