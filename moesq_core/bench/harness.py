@@ -108,6 +108,10 @@ class Problem:
     def capacity(self) -> int:
         return max(self.counts)
 
+    def offsets(self, device) -> torch.Tensor:
+        """int32 end offsets of each expert's rows, as torch's grouped GEMMs take them."""
+        return torch.tensor(self.counts, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -221,7 +225,7 @@ class Bf16GroupedMM(Method):
 
     def __init__(self, prob, gen, device):
         super().__init__(prob, gen, device)
-        self.offs = torch.tensor(prob.counts, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        self.offs = prob.offsets(device)
         self.x = torch.randn(prob.tokens, prob.K, generator=gen, device=device, dtype=torch.bfloat16)
         self.weight_bytes = prob.G * prob.M * prob.K * 2
 
@@ -239,7 +243,7 @@ class Fp8GroupedMM(Method):
 
     def __init__(self, prob, gen, device):
         super().__init__(prob, gen, device)
-        self.offs = torch.tensor(prob.counts, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        self.offs = prob.offsets(device)
         self.x = random_e4m3((prob.tokens, prob.K), gen, device)
         self.sx = torch.rand(prob.tokens, generator=gen, device=device) * 1e-2 + 1e-3
         self.weight_bytes = prob.G * prob.M * prob.K + prob.G * prob.M * 4
