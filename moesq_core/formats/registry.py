@@ -12,6 +12,7 @@ FORMAT_MODULES = {
     "p48-nvfp4": "p48_nvfp4",
     "dense-nvfp4": "dense_nvfp4",
     "s24-fp8": "s24_fp8",
+    "dense-fp8": "dense_fp8",
 }
 FORMAT_NAMES = tuple(FORMAT_MODULES)
 _LOADED: dict = {}
