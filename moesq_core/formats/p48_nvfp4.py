@@ -82,7 +82,7 @@ _NIB_MASK8 = torch.tensor([[v >> (i // 2) & 1 == 1 for i in range(8)] for v in r
 def pair_chunks(qw: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Validated (dense packed bytes [..., in/8, 4], kept bytes bool [..., in/8, 4] with exactly 2 per chunk).
 
-    Shared with the dense variant of p48 (dense.py), which stores the same bytes unsparsified.
+    Shared with the dense variant (pack_dense), which stores the same bytes unsparsified.
     """
     lead, out, inn = check_qw(qw, NAME)
     check_divisible(inn, IN_MULTIPLE, "codes", "p48-nvfp4 needs 8-column groups and 32-column scale blocks")
