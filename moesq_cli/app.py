@@ -21,6 +21,8 @@ import click
 import typer
 from rich.table import Table
 
+from moesq_core.formats import FORMAT_NAMES
+
 from .progress import RichProgress, console, err_console
 
 app = typer.Typer(
@@ -128,8 +130,8 @@ WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", callback=_check_wor
                                           help="Work directory holding this run's artifacts.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="Local model dir or Hugging Face id (default: the embedded micro-qwen3-moe).")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", callback=_choice("p48-nvfp4", "dense-nvfp4", "s24-fp8"),
-                                                  help="p48-nvfp4 (default) | dense-nvfp4 | s24-fp8.")]
+FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", callback=_choice(*FORMAT_NAMES),
+                                                  help=" | ".join(FORMAT_NAMES) + f" (default {FORMAT_NAMES[0]}).")]
 ActQuantOpt = Annotated[Optional[bool], typer.Option("--act-quant/--weights-only",
                                                      help="Quantize activations too (W4A4 / W8A8, default), or weights only.")]
 CalibOpt = Annotated[Optional[str], typer.Option(
@@ -808,6 +810,7 @@ def run(
 
     from moesq_core.api import default_run_config
     from moesq_core.config import CompressConfig, MethodConfig
+    from moesq_core.formats import get_format
     from moesq_core.pipeline import run_all, run_config_of
 
     _setup(workdir, quiet)
@@ -848,8 +851,8 @@ def run(
             return
     rows = res["rows"]
     ref = next(r["ppl"] for r in rows if r["kind"] == "reference")
-    fmt_name, aq = res["config"]["format"], res["config"]["act_quant"]
-    table = Table(title=f"moesq run — {fmt_name}{(' W4A4' if 'nvfp4' in fmt_name else ' W8A8') if aq else ' weights only'}, perplexity on "
+    fmt, aq = get_format(res["config"]["format"]), res["config"]["act_quant"]
+    table = Table(title=f"moesq run — {fmt.name} {fmt.scheme if aq else 'weights only'}, perplexity on "
                         f"{rows[0]['tokens']:,} tokens")
     for c in ("model", "perplexity", "× reference"):
         table.add_column(c, justify="left" if c == "model" else "right")

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from moesq_core.formats import get_format
 from moesq_core.kernels import s24_fp8 as s24
-from moesq_core.packing import s24 as s24_packing
+from moesq_core.formats import s24_fp8 as s24_packing
 
 # ------------------------------------------------------------------------------------------------ helpers
 

@@ -1,11 +1,10 @@
 """`moesq pack`: a work dir stage -> a Hugging Face–style model directory.
 
-config.json gets a compressed-tensors `quantization_config` built with compressed-tensors' own classes
-(`quantization_status: "compressed"`, the format's scheme, the ignore list) plus a `moesq` entry; sparse p48
-adds the public release's `paired48_sparse` marker, s24-fp8 its own `moesq_sparse24` marker and a format name
-(`moesq-sparse24-fp8`) that stock loaders refuse instead of misreading it as dense FP8. Routed experts are
-stored per expert in the format's packed layout (moesq_core.packing) with a calibrated, always finite and
-positive `input_global_scale`; everything else is copied untouched from the source checkpoint. Weights are
+config.json gets the format's `quantization_config` (`Format.quantization_config`: compressed-tensors' part
+built with its own classes, `quantization_status: "compressed"`, the ignore list, plus a `moesq` entry and
+the format's markers, e.g. sparse p48's `paired48_sparse`). Routed experts are stored per expert in the
+format's packed layout with what its activation quantizer stores (NVFP4: a calibrated, always finite and
+positive `input_global_scale`); everything else is copied untouched from the source checkpoint. Weights are
 sharded by size (`max_shard_bytes`) with a `model.safetensors.index.json` when there is more than one shard.
 
 Safety: the output is validated before anything is written (never the work dir or the source model, never a
@@ -30,15 +29,11 @@ from safetensors.torch import save_file
 from .. import __version__
 from ..engine import load_block
 from ..formats import get_format
-from ..packing import pack
-from ..packing.p48 import MARKER, MARKER_KEY
-from ..packing.s24 import CONFIG_FORMAT as S24_FORMAT_NAME, MARKER as S24_MARKER, MARKER_KEY as S24_MARKER_KEY
-from ..runtime.experts import input_global_scales
+from ..formats.quantizers import input_global_scales
+from ..naming import INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
 from ..workdir import WorkDir, WorkDirError
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
 
-PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-_EXPERT_KEY = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.")
 # Files carried over from the source model besides the weights; remote-code *.py and *.jinja templates too.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json",
@@ -60,36 +55,9 @@ def parse_size(text: str) -> int:
 
 
 def quantization_config(fmt_name: str, ignore: list[str], act_quant: bool, sparse_layout: bool) -> dict:
-    """The config.json `quantization_config`, built with compressed-tensors' classes (field names and defaults
-    are theirs); NVFP4 formats start from its NVFP4 preset, s24-fp8 from FP8_DYNAMIC."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme
-
-    fmt = get_format(fmt_name)
-    nv = fmt_name.endswith("nvfp4")
-    preset = preset_name_to_scheme("NVFP4" if nv else "FP8_DYNAMIC", ["Linear"])
-    weights = preset.weights.model_copy(update={"group_size": fmt.scale_block}) if nv else preset.weights
-    acts = None
-    if act_quant:
-        acts = preset.input_activations.model_copy(update={"group_size": fmt.act.block}) if nv else preset.input_activations
-    qc = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights, input_activations=acts)},
-        format="nvfp4-pack-quantized" if nv else S24_FORMAT_NAME,
-        quantization_status="compressed",
-        ignore=list(ignore),
-    ).model_dump(mode="json")
-    qc = {k: v for k, v in qc.items() if v is not None}
-    if nv:
-        qc["group_size"] = fmt.scale_block  # the release's top-level copy, read by its vLLM patch
-    else:
-        # our own layout: the group's format too, which compressed-tensors' parsing (and so transformers)
-        # validates against its known formats and refuses, instead of loading the experts as dense FP8
-        qc["config_groups"]["group_0"]["format"] = S24_FORMAT_NAME
-    qc["moesq"] = {"format": fmt_name, "version": 1, "act_quant": act_quant, "moesq_version": __version__}
-    if sparse_layout and fmt_name == "p48-nvfp4":
-        qc[MARKER_KEY] = dict(MARKER)
-    if fmt_name == "s24-fp8":
-        qc[S24_MARKER_KEY] = dict(S24_MARKER)
-    return qc
+    """The config.json `quantization_config` of a pack in format `fmt_name` (see Format.quantization_config)."""
+    moesq = {"format": fmt_name, "version": 1, "act_quant": act_quant, "moesq_version": __version__}
+    return get_format(fmt_name).quantization_config(list(ignore), act_quant, sparse_layout, moesq)
 
 
 def _source_tensors(src: Path):
@@ -127,13 +95,13 @@ class _ShardWriter:
         n = len(self.shards)
         weight_map, total = {}, 0
         for i, shard in enumerate(self.shards, 1):
-            name = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+            name = SINGLE_FILE if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
             (self.out / f".shard{i}.tmp").rename(self.out / name)
             for k, (_, nbytes) in shard.items():
                 weight_map[k] = name
                 total += nbytes
         if n > 1:
-            (self.out / "model.safetensors.index.json").write_text(json.dumps(
+            (self.out / INDEX_FILE).write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
         return {"shards": n, "bytes": total}
 
@@ -187,6 +155,7 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
     if max_shard_bytes <= 0:
         raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
     fmt_name = m["config"]["format"]
+    fmt = get_format(fmt_name)
     act_quant = m["config"].get("act_quant", True)
     src = Path(m["model"]["path"])
     out_dir = Path(out_dir)
@@ -200,11 +169,10 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
     try:
         writer = _ShardWriter(tmp, max_shard_bytes)
         blocks = sorted(int(k) for k in st["blocks"])
-        moe_layers = set(blocks)
+        packed_prefixes = {experts_prefix(li) for li in blocks}
         ignore = set()
         for name, t in _source_tensors(src):
-            mm = _EXPERT_KEY.match(name)
-            if mm and int(mm.group(1)) in moe_layers:
+            if any(name.startswith(p + ".") for p in packed_prefixes):
                 continue  # routed experts are written packed below
             writer.add(name, t)
             if name.endswith(".weight") and t.dim() == 2:
@@ -212,8 +180,7 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
         if not any(n.startswith("lm_head") for n in ignore):
             ignore.add("lm_head")
         packed_bytes, n_weights, fallbacks = 0, 0, 0
-        nv = fmt_name.endswith("nvfp4")
-        layout = None if sparse_layout or fmt_name != "p48-nvfp4" else "dense-p48"
+        layout = fmt.export_layout(sparse_layout)
         for li in blocks:
             results, amax_in, amax_mid = load_block(workdir.verified_block(stage, li))
             g_in, n_in = input_global_scales(amax_in)
@@ -221,13 +188,12 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
             fallbacks += n_in + n_mid
             for e, r in enumerate(results):
                 for proj, qw in r.weights().items():
-                    name = f"model.layers.{li}.mlp.experts.{e}.{PROJ_NAMES[proj]}"
-                    tensors = pack(qw, layout)
+                    name = expert_linear(experts_prefix(li), e, proj)
+                    tensors = layout.pack(qw)
                     packed_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
                     n_weights += qw.codes.numel()
-                    if nv:
-                        g = g_in if proj != "down" else g_mid
-                        tensors["input_global_scale"] = (g[e] if g is not None else torch.tensor(1.0)).float().reshape(1).clone()
+                    g = g_in if proj != "down" else g_mid
+                    tensors.update(fmt.act.packed_tensors(g[e] if g is not None else None))
                     for suffix, t in tensors.items():
                         writer.add(f"{name}.{suffix}", t)
             if progress:
@@ -270,34 +236,6 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
 
 # -- model card ---------------------------------------------------------------------------------------------
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_FORMAT_TAGS = {
-    "p48-nvfp4": ["nvfp4", "sparse", "paired-4-8-sparsity", "compressed-tensors"],
-    "dense-nvfp4": ["nvfp4", "compressed-tensors"],
-    "s24-fp8": ["fp8", "sparse", "2-4-sparsity"],
-}
-_LOADERS = {
-    "p48-nvfp4": [
-        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)` (CPU reference; on a "
-        "Hopper GPU the packed Triton experts).",
-        "vLLM with the public MoESQ release's paired 4:8 patch on Blackwell GPUs (it reads the `paired48_sparse` "
-        "marker).",
-        "Stock transformers cannot load this layout (it raises while converting the expert weights); stock vLLM "
-        "does not know the `paired48_sparse` marker.",
-    ],
-    "dense-nvfp4": [
-        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)`.",
-        "vLLM and other compressed-tensors `nvfp4-pack-quantized` consumers (standard layout).",
-        "Stock transformers `AutoModelForCausalLM.from_pretrained` loads it without an error but currently returns "
-        "experts multiplied by their global scale (wrong outputs): use `load_packed` instead.",
-    ],
-    "s24-fp8": [
-        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)` only.",
-        "This is moesq's own layout (format `moesq-sparse24-fp8`, marker `moesq_sparse24`); compressed-tensors' "
-        "config parsing, and so stock transformers, refuse it.",
-    ],
-}
-
-
 def hub_id_of(source: str) -> str | None:
     """The Hub id a model came from: the source itself when it is an id, or read from a Hub cache path."""
     m = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", source)
@@ -326,27 +264,27 @@ def model_card(manifest: dict, src: Path, summary: dict, ppl: dict | None) -> st
 
     source = manifest["model"]["source"]
     hub_id = hub_id_of(source) or hub_id_of(str(src))
-    fmt = summary["format"]
+    fmt = get_format(summary["format"])
     data = ModelCardData(license=_base_license(src), pipeline_tag="text-generation", base_model=hub_id,
                          base_model_relation="quantized" if hub_id else None,
-                         tags=["moesq", "moe", *_FORMAT_TAGS[fmt]])
+                         tags=["moesq", "moe", *fmt.card_tags])
     name = hub_id or Path(source).name
     lines = [
-        f"# {name.split('/')[-1]} — moesq {fmt}", "",
+        f"# {name.split('/')[-1]} — moesq {fmt.name}", "",
         f"The routed experts of {'`' + hub_id + '`' if hub_id else 'the base model'} compressed by moesq "
         f"{__version__}; every other weight is unchanged.", "",
         "| | |", "|---|---|",
         f"| base model | `{hub_id or Path(source).name}` |",
         f"| method | {summary['method']} |",
-        f"| format | {fmt} ({get_format(fmt).description}) |",
-        f"| activations | {'quantized (' + ('NVFP4' if fmt.endswith('nvfp4') else 'FP8') + ')' if summary['act_quant'] else 'not quantized (weights only)'} |",
+        f"| format | {fmt.name} ({fmt.description}) |",
+        f"| activations | {'quantized (' + fmt.act_label + ')' if summary['act_quant'] else 'not quantized (weights only)'} |",
         f"| expert bits per weight | {summary['bits_per_weight']:.3f} |",
         f"| expert weights | {summary['expert_weights']:,} in {summary['expert_bytes']:,} bytes |",
     ]
     if ppl:
         lines += ["", "## Measured perplexity", "", "| model | perplexity |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in sorted(ppl.items())]
-    lines += ["", "## Loading", "", *[f"- {x}" for x in _LOADERS[fmt]], "",
+    lines += ["", "## Loading", "", *[f"- {x}" for x in fmt.card_loaders], "",
               "`moesq verify DIR` checks every file against the checksums in `moesq_pack.json` and every packed "
               "expert tensor's structure.", ""]
     return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(lines)))

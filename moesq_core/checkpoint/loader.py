@@ -1,11 +1,10 @@
 """Load models back: a packed directory (experts replaced by a moesq experts module), a work dir stage
-(the fake-quantized model that stage produced), or a reference model. On a Hopper GPU the packed p48-nvfp4
-experts run through the fast kernel module when it is available; otherwise the CPU reference module."""
+(the fake-quantized model that stage produced), or a reference model. The format builds the experts module
+that serves it (`Format.make_experts`: a fast GPU module where it has one, else the reference module)."""
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 from pathlib import Path
 
 import torch
@@ -13,12 +12,8 @@ import torch
 from ..engine import install_block, load_block
 from ..formats import get_format
 from ..models import adapter_for, load_model
-from ..packing import unpack
-from ..runtime.experts import MoesqExperts
+from ..naming import INDEX_FILE, PROJECTIONS, SINGLE_FILE, expert_linear, parse_expert_tensor, weight_files
 from ..workdir import WorkDir, WorkDirError
-
-log = logging.getLogger("moesq.loader")
-PROJS = (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj"))
 
 
 class _PackedTensors:
@@ -29,11 +24,10 @@ class _PackedTensors:
         from safetensors import safe_open
 
         self.path, self.handles = path, {}
-        idx = path / "model.safetensors.index.json"
         try:
-            files = sorted(set(json.loads(idx.read_text())["weight_map"].values())) if idx.is_file() else ["model.safetensors"]
-        except (OSError, ValueError, KeyError, AttributeError) as e:
-            raise ValueError(f"{idx}: unreadable index ({e}); run `moesq verify {path}`") from None
+            files = weight_files(path) or [SINGLE_FILE]
+        except ValueError as e:
+            raise ValueError(f"{path / INDEX_FILE}: {e}; run `moesq verify {path}`") from None
         self.where: dict[str, str] = {}
         for f in files:
             try:
@@ -52,17 +46,6 @@ class _PackedTensors:
             return self.handles[self.where[name]].get_tensor(name)
         except Exception as e:
             raise ValueError(f"{self.path / self.where[name]}: reading {name} failed ({e}); run `moesq verify {self.path}`") from None
-
-
-def _fast_p48_available(device: torch.device) -> bool:
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    try:
-        from ..runtime import p48_hopper  # noqa: F401
-    except Exception as e:  # the fast module is optional; say why it is not used
-        log.warning("fast p48 Hopper experts unavailable (%s); using the reference module", e)
-        return False
-    return True
 
 
 @contextlib.contextmanager
@@ -94,8 +77,8 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
                 act_quant: bool | None = None, fast: bool | None = None, progress=None):
     """(model, tokenizer) from a packed directory written by `moesq pack`, in any moesq format.
 
-    The one call that loads every moesq checkpoint: routed experts become a moesq experts module (on an sm_90
-    GPU the fast Hopper module when available, `fast` forces it on/off), every other tensor is copied into the
+    The one call that loads every moesq checkpoint: routed experts become the module the format serves them
+    with (a fast GPU module where the format has one for `device`; `fast` forces it on/off), every other tensor is copied into the
     transformers model. Tensors are read one at a time (safe_open). progress: a moesq Progress (one bar over
     the MoE blocks) or None.
     """
@@ -112,8 +95,7 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     qc = raw.get("quantization_config") or {}
     if "moesq" not in qc:
         raise ValueError(f"{path} is not a moesq packed model (config.json has no quantization_config.moesq)")
-    fmt_name = qc["moesq"]["format"]
-    get_format(fmt_name)  # unknown format: a clear error
+    fmt = get_format(qc["moesq"]["format"])  # unknown format: a clear error
     act_quant = qc["moesq"].get("act_quant", True) if act_quant is None else act_quant
     device = torch.device(device)
     raw.pop("quantization_config")
@@ -124,36 +106,23 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     reader = _PackedTensors(path)
     names = reader.names()
     blocks = adapter.blocks(model)
-    use_fast = fmt_name == "p48-nvfp4" and (_fast_p48_available(device) if fast is None else fast)
     expert_names = set()
     with _progress_task(progress, f"loading {path.name}", len(blocks)) as task:
         for block in blocks:
             mine = [k for k in names if k.startswith(block.prefix + ".")]
             expert_names.update(mine)
-            per_expert = []
-            for e in range(block.num_experts):
-                per_expert.append({p: {} for p, _ in PROJS})
+            per_expert = [{p: {} for p in PROJECTIONS} for _ in range(block.num_experts)]
             for k in mine:
-                e, n, suffix = k[len(block.prefix) + 1:].split(".", 2)
-                proj = next((p for p, pn in PROJS if pn == n), None)
-                if proj is None or not e.isdigit() or int(e) >= block.num_experts:
+                parsed = parse_expert_tensor(k)
+                if parsed is None or parsed[0] != block.prefix or parsed[1] >= block.num_experts:
                     raise ValueError(f"{path}: unexpected tensor {k}")
-                per_expert[int(e)][proj][suffix] = reader.get(k)
+                _, e, p, suffix = parsed
+                per_expert[e][p][suffix] = reader.get(k)
             for e, t in enumerate(per_expert):
-                for p, n in PROJS:
+                for p in PROJECTIONS:
                     if not t[p]:
-                        raise ValueError(f"{path}: missing tensors for {block.prefix}.{e}.{n}")
-            if use_fast:
-                from ..runtime.p48_hopper import P48HopperExperts
-
-                module = P48HopperExperts.from_packed(per_expert, act_quant=act_quant, device=device)
-            elif fmt_name == "s24-fp8" and act_quant and fast is not False and device.type == "cuda":
-                from ..runtime.s24_hopper import S24HopperExperts, available  # CUTLASS 2:4 kernels on sm_90
-
-                module = (S24HopperExperts.from_packed(per_expert, act_quant=act_quant, device=device) if available(device)
-                          else _reference_module(fmt_name, per_expert, act_quant, block.prefix))
-            else:
-                module = _reference_module(fmt_name, per_expert, act_quant, block.prefix)
+                        raise ValueError(f"{path}: missing tensors for {expert_linear(block.prefix, e, p)}")
+            module = fmt.make_experts(per_expert, act_quant, device, fast, block.prefix)
             block.mlp.experts = module  # the dense placeholder is dropped, not kept aside
             if task is not None:
                 task.advance(1)
@@ -183,19 +152,6 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
     return model, tok
-
-
-def _reference_module(fmt_name: str, per_expert: list[dict], act_quant: bool, prefix: str) -> MoesqExperts:
-    weights, g_in, g_mid = [], [], []
-    for e, t in enumerate(per_expert):
-        weights.append({p: unpack(fmt_name, t[p], f"{prefix}.{e}.{n}") for p, n in PROJS})
-        for lst, p in ((g_in, "gate"), (g_mid, "down")):
-            g = t[p].get("input_global_scale")
-            lst.append(g.float().reshape(()) if g is not None else torch.zeros(()))  # s24: scaled per token
-    ref = MoesqExperts.from_quantized(get_format(fmt_name), weights, act_quant)
-    ref.act_global_in.copy_(torch.stack(g_in))
-    ref.act_global_mid.copy_(torch.stack(g_mid))
-    return ref
 
 
 def load_workdir_model(workdir: str | Path, stage: str, device="cpu", dtype=torch.float32, act_quant: bool | None = None):

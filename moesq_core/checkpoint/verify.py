@@ -1,22 +1,23 @@
 """Verify a packed Hugging Face–style model directory without loading it whole.
 
 The directory holds config.json, whose `quantization_config` has `quant_method: "compressed-tensors"`, `format`,
-`group_size`, `ignore`, a `moesq: {"format": <p48-nvfp4 | dense-nvfp4 | s24-fp8>, "version": 1}` sub-dict and,
-when p48 experts are stored sparse, the release's marker `paired48_sparse: {layout: pair-bitmask, version: 1}`
-(read from quantization_config, where the release writes it, or from the top level of config.json).
-Weights live in model.safetensors or in the shards listed by model.safetensors.index.json. Every routed-expert
-linear `<prefix>.mlp.experts.<e>.<gate_proj|up_proj|down_proj>` has its layout's tensors (see
-moesq_core.packing) plus `input_global_scale` float32 [1] (required for the NVFP4 formats, whose activations
-are NVFP4; checked when present for s24-fp8).
+`group_size`, `ignore`, a `moesq: {"format": <a registered format>, "version": 1}` sub-dict and the format's
+own entries (e.g. sparse p48's `paired48_sparse` marker, read from quantization_config or the top level of
+config.json). Weights live in model.safetensors or in the shards listed by model.safetensors.index.json. Every
+routed-expert linear `<prefix>.mlp.experts.<e>.<gate_proj|up_proj|down_proj>` has one of its format's layouts'
+tensors (moesq_core.formats) plus what the format's activation quantizer stores (`input_global_scale` float32
+[1]: required where activations take a global scale, e.g. NVFP4; checked when present otherwise).
 
 Checks, in order: the checksum manifest `moesq_pack.json` written by `moesq pack` (every file's sha256; for a
 changed safetensors file the tensor(s) whose bytes changed are named, the header giving each tensor's byte range;
 a missing manifest is a warning, a damaged one an error); then the structure, which also catches files
 re-encoded by other tools: each file opens (safetensors rejects truncated files and bad headers) and the index
-matches the files; the config has `quantization_status: "compressed"` and, for s24-fp8, its own
-`moesq_sparse24` marker and format name; per linear: dtypes and shapes, sparsity metadata (exactly 2 kept pairs
-per 8-group / 2 of 4 for s24, through the packers' unpack), e4m3 values not NaN (s24), block/row scales, weight
-global scales and input global scales finite and > 0 (serving engines divide by the input scale); per expert:
+matches the files; the config has `quantization_status: "compressed"` and passes the format's checks
+(`Format.check_config`: group size, format name, markers), and no other format's marker; per linear: dtypes
+and shapes, sparsity metadata (exactly 2 kept pairs per 8-group / 2 of 4 for s24, through the format's unpack),
+then `Format.check_tensors`: e4m3 values not NaN, block/row scales, weight global scales and input global scales
+finite and > 0 (serving engines divide by the input scale); the format's rules over all stored layouts
+(`Format.check_layouts`, e.g. p48's marker matches its layout); per expert:
 all three projections present, gate/up/down shapes consistent (and equal across a layer's experts), gate and
 up sharing one bit-identical weight_global_scale (NVFP4 formats; the tensor the checksums show changed is
 blamed). E2M1 codes need no check: all 16 nibbles are grid values.
@@ -37,19 +38,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..formats import FORMATS
+from ..formats import FORMATS, get_format
+from ..naming import EXPERT_RE, INDEX_FILE, PROJ_NAMES, PROJECTIONS, SINGLE_FILE, read_index
+from ..packing import ACTIVATION_SUFFIXES, PackingError, bits_per_weight
 from .checksums import MANIFEST, check_manifest
-from ..packing.s24 import CONFIG_FORMAT as S24_FORMAT_NAME, MARKER as S24_MARKER, MARKER_KEY as S24_MARKER_KEY
-from ..packing import ACTIVATION_SUFFIXES, PackingError, bits_per_weight, detect_layout
-from ..packing import p48 as p48_layout
 
-EXPERT_RE = re.compile(
-    r"^(?P<prefix>.+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<suffix>\w+)$"
-)
-PROJ_ORDER = ("gate_proj", "up_proj", "down_proj")
+PROJ_ORDER = tuple(PROJ_NAMES[p] for p in PROJECTIONS)
 MOESQ_VERSION = 1
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 
 
 @dataclass
@@ -68,7 +63,7 @@ class VerifyError:
 @dataclass
 class TensorRow:
     """One expert linear. shape is the logical [out, in] (() when unknown); format is the storage layout
-    (p48-nvfp4, dense-p48, dense-nvfp4, s24-fp8); bits_per_weight counts the weight's stored tensors
+    (e.g. p48-nvfp4, dense-p48); bits_per_weight counts the weight's stored tensors
     (input_global_scale excluded); status is "ok" or the first problem found."""
 
     name: str
@@ -137,31 +132,21 @@ class VerifyReport:
 # ---- config ---------------------------------------------------------------------------------------------------
 
 
-def _group_size(qc: dict[str, Any]) -> Any:
-    if "group_size" in qc:
-        return qc["group_size"]
-    for group in (qc.get("config_groups") or {}).values():
-        weights = group.get("weights") if isinstance(group, dict) else None
-        if isinstance(weights, dict) and "group_size" in weights:
-            return weights["group_size"]
-    return None
-
-
-def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, bool]:
-    """(moesq format, whether the pair-bitmask marker is present); format None when the config is unusable."""
+def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, dict, dict]:
+    """(moesq format, quantization_config, config); format None when the config is unusable."""
     path = root / "config.json"
     try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
         report._error("config.json", f"missing in {root}")
-        return None, False
+        return None, {}, {}
     except (OSError, ValueError) as e:
         report._error("config.json", f"unreadable: {e}")
-        return None, False
+        return None, {}, {}
     qc = config.get("quantization_config")
     if not isinstance(qc, dict):
         report._error("config.json", "no quantization_config: not a packed checkpoint")
-        return None, False
+        return None, {}, config
     if qc.get("quant_method") != "compressed-tensors":
         report._error("config.json", f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'compressed-tensors'")
     if qc.get("quantization_status") != "compressed":
@@ -170,11 +155,11 @@ def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, bool]:
     moesq = qc.get("moesq")
     if not isinstance(moesq, dict):
         report._error("config.json", "quantization_config has no 'moesq' entry {format, version}")
-        return None, False
+        return None, qc, config
     fmt = moesq.get("format")
     if fmt not in FORMATS:
         report._error("config.json", f"quantization_config.moesq.format is {fmt!r}; known: {', '.join(FORMATS)}")
-        return None, False
+        return None, qc, config
     if moesq.get("version") != MOESQ_VERSION:
         report._error("config.json", f"quantization_config.moesq.version is {moesq.get('version')!r}; this moesq reads version {MOESQ_VERSION}")
     report.format = fmt
@@ -183,28 +168,16 @@ def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, bool]:
             report.warnings.append(f"quantization_config has no {key!r}")
     if "ignore" in qc and not isinstance(qc["ignore"], list):
         report._error("config.json", f"quantization_config.ignore is {type(qc['ignore']).__name__}, expected a list")
-    gs = _group_size(qc)
-    block = FORMATS[fmt].scale_block
-    if fmt != "s24-fp8":
-        if gs is None:
-            report.warnings.append("quantization_config has no group_size")
-        elif gs != block:
-            report._error("config.json", f"group_size is {gs!r}, but {fmt} uses {block}-column scale blocks")
-    if fmt == "s24-fp8":
-        if qc.get("format") != S24_FORMAT_NAME:
-            report._error("config.json", f"quantization_config.format is {qc.get('format')!r}; s24-fp8 must be "
-                          f"{S24_FORMAT_NAME!r} so that stock loaders refuse it instead of reading it as dense FP8")
-        if qc.get(S24_MARKER_KEY) != S24_MARKER:
-            report._error("config.json", f"quantization_config.{S24_MARKER_KEY} is {qc.get(S24_MARKER_KEY)!r}; expected {S24_MARKER!r}")
-    elif qc.get(S24_MARKER_KEY) is not None:
-        report._error("config.json", f"{S24_MARKER_KEY} marker present but the format is {fmt}")
-    marker = qc.get(p48_layout.MARKER_KEY, config.get(p48_layout.MARKER_KEY))
-    if marker is not None:
-        if fmt != "p48-nvfp4":
-            report._error("config.json", f"{p48_layout.MARKER_KEY} marker present but the format is {fmt}")
-        elif marker != p48_layout.MARKER:
-            report._error("config.json", f"{p48_layout.MARKER_KEY} marker is {marker!r}; expected {p48_layout.MARKER!r}")
-    return fmt, marker is not None
+    for level, message in FORMATS[fmt].check_config(qc, config):
+        if level == "warning":
+            report.warnings.append(message)
+        else:
+            report._error("config.json", message)
+    for other in FORMATS.values():  # another format's marker would make loaders decode the experts wrongly
+        for key in other.markers:
+            if other.name != fmt and qc.get(key, config.get(key)) is not None:
+                report._error("config.json", f"{key} marker present but the format is {fmt}")
+    return fmt, qc, config
 
 
 # ---- files ----------------------------------------------------------------------------------------------------
@@ -212,15 +185,12 @@ def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, bool]:
 
 def _weight_map(root: Path, report: VerifyReport) -> tuple[dict[str, str] | None, set[str]]:
     """(tensor name -> file from the index or the single file's header, the files that opened)."""
-    index = root / INDEX_FILE
-    if index.exists():
-        try:
-            wm = json.loads(index.read_text())["weight_map"]
-            if not isinstance(wm, dict):
-                raise ValueError("weight_map is not an object")
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            report._error(INDEX_FILE, f"unreadable: {e}")
-            return None, set()
+    try:
+        wm = read_index(root)
+    except ValueError as e:
+        report._error(INDEX_FILE, str(e))
+        return None, set()
+    if wm is not None:
         files = sorted(set(wm.values()))
     elif (root / SINGLE_FILE).exists():
         wm, files = None, [SINGLE_FILE]
@@ -286,44 +256,6 @@ class _Reader:
 # ---- values ---------------------------------------------------------------------------------------------------
 
 
-def _positive_finite(t: torch.Tensor) -> torch.Tensor:
-    """Bool mask of bad entries: NaN/Inf (e4m3 NaN bytes decode to NaN), zero or negative."""
-    f = t.float()
-    return ~(torch.isfinite(f) & (f > 0))
-
-
-def _first(bad: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(i) for i in bad.nonzero()[0].tolist())
-
-
-def _check_values(module: str, layout: str, tensors: dict[str, torch.Tensor], needs_input_scale: bool) -> VerifyError | None:
-    checks: list[tuple[str, str]] = [("weight_scale", "block scale" if layout != "s24-fp8" else "row scale")]
-    if layout != "s24-fp8":
-        checks.append(("weight_global_scale", "weight global scale"))
-    else:
-        v = tensors["weight_sparse_values"].view(torch.uint8)
-        nan = (v & 0x7F) == 0x7F
-        if bool(nan.any()):
-            pos = _first(nan)
-            return VerifyError(f"{module}.weight_sparse_values", pos, f"e4m3 NaN code 0x{int(v[pos]):02X}")
-    inp = tensors.get("input_global_scale")
-    if inp is None:
-        if needs_input_scale:
-            return VerifyError(f"{module}.input_global_scale", None, "missing (NVFP4 activations need it)")
-    else:
-        if inp.dtype != torch.float32 or tuple(inp.shape) != (1,):
-            return VerifyError(f"{module}.input_global_scale", None, f"is {inp.dtype} {tuple(inp.shape)}, expected float32 (1,)")
-        # never 0 or non-finite: serving engines compute 1/scale and take the max over a layer's experts
-        checks.append(("input_global_scale", "input global scale"))
-    for suffix, what in checks:
-        t = tensors[suffix]
-        bad = _positive_finite(t)
-        if bool(bad.any()):
-            pos = _first(bad)
-            return VerifyError(f"{module}.{suffix}", pos, f"{what} is {t[pos].float().item()}, must be finite and > 0")
-    return None
-
-
 # ---- main -----------------------------------------------------------------------------------------------------
 
 
@@ -369,7 +301,7 @@ def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> Veri
         if not sums.present:
             report._error(MANIFEST, "missing: there are no checksums to check (pack written by another tool?)")
         return report
-    fmt, has_marker = _read_config(root, report)
+    fmt, qc, config = _read_config(root, report)
     if fmt is None:
         return report
     wm, readable = _weight_map(root, report)
@@ -412,21 +344,10 @@ def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> Veri
         if ctx is not None:
             ctx.__exit__(None, None, None)
 
-    _check_marker(report, has_marker)
+    for tensor, problem in get_format(fmt).check_layouts([(r.name, r.format) for r in report.rows], qc, config):
+        report._error(tensor, problem)
     _check_experts(experts, rows, global_scales, report, report.changed_tensors)
     return report
-
-
-def _check_marker(report: VerifyReport, has_marker: bool) -> None:
-    """Loaders pick the sparse decoder from the config marker, so it must agree with the stored layout."""
-    sparse = [r.name for r in report.rows if r.format == p48_layout.LAYOUT]
-    dense = [r.name for r in report.rows if r.format == "dense-p48"]
-    if sparse and not has_marker:
-        report._error("config.json", f"{len(sparse)} expert linears (e.g. {sparse[0]}) are stored sparse (pair-bitmask) "
-                      f"but quantization_config has no {p48_layout.MARKER_KEY} marker, so loaders would not decode them")
-    if dense and has_marker:
-        report._error(f"{dense[0]}.weight_packed", f"the config's {p48_layout.MARKER_KEY} marker says p48 experts are "
-                      f"stored sparse, but {len(dense)} expert linears (e.g. this one) are stored dense")
 
 
 def _check_linear(module, files, fmt, readable, reader, report, global_scales) -> TensorRow:
@@ -442,11 +363,8 @@ def _check_linear(module, files, fmt, readable, reader, report, global_scales) -
         except Exception as e:
             report._error(f, f"reading {module}.{suffix} failed: {e}", row=row)
             return row
-    try:
-        layout = detect_layout(fmt, tensors.keys())
-    except ValueError as e:
-        report._error(module, str(e), row=row)
-        return row
+    fmt = get_format(fmt)
+    layout = fmt.detect_layout(tensors.keys())
     row.format = layout.name
     try:
         row.shape = tuple(int(d) for d in layout.logical_shape(tensors))
@@ -463,7 +381,7 @@ def _check_linear(module, files, fmt, readable, reader, report, global_scales) -
         return row
     weight = {k: v for k, v in tensors.items() if k not in ACTIVATION_SUFFIXES}
     row.bits_per_weight = bits_per_weight(weight, row.shape)
-    err = _check_values(module, layout.name, tensors, needs_input_scale=fmt != "s24-fp8")
+    err = fmt.check_tensors(module, layout, tensors)
     if err is not None:
         report._error(err.tensor, err.problem, err.position, row=row)
     if "weight_global_scale" in tensors:

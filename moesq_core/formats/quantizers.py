@@ -3,15 +3,23 @@
 Every quantizer works on float32 and returns float32 tensors whose values are exactly representable in the
 target format, so CPU and GPU give identical numbers. `ste=True` passes gradients straight through the
 rounding (scales are detached), which is what refinement trains through.
+
+All weight quantizers share one interface (solvers and the refine trainer ask it instead of testing types):
+`block` (input columns per scale, 0 = one per row), `max_value` (the largest magnitude a code holds),
+`rounds_scales` (stored scales are a rounded projection of the fp32 ones), `global_scale(s)`,
+`block_scales`, `unrounded_block_scales`, `round_scales`, `encode`/`decode`, `code_values` (float value of every uint8 code),
+`column` (the quantizer one column of a scale block sees) and `fake_quant`. Weights may carry leading
+(expert) dimensions throughout. Activation quantizers share `uses_global_scale`, `global_from_amax`,
+`batched`, `packed_tensors` and `__call__`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .e2m1 import E2M1_MAX, e2m1_decode, e2m1_encode
-from .e4m3 import E4M3_MAX, round_e4m3, round_ue4m3_scale
+from .e2m1 import E2M1_GRID, E2M1_MAX, e2m1_decode, e2m1_encode
+from .e4m3 import E4M3_MAX, E4M3_MIN_SUBNORMAL, round_e4m3, round_ue4m3_scale
 
 
 def _ste(x: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
@@ -24,11 +32,50 @@ def nvfp4_global_scale(amax: torch.Tensor | float) -> torch.Tensor:
     return torch.where(amax > 0, (E4M3_MAX * E2M1_MAX) / amax.clamp_min(1e-30), torch.ones_like(amax))
 
 
+def act_global_from_amax(amax: torch.Tensor | None) -> torch.Tensor | None:
+    """Calibrated activation global scales g = 448*6/amax; 0 where no range was seen (dynamic then)."""
+    if amax is None:
+        return None
+    amax = amax.float()
+    return torch.where(amax > 0, nvfp4_global_scale(amax), torch.zeros_like(amax))
+
+
+def input_global_scales(amax: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
+    """Static activation global scales per expert [E] and how many fell back.
+
+    An expert no calibration token reached has no range; serving engines compute 1/scale and take the max over
+    a layer's experts, so 0 or inf would break the whole layer. Such experts get the layer-level scale
+    calibrated from the largest range seen in the layer, or 1.0 when the layer saw none."""
+    if amax is None:
+        return None, 0
+    g = act_global_from_amax(amax).float().reshape(-1)
+    ok = torch.isfinite(g) & (g > 0)
+    if bool(ok.all()):
+        return g, 0
+    seen = amax.float().reshape(-1)[ok]
+    fallback = act_global_from_amax(seen.max().reshape(1))[0] if seen.numel() else torch.tensor(1.0)
+    if not (torch.isfinite(fallback) and fallback > 0):
+        fallback = torch.tensor(1.0)
+    return torch.where(ok, g, fallback), int((~ok).sum())
+
+
+def nvfp4_quantize_unscaled(x: torch.Tensor, block: int, g: torch.Tensor) -> torch.Tensor:
+    """E2M1 values times their stored UE4M3 block scale (exact; divide by g for the quantized x).
+
+    The one NVFP4 quantization: weights, activations and the kernels' CPU reference all go through it."""
+    xf = x.float()
+    s = round_ue4m3_scale(xf.detach().reshape(*xf.shape[:-1], xf.shape[-1] // block, block).abs().amax(-1) / E2M1_MAX * g)
+    se = s.repeat_interleave(block, dim=-1) if block > 1 else s
+    return e2m1_decode(e2m1_encode(xf.detach() * g / se)) * se
+
+
 @dataclass(frozen=True)
 class NVFP4Quantizer:
     """E2M1 values, one UE4M3 scale per `block` consecutive input columns, one fp32 global scale per tensor."""
 
     block: int
+    max_value = E2M1_MAX
+    rounds_scales = True  # stored scales are UE4M3 projections of the fp32 ones
 
     def global_scale(self, *weights: torch.Tensor) -> torch.Tensor:
         """One global scale for all given tensors (gate and up of an expert share one)."""
@@ -45,8 +92,26 @@ class NVFP4Quantizer:
         blocks = w.detach().float().reshape(*w.shape[:-1], -1, self.block)
         return round_ue4m3_scale(blocks.abs().amax(-1) / E2M1_MAX * g)
 
+    def unrounded_block_scales(self, w: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """The fp32 block scales before the UE4M3 projection (2^-9 for an all-zero block)."""
+        amax = w.detach().float().reshape(*w.shape[:-1], -1, self.block).abs().amax(-1)
+        return torch.where(amax > 0, amax / E2M1_MAX * g, torch.full_like(amax, E4M3_MIN_SUBNORMAL))
+
+    def round_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """fp32 scales -> the stored ones (UE4M3)."""
+        return round_ue4m3_scale(scales)
+
     def expand(self, scales: torch.Tensor) -> torch.Tensor:
-        return scales.repeat_interleave(self.block, dim=-1)
+        return scales.repeat_interleave(self.block, dim=-1) if self.block > 1 else scales
+
+    def column(self) -> "NVFP4Quantizer":
+        """The quantizer of one column (a column of a block shares the block's scale: same numbers)."""
+        return replace(self, block=1)
+
+    def code_values(self) -> torch.Tensor:
+        """float32 value of each of the 16 codes (sign << 3 | magnitude index)."""
+        grid = torch.tensor(E2M1_GRID, dtype=torch.float32)
+        return torch.cat([grid, -grid])
 
     def encode(self, w: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         """uint8 E2M1 codes of w under given scales."""
@@ -60,8 +125,7 @@ class NVFP4Quantizer:
         wf = w.float()
         if g is None:
             g = self.global_scale(wf)
-        s = self.expand(self.block_scales(wf, g))
-        q = e2m1_decode(e2m1_encode(wf.detach() * g / s)) * s / g
+        q = nvfp4_quantize_unscaled(wf, self.block, g) / g
         return _ste(wf, q) if ste else q
 
 
@@ -74,9 +138,24 @@ class NVFP4ActQuantizer:
     """
 
     block: int = 32
+    uses_global_scale = True
 
     def __call__(self, x: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
         return NVFP4Quantizer(self.block).fake_quant(x, g, ste=ste)
+
+    def global_from_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """Global scale(s) for activations of range amax (1.0 where amax is 0)."""
+        return nvfp4_global_scale(amax.float())
+
+    def batched(self, x: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
+        """x [E, C, D] with per-expert global scales g [E, 1, 1] (default: each expert's own amax)."""
+        if g is None:
+            g = nvfp4_global_scale(x.detach().abs().amax(dim=(1, 2))).reshape(-1, 1, 1)
+        return self(x, g, ste=ste)
+
+    def packed_tensors(self, g: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """What a packed linear stores for its input: the static global scale (1.0 when none)."""
+        return {"input_global_scale": (g if g is not None else torch.tensor(1.0)).float().reshape(1).clone()}
 
 
 @dataclass(frozen=True)
@@ -84,6 +163,8 @@ class FP8ChannelQuantizer:
     """e4m3 values with one fp32 scale per output channel (row): s = amax_row / 448."""
 
     block: int = 0  # 0 = the whole row shares one scale
+    max_value = E4M3_MAX
+    rounds_scales = False  # fp32 scales are stored as they are
 
     def global_scale(self, *weights: torch.Tensor) -> torch.Tensor:
         return torch.ones((), dtype=torch.float32)
@@ -96,8 +177,20 @@ class FP8ChannelQuantizer:
         amax = w.detach().float().abs().amax(-1, keepdim=True)
         return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
 
+    unrounded_block_scales = block_scales
+
+    def round_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        return scales
+
     def expand(self, scales: torch.Tensor) -> torch.Tensor:
         return scales
+
+    def column(self) -> "FP8ChannelQuantizer":
+        return self
+
+    def code_values(self) -> torch.Tensor:
+        """float32 value of each of the 256 e4m3 bit patterns (NaN for the two NaN codes)."""
+        return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 
     def encode(self, w: torch.Tensor, scales: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
         """uint8 bit patterns of the float8_e4m3fn values."""
@@ -115,7 +208,18 @@ class FP8ChannelQuantizer:
 
 @dataclass(frozen=True)
 class FP8TokenActQuantizer:
-    """Dynamic per-token e4m3 activations (W8A8)."""
+    """Dynamic per-token e4m3 activations (W8A8): no global scale, nothing stored."""
+
+    uses_global_scale = False
 
     def __call__(self, x: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
         return FP8ChannelQuantizer().fake_quant(x, ste=ste)
+
+    def global_from_amax(self, amax: torch.Tensor) -> None:
+        return None
+
+    def batched(self, x: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
+        return self(x, ste=ste)
+
+    def packed_tensors(self, g: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        return {}

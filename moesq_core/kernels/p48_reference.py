@@ -28,16 +28,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..formats import e2m1_decode, e2m1_encode
-from ..formats.e4m3 import round_ue4m3_scale
-from ..formats.e2m1 import E2M1_MAX
-from ..formats.quantizers import nvfp4_global_scale
+from ..formats.e2m1 import e2m1_decode
+from ..formats.quantizers import nvfp4_global_scale, nvfp4_quantize_unscaled
+from ..naming import PROJECTIONS
 from ..packing import unpack
 
 WEIGHT_SUFFIXES = ("weight_sparse_packed", "weight_sparse_mask", "weight_scale", "weight_global_scale")
 ACT_BLOCK = 32
 SCALE_BLOCK = 32
-PROJS = ("gate", "up", "down")
+PROJS = PROJECTIONS
 
 
 @dataclass
@@ -98,11 +97,7 @@ def quantize_act_unscaled(x: torch.Tensor, g: torch.Tensor | float | None) -> tu
     if g is None or float(torch.as_tensor(g)) <= 0:
         g = nvfp4_global_scale(xf.abs().amax()) if xf.numel() else torch.ones(())
     g = torch.as_tensor(g, dtype=torch.float32).reshape(())
-    blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // ACT_BLOCK, ACT_BLOCK)
-    s = round_ue4m3_scale(blocks.abs().amax(-1) / E2M1_MAX * g)
-    se = s.repeat_interleave(ACT_BLOCK, dim=-1)
-    codes = e2m1_encode(xf * g / se)
-    return e2m1_decode(codes) * se, g
+    return nvfp4_quantize_unscaled(xf, ACT_BLOCK, g), g
 
 
 def p48_alpha(w_global: torch.Tensor, act_global: torch.Tensor | None) -> torch.Tensor:

@@ -18,7 +18,7 @@ The operand (`P48As24`), per row of a weight [..., M, K]:
                                 order, two per byte (lower K in the low nibble): still 2 bits/weight
     meta   uint8 [..., M, K/8]  per permuted 4-group the nibble i0 | i1 << 2 (i0 < i1, kept positions), two
                                 groups per byte, low nibble first: the s24-fp8 logical metadata layout
-                                (moesq_core.packing.s24), which is also PTX's 2-bit sparse index order
+                                (moesq_core.formats.s24_fp8), which is also PTX's 2-bit sparse index order
     scales float8_e4m3fn [..., M, K/32] and global_scale float32 [..., 1]: as packed
 
 Per 8-group the transform is a nibble transpose of the 2 packed pair bytes (a, b): out0 = lo(a) | lo(b) << 4,
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import e2m1_decode
-from ..packing._common import bytes_to_nibbles, nibble_popcount, nibble_positions, nibbles_to_bytes
+from ..formats.pack_common import bytes_to_nibbles, nibble_popcount, nibble_positions, nibbles_to_bytes
 
 K_PERM_8 = (0, 2, 4, 6, 1, 3, 5, 7)
 P48_SUFFIXES = ("weight_sparse_packed", "weight_sparse_mask", "weight_scale", "weight_global_scale")

@@ -4,7 +4,7 @@ The operation, for experts e = 0..E-1 and tokens n < counts[e] of expert e's cap
 
     Y[e, n, m] = bf16( (sum_k W_e[m, k] * X[e, n, k]) * scale_w[e, m] * scale_x[e, n] )
 
-W_e is the 2:4 sparse e4m3 weight of the packed checkpoint (moesq_core/packing/s24.py: `weight_sparse_values`
+W_e is the 2:4 sparse e4m3 weight of the packed checkpoint (moesq_core/formats/s24_fp8.py: `weight_sparse_values`
 [M, K/2], `weight_sparse_meta` [M, K/8], `weight_scale` [M, 1]); X is e4m3 with one fp32 scale per token
 (`quantize_activations`). Activations and outputs are capacity-batched: X [E, capacity, K], Y [E, capacity, M],
 and `counts` [E] int32 stays on the device: the kernel reads it, so a call never synchronises with the host and

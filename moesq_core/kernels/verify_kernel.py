@@ -7,31 +7,19 @@ default) under `s24_fp8.error_bound`. Tensors are read one projection at a time 
 """
 from __future__ import annotations
 
-import json
 import math
-import re
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
+from ..naming import EXPERT_RE, weight_files
 from . import s24_fp8 as s24
-
-EXPERT_RE = re.compile(
-    r"^(?P<prefix>.+)\.mlp\.experts\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight_sparse_values$"
-)
 
 
 def _weight_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [path / f for f in files]
-    single = path / "model.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(path.glob("*.safetensors"))
+    found = [path / f for f in weight_files(path)] or sorted(path.glob("*.safetensors"))
     if not found:
         raise FileNotFoundError(f"{path}: no model.safetensors, index or *.safetensors files")
     return found
@@ -44,7 +32,7 @@ def _locate(path: Path) -> dict[tuple[str, str], dict[int, tuple[Path, str]]]:
         with safe_open(str(f), framework="pt") as sf:
             for key in sf.keys():
                 m = EXPERT_RE.match(key)
-                if m:
+                if m and m["suffix"] == "weight_sparse_values":
                     name = key[: -len(".weight_sparse_values")]
                     groups[(m["prefix"], m["proj"])][int(m["expert"])] = (f, name)
     return groups

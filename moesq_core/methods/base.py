@@ -13,8 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import Format, QuantizedWeight
-
-PROJECTIONS = ("gate", "up", "down")
+from ..naming import PROJECTIONS  # noqa: F401  (the methods import it from here)
 
 
 @dataclass

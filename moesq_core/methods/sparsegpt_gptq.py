@@ -43,9 +43,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..formats import Format, QuantizedWeight
-from ..formats.e2m1 import E2M1_GRID, E2M1_MAX
-from ..formats.e4m3 import E4M3_MIN_SUBNORMAL, round_ue4m3_scale
-from ..formats.quantizers import E4M3_MAX, NVFP4Quantizer
 from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
 from .batching import compress_batched
 from .hessian import (
@@ -110,44 +107,35 @@ def provisional_mask(fmt: Format, W: torch.Tensor, U: torch.Tensor) -> torch.Ten
 
 
 class _ColumnCodec:
-    """The format's encode/decode applied to one column at a time (a column of a block shares the block's
-    scale, so the format's quantizer with a block of 1 computes exactly the same numbers). Columns may carry
-    leading (expert) dimensions: w [..., R], scales [..., R, 1], g a scalar or [..., 1, 1]."""
+    """The format's encode/decode applied to one column at a time (`weight.column()`: a column of a block shares
+    the block's scale, so it computes exactly the same numbers). Columns may carry leading (expert) dimensions:
+    w [..., R], scales [..., R, 1], g a scalar or [..., 1, 1]."""
 
     def __init__(self, fmt: Format, exact: bool):
         self.q = fmt.weight
-        self.nvfp4 = isinstance(self.q, NVFP4Quantizer)
-        self.col = replace(self.q, block=1) if self.nvfp4 else self.q
+        self.col = self.q.column()
         self.exact = exact
         # Codes of ±(largest value): what a pinned element is encoded to, whatever its block's scale.
         one = torch.ones(1, 1)
-        top = self.col.encode(torch.tensor([[E2M1_MAX if self.nvfp4 else E4M3_MAX]]), one, one)
-        bottom = self.col.encode(-torch.tensor([[E2M1_MAX if self.nvfp4 else E4M3_MAX]]), one, one)
+        top = self.col.encode(torch.tensor([[self.q.max_value]]), one, one)
+        bottom = self.col.encode(-torch.tensor([[self.q.max_value]]), one, one)
         self.top_codes = (int(top), int(bottom))
-        self._grid: dict[torch.device, torch.Tensor] = {}
+        self._values: dict[torch.device, torch.Tensor] = {}
 
     def block_scale(self, blk: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """[..., R, 1] scale of a masked block. Non-exact NVFP4: the fp32 scale before E4M3 projection."""
-        if self.exact or not self.nvfp4:
-            s = self.q.block_scales(blk, g)
-            return s.reshape(*blk.shape[:-1], -1)[..., :1] if not self.nvfp4 else s
-        amax = blk.abs().amax(-1, keepdim=True)
-        return torch.where(amax > 0, amax / E2M1_MAX * g, torch.full_like(amax, E4M3_MIN_SUBNORMAL))
+        """[..., R, 1] scale of a masked block. Not exact: the fp32 scale before its projection (the release)."""
+        s = self.q.block_scales(blk, g) if self.exact else self.q.unrounded_block_scales(blk, g)
+        return s.reshape(*blk.shape[:-1], -1)[..., :1]
 
     def encode(self, w: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return self.col.encode(w[..., None], s, g)[..., 0]
 
     def decode(self, c: torch.Tensor, s: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        if not self.nvfp4:
-            return self.col.decode(c[..., None], s, g)[..., 0]
-        # e2m1_decode with the grid kept on the device (the sweep decodes every column: no host copies)
-        grid = self._grid.get(c.device)
-        if grid is None:
-            grid = self._grid[c.device] = torch.tensor(E2M1_GRID, dtype=torch.float32, device=c.device)
-        cl = c.long()
-        mag = grid[cl & 7]
-        v = torch.where((cl & 8) != 0, -mag, mag)
-        return (v[..., None] * s / g)[..., 0]
+        # a table lookup kept on the device (the sweep decodes every column: no host copies)
+        values = self._values.get(c.device)
+        if values is None:
+            values = self._values[c.device] = self.q.code_values().to(c.device)
+        return (values[c.long()][..., None] * s / g)[..., 0]
 
 
 @dataclass
@@ -280,10 +268,10 @@ class SGPTQSolver:
                 Err1[:, i] = err
             W[:, i2:] -= Err1 @ U[i1:i2, i2:]
 
-        if self.quantize and not self.exact_scales and codec.nvfp4:
+        if self.quantize and not self.exact_scales and codec.q.rounds_scales:
             # The release: GPTQ ran against fp32 scales; the stored ones are their E4M3 projection and the
             # codes are re-rounded to them, so the exported weights are not the ones GPTQ optimised.
-            S = round_ue4m3_scale(S)
+            S = fmt.weight.round_scales(S)
             codes = fmt.weight.encode(Q, S, g) * M
             Q = fmt.weight.decode(codes, S, g) * M
         return SweepResult(Q, M, V, codes.to(torch.uint8) if codes is not None else None, S, g, int(pinned))
@@ -405,8 +393,8 @@ class SGPTQSolver:
                 Err1[..., i] = err
             W[..., i2:] -= Err1 @ U[:, i1:i2, i2:]
 
-        if self.quantize and not self.exact_scales and codec.nvfp4:
-            S = round_ue4m3_scale(S)
+        if self.quantize and not self.exact_scales and codec.q.rounds_scales:
+            S = fmt.weight.round_scales(S)
             codes = fmt.weight.encode(Q, S, gb) * M
             Q = fmt.weight.decode(codes, S, gb) * M
         return BatchedSweepResult(Q, M, V, codes.to(torch.uint8) if codes is not None else None, S, g,

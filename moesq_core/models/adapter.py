@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..naming import experts_prefix
+
 
 class UnsupportedModelError(ValueError):
     pass
@@ -101,7 +103,7 @@ class MoEBlock:
     @property
     def prefix(self) -> str:
         """Checkpoint name prefix of this block's experts (per-expert tensors on disk)."""
-        return f"model.layers.{self.layer_index}.mlp.experts"
+        return experts_prefix(self.layer_index)
 
     @torch.no_grad()
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,11 +23,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..naming import PROJ_NAMES
 from .adapter import MoEAdapter, UnsupportedModelError
 
 _PER_EXPERT = re.compile(r"^(?P<mlp>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(?P<mlp>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
-_PROJ = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_PROJ = {**{n: p for p, n in PROJ_NAMES.items()}, "w1": "gate", "w3": "up", "w2": "down"}  # + Mixtral's names
 
 
 class ShardReader:

@@ -3,9 +3,10 @@
 
 It holds each expert's compressed weights dequantized (exactly the values pack writes), and applies the
 format's activation quantizer at the expert input and at the SwiGLU output when `act_quant` is on (W4A4 /
-W8A8). NVFP4 activation global scales are static, calibrated per expert (g = 448*6/amax of the calibration
-inputs, exactly the `input_global_scale` pack writes), like serving does; an expert without one (g = 0,
-no calibration token reached it) falls back to the tensor's own (dynamic) scale.
+W8A8). Activation global scales (formats whose activation quantizer has one, e.g. NVFP4) are static,
+calibrated per expert (g = 448*6/amax of the calibration inputs, exactly the `input_global_scale` pack
+writes), like serving does; an expert without one (g = 0, no calibration token reached it) falls back to the
+tensor's own (dynamic) scale.
 """
 from __future__ import annotations
 
@@ -14,34 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats import Format, QuantizedWeight, get_format
-from ..formats.quantizers import NVFP4ActQuantizer, nvfp4_global_scale
-
-
-def act_global_from_amax(amax: torch.Tensor | None) -> torch.Tensor | None:
-    """Calibrated activation global scales g = 448*6/amax; 0 where no range was seen (dynamic then)."""
-    if amax is None:
-        return None
-    amax = amax.float()
-    return torch.where(amax > 0, nvfp4_global_scale(amax), torch.zeros_like(amax))
-
-
-def input_global_scales(amax: torch.Tensor | None) -> tuple[torch.Tensor | None, int]:
-    """Static activation global scales per expert [E] and how many fell back.
-
-    An expert no calibration token reached has no range; serving engines compute 1/scale and take the max over
-    a layer's experts, so 0 or inf would break the whole layer. Such experts get the layer-level scale
-    calibrated from the largest range seen in the layer, or 1.0 when the layer saw none."""
-    if amax is None:
-        return None, 0
-    g = act_global_from_amax(amax).float().reshape(-1)
-    ok = torch.isfinite(g) & (g > 0)
-    if bool(ok.all()):
-        return g, 0
-    seen = amax.float().reshape(-1)[ok]
-    fallback = act_global_from_amax(seen.max().reshape(1))[0] if seen.numel() else torch.tensor(1.0)
-    if not (torch.isfinite(fallback) and fallback > 0):
-        fallback = torch.tensor(1.0)
-    return torch.where(ok, g, fallback), int((~ok).sum())
+from ..formats.quantizers import input_global_scales
+from ..naming import PROJECTIONS, expert_linear
 
 
 class MoesqExperts(nn.Module):
@@ -66,9 +41,25 @@ class MoesqExperts(nn.Module):
         down = torch.stack([w["down"].dequantize() for w in weights])
         return cls(fmt, gate_up, down, act_quant, input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
 
+    @classmethod
+    def from_packed(cls, fmt: Format, packed: list[dict[str, dict[str, torch.Tensor]]], act_quant: bool,
+                    prefix: str = "") -> "MoesqExperts":
+        """From packed[e] = {"gate"|"up"|"down": {suffix: tensor}} in any of the format's layouts, with the stored
+        input global scales (0 where none is stored: dynamic, or the format has none)."""
+        weights, g_in, g_mid = [], [], []
+        for e, t in enumerate(packed):
+            weights.append({p: fmt.unpack(t[p], expert_linear(prefix, e, p)) for p in PROJECTIONS})
+            for lst, p in ((g_in, "gate"), (g_mid, "down")):
+                g = t[p].get("input_global_scale")
+                lst.append(g.float().reshape(()) if g is not None else torch.zeros(()))
+        ref = cls.from_quantized(fmt, weights, act_quant)
+        ref.act_global_in.copy_(torch.stack(g_in))
+        ref.act_global_mid.copy_(torch.stack(g_mid))
+        return ref
+
     def _global(self, g: torch.Tensor) -> torch.Tensor | None:
-        # The FP8 activation quantizer has no global scale; NVFP4's is static when calibrated.
-        if not isinstance(self.fmt.act, NVFP4ActQuantizer) or float(g) <= 0:
+        # A calibrated static scale where the activation quantizer takes one; else dynamic (None).
+        if not self.fmt.act.uses_global_scale or float(g) <= 0:
             return None
         return g
 

@@ -25,8 +25,9 @@ from torch import nn
 
 from ..kernels import p48_reference as ref
 from ..kernels import p48_triton as pt
+from ..naming import PROJECTIONS
 
-PROJ_KEYS = ("gate", "up", "down")
+PROJ_KEYS = PROJECTIONS
 
 
 def _global_scales(packed: list[dict[str, dict[str, torch.Tensor]]], proj: str) -> torch.Tensor:

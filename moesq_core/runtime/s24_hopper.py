@@ -35,9 +35,10 @@ from torch import nn
 
 from ..kernels import s24_fp8 as s24
 from ..kernels import s24_route
+from ..naming import PROJECTIONS
 
 log = logging.getLogger("moesq.runtime")
-PROJ_KEYS = ("gate", "up", "down")
+PROJ_KEYS = PROJECTIONS
 SUFFIXES = ("weight_sparse_values", "weight_sparse_meta", "weight_scale")
 STATIC_CAPACITY_TOKENS = 128
 

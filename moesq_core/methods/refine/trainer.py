@@ -29,13 +29,6 @@ import torch
 import torch.nn.functional as F
 
 from ...formats import P48, Format, PatternSet
-from ...formats.quantizers import (
-    FP8ChannelQuantizer,
-    FP8TokenActQuantizer,
-    NVFP4ActQuantizer,
-    NVFP4Quantizer,
-    nvfp4_global_scale,
-)
 from ..base import PROJECTIONS, CompressedExpert, ExpertData
 from . import objective, relaxation
 
@@ -273,40 +266,24 @@ class RefineSchedule:
         return s
 
 # ---------------------------------------------------------------------------------------------------------
-# Format-generic helpers, batched over experts (leading axis). Known quantizers get a vectorised path that is
-# numerically identical to the format's own per-tensor functions; unknown ones fall back to a loop.
+# Format-generic helpers, batched over experts (leading axis): the format's quantizers take the expert axis.
 
 
 def batched_weight_global(fmt: Format, *ws: torch.Tensor) -> torch.Tensor:
     """Per-expert weight global scale [E, 1, 1] shared by the given [E, O, K] tensors (detached)."""
-    E = ws[0].shape[0]
-    q = fmt.weight
-    if isinstance(q, NVFP4Quantizer):
-        amax = torch.stack([w.detach().abs().amax(dim=(1, 2)) for w in ws]).amax(0)
-        return nvfp4_global_scale(amax).reshape(E, 1, 1)
-    if isinstance(q, FP8ChannelQuantizer):
-        return torch.ones(E, 1, 1, device=ws[0].device)
-    return torch.stack([fmt.global_scale(*(w[e] for w in ws)) for e in range(E)]).reshape(E, 1, 1).to(ws[0].device)
+    return fmt.weight.global_scales(*ws).reshape(-1, 1, 1)
 
 
 def act_global(fmt: Format, amax: torch.Tensor) -> torch.Tensor | None:
     """Static activation global scale per expert [E, 1, 1] from an amax [E] (None: the format has none)."""
-    if isinstance(fmt.act, NVFP4ActQuantizer):
-        return nvfp4_global_scale(amax.float()).reshape(-1, 1, 1)
-    return None
+    g = fmt.act.global_from_amax(amax)
+    return None if g is None else g.reshape(-1, 1, 1)
 
 
 def batched_act_quant(fmt: Format, x: torch.Tensor, ste: bool, g: torch.Tensor | None = None) -> torch.Tensor:
     """The format's activation quantizer, batched over experts: x [E, C, D], g [E, 1, 1] per-expert global
-    scales (NVFP4; default: each expert's own amax, i.e. dynamic). Per-token FP8 has no global scale."""
-    a = fmt.act
-    if isinstance(a, NVFP4ActQuantizer):
-        if g is None:
-            g = nvfp4_global_scale(x.detach().abs().amax(dim=(1, 2))).reshape(-1, 1, 1)
-        return fmt.quant_act(x, g, ste=ste)
-    if isinstance(a, FP8TokenActQuantizer):
-        return fmt.quant_act(x, ste=ste)
-    return torch.stack([fmt.quant_act(x[e], ste=ste) for e in range(x.shape[0])])
+    scales (default: each expert's own amax, i.e. dynamic; ignored where the format has none)."""
+    return fmt.act.batched(x, g, ste=ste)
 
 
 def _linear_schedule(a: float, b: float, frac: float) -> float:
@@ -552,26 +529,16 @@ class BlockRefiner:
         calibration amax, as served), per-token block scales as the format says; then only the quantized
         inputs are kept."""
         fmt = self.fmt
-        if isinstance(fmt.act, NVFP4ActQuantizer):
+        g_rows = None
+        if fmt.act.uses_global_scale:
             amax = self.amax_in.clone()
             val_amax = torch.zeros_like(amax)  # experts whose only rows are x_val: their own range
             val_amax.scatter_reduce_(0, self.row_expert, X[:-1].abs().amax(-1), reduce="amax")
             amax = torch.where(amax > 0, amax, val_amax)
-            g_rows = torch.cat([nvfp4_global_scale(amax)[self.row_expert], torch.ones(1, device=self.device)])[:, None]
-            out = torch.empty(X.shape, dtype=self.cache_dtype, device=X.device)
-            for s in range(0, X.shape[0], chunk):
-                out[s:s + chunk] = fmt.quant_act(X[s:s + chunk], g_rows[s:s + chunk])
-            return out
-        if isinstance(fmt.act, FP8TokenActQuantizer):
-            out = torch.empty(X.shape, dtype=self.cache_dtype, device=X.device)
-            for s in range(0, X.shape[0], chunk):
-                out[s:s + chunk] = fmt.quant_act(X[s:s + chunk])
-            return out
-        out = X.clone()  # unknown activation quantizer: its own dynamic scale per expert segment
-        for e in range(self.E):
-            a, n = int(self.offsets[e]), int(self.n_train[e] + self.n_val[e])
-            if n:
-                out[a:a + n] = fmt.quant_act(X[a:a + n])
+            g_rows = torch.cat([fmt.act.global_from_amax(amax)[self.row_expert], torch.ones(1, device=self.device)])[:, None]
+        out = torch.empty(X.shape, dtype=self.cache_dtype, device=X.device)
+        for s in range(0, X.shape[0], chunk):
+            out[s:s + chunk] = fmt.quant_act(X[s:s + chunk], None if g_rows is None else g_rows[s:s + chunk])
         return out
 
     def _setup_params(self):
@@ -802,7 +769,7 @@ class BlockRefiner:
         The SwiGLU-output quantizer gets a static global scale per expert from the range of h over the
         validation rows (a first pass), so the result does not depend on the micro-batch size."""
         g_h = None
-        if isinstance(self.fmt.act, NVFP4ActQuantizer):
+        if self.fmt.act.uses_global_scale:
             amax = torch.zeros(self.E, device=self.device)
             for act, sl in self._val_batches():
                 x = self._gather(sl)[0]

@@ -1,6 +1,6 @@
-"""`s24-fp8` on disk: 2:4 sparse e4m3 with per-row fp32 scales (Hopper sparse tensor cores). Our own layout.
+"""`s24-fp8`: 2:4 sparse e4m3 with per-row fp32 scales, W8A8 per-token (Hopper sparse tensor cores).
 
-Per linear with logical weight [out, in] (in a multiple of 8; leading expert dims allowed):
+On disk, our own layout, per linear with logical weight [out, in] (in a multiple of 8; leading expert dims allowed):
 
     weight_sparse_values  float8_e4m3fn  [out, in/2]   the 2 kept e4m3 values of every 4 consecutive columns,
                                                        in K order
@@ -17,13 +17,21 @@ CUTLASS's reordered metadata layout): the native kernel re-lays it out for CUTLA
 Masks come from QuantizedWeight.mask; a group with fewer than 2 kept entries is completed with its
 lowest-index unkept positions (their codes are 0, so the weight is unchanged). More than 2 kept entries, or
 a nonzero code outside the mask, raise.
+
+config.json: quantization_config.format `moesq-sparse24-fp8` (also the config group's) and a `moesq_sparse24`
+marker: the format name is ours, so stock compressed-tensors consumers refuse it instead of loading it as dense
+channel-wise FP8. Serving: on an sm_90 GPU the CUTLASS 2:4 experts (runtime.s24_hopper, W8A8 only), else the
+reference.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..formats import QuantizedWeight
-from ._common import (
+from .base import Layout, QuantizedWeight
+from .fp8 import ROW_SCALE, FP8Format, check_unit_global, row_scales, unit_global
+from .pack_common import (
     PackingError,
     bytes_to_nibbles,
     check_divisible,
@@ -38,16 +46,16 @@ from ._common import (
     nibble_positions,
     nibble_to_kept,
     nibbles_to_bytes,
+    primary_dims,
     select,
     spread_pairs,
 )
+from .patterns import S24
+from .quantizers import FP8ChannelQuantizer, FP8TokenActQuantizer
 
-LAYOUT = "s24-fp8"
-FORMAT = "s24-fp8"
+NAME = "s24-fp8"
 SUFFIXES = ("weight_sparse_values", "weight_sparse_meta", "weight_scale")
 IN_MULTIPLE = 8  # 4-groups, two per metadata byte
-# config.json: quantization_config.format and marker for this layout. The format name is ours, so stock
-# compressed-tensors consumers refuse it instead of loading it as dense channel-wise FP8.
 CONFIG_FORMAT = "moesq-sparse24-fp8"
 MARKER_KEY = "moesq_sparse24"
 MARKER = {"layout": "values-meta", "version": 1}
@@ -56,12 +64,10 @@ _META_TO_KEPT = torch.tensor([(1 << (m & 3) | 1 << (m >> 2)) if (m & 3) < (m >> 
 
 
 def pack(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
-    lead, out, inn = check_qw(qw, FORMAT)
+    lead, out, inn = check_qw(qw, NAME)
     check_divisible(inn, IN_MULTIPLE, "codes", "s24-fp8 needs 4-column groups, two per metadata byte")
     check_scale_shape(qw, (*lead, out, 1))
-    g = qw.global_scale.float()
-    if bool((g != 1).any()):
-        raise PackingError("global_scale", f"s24-fp8 stores no global scale, so it must be 1.0 (got {g.flatten()[0].item()})")
+    check_unit_global(qw)
     codes, mask = qw.codes, qw.mask.bool()
     check_pruned_zero(codes, mask)
     kept = mask.reshape(*lead, out, inn // 4, 4)
@@ -72,14 +78,11 @@ def pack(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     pos = nibble_positions(kept_to_nibble(complete_kept(kept)))  # [..., in/4, 2]
     values = torch.gather(codes.reshape(*lead, out, inn // 4, 4), -1, pos).reshape(*lead, out, inn // 2)
     meta = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.uint8)
-    scale = qw.scales.float()
-    if not bool(torch.isfinite(scale).all()):
-        bad = ~torch.isfinite(scale)
-        raise PackingError("scales", f"non-finite scale {scale[bad][0].item()}", first_index(bad))
+    scale = row_scales(qw)
     return {
         "weight_sparse_values": values.contiguous().view(torch.float8_e4m3fn),
         "weight_sparse_meta": nibbles_to_bytes(meta).contiguous(),
-        "weight_scale": scale.clone(),  # never alias the QuantizedWeight's tensors
+        "weight_scale": scale,
     }
 
 
@@ -89,15 +92,11 @@ def logical_shape(tensors: dict[str, torch.Tensor]) -> tuple[int, ...]:
 
 
 def unpack(tensors: dict[str, torch.Tensor], name: str = "") -> QuantizedWeight:
-    t = select(tensors, SUFFIXES, LAYOUT, name)
+    t = select(tensors, SUFFIXES, NAME, name)
     tn = lambda s: full_name(name, s)  # noqa: E731
     values = t["weight_sparse_values"]
-    if values.dim() < 2:
-        raise PackingError(tn("weight_sparse_values"), f"expected [out, in/2], got shape {tuple(values.shape)}")
-    *lead, out, cols = values.shape
-    lead = tuple(lead)
-    inn = cols * 2
-    check_divisible(inn, IN_MULTIPLE, tn("weight_sparse_values"), f"{cols} values per row = {inn} columns")
+    lead, out, inn = primary_dims(values, tn("weight_sparse_values"), 2, "[out, in/2]")
+    check_divisible(inn, IN_MULTIPLE, tn("weight_sparse_values"), f"{inn // 2} values per row = {inn} columns")
     check_tensor(values, torch.float8_e4m3fn, values.shape, tn("weight_sparse_values"))
     check_tensor(t["weight_sparse_meta"], torch.uint8, (*lead, out, inn // 8), tn("weight_sparse_meta"))
     check_tensor(t["weight_scale"], torch.float32, (*lead, out, 1), tn("weight_scale"))
@@ -116,7 +115,50 @@ def unpack(tensors: dict[str, torch.Tensor], name: str = "") -> QuantizedWeight:
         )
     codes = spread_pairs(values.view(torch.uint8).reshape(*lead, out, inn // 4, 2), kept)
     mask = nibble_to_kept(kept)
-    g = torch.ones((), dtype=torch.float32) if not lead else torch.ones(*lead, 1, 1, dtype=torch.float32)
     return QuantizedWeight(
-        FORMAT, codes.reshape(*lead, out, inn), t["weight_scale"].clone(), g.to(values.device), mask.reshape(*lead, out, inn)
+        NAME, codes.reshape(*lead, out, inn), t["weight_scale"].clone(), unit_global(lead, values.device), mask.reshape(*lead, out, inn)
     )
+
+
+@dataclass(frozen=True)
+class S24Format(FP8Format):
+    def compressed_tensors_config(self, ignore: list[str], act_quant: bool) -> dict:
+        qc = super().compressed_tensors_config(ignore, act_quant)
+        # the group's format too, which compressed-tensors' parsing (and so transformers) validates against its
+        # known formats and refuses, instead of loading the experts as dense FP8
+        qc["config_groups"]["group_0"]["format"] = self.ct_format
+        return qc
+
+    def config_markers(self, sparse: bool) -> dict:
+        return {MARKER_KEY: dict(MARKER)}
+
+    def check_config(self, qc: dict, config: dict) -> list[tuple[str, str]]:
+        out = super().check_config(qc, config)
+        if qc.get(MARKER_KEY) != MARKER:
+            out.append(("error", f"quantization_config.{MARKER_KEY} is {qc.get(MARKER_KEY)!r}; expected {MARKER!r}"))
+        return out
+
+    def make_experts(self, packed, act_quant, device, fast=None, prefix=""):
+        if act_quant and fast is not False and device.type == "cuda":
+            from ..runtime.s24_hopper import S24HopperExperts, available  # CUTLASS 2:4 kernels on sm_90
+
+            if available(device):
+                return S24HopperExperts.from_packed(packed, act_quant=act_quant, device=device)
+        return super().make_experts(packed, act_quant, device, fast, prefix)
+
+
+FORMAT = S24Format(
+    NAME, "2:4 sparse e4m3, per-channel fp32 scales, W8A8 per-token (Hopper sparse tensor cores)",
+    S24, FP8ChannelQuantizer(), FP8TokenActQuantizer(), 5.0,
+    layouts=(Layout(NAME, NAME, SUFFIXES, pack, unpack, logical_shape, ROW_SCALE, "weight_sparse_values"),),
+    scheme="W8A8", act_label="FP8",
+    card_tags=("fp8", "sparse", "2-4-sparsity"),
+    card_loaders=(
+        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)` only.",
+        "This is moesq's own layout (format `moesq-sparse24-fp8`, marker `moesq_sparse24`); compressed-tensors' "
+        "config parsing, and so stock transformers, refuse it.",
+    ),
+    markers=(MARKER_KEY,),
+    ct_format=CONFIG_FORMAT,
+    ct_format_note=" so that stock loaders refuse it instead of reading it as dense FP8",
+)

@@ -9,7 +9,7 @@ from typing import Iterable
 
 import torch
 
-from ..formats import QuantizedWeight
+from .base import QuantizedWeight
 
 # Per-linear tensors that belong to the activation side; packers ignore them when present.
 ACTIVATION_SUFFIXES = ("input_global_scale",)
@@ -53,6 +53,14 @@ def select(tensors: dict[str, torch.Tensor], required: Iterable[str], layout: st
     if extra:
         raise PackingError(full_name(name, extra[0]), f"unexpected tensor for layout {layout!r}, which stores {', '.join(required)}")
     return {s: tensors[s] for s in required}
+
+
+def primary_dims(t: torch.Tensor, tname: str, columns_per_element: int, expected: str) -> tuple[tuple[int, ...], int, int]:
+    """(leading dims, out, logical in) of a layout's primary tensor, which must be at least 2-D."""
+    if t.dim() < 2:
+        raise PackingError(tname, f"expected {expected}, got shape {tuple(t.shape)}")
+    *lead, out, cols = t.shape
+    return tuple(lead), out, cols * columns_per_element
 
 
 def check_tensor(t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...], tname: str) -> None:

@@ -1,0 +1,265 @@
+"""What every format is: `QuantizedWeight` (the canonical compressed state of one linear), `Layout` (one way
+of storing it on disk) and `Format`, the interface everything outside this package calls.
+
+A format owns everything format-specific: its pattern set, weight and activation quantizers, its layouts
+(packer/unpacker), the compressed-tensors `quantization_config` it exports, its verify rules and the runtime
+module that serves it. Solvers, the refine trainer, the engine, export, verify, the loader and the CLI call
+these methods and never branch on a format's type or name. One module per format (p48_nvfp4.py, …) builds
+its `FORMAT`; registry.py lists the modules.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .patterns import PatternSet
+
+
+@dataclass
+class QuantizedWeight:
+    """One compressed linear: uint8 codes (E2M1 nibbles or e4m3 bytes, pruned entries code 0),
+    scales ([out, in/block] or [out, 1]), fp32 global scale (scalar) and the kept-entry mask."""
+
+    format: str
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor
+    mask: torch.Tensor
+
+    @property
+    def fmt(self) -> "Format":
+        from .registry import get_format
+
+        return get_format(self.format)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.fmt.weight.decode(self.codes, self.scales, self.global_scale)
+        return w * self.mask
+
+    def to(self, device) -> "QuantizedWeight":
+        return QuantizedWeight(self.format, *(t.to(device) for t in (self.codes, self.scales, self.global_scale, self.mask)))
+
+    def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        return {
+            prefix + "codes": self.codes.contiguous(),
+            prefix + "scales": self.scales.float().contiguous(),
+            prefix + "global_scale": self.global_scale.float().reshape(()).contiguous(),
+            prefix + "mask": self.mask.contiguous(),
+        }
+
+    @classmethod
+    def from_state_dict(cls, fmt: str, sd: dict[str, torch.Tensor], prefix: str = "") -> "QuantizedWeight":
+        return cls(fmt, sd[prefix + "codes"], sd[prefix + "scales"], sd[prefix + "global_scale"], sd[prefix + "mask"])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One on-disk layout of a format's weights: the tensors it writes per linear (keyed by the suffix after
+    `<module>.`; the first is the primary one, whose presence identifies the layout), its packer/unpacker
+    (bit-exact both ways) and what verify checks beyond unpacking."""
+
+    name: str
+    format: str  # the QuantizedWeight format it stores
+    suffixes: tuple[str, ...]
+    pack: Callable[["QuantizedWeight"], dict[str, torch.Tensor]]
+    unpack: Callable[..., "QuantizedWeight"]
+    logical_shape: Callable[[dict[str, torch.Tensor]], tuple[int, ...]]
+    positive: tuple[tuple[str, str], ...] = ()  # (suffix, what): scales that must be finite and > 0
+    fp8_values: str | None = None  # an e4m3 value tensor whose NaN codes are refused
+
+
+def group_size(qc: dict[str, Any]) -> Any:
+    """The scale group size a quantization_config states (top level, as the release writes it, or the weights')."""
+    if "group_size" in qc:
+        return qc["group_size"]
+    for group in (qc.get("config_groups") or {}).values():
+        weights = group.get("weights") if isinstance(group, dict) else None
+        if isinstance(weights, dict) and "group_size" in weights:
+            return weights["group_size"]
+    return None
+
+
+def compressed_tensors_config(preset: str, ct_format: str, ignore: list[str], act_quant: bool,
+                              weights: dict | None = None, acts: dict | None = None) -> dict:
+    """A compressed-tensors quantization_config (compressed) from one of its presets, built with its own classes
+    (field names and defaults are theirs); `weights`/`acts` override fields of the preset's arguments."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    w = scheme.weights.model_copy(update=weights) if weights else scheme.weights
+    a = None
+    if act_quant:
+        a = scheme.input_activations.model_copy(update=acts) if acts else scheme.input_activations
+    qc = QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=w, input_activations=a)},
+        format=ct_format,
+        quantization_status="compressed",
+        ignore=list(ignore),
+    ).model_dump(mode="json")
+    return {k: v for k, v in qc.items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Format:
+    """A named format. Subclasses (one per format module) override the hooks that differ."""
+
+    name: str
+    description: str
+    patterns: PatternSet
+    weight: Any  # a weight quantizer (quantizers.py): NVFP4Quantizer, FP8ChannelQuantizer
+    act: Any  # an activation quantizer: NVFP4ActQuantizer, FP8TokenActQuantizer
+    bits_per_weight: float  # stored bits per logical weight, scales and metadata included
+    layouts: tuple[Layout, ...]  # the first is the default
+    scheme: str  # what runs with activation quantization on, e.g. "W4A4"
+    act_label: str  # the activation number format, e.g. "NVFP4"
+    card_tags: tuple[str, ...] = ()  # Hub tags of a packed model
+    card_loaders: tuple[str, ...] = ()  # model card lines: what loads a packed model
+    markers: tuple[str, ...] = ()  # quantization_config keys only this format writes
+
+    # -- numerics ----------------------------------------------------------------------------------------
+    @property
+    def scale_block(self) -> int:
+        return self.weight.block
+
+    def check_weight(self, w: torch.Tensor, what: str = "weight") -> None:
+        """Clear errors for what the format cannot hold (shape) or should never see (NaN/Inf)."""
+        if w.dim() != 2:
+            raise ValueError(f"{what}: expected a 2-D weight, got shape {tuple(w.shape)}")
+        self.patterns.check_shape(w.shape[-1], self.scale_block, f"{what} for format {self.name}")
+        if not bool(torch.isfinite(w).all()):
+            bad = (~torch.isfinite(w)).nonzero()[0].tolist()
+            raise ValueError(f"{what}: non-finite value at {bad}; refusing to compress NaN/Inf weights")
+
+    def magnitude_mask(self, w: torch.Tensor) -> torch.Tensor:
+        return self.patterns.best_mask(w.detach().float().abs())
+
+    def global_scale(self, *weights: torch.Tensor) -> torch.Tensor:
+        return self.weight.global_scale(*weights)
+
+    def quantize(self, w: torch.Tensor, mask: torch.Tensor | None = None, global_scale: torch.Tensor | None = None) -> QuantizedWeight:
+        """Round-to-nearest in this format. mask defaults to magnitude selection; global scale to w's own.
+
+        The global scale is taken from the masked weight unless given (gate/up share one: pass it).
+        """
+        w = w.detach().float()
+        if mask is None:
+            mask = self.magnitude_mask(w)
+        mask = mask.bool()
+        wm = w * mask
+        g = self.global_scale(wm) if global_scale is None else global_scale.float().reshape(())
+        scales = self.weight.block_scales(wm, g)
+        codes = self.weight.encode(wm, scales, g) * mask
+        return QuantizedWeight(self.name, codes.to(torch.uint8), scales, g, mask)
+
+    def fake_quant_weight(self, w: torch.Tensor, mask: torch.Tensor | None = None, global_scale: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
+        """Differentiable quantize-dequantize of (masked) w; scales from w itself, detached."""
+        if mask is not None:
+            w = w * mask
+        return self.weight.fake_quant(w, global_scale, ste=ste)
+
+    def quant_act(self, x: torch.Tensor, global_scale: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
+        return self.act(x, global_scale, ste=ste)
+
+    # -- storage -----------------------------------------------------------------------------------------
+    def layout(self, name: str | None = None) -> Layout:
+        if name is None:
+            return self.layouts[0]
+        for lay in self.layouts:
+            if lay.name == name:
+                return lay
+        raise ValueError(f"format {self.name!r} has no layout {name!r}; its layouts: {', '.join(l.name for l in self.layouts)}")
+
+    def export_layout(self, sparse: bool = True) -> Layout:
+        """The layout `moesq pack` writes (sparse=False: `--dense-layout`, where the format has a dense variant)."""
+        return self.layouts[0]
+
+    def detect_layout(self, suffixes) -> Layout:
+        """The layout tensors with these suffixes are in: the default unless its primary tensor is absent and
+        another layout's is present."""
+        suffixes = set(suffixes)
+        first = self.layouts[0]
+        if first.suffixes[0] not in suffixes:
+            for lay in self.layouts[1:]:
+                if lay.suffixes[0] in suffixes:
+                    return lay
+        return first
+
+    def pack(self, qw: QuantizedWeight, layout: str | None = None) -> dict[str, torch.Tensor]:
+        return self.layout(layout).pack(qw)
+
+    def unpack(self, tensors: dict[str, torch.Tensor], name: str = "") -> QuantizedWeight:
+        return self.detect_layout(tensors.keys()).unpack(tensors, name)
+
+    # -- compressed-tensors config -----------------------------------------------------------------------
+    def compressed_tensors_config(self, ignore: list[str], act_quant: bool) -> dict:
+        raise NotImplementedError(f"format {self.name} exports no compressed-tensors config")
+
+    def config_markers(self, sparse: bool) -> dict:
+        """quantization_config entries beside compressed-tensors' own that say how the experts are stored."""
+        return {}
+
+    def quantization_config(self, ignore: list[str], act_quant: bool, sparse: bool, moesq: dict) -> dict:
+        """config.json's quantization_config: compressed-tensors' part, the `moesq` entry, the format's markers."""
+        qc = self.compressed_tensors_config(ignore, act_quant)
+        qc["moesq"] = moesq
+        qc.update(self.config_markers(sparse))
+        return qc
+
+    # -- verify ------------------------------------------------------------------------------------------
+    def check_config(self, qc: dict, config: dict) -> list[tuple[str, str]]:
+        """Problems of a packed model's quantization_config for this format: ("error" | "warning", message)."""
+        out = []
+        if self.scale_block:  # block-scaled formats state their block as group_size
+            gs = group_size(qc)
+            if gs is None:
+                out.append(("warning", "quantization_config has no group_size"))
+            elif gs != self.scale_block:
+                out.append(("error", f"group_size is {gs!r}, but {self.name} uses {self.scale_block}-column scale blocks"))
+        return out
+
+    def check_layouts(self, rows: list[tuple[str, str]], qc: dict, config: dict) -> list[tuple[str, str]]:
+        """Problems of the stored layouts as a whole: rows = (module, layout name); returns (tensor, problem)."""
+        return []
+
+    def check_tensors(self, module: str, layout: Layout, tensors: dict[str, torch.Tensor]):
+        """The first value problem of one unpacked linear's tensors (a PackingError), or None: NaN e4m3 values,
+        scales not finite and > 0, and the activation's stored input scale (serving engines divide by it)."""
+        from .pack_common import PackingError, first_index
+
+        if layout.fp8_values is not None:
+            v = tensors[layout.fp8_values].view(torch.uint8)
+            nan = (v & 0x7F) == 0x7F
+            if bool(nan.any()):
+                pos = first_index(nan)
+                return PackingError(f"{module}.{layout.fp8_values}", f"e4m3 NaN code 0x{int(v[pos]):02X}", pos)
+        checks = list(layout.positive)
+        inp = tensors.get("input_global_scale")
+        if inp is None:
+            if self.act.uses_global_scale:
+                return PackingError(f"{module}.input_global_scale", f"missing ({self.act_label} activations need it)")
+        else:
+            if inp.dtype != torch.float32 or tuple(inp.shape) != (1,):
+                return PackingError(f"{module}.input_global_scale", f"is {inp.dtype} {tuple(inp.shape)}, expected float32 (1,)")
+            checks.append(("input_global_scale", "input global scale"))
+        for suffix, what in checks:
+            f = tensors[suffix].float()
+            bad = ~(torch.isfinite(f) & (f > 0))
+            if bool(bad.any()):
+                pos = first_index(bad)
+                return PackingError(f"{module}.{suffix}", f"{what} is {f[pos].item()}, must be finite and > 0", pos)
+        return None
+
+    # -- runtime -----------------------------------------------------------------------------------------
+    def make_experts(self, packed: list[dict[str, dict[str, torch.Tensor]]], act_quant: bool,
+                     device: torch.device, fast: bool | None = None, prefix: str = ""):
+        """The experts module serving packed[e] = {"gate"|"up"|"down": {suffix: tensor}} (the reference module
+        unless the format has a faster one for `device`; fast=False forces the reference)."""
+        from ..runtime.experts import MoesqExperts
+
+        return MoesqExperts.from_packed(self, packed, act_quant, prefix)
