@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 
 from ..formats import Format
-from .base import CompressedExpert, ExpertData, ProgressFn
+from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn
 from .rtn import check_expert, fallback_no_tokens
 
 DEFAULT_CPU_BUDGET = 4 << 30
@@ -82,4 +82,17 @@ def compress_batched(experts: list[ExpertData], fmt: Format, method_name: str,
             out[i] = r
         if progress is not None:
             progress(len(idx))
+    return out
+
+
+def assemble_results(experts: list[ExpertData], results: list[dict], method: str,
+                     extra: Callable[[dict], dict] = lambda r: {}) -> list[CompressedExpert]:
+    """The block's CompressedExperts from the per-expert dicts a batched solver fills (`q`, `latent`, `rel_err`,
+    `percdamp`, `damp` per projection or phase); `extra(r)` adds the method's own info keys."""
+    out = []
+    for ex, r in zip(experts, results):
+        info = {"method": method, "tokens": int(ex.x.shape[0]), "percdamp": r["percdamp"], "damp": r["damp"],
+                **extra(r), "rel_err": {p: r["rel_err"][p] for p in PROJECTIONS}}
+        q = r["q"]
+        out.append(CompressedExpert(q["gate"], q["up"], q["down"], latent=r["latent"], info=info))
     return out

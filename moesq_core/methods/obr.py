@@ -26,7 +26,7 @@ import torch
 
 from ..formats import Format, QuantizedWeight
 from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
-from .batching import compress_batched
+from .batching import assemble_results, compress_batched
 from .hessian import (
     Damped,
     DampedBatch,
@@ -208,16 +208,4 @@ class OBR:
                     r["latent"][p] = latent[e, rows].clone()
                     r["rel_err"][p] = relative_error(getattr(ex, p), r["q"][p].dequantize(), H[e])
             del codes, scales, latent, mask, H
-        out = []
-        for ex, r in zip(experts, results):
-            info = {
-                "method": self.name,
-                "tokens": int(ex.x.shape[0]),
-                "percdamp": r["percdamp"],
-                "damp": r["damp"],
-                "second_stage": self.second_stage,
-                "rel_err": {p: r["rel_err"][p] for p in PROJECTIONS},
-            }
-            q = r["q"]
-            out.append(CompressedExpert(q["gate"], q["up"], q["down"], latent=r["latent"], info=info))
-        return out
+        return assemble_results(experts, results, self.name, lambda r: {"second_stage": self.second_stage})

@@ -44,7 +44,7 @@ import torch
 
 from ..formats import Format, QuantizedWeight
 from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compress_each
-from .batching import compress_batched
+from .batching import assemble_results, compress_batched
 from .hessian import (
     block_statistics,
     damped_factor,
@@ -515,18 +515,6 @@ class SGPTQ:
                     r["pinned"][p] = part.pinned
                     r["rel_err"][p] = relative_error(getattr(ex, p), r["q"][p].dequantize(), H[e])
             del res, H
-        out = []
-        for ex, r in zip(experts, results):
-            info = {
-                "method": self.name,
-                "tokens": int(ex.x.shape[0]),
-                "percdamp": r["percdamp"],
-                "damp": r["damp"],
-                "exact_scales": self.exact_scales,
-                "refit": self.refit,
-                "pinned_block_max": {p: r["pinned"][p] for p in PROJECTIONS},
-                "rel_err": {p: r["rel_err"][p] for p in PROJECTIONS},
-            }
-            q = r["q"]
-            out.append(CompressedExpert(q["gate"], q["up"], q["down"], latent=r["latent"], info=info))
-        return out
+        return assemble_results(experts, results, self.name, lambda r: {
+            "exact_scales": self.exact_scales, "refit": self.refit,
+            "pinned_block_max": {p: r["pinned"][p] for p in PROJECTIONS}})
