@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import Format, QuantizedWeight
-from ..naming import PROJECTIONS  # noqa: F401  (the methods import it from here)  # noqa: F401  (re-exported for the methods)
+from ..naming import PROJECTIONS  # noqa: F401  (the methods import it from here)
 
 
 @dataclass
