@@ -285,17 +285,17 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
     """Run (or resume) one blockwise stage; returns a summary. The model's experts end up replaced by the
     stage's compressed experts. Out of device memory, it raises StageOutOfMemoryError naming the block and the
     options that lower memory (the finished blocks stay saved)."""
-    where: dict = {"block": None}
+    where: dict = {"layer": None, "moe": False}  # where the loop is, for the out-of-memory message
     try:
         return _run_stage(model, adapter, calib, spec, workdir, progress, redo_from, where)
     except torch.OutOfMemoryError as e:
-        li = where["block"]
-        at = f"in block {li} (layer {li})" if li is not None else "while embedding the calibration set"
-        saved = f"blocks before {li} are saved; " if li is not None else ""
+        li = where["layer"]
+        at = ("while embedding the calibration set" if li is None
+              else f"in block {li} (layer {li})" if where["moe"] else f"in layer {li}")
         cause = (str(e).splitlines() or [""])[0][:200]
         raise StageOutOfMemoryError(
             f"stage {spec.name}: out of device memory {at} ({cause}); lower {', '.join(spec.memory_options)}, "
-            f"then {saved}re-run the same command to resume") from e
+            f"then re-run the same command: the finished blocks are saved and it resumes from there") from e
 
 
 def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progress, redo_from, where: dict) -> dict:
@@ -332,8 +332,8 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
         for li, layer in enumerate(layers):
             if li > last_moe:
                 break
-            where["block"] = li
             block = blocks.get(li)
+            where.update(layer=li, moe=block is not None)
             if block is not None:
                 path = workdir.verified_block(spec.name, li)
                 if path is not None:

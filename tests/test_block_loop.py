@@ -10,30 +10,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from moesq_core.calibration import CalibConfig, build_calibration, read_documents
 from moesq_core.engine import StageOutOfMemoryError, StageSpec, run_stage
 from moesq_core.formats import get_format
 from moesq_core.methods.rtn import RTN
-from moesq_core.models import load_model
 from moesq_core.workdir import WorkDir, model_fingerprint
 
-from conftest import CALIB
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def micro(micro_path):
-    model, tok, adapter, path = load_model(micro_path)
-    calib = build_calibration(tok, read_documents(CALIB, max_chars=200_000),
-                              CalibConfig(seq_len=32, n_train=4, n_val=2, n_init=4))
-    return model, adapter, path, calib
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _new_wd(root, path) -> WorkDir:
@@ -78,8 +60,8 @@ class Recorder:
         yield T()
 
 
-def test_out_of_memory_names_stage_block_and_options_then_resumes(micro, tmp_path):
-    model, adapter, path, calib = micro
+def test_out_of_memory_names_stage_block_and_options_then_resumes(micro_calibrated, tmp_path):
+    model, adapter, path, calib = micro_calibrated
     wd = _new_wd(tmp_path / "wd", path)
     spec = _spec(lambda li: OutOfMemoryRTN() if li == 2 else RTN(),
                  memory_options=("the method option chunk_gb", "--batch-size", "--cache-gb"))
@@ -89,7 +71,7 @@ def test_out_of_memory_names_stage_block_and_options_then_resumes(micro, tmp_pat
     assert "\n" not in msg and isinstance(info.value.__cause__, torch.OutOfMemoryError)
     assert msg.startswith("stage init-rtn: out of device memory in block 2 (layer 2)"), msg
     assert "Tried to allocate 20.00 GiB" in msg and "chunk_gb" in msg and "--batch-size" in msg and "--cache-gb" in msg
-    assert "blocks before 2 are saved" in msg and "re-run the same command to resume" in msg
+    assert "re-run the same command: the finished blocks are saved" in msg
     assert sorted(wd.stage("init-rtn")["blocks"]) == ["0", "1"] and not wd.stage("init-rtn")["done"]
     assert run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd)["computed_now"] == 2
 
@@ -103,8 +85,8 @@ def test_cli_prints_out_of_memory_as_one_line(tmp_path):
 
     def command(workdir=None):
         raise StageOutOfMemoryError("stage refine: out of device memory in block 5 (layer 5) (CUDA out of memory.); "
-                                    "lower --micro-batch-rows, --batch-size, --cache-gb, then blocks before 5 are "
-                                    "saved; re-run the same command to resume")
+                                    "lower --micro-batch-rows, --batch-size, --cache-gb, then re-run the same "
+                                    "command: the finished blocks are saved and it resumes from there")
 
     with err_console.capture() as cap, pytest.raises(typer.Exit) as ex:
         _guard(command)(workdir=None)
@@ -114,8 +96,8 @@ def test_cli_prints_out_of_memory_as_one_line(tmp_path):
     assert "StageOutOfMemoryError" not in out
 
 
-def test_estimate_after_the_first_computed_block(micro, tmp_path):
-    model, adapter, path, calib = micro
+def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path):
+    model, adapter, path, calib = micro_calibrated
     wd = _new_wd(tmp_path / "wd", path)
     rec = Recorder()
     run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd, rec)

@@ -11,7 +11,6 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moesq_core.calibration import CalibConfig, build_calibration, read_documents
 from moesq_core.engine import (StageSpec, StateStore, capture_layer_inputs, gather_experts, load_block, run_stage,
                                save_block)
 from moesq_core.formats import get_format
@@ -19,35 +18,19 @@ from moesq_core.methods.base import PROJECTIONS, ExpertData
 from moesq_core.methods.refine import RefineConfig, RefineMethod
 from moesq_core.methods.registry import get_method
 from moesq_core.methods.rtn import RTN
-from moesq_core.models import load_model
 from moesq_core.workdir import LAYOUT, StaleStageError, WorkDir, model_fingerprint, sha256_file
-
-from conftest import CALIB
 
 FORMATS = ("p48-nvfp4", "dense-nvfp4", "s24-fp8")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def micro(micro_path):
-    model, tok, adapter, path = load_model(micro_path)
-    calib = build_calibration(tok, read_documents(CALIB, max_chars=200_000),
-                              CalibConfig(seq_len=64, n_train=8, n_val=4, n_init=8))
-    return model, adapter, path, calib
-
-
-@pytest.fixture(scope="module")
-def block0_experts(micro):
+def block0_experts(micro_calibrated):
     """Block 0's experts with their routed training and validation tokens; expert 3 gets no tokens (the
     methods' fallback path)."""
-    model, adapter, path, calib = micro
+    model, adapter, path, calib = micro_calibrated
     block = adapter.blocks(model)[0]
     stores, kw = {}, {}
     for split in ("train", "val"):
@@ -115,26 +98,20 @@ def _checksums(wd: WorkDir, stage: str) -> dict:
     return {k: v["sha256"] for k, v in wd.stage(stage)["blocks"].items()}
 
 
-@pytest.mark.parametrize("fmt_name", FORMATS)
-def test_stage_bytes_are_within_a_tenth_of_the_packed_experts(micro, fmt_name, tmp_path):
+def test_stage_bytes_are_within_a_tenth_of_the_packed_experts(packs):
     """A stage's block files (headers, activation ranges, per-expert info included) against the expert tensors
-    of the packed checkpoint made from it."""
-    from moesq_core.checkpoint.export import export_packed
-
-    model, adapter, path, calib = micro
-    wd = _new_wd(tmp_path / "wd", path, fmt_name)
-    run_stage(model, adapter, calib, _rtn_spec(fmt_name), wd)
-    stage_bytes = sum(f.stat().st_size for f in (wd.root / "stages" / "init-rtn").glob("*.safetensors"))
-    export_packed(wd, "init-rtn", tmp_path / "packed")
-    expert_bytes = 0
-    for f in (tmp_path / "packed").glob("*.safetensors"):
-        with safe_open(str(f), "pt") as sf:
-            for k in sf.keys():
-                if ".mlp.experts." in k:
-                    t = sf.get_tensor(k)
-                    expert_bytes += t.numel() * t.element_size()
-    assert expert_bytes > 0
-    assert stage_bytes <= 1.1 * expert_bytes, (stage_bytes, expert_bytes, stage_bytes / expert_bytes)
+    of the packed checkpoint made from it, for every format."""
+    for fmt_name, (wd, packed, summary) in packs.items():
+        stage_bytes = sum(f.stat().st_size for f in (wd.root / "stages" / "init-rtn").glob("*.safetensors"))
+        expert_bytes = 0
+        for f in packed.glob("*.safetensors"):
+            with safe_open(str(f), "pt") as sf:
+                for k in sf.keys():
+                    if ".mlp.experts." in k:
+                        t = sf.get_tensor(k)
+                        expert_bytes += t.numel() * t.element_size()
+        assert expert_bytes >= summary["expert_bytes"] > 0
+        assert stage_bytes <= 1.1 * expert_bytes, (fmt_name, stage_bytes, expert_bytes, stage_bytes / expert_bytes)
 
 
 def _write_old_layout(path: Path, results, amax_in, amax_mid) -> None:
@@ -150,10 +127,10 @@ def _write_old_layout(path: Path, results, amax_in, amax_mid) -> None:
     save_file(tensors, str(path), metadata={"moesq": meta})
 
 
-def test_older_layout_is_recomputed_never_misread(micro, tmp_path):
+def test_older_layout_is_recomputed_never_misread(micro_calibrated, tmp_path):
     from moesq_core.checkpoint.export import export_packed
 
-    model, adapter, path, calib = micro
+    model, adapter, path, calib = micro_calibrated
     fresh = _new_wd(tmp_path / "fresh", path)
     run_stage(model, adapter, calib, _rtn_spec("p48-nvfp4"), fresh)
     assert fresh.stage("init-rtn")["layout"] == LAYOUT == fresh.load()["layout"]
