@@ -48,7 +48,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
            "| work dir | layout | stage | bytes | bytes / weight | × packed experts |", "|---|---|---|---|---|---|"]
     for r in rows:
         for name, s in r["stages"].items():
-            out.append(f"| {r['label']} | {r['layout']} | {name} | {s['bytes']:,} | {s['bytes_per_weight']:.2f} | "
+            out.append(f"| {r['label']} | {r['layout']} | {name} | {s['bytes']:,} | {s['bytes_per_weight']:.3f} | "
                        f"{s['x_packed_experts']:.2f} |")
     out += ["", "| work dir | model | expert weights | packed experts (bytes, bits/weight) | calibration | "
                 "work dir without the pack |", "|---|---|---|---|---|---|"]
