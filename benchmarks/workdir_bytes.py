@@ -29,10 +29,10 @@ def measure(label: str, root: Path) -> dict:
     stages = {}
     for name, st in m["stages"].items():
         b = _bytes(root / rec["file"] for rec in st["blocks"].values())
-        stages[name] = {"bytes": b, "bytes_per_weight": round(b / weights, 3),
+        stages[name] = {"layout": st.get("layout", 1), "bytes": b, "bytes_per_weight": round(b / weights, 3),
                         "x_packed_experts": round(b / expert_bytes, 3)}
     return {"label": label, "model": Path(m["model"]["source"]).name, "format": m["config"]["format"],
-            "layout": m.get("layout", 1), "calibration": m["calibration"]["sequences"],
+            "calibration": m["calibration"]["sequences"],
             "seq_len": m["calibration"]["seq_len"], "expert_weights": weights,
             "packed_expert_bytes": expert_bytes, "packed_bits_per_weight": round(pack["bits_per_weight"], 3),
             "stages": stages, "calib_bytes": _bytes((root / "calib").rglob("*")),
@@ -48,7 +48,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
            "| work dir | layout | stage | bytes | bytes / weight | × packed experts |", "|---|---|---|---|---|---|"]
     for r in rows:
         for name, s in r["stages"].items():
-            out.append(f"| {r['label']} | {r['layout']} | {name} | {s['bytes']:,} | {s['bytes_per_weight']:.3f} | "
+            out.append(f"| {r['label']} | {s['layout']} | {name} | {s['bytes']:,} | {s['bytes_per_weight']:.3f} | "
                        f"{s['x_packed_experts']:.2f} |")
     out += ["", "| work dir | model | expert weights | packed experts (bytes, bits/weight) | calibration | "
                 "work dir without the pack |", "|---|---|---|---|---|---|"]

@@ -94,7 +94,7 @@ class StageSpec:
 
 
 class StageOutOfMemoryError(RuntimeError):
-    """The device ran out of memory in a stage's block; the blocks before it are saved (a re-run resumes)."""
+    """The device ran out of memory during a stage; its finished blocks are saved (a re-run resumes)."""
 
 
 # -- artifacts -----------------------------------------------------------------------------------------
@@ -299,6 +299,7 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
 
 
 def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progress, redo_from, where: dict) -> dict:
+    """run_stage's work; keeps `where` at the layer it is on."""
     progress = progress or NullProgress()
     dist = _dist()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)

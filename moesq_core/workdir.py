@@ -11,11 +11,11 @@ Layout (version LAYOUT, recorded in the manifest and in every stage record):
     calib/calibration.safetensors token splits (train / val / init)
     stages/<stage>/block_NNN.safetensors   one artifact per MoE block: its experts packed by the format's packer,
                                   activation ranges, per-expert info (no timings: byte-deterministic)
+    logs/moesq.log
+    .moesq.lock                   the lock file (holds the pid of the process using the work dir)
 
 A stage recorded in another layout (an older moesq's) is never read: reading it raises StaleStageError, and
 running the stage again recomputes it from scratch.
-    logs/moesq.log
-    .moesq.lock                   the lock file (holds the pid of the process using the work dir)
 """
 from __future__ import annotations
 
