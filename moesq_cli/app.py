@@ -216,6 +216,7 @@ def _guard(fn):
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        from moesq_core.engine import StageOutOfMemoryError
         from moesq_core.models import UnsupportedModelError
         from moesq_core.workdir import WorkDirError
 
@@ -237,7 +238,8 @@ def _guard(fn):
             if _DEBUG:
                 traceback.print_exc()
             msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.strerror or e}: {e.filename}"
-            if not isinstance(e, (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError)):
+            if not isinstance(e, (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError,
+                                  StageOutOfMemoryError)):
                 msg = f"{type(e).__name__}: {msg}" + (f" (traceback in {logfile})" if logfile else "")
             _fail(msg)
         except Exception as e:  # a bug: say so, keep the traceback
@@ -393,7 +395,7 @@ def refine(
     support_only: Annotated[bool, typer.Option(help="Ablation: learn the support only, values stay.")] = False,
     refine_seed: Annotated[Optional[int], typer.Option(min=0, help=f"Seed of the Gumbel noise and the init of A (default {_default(_REFINE, 'seed')}).")] = None,
     stage: Annotated[str, typer.Option(callback=_stage_name, help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
-    init: Annotated[str, typer.Option(callback=_check_method, help="Init method whose stage refinement starts from.")] = "sgptq",
+    init: Annotated[str, typer.Option(callback=_check_method, help="One-shot init method, run per block inside refinement's block loop.")] = "sgptq",
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
@@ -402,9 +404,9 @@ def refine(
     """Learn each expert's sparsity pattern jointly with its quantized values (the moesq algorithm).
 
     Gumbel-softmax over the format's patterns, a latent fp32 weight copy, straight-through quantization and a
-    router-weighted reconstruction loss, block by block on the compressed prefix. Starts from stage
-    init-<init> (run first, with its recorded or default options, if missing); ships each block's best
-    validation epoch.
+    router-weighted reconstruction loss, block by block on the compressed prefix. Each block starts from the
+    --init method run on that block inside the loop (with the options of the work dir's init-<init> stage if
+    there is one, else its defaults); ships each block's best validation epoch.
 
     [bold]Budget[/]: --epochs × steps per epoch. Steps per epoch are --steps-per-epoch if given; else derived
     from --batch-rows (⌈routed training rows of the block / batch rows⌉, at least 16); else the paper's 128.
@@ -788,7 +790,7 @@ def run(
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Evaluation text (default: the embedded sample).")] = None,
     ppl_tokens: Annotated[int, typer.Option(min=1, help="Evaluate the first N tokens.")] = 65536,
     method: Annotated[Optional[str], typer.Option(callback=lambda v: v and _check_method(v), help="One-shot init method (default sgptq).")] = None,
-    baselines: Annotated[Optional[str], typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none; default magnitude). "
+    baselines: Annotated[Optional[str], typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none; default magnitude,sgptq). "
                                                           "On sparse formats rtn and magnitude are the same weights.")] = None,
     refine_stage: Annotated[Optional[bool], typer.Option("--refine/--no-refine", help="Run refinement after the init (default: yes).")] = None,
     epochs: Annotated[Optional[int], typer.Option(min=0, help="Refinement epochs (default 2).")] = None,

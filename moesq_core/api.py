@@ -1,5 +1,6 @@
-"""The library entry point: `compress(model, config, workdir=...)` runs calibrate → init → refine as the config
-says, resumably, in a work dir, and returns a handle whose `save_pretrained(out)` writes the packed model.
+"""The library entry point: `compress(model, config, workdir=...)` runs calibrate → baselines → refine (each
+block's init computed inside refinement's block loop) or the init alone, as the config says, resumably, in a
+work dir, and returns a handle whose `save_pretrained(out)` writes the packed model.
 
     from moesq_core import compress, CompressConfig
     handle = compress("Qwen/Qwen3-30B-A3B", CompressConfig.from_file("recipes/qwen3-30b-a3b-p48-nvfp4.yaml"),
@@ -19,12 +20,12 @@ from .config import CompressConfig, MethodConfig
 
 def default_run_config() -> CompressConfig:
     """What `moesq run` does with no options (recipes/micro-quick.yaml): a small budget on the embedded model —
-    256-token sequences, 64 for the one-shot stage, 64 + 8 for refinement (2 epochs × 8 steps), magnitude as
-    the baseline."""
+    256-token sequences, 64 for the one-shot stages, 64 + 8 for refinement (2 epochs × 8 steps, SGPTQ computed
+    inside its block loop), magnitude and SGPTQ alone as the baselines."""
     from .methods.refine import RefineConfig
 
     return CompressConfig(calib=CalibConfig(seq_len=256, n_train=64, n_val=8, n_init=64), init=MethodConfig("sgptq"),
-                          refine=RefineConfig(epochs=2, steps_per_epoch=8), baselines=("magnitude",))
+                          refine=RefineConfig(epochs=2, steps_per_epoch=8), baselines=("magnitude", "sgptq"))
 
 
 @dataclass
@@ -66,17 +67,18 @@ def compress(model: str | Path | None = None, config: CompressConfig | str | Pat
     summaries = {}
     with pipeline._command_lock(wd):
         pipeline.open_workdir(wd, model or config.model, config.run_config().flat(), progress=progress)
-        for b in config.baselines:
-            if b != config.init.name:
-                summaries[pipeline.init_stage_name(b)] = pipeline.compress(
-                    wd, MethodConfig(b), device=device, batch_size=batch_size, progress=progress,
-                    cache_limit_gb=cache_limit_gb)
+        # One-shot stages: the baselines (the init method among them as configured), and the init itself when
+        # there is no refinement (refinement computes its init inside its own block loop).
+        one_shot = [config.init if b == config.init.name else MethodConfig(b) for b in config.baselines]
+        if config.refine is None and config.init.name not in config.baselines:
+            one_shot.append(config.init)
+        for mcfg in one_shot:
+            summaries[pipeline.init_stage_name(mcfg.name)] = pipeline.compress(
+                wd, mcfg, device=device, batch_size=batch_size, progress=progress, cache_limit_gb=cache_limit_gb)
         stage = pipeline.init_stage_name(config.init.name)
-        summaries[stage] = pipeline.compress(wd, config.init, device=device, batch_size=batch_size,
-                                             progress=progress, cache_limit_gb=cache_limit_gb)
         if config.refine is not None:
             stage = "refine"
-            summaries[stage] = pipeline.refine(wd, config.refine, init=config.init.name, device=device,
+            summaries[stage] = pipeline.refine(wd, config.refine, init=config.init, device=device,
                                                batch_size=batch_size, progress=progress,
                                                cache_limit_gb=cache_limit_gb)
     return CompressedModel(wd.root, stage, config, summaries)

@@ -104,16 +104,18 @@ class MethodConfig:
         return {"method": self.name, "options": dict(self.options)}
 
 
-def refine_identity(rcfg, init_stage: str) -> dict:
-    """The manifest identity of a refinement stage: its init stage and the full RefineConfig."""
-    return {"method": "refine", "init": init_stage, "refine": jsonable(asdict(rcfg))}
+def refine_identity(rcfg, init: MethodConfig) -> dict:
+    """The manifest identity of a refinement stage: its (in-loop) init method's normalised config and the full
+    RefineConfig."""
+    return {"method": "refine", "init": init.to_dict(), "refine": jsonable(asdict(rcfg))}
 
 
 @dataclass
 class CompressConfig:
     """Everything `compress()` / `moesq run` does to one model: the work dir's run config (format, activation
-    quantization, calibration), the one-shot init method, refinement (None: init only) and extra one-shot
-    baselines. `to_dict()` is normalised (every default filled in); recipes are its YAML form."""
+    quantization, calibration), the one-shot init method (with refinement: computed inside refinement's block
+    loop), refinement (None: the init stage only) and one-shot baselines (init-only stages, for comparison).
+    `to_dict()` is normalised (every default filled in); recipes are its YAML form."""
 
     format: str = "p48-nvfp4"
     act_quant: bool = True

@@ -24,12 +24,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import packing
 from .formats import Format, QuantizedWeight
 from .methods.base import PROJECTIONS, CompressedExpert, ExpertData, Method
 from .models import MoEAdapter, MoEBlock
-from .progress import NullProgress
+from .progress import NullProgress, note, skip
 from .runtime.experts import MoesqExperts
-from .workdir import WorkDir, atomic_path
+from .workdir import LAYOUT, StaleStageError, WorkDir, atomic_path
 
 log = logging.getLogger("moesq.engine")
 
@@ -88,6 +89,12 @@ class StageSpec:
     act_quant: bool = True
     batch_size: int = 8
     cache_limit_bytes: int = 4 << 30
+    # What lowers this stage's memory (option names), for the out-of-memory message.
+    memory_options: tuple[str, ...] = ("--batch-size", "--cache-gb")
+
+
+class StageOutOfMemoryError(RuntimeError):
+    """The device ran out of memory during a stage; its finished blocks are saved (a re-run resumes)."""
 
 
 # -- artifacts -----------------------------------------------------------------------------------------
@@ -112,22 +119,32 @@ def split_timings(info: dict) -> tuple[dict, dict]:
     return clean, timings
 
 
-def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor,
-               keep_latent: bool = True) -> None:
+def _stacked(fmt_name: str, qws: list[QuantizedWeight]) -> QuantizedWeight:
+    """One QuantizedWeight [E, out, in] of the experts' weights of one projection (the packers' stacked form)."""
+    return QuantizedWeight(fmt_name, torch.stack([q.codes for q in qws]), torch.stack([q.scales.float() for q in qws]),
+                           torch.stack([q.global_scale.float().reshape(1, 1) for q in qws]),
+                           torch.stack([q.mask.bool() for q in qws]))
+
+
+def _expert(qw: QuantizedWeight, e: int) -> QuantizedWeight:
+    """Expert e of a stacked QuantizedWeight, as a method returns it (a scalar global scale)."""
+    return QuantizedWeight(qw.format, qw.codes[e], qw.scales[e], qw.global_scale[e].reshape(()), qw.mask[e])
+
+
+def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor) -> None:
+    """The block's artifact: per projection, the experts' weights stacked and packed by the format's packer
+    (`<proj>.<packed suffix>`, [E, ...]), the activation ranges and each expert's info. Latent values are not
+    stored (refinement computes its init inside the block loop)."""
+    fmt = results[0].gate.format
     tensors: dict[str, torch.Tensor] = {"act_amax_in": act_amax_in.float().contiguous(),
                                         "act_amax_mid": act_amax_mid.float().contiguous()}
-    info = {}
-    fmt = results[0].gate.format
-    for e, r in enumerate(results):
-        for proj, qw in r.weights().items():
-            tensors.update({k: v.cpu().clone() for k, v in qw.state_dict(f"{e}.{proj}.").items()})
-        if keep_latent and r.latent:
-            for proj, v in r.latent.items():
-                tensors[f"{e}.latent.{proj}"] = v.detach().float().cpu().contiguous()
-        info[str(e)] = r.info
+    for proj in PROJECTIONS:
+        packed = packing.pack(_stacked(fmt, [r.weights()[proj].to("cpu") for r in results]))
+        tensors.update({f"{proj}.{suffix}": t.contiguous() for suffix, t in packed.items()})
     # One metadata key: safetensors stores metadata as a hash map whose key order is not stable, and the
     # artifact's checksum must be (resume is checked by comparing checksums).
-    meta = json.dumps({"format": fmt, "num_experts": len(results), "info": info}, sort_keys=True, default=float)
+    meta = json.dumps({"layout": LAYOUT, "format": fmt, "num_experts": len(results),
+                       "info": {str(e): r.info for e, r in enumerate(results)}}, sort_keys=True, default=float)
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"moesq": meta})
 
@@ -136,14 +153,20 @@ def load_block(path: Path) -> tuple[list[CompressedExpert], torch.Tensor, torch.
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        meta = json.loads(f.metadata()["moesq"])
+        meta = json.loads((f.metadata() or {}).get("moesq", "{}"))
+    if meta.get("layout") != LAYOUT:  # the work dir's layout, also recorded in the artifact itself
+        raise StaleStageError(
+            f"{path} is a block artifact in work-dir layout {meta.get('layout', 1)} (an older moesq's); this moesq "
+            f"reads layout {LAYOUT}: re-run its stage to recompute it")
     sd = load_file(str(path))
     fmt, n, info = meta["format"], int(meta["num_experts"]), meta["info"]
-    out = []
-    for e in range(n):
-        qws = {p: QuantizedWeight.from_state_dict(fmt, sd, f"{e}.{p}.") for p in PROJECTIONS}
-        latent = {p: sd[f"{e}.latent.{p}"] for p in PROJECTIONS if f"{e}.latent.{p}" in sd} or None
-        out.append(CompressedExpert(qws["gate"], qws["up"], qws["down"], latent, info.get(str(e), {})))
+    stacked = {}
+    for proj in PROJECTIONS:
+        prefix = f"{proj}."
+        stacked[proj] = packing.unpack(fmt, {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)},
+                                       f"{path.name}:{proj}")
+    out = [CompressedExpert(*(_expert(stacked[p], e) for p in PROJECTIONS), None, info.get(str(e), {}))
+           for e in range(n)]
     return out, sd["act_amax_in"], sd["act_amax_mid"]
 
 
@@ -260,7 +283,23 @@ def activation_amax(fmt: Format, results: list[CompressedExpert], xs: list[torch
 def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tensor], spec: StageSpec,
               workdir: WorkDir, progress=None, redo_from: int | None = None) -> dict:
     """Run (or resume) one blockwise stage; returns a summary. The model's experts end up replaced by the
-    stage's compressed experts."""
+    stage's compressed experts. Out of device memory, it raises StageOutOfMemoryError naming the block and the
+    options that lower memory (the finished blocks stay saved)."""
+    where: dict = {"layer": None, "moe": False}  # where the loop is, for the out-of-memory message
+    try:
+        return _run_stage(model, adapter, calib, spec, workdir, progress, redo_from, where)
+    except torch.OutOfMemoryError as e:
+        li = where["layer"]
+        at = ("while embedding the calibration set" if li is None
+              else f"in block {li} (layer {li})" if where["moe"] else f"in layer {li}")
+        cause = (str(e).splitlines() or [""])[0][:200]
+        raise StageOutOfMemoryError(
+            f"stage {spec.name}: out of device memory {at} ({cause}); lower {', '.join(spec.memory_options)}, "
+            f"then re-run the same command: the finished blocks are saved and it resumes from there") from e
+
+
+def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progress, redo_from, where: dict) -> dict:
+    """run_stage's work; keeps `where` at the layer it is on."""
     progress = progress or NullProgress()
     dist = _dist()
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
@@ -289,16 +328,19 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
             kwargs_by_bs.update(capture_layer_inputs(model, calib[s], spec.batch_size, stores[s]))
             t.advance()
     computed, seconds, t_stage = 0, 0.0, time.perf_counter()
+    todo = [li for li in blocks if str(li) not in workdir.stage(spec.name)["blocks"]]
     with progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
         for li, layer in enumerate(layers):
             if li > last_moe:
                 break
             block = blocks.get(li)
+            where.update(layer=li, moe=block is not None)
             if block is not None:
                 path = workdir.verified_block(spec.name, li)
                 if path is not None:
                     results, amax_in, amax_mid = load_block(path)
                     log.info("%s: block %d already done, loaded %s", spec.name, li, path.name)
+                    skip(tblocks)  # a loaded block: done, but no measure of the time per block
                 else:
                     t0 = time.perf_counter()
                     results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist)
@@ -319,8 +361,10 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
                     if dist:
                         dist.barrier()
                     computed += 1
+                    if computed == 1 and is_main:
+                        _note_estimate(progress, spec.name, [b for b in todo if b > li], time.perf_counter() - t0)
+                    tblocks.advance()
                 install_block(block, spec.fmt, results, amax_in, amax_mid, spec.act_quant, device)
-                tblocks.advance()
             if li < last_moe:
                 for s in splits:
                     new = StateStore(stores[s].limit, spill)
@@ -339,6 +383,22 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
     if dist:
         dist.barrier()
     return summary
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _note_estimate(progress, stage: str, remaining: list[int], seconds: float) -> None:
+    """Before the long part of a stage: the blocks still to compute × the first block's measured time."""
+    if remaining:
+        n = len(remaining)
+        note(progress, f"stage {stage}: ~{n} block{'s' if n > 1 else ''} × {seconds:.1f} s/block ≈ "
+                       f"{_duration(n * seconds)} remaining")
 
 
 def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, progress, dist):

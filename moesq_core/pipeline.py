@@ -17,9 +17,8 @@ from safetensors.torch import load_file, save_file
 from .calibration import CalibConfig, build_calibration, read_documents
 from .config import (DEFAULT_CALIB, DEFAULT_EVAL, DEFAULT_MODEL, ASSETS, MethodConfig, RunConfig,  # noqa: F401
                      refine_identity)
-from .engine import StageSpec, load_block, run_stage
+from .engine import StageSpec, run_stage
 from .formats import get_format
-from .methods.base import CompressedExpert, ExpertData
 from .models import load_model
 from .progress import NullProgress, note
 from .workdir import WorkDir, WorkDirError, _diff, atomic_path, model_fingerprint, sha256_file
@@ -168,22 +167,6 @@ def load_calibration(workdir: WorkDir) -> dict[str, torch.Tensor]:
 
 
 # -- one-shot methods and refinement ------------------------------------------------------------------------
-class StoredInit:
-    """An init 'method' that returns a finished stage's stored results for one block (refinement starts
-    from the init stage's artifacts instead of recomputing them)."""
-
-    name = "stored"
-
-    def __init__(self, results: list[CompressedExpert]):
-        self.results = results
-
-    def compress_block(self, experts: list[ExpertData], fmt, progress=None) -> list[CompressedExpert]:
-        out = [self.results[ex.index] for ex in experts]
-        if progress:
-            progress(len(out))
-        return out
-
-
 def _load_for_stage(workdir: WorkDir, device: str | None):
     m = workdir.load()
     dev = _device(device)
@@ -225,8 +208,14 @@ def compress(workdir: WorkDir, method: str | MethodConfig = "sgptq", options: di
         spec = StageSpec(
             name=name, fmt=fmt, method_for_block=lambda li: mcfg.build(), config=mcfg.to_dict(),
             compress_split="init", val_split=None, act_quant=m["config"]["act_quant"], batch_size=batch_size,
-            cache_limit_bytes=int(cache_limit_gb * 2**30))
+            cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg))
         return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+
+
+def _memory_options(init: MethodConfig, refine: bool = False) -> tuple[str, ...]:
+    """The options that lower a stage's memory, most effective first (for its out-of-memory message)."""
+    chunk = ("the method option chunk_gb",) if "chunk_gb" in init.options else ()
+    return (("--micro-batch-rows",) if refine else ()) + chunk + ("--batch-size", "--cache-gb")
 
 
 def _check_run_args(device, batch_size: int, redo_from: int | None, cache_limit_gb: float) -> None:
@@ -254,41 +243,36 @@ def refine_schedule(workdir: WorkDir, rcfg) -> str:
             f"{cal['seq_len']} tokens × top-{top_k} ≈ {rows:,} routed rows over {n_exp} experts per block)")
 
 
-def refine(workdir: WorkDir, config=None, *, init: str = "sgptq", device: str | None = None,
+def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq", device: str | None = None,
            batch_size: int = 8, redo_from: int | None = None, progress=None, cache_limit_gb: float = 4.0,
            stage: str = "refine") -> dict:
-    """The refinement stage (a RefineConfig, or a dict of its fields), initialised from the finished
-    `init-<init>` stage's artifacts. Prints (progress.note) its schedule before training."""
+    """The refinement stage (a RefineConfig, or a dict of its fields). As in Algorithm 1, each block's init is
+    computed inside the block loop: the one-shot method `init` (a MethodConfig, or a method name with its
+    defaults) runs on the block's training tokens on the refined prefix, then refinement starts from it. Prints
+    (progress.note) its schedule before training."""
     from .methods.refine import RefineConfig, RefineMethod
 
     rcfg = config if isinstance(config, RefineConfig) else RefineConfig(**dict(config or {}))
+    mcfg = init if isinstance(init, MethodConfig) else MethodConfig(init)
     _check_run_args(device, batch_size, redo_from, cache_limit_gb)
-    init_stage = init_stage_name(init)
-    identity = refine_identity(rcfg, init_stage)
+    identity = refine_identity(rcfg, mcfg)
     with _locked(workdir):
-        st = workdir.stage(init_stage)
-        if st is None or not st.get("done"):
-            raise WorkDirError(f"refinement starts from stage {init_stage!r}, which is not finished in {workdir.root}")
+        m = workdir.load()
+        fmt = get_format(m["config"]["format"])
+        mcfg.check_format(fmt)
         if redo_from is None:
             done = workdir.finished_stage_summary(stage, identity)
             if done is not None:
                 return done
         else:
             workdir.check_stage_config(stage, identity)
-        m = workdir.load()
-        fmt = get_format(m["config"]["format"])
         model, adapter, m = _load_for_stage(workdir, device)
         calib = load_calibration(workdir)
         note(progress, f"{stage} schedule: {refine_schedule(workdir, rcfg)}")
-
-        def method_for_block(li: int):
-            results, _, _ = load_block(workdir.verified_block(init_stage, li))
-            return RefineMethod(StoredInit(results), rcfg)
-
         spec = StageSpec(
-            name=stage, fmt=fmt, method_for_block=method_for_block, config=identity,
+            name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=identity,
             compress_split="train", val_split="val", act_quant=m["config"]["act_quant"], batch_size=batch_size,
-            cache_limit_bytes=int(cache_limit_gb * 2**30))
+            cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True))
         return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
 
 
@@ -314,9 +298,9 @@ def run_init(workdir: str | Path, method: MethodConfig, model: str | Path | None
                         cache_limit_gb=cache_limit_gb)
 
 
-def _init_prerequisite(wd: WorkDir, init: str) -> MethodConfig:
-    """The init stage refinement starts from: as it was recorded (another command may have started it with
-    its own options), else the method's defaults."""
+def recorded_init(wd: WorkDir, init: str) -> MethodConfig:
+    """The init refinement runs inside its block loop: the options of the work dir's init stage of that method
+    when there is one (`moesq init-sgptq --percdamp 0.05` then `moesq refine`), else the method's defaults."""
     st = wd.stage(init_stage_name(init))
     return MethodConfig(init, st["config"].get("options", {})) if st else MethodConfig(init)
 
@@ -324,7 +308,7 @@ def _init_prerequisite(wd: WorkDir, init: str) -> MethodConfig:
 def run_refine(workdir: str | Path, config, model: str | Path | None = None, options: dict | None = None, *,
                init: str = "sgptq", stage: str = "refine", device: str | None = None, batch_size: int = 8,
                redo_from: int | None = None, cache_limit_gb: float = 4.0, progress=None) -> dict:
-    """`moesq refine`: calibrate and run the init stage if needed, then refinement."""
+    """`moesq refine`: calibrate if needed, then refinement (its init computed per block, see `refine`)."""
     from .methods.refine import RefineConfig
 
     rcfg = config if isinstance(config, RefineConfig) else RefineConfig(**dict(config or {}))
@@ -333,10 +317,8 @@ def run_refine(workdir: str | Path, config, model: str | Path | None = None, opt
     wd = WorkDir(workdir)
     with _command_lock(wd):
         wd = open_workdir(wd, model, options, progress=progress)
-        compress(wd, _init_prerequisite(wd, init), device=device, batch_size=batch_size, progress=progress,
-                 cache_limit_gb=cache_limit_gb)
-        return refine(wd, rcfg, init=init, device=device, batch_size=batch_size, redo_from=redo_from,
-                      progress=progress, cache_limit_gb=cache_limit_gb, stage=stage)
+        return refine(wd, rcfg, init=recorded_init(wd, init), device=device, batch_size=batch_size,
+                      redo_from=redo_from, progress=progress, cache_limit_gb=cache_limit_gb, stage=stage)
 
 
 def run_config_of(workdir: str | Path, config):

@@ -10,6 +10,9 @@ from typing import Iterator, Protocol
 class Task(Protocol):
     def advance(self, n: int = 1) -> None: ...
 
+    # Optional: `skip(n)` marks n units done without work (e.g. blocks loaded from a resumed stage), so that
+    # they do not count toward the rate an ETA is estimated from (see `skip` below).
+
 
 class Progress(Protocol):
     def task(self, description: str, total: int | None) -> "contextmanager[Task]": ...
@@ -32,3 +35,9 @@ def note(progress, message: str) -> None:
     logging.getLogger("moesq").info("%s", message)
     if progress is not None and hasattr(progress, "note"):
         progress.note(message)
+
+
+def skip(task, n: int = 1) -> None:
+    """n units of `task` done without work (loaded, not computed): the task's `skip` when it has one (its ETA
+    then ignores them), else a plain advance."""
+    (task.skip if hasattr(task, "skip") else task.advance)(n)

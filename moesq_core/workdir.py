@@ -5,13 +5,17 @@ a work dir made for another model or config is refused. One process at a time: `
 fcntl lock on the work dir (a second process gets WorkDirLocked) and removes temp files that an interrupted
 run left behind.
 
-Layout:
-    manifest.json                 moesq version, model {source, fingerprint}, config, calibration,
-                                  stages {name: {config, blocks {N: {file, sha256}}, block_timings, done, runs}}
+Layout (version LAYOUT, recorded in the manifest and in every stage record):
+    manifest.json                 moesq version, layout, model {source, fingerprint}, config, calibration,
+                                  stages {name: {config, layout, blocks {N: {file, sha256}}, block_timings, done, runs}}
     calib/calibration.safetensors token splits (train / val / init)
-    stages/<stage>/block_NNN.safetensors   one artifact per MoE block (no timings: byte-deterministic)
+    stages/<stage>/block_NNN.safetensors   one artifact per MoE block: its experts packed by the format's packer,
+                                  activation ranges, per-expert info (no timings: byte-deterministic)
     logs/moesq.log
     .moesq.lock                   the lock file (holds the pid of the process using the work dir)
+
+A stage recorded in another layout (an older moesq's) is never read: reading it raises StaleStageError, and
+running the stage again recomputes it from scratch.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ from . import __version__
 log = logging.getLogger("moesq")
 
 MANIFEST = "manifest.json"
+# 1: stage blocks stored unpacked (a code byte and a mask byte per weight, fp32 latents); 2: packed.
+LAYOUT = 2
 LOCK_FILE = ".moesq.lock"
 # atomic_path's temp names: "." + final name + "." + mkstemp's 8 random characters + ".tmp"
 _TMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
@@ -45,6 +51,15 @@ class WorkDirError(RuntimeError):
 
 class WorkDirLocked(WorkDirError):
     """Another process holds the work dir's lock."""
+
+
+class StaleStageError(WorkDirError):
+    """A stage (or block artifact) written in another work-dir layout, by an older moesq: never read."""
+
+
+def stage_layout(record: dict) -> int:
+    """The layout a stage record was written in (records without one predate layout 2)."""
+    return int(record.get("layout", 1))
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -291,8 +306,8 @@ class WorkDir:
             return self.check_matches(model, config)
         self.check_usable()
         self.root.mkdir(parents=True, exist_ok=True)
-        m = {"moesq_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": model,
-             "config": config, "stages": {}}
+        m = {"moesq_version": __version__, "layout": LAYOUT, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+             "model": model, "config": config, "stages": {}}
         self.save(m)
         return m
 
@@ -301,8 +316,11 @@ class WorkDir:
         return self.root / "stages" / stage
 
     def check_stage_config(self, stage: str, config: dict) -> dict | None:
-        """The stage's record, after checking it was run with this (normalised) config; None if never run."""
+        """The stage's record, after checking it was run with this (normalised) config; None if never run (or
+        run in another layout: it is recomputed)."""
         st = self.load()["stages"].get(stage)
+        if st is not None and stage_layout(st) != LAYOUT:
+            return None
         if st is not None:
             problems = _diff(st["config"], config)
             if problems:
@@ -313,12 +331,20 @@ class WorkDir:
         return st
 
     def open_stage(self, stage: str, config: dict, num_blocks: int | None = None) -> dict:
-        """Register a stage with its config, or check it matches the recorded one."""
+        """Register a stage with its config, or check it matches the recorded one. A stage recorded in another
+        layout is started afresh: its artifacts (moesq's, listed in its record) are removed."""
         st = self.check_stage_config(stage, config)
         if st is not None and (num_blocks is None or st.get("num_blocks") == num_blocks):
             return st
         m = self.load()
-        st = m["stages"].setdefault(stage, {"config": config, "blocks": {}, "done": False})
+        old = m["stages"].get(stage)
+        if old is not None and stage_layout(old) != LAYOUT:
+            log.warning("stage %s in %s was written by an older moesq (work-dir layout %d, this moesq writes %d): "
+                        "recomputing it", stage, self.root, stage_layout(old), LAYOUT)
+            for rec in old.get("blocks", {}).values():
+                (self.root / rec["file"]).unlink(missing_ok=True)
+            del m["stages"][stage]
+        st = m["stages"].setdefault(stage, {"config": config, "layout": LAYOUT, "blocks": {}, "done": False})
         if num_blocks is not None:
             st["num_blocks"] = num_blocks
         self.save(m)
@@ -361,6 +387,10 @@ class WorkDir:
     def verified_block(self, stage: str, block: int) -> Path | None:
         """The artifact of a finished block after checking its checksum; None if the block is unfinished."""
         st = self.stage(stage)
+        if st is not None and stage_layout(st) != LAYOUT:
+            raise StaleStageError(
+                f"stage {stage!r} in {self.root} was written by an older moesq (work-dir layout {stage_layout(st)}; "
+                f"this moesq reads layout {LAYOUT}); re-run that stage's command to recompute it, or use another --workdir")
         rec = (st or {}).get("blocks", {}).get(str(block))
         if rec is None:
             return None

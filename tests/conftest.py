@@ -68,6 +68,28 @@ def tiny_path() -> Path:
     return TINY
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Small tensors: intra-op threads only add contention on the shared 2-core CI machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def micro_calibrated(micro_path):
+    """(model, adapter, path, calibration splits): the micro model, loaded per module (stages replace its
+    experts), and a small calibration set (32-token sequences: 4 train, 2 val, 4 init)."""
+    from moesq_core.calibration import CalibConfig, build_calibration, read_documents
+    from moesq_core.models import load_model
+
+    model, tok, adapter, path = load_model(micro_path)
+    calib = build_calibration(tok, read_documents(CALIB, max_chars=200_000),
+                              CalibConfig(seq_len=32, n_train=4, n_val=2, n_init=4))
+    return model, adapter, path, calib
+
+
 # -- one finished stage and one packed dir per format, shared by the checkpoint tests ----------------------------
 PACK_FORMATS = ("p48-nvfp4", "dense-nvfp4", "s24-fp8")
 

@@ -58,8 +58,10 @@ def test_init_then_refine_with_default_budget_then_redo(wd):
     # 2 × 32 tokens × top-2 = 128 routed rows over 8 experts: 16 rows each, capped at 8 rows per step
     assert "10 epochs × 2 steps" in sched and "routed rows per step" in sched, sched
     assert _manifest(wd)["stages"]["refine"]["config"]["refine"]["steps_per_epoch"] is None
+    # refinement ran its init inside the block loop with the options of the work dir's init-sgptq stage
+    assert _manifest(wd)["stages"]["refine"]["config"]["init"] == _manifest(wd)["stages"]["init-sgptq"]["config"]
     before = _artifacts(wd)
-    # the init stage refine found is the one init-sgptq made (typed options or defaults: the same stage)
+    # typed options or defaults: the same init-sgptq stage
     r = moesq("init-sgptq", "-w", wd, "--percdamp", "0.01", "--exact-scales", *FAST)
     assert "(0 computed now)" in r.stdout
     r = moesq("init-sgptq", "-w", wd, "--redo-from", "2", *FAST)
@@ -69,13 +71,21 @@ def test_init_then_refine_with_default_budget_then_redo(wd):
 
 
 def test_refine_then_init(micro_path, tmp_path):
-    """The reverse order: refine makes the init stage itself, init-sgptq then finds it finished."""
+    """The reverse order: refine from nothing calibrates and refines (its init runs inside its block loop, no
+    init stage is written); init-sgptq afterwards is a baseline stage of its own and leaves refine as it is."""
     wd = tmp_path / "wd"
     moesq("refine", "--model", micro_path, "-w", wd, *TINY, *SHORT, *FAST)
+    assert set(_manifest(wd)["stages"]) == {"refine"}
+    init = _manifest(wd)["stages"]["refine"]["config"]["init"]
+    assert init["method"] == "sgptq" and init["options"]["refit"] is True  # part of refine's identity, normalised
+    before = _artifacts(wd)
     r = moesq("init-sgptq", "-w", wd, *FAST)
-    assert "stage init-sgptq: 4 blocks (0 computed now)" in r.stdout
+    assert "stage init-sgptq: 4 blocks (4 computed now)" in r.stdout
     r = moesq("init-sgptq", "-w", wd, "--redo-from", "3", *FAST)
     assert "(1 computed now)" in r.stdout
+    # the init stage made with refine's init options: refine is the same stage, only checked
+    assert "(0 computed now)" in moesq("refine", "-w", wd, *SHORT, *FAST).stdout
+    assert {k: v for k, v in _artifacts(wd).items() if "init-sgptq" not in k} == before
 
 
 def test_refit_is_part_of_the_stage_identity(wd):
@@ -246,7 +256,7 @@ KILL_CMD = ["refine", *TINY, *SHORT, *FAST]
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory, micro_path):
-    """Artifacts of one uninterrupted calibrate → init-sgptq → refine, its wall time and the time at which its
+    """Artifacts of one uninterrupted calibrate → refine, its wall time and the time at which its
     calibration was recorded (so kills can aim at the calibration phase too)."""
     wd = tmp_path_factory.mktemp("ref") / "wd"
     t0 = time.time()
