@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import distributed
 from .calibration import CalibConfig
 from .config import CompressConfig, MethodConfig
 
@@ -65,7 +66,8 @@ def compress(model: str | Path | None = None, config: CompressConfig | str | Pat
     wd = WorkDir(workdir)
     summaries = {}
     with pipeline._command_lock(wd):
-        pipeline.open_workdir(wd, model or config.model, config.run_config().flat(), progress=progress)
+        distributed.main_first(pipeline.open_workdir, wd, model or config.model, config.run_config().flat(),
+                               progress=progress)
         for b in config.baselines:
             if b != config.init.name:
                 summaries[pipeline.init_stage_name(b)] = pipeline.compress(
