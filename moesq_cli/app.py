@@ -293,7 +293,8 @@ def _setup(workdir: Path | None, quiet: bool):
     from moesq_core.workdir import setup_logging
 
     hf_logging.disable_progress_bar()  # moesq shows its own progress; per-load weight bars are noise
-    setup_logging(workdir, quiet or _rank() != 0)  # under torchrun rank 0 shows warnings  # the log file starts once the work dir exists (see WorkDirLogHandler)
+    # the log file starts once the work dir exists (see WorkDirLogHandler); under torchrun rank 0 shows warnings
+    setup_logging(workdir, quiet or _rank() != 0)
     if workdir is not None:
         log.info("moesq %s", " ".join(sys.argv[1:]))
 
