@@ -11,12 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from test_cli import ENV, MOESQ, moesq
 
 SMALL = ["--seq-len", "32", "--n-train", "4", "--n-val", "2", "--n-init", "8"]
 # a short refinement whose logits can move patterns (so the per-expert Gumbel noise matters)
-REFINE = ["--epochs", "3", "--steps-per-epoch", "4", "--lr-logits", "0.01", "--device", "cpu"]
+SHORT = ["--epochs", "3", "--steps-per-epoch", "4", "--lr-logits", "0.01"]
+REFINE = [*SHORT, "--device", "cpu"]
 # one process with one thread: CPU reductions depend on the thread count, and each rank of a 2-process run
 # on this 2-core machine gets one (compare like with like)
 ONE_THREAD = {**ENV, "OMP_NUM_THREADS": "1"}
@@ -156,3 +158,15 @@ def test_a_rank_whose_peer_dies_or_hangs_stops_with_a_clear_error(single, tmp_pa
         last = err.strip().splitlines()[-1]
         assert last.startswith("error: rg: ") and "another rank stopped or did not answer within 20 s" in last, err
         assert "re-run the same command to resume" in last
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_write_the_artifacts_of_one(micro_path, tmp_path):
+    """NCCL, one GPU per rank (cuda:LOCAL_RANK): the artifacts of one process on one GPU."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    moesq("refine", "--model", micro_path, "-w", one, *SMALL, *SHORT, "--device", "cuda", "-q")
+    r = moesq("refine", "--model", micro_path, "-w", two, *SMALL, *SHORT, "--device", "cuda", "--nproc", "2")
+    assert r.stdout.count("stage refine: 4 blocks (4 computed now)") == 1
+    for stage in ("init-sgptq", "refine"):
+        assert _blocks(two, stage) == _blocks(one, stage), stage
