@@ -7,6 +7,7 @@ SIGINT / SIGTERM print what was saved and how to resume, and exit 130 / 143.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -19,6 +20,7 @@ from typing import Annotated, Optional
 
 import click
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from moesq_core.formats import FORMAT_NAMES
@@ -148,6 +150,9 @@ QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars;
 RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, help="Recompute this stage from this layer on.")]
 BatchOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Calibration sequences per forward pass.")]
 CacheOpt = Annotated[float, typer.Option("--cache-gb", min=0.0, help="Calibration states kept in memory; the rest spill to the work dir.")]
+NprocOpt = Annotated[int, typer.Option(
+    "--nproc", min=1, help="Processes sharing each block's experts (expert parallel): one per GPU, or CPU "
+                           "processes with --device cpu; started under torchrun.")]
 JsonOpt = Annotated[Optional[Path], typer.Option(
     "--json", help="Also write the result as JSON to this file ('-' = stdout, tables then go to stderr); "
                    "schema in the README (JSON output).")]
@@ -172,9 +177,47 @@ def _out_console(json_out: Path | None):
 log = logging.getLogger("moesq")
 
 
+def _rank() -> int:
+    from moesq_core.distributed import launched_rank
+
+    return launched_rank()
+
+
 def _fail(msg: str, code: int = 1):
-    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    rank = _rank()
+    if code == 2 and rank != 0:  # under torchrun every rank validates the same options; rank 0 says it
+        raise typer.Exit(code)
+    err_console.print(f"[bold red]error:[/] {f'rank {rank}: ' if rank else ''}{escape(msg)}", highlight=False,
+                      soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _progress(quiet: bool):
+    """Progress bars and notes; under torchrun only rank 0 shows them (the others log)."""
+    from moesq_core.progress import NullProgress
+
+    return RichProgress(quiet) if _rank() == 0 else contextlib.nullcontext(NullProgress())
+
+
+@contextlib.contextmanager
+def _ranks(device: str, nproc: int, workdir: Path):
+    """Expert parallel. `--nproc N` (N > 1) runs this same command as N ranks under torchrun and exits with
+    their status; under torchrun this process joins the process group. Yields the device to compute on."""
+    from moesq_core import distributed
+
+    try:
+        distributed.check_launch(nproc, device)
+        distributed.rank_device(device)
+        distributed.timeout()
+    except ValueError as e:
+        _fail(str(e), 2)
+    if nproc > 1:
+        code, error = distributed.launch(nproc, distributed.without_option(sys.argv[1:], "--nproc"))
+        if error:
+            _fail(f"{error}; {_saved_state(workdir)}")
+        raise typer.Exit(code)
+    with distributed.process_group(device) as dev:
+        yield dev
 
 
 class _Terminated(BaseException):
@@ -216,6 +259,7 @@ def _guard(fn):
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
+        from moesq_core.distributed import PeerFailed, RankZeroFailed, launched_world
         from moesq_core.engine import StageOutOfMemoryError
         from moesq_core.models import UnsupportedModelError
         from moesq_core.workdir import WorkDirError
@@ -226,12 +270,19 @@ def _guard(fn):
             return fn(*a, **kw)
         except (typer.Exit, typer.Abort, click.exceptions.ClickException):
             raise
+        except RankZeroFailed:  # rank 0 printed the error
+            _log_traceback(workdir)
+            raise typer.Exit(1)
         except (KeyboardInterrupt, _Terminated) as e:
             what = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
+            if what == "SIGTERM" and launched_world() > 1:
+                what += " from torchrun: another rank failed, or the run was stopped"
+            if _rank() != 0:  # rank 0 says what was saved
+                raise typer.Exit(130 if what == "SIGINT" else 143)
             _log_traceback(workdir)
             err_console.print(f"[bold yellow]interrupted ({what}):[/] {_saved_state(workdir)}", highlight=False,
                               soft_wrap=True)
-            raise typer.Exit(130 if what == "SIGINT" else 143)
+            raise typer.Exit(130 if what.startswith("SIGINT") else 143)
         except (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError, RuntimeError,
                 OSError) as e:
             logfile = _log_traceback(workdir)
@@ -239,7 +290,7 @@ def _guard(fn):
                 traceback.print_exc()
             msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.strerror or e}: {e.filename}"
             if not isinstance(e, (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError,
-                                  StageOutOfMemoryError)):
+                                  StageOutOfMemoryError, PeerFailed)):
                 msg = f"{type(e).__name__}: {msg}" + (f" (traceback in {logfile})" if logfile else "")
             _fail(msg)
         except Exception as e:  # a bug: say so, keep the traceback
@@ -259,7 +310,8 @@ def _setup(workdir: Path | None, quiet: bool):
     from moesq_core.workdir import setup_logging
 
     hf_logging.disable_progress_bar()  # moesq shows its own progress; per-load weight bars are noise
-    setup_logging(workdir, quiet)  # the log file starts once the work dir exists (see WorkDirLogHandler)
+    # the log file starts once the work dir exists (see WorkDirLogHandler); under torchrun rank 0 shows warnings
+    setup_logging(workdir, quiet or _rank() != 0)
     if workdir is not None:
         log.info("moesq %s", " ".join(sys.argv[1:]))
 
@@ -339,7 +391,7 @@ def init_sgptq(
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
-    quiet: QuietOpt = False, json_out: JsonOpt = None,
+    nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
 ):
     """One-shot compression of every routed expert, block by block (SparseGPT+GPTQ by default).
 
@@ -369,9 +421,11 @@ def init_sgptq(
             flag = {"exact_scales": "--exact-scales/--fp32-scales", "refit": "--refit/--no-refit"}.get(k, "--" + k.replace("_", "-"))
             _fail(f"{flag} does not apply to --method {method}", 2)
     mcfg = _as_usage_error(MethodConfig, name=method, options=opts)
-    with RichProgress(quiet) as p:
+    with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         summary = run_init(workdir, mcfg, model, given, device=device, batch_size=batch_size, redo_from=redo_from,
                            cache_limit_gb=cache_gb, progress=p)
+    if _rank() != 0:
+        return
     stage = init_stage_name(method)
     if json_out is not None:
         _write_json(json_out, {"schema": "moesq.stage/1", "workdir": str(workdir), "stage": stage, "config": mcfg.to_dict(), **summary})
@@ -399,7 +453,7 @@ def refine(
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
-    quiet: QuietOpt = False, json_out: JsonOpt = None,
+    nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
 ):
     """Learn each expert's sparsity pattern jointly with its quantized values (the moesq algorithm).
 
@@ -416,11 +470,18 @@ def refine(
     schedule (epochs × steps, rows per step, effective learning rates) is printed before training, with a
     warning when no pattern can change.
 
+    [bold]Several GPUs[/]: --nproc N (or `torchrun --nproc-per-node N $(which moesq) refine ...`) shards each
+    block's experts over N processes. Every expert draws its own random numbers (seeded by --refine-seed, the
+    layer and the expert) and batches are sized from the whole block, so an expert's result does not depend
+    on the sharding: on the CPU the artifacts are byte-identical to one process's.
+
     [bold]Examples[/]
 
       moesq refine -w moesq-work --seq-len 32 --n-train 2 --n-val 2 --n-init 8
 
       moesq refine -w moesq-work --stage refine-short --epochs 2 --steps-per-epoch 4
+
+      moesq refine -w moesq-work --stage refine-2proc --epochs 2 --steps-per-epoch 4 --nproc 2 --device cpu
 
       moesq refine --model Qwen/Qwen3-30B-A3B -w qwen3-work --device cuda
     """
@@ -439,9 +500,11 @@ def refine(
                    train_support=False if values_only else None, train_values=False if support_only else None,
                    seed=refine_seed)
     rcfg = _as_usage_error(RefineConfig, **{k: v for k, v in options.items() if v is not None})
-    with RichProgress(quiet) as p:
+    with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,
                              batch_size=batch_size, redo_from=redo_from, cache_limit_gb=cache_gb, progress=p)
+    if _rank() != 0:
+        return
     if json_out is not None:
         _write_json(json_out, {"schema": "moesq.stage/1", "workdir": str(workdir), "stage": stage, **summary})
         if str(json_out) == "-":
@@ -796,7 +859,8 @@ def run(
     epochs: Annotated[Optional[int], typer.Option(min=0, help="Refinement epochs (default 2).")] = None,
     steps_per_epoch: Annotated[Optional[int], typer.Option(min=1, help="Refinement optimizer steps per epoch (default 8).")] = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None,
-    seed: SeedOpt = None, device: DeviceOpt = "auto", quiet: QuietOpt = False, json_out: JsonOpt = None,
+    seed: SeedOpt = None, device: DeviceOpt = "auto", nproc: NprocOpt = 1, quiet: QuietOpt = False,
+    json_out: JsonOpt = None,
 ):
     """Everything in one go: calibrate → baselines → init → refine → pack → verify → perplexity table.
 
@@ -845,8 +909,10 @@ def run(
     if cfg.refine is None and (epochs is not None or steps_per_epoch is not None):
         _fail("--epochs / --steps-per-epoch need refinement (drop --no-refine)", 2)
     cfg = _as_usage_error(cfg.with_overrides, **given, epochs=epochs, steps_per_epoch=steps_per_epoch)
-    with RichProgress(quiet) as p:
+    with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         res = run_all(workdir, cfg, model, device=device, ppl=ppl, ppl_tokens=ppl_tokens, progress=p)
+    if res is None:  # a rank other than 0 (rank 0 packs, evaluates and prints)
+        return
     if json_out is not None:
         _write_json(json_out, {"schema": "moesq.run/1", "workdir": str(workdir), **res})
         if str(json_out) == "-":
@@ -890,6 +956,12 @@ def main():
         if a == "--push-to-hub" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
             sys.argv.insert(i + 2, _DEFAULT_REPO)
             break
+    if _rank() != 0:  # under torchrun: every rank parses the same options, rank 0 prints usage errors
+        try:
+            code = app(standalone_mode=False)
+        except (typer.TyperException, typer.Abort, click.exceptions.ClickException, click.exceptions.Abort) as e:
+            sys.exit(getattr(e, "exit_code", 1))
+        sys.exit(code if isinstance(code, int) else 0)
     app()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import distributed
 from .calibration import CalibConfig
 from .config import CompressConfig, MethodConfig
 
@@ -66,7 +67,8 @@ def compress(model: str | Path | None = None, config: CompressConfig | str | Pat
     wd = WorkDir(workdir)
     summaries = {}
     with pipeline._command_lock(wd):
-        pipeline.open_workdir(wd, model or config.model, config.run_config().flat(), progress=progress)
+        distributed.main_first(pipeline.open_workdir, wd, model or config.model, config.run_config().flat(),
+                               progress=progress)
         # One-shot stages: the baselines (the init method among them as configured), and the init itself when
         # there is no refinement (refinement computes its init inside its own block loop).
         one_shot = [config.init if b == config.init.name else MethodConfig(b) for b in config.baselines]

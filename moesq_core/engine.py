@@ -24,9 +24,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from . import packing
+from . import distributed, packing
 from .formats import Format, QuantizedWeight
-from .methods.base import PROJECTIONS, CompressedExpert, ExpertData, Method
+from .methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method
 from .models import MoEAdapter, MoEBlock
 from .progress import NullProgress, note, skip
 from .runtime.experts import MoesqExperts
@@ -178,11 +178,7 @@ def install_block(block: MoEBlock, fmt: Format, results: list[CompressedExpert],
 
 # -- the loop --------------------------------------------------------------------------------------------
 def _dist():
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return dist
-    return None
+    return distributed.active()
 
 
 @torch.no_grad()
@@ -307,12 +303,13 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
     blocks = {b.layer_index: b for b in adapter.blocks(model)}
     if redo_from is not None and not 0 <= redo_from <= max(blocks):
         raise ValueError(f"--redo-from {redo_from}: the model's MoE blocks are layers {min(blocks)}..{max(blocks)}")
-    if is_main:
+
+    def open_stage():
         workdir.open_stage(spec.name, spec.config, num_blocks=len(blocks))
-        if redo_from is not None:
+        if redo_from is not None and is_main:
             workdir.drop_blocks_from(spec.name, redo_from)
-    if dist:
-        dist.barrier()
+
+    distributed.main_first(open_stage)  # the other ranks then only check the stage's config
     stage_dir = workdir.stage_dir(spec.name)
     for b in blocks.values():  # every stage starts from the dense model
         b.restore_dense()
@@ -358,8 +355,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                         workdir.record_block(spec.name, li, path, {"experts": len(results)},
                                              timings={"seconds": round(time.perf_counter() - t0, 2),
                                                       **({"experts": timings} if timings else {})})
-                    if dist:
-                        dist.barrier()
+                    distributed.barrier(f"{spec.name}: block {li} written")
                     computed += 1
                     if computed == 1 and is_main:
                         _note_estimate(progress, spec.name, [b for b in todo if b > li], time.perf_counter() - t0)
@@ -380,8 +376,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
     log.info("%s: done, %s", spec.name, summary)
     if is_main:
         workdir.finish_stage(spec.name, summary)
-    if dist:
-        dist.barrier()
+    distributed.barrier(f"{spec.name}: finishing")
     return summary
 
 
@@ -409,6 +404,8 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     H = block.dense_experts.gate_up_proj.shape[-1]
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     mine = [e for e in range(E) if e % world == rank]
+    rows = BlockRows(block.layer_index, tuple(sum(len(p) for p in xs[e]) for e in range(E)),
+                     tuple(sum(len(p) for p in xv[e]) for e in range(E)) if spec.val_split else None)
     data = []
     for e in mine:
         w = block.expert_weights(e)
@@ -418,7 +415,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
         data.append(ExpertData(
             e, w["gate"], w["up"], w["down"], _cat(xs[e], H).to(dev), _cat(ws[e], 1).reshape(-1).to(dev),
             _cat(xv[e], H).to(dev) if spec.val_split else None,
-            _cat(wv[e], 1).reshape(-1).to(dev) if spec.val_split else None))
+            _cat(wv[e], 1).reshape(-1).to(dev) if spec.val_split else None, block=rows))
     method = spec.method_for_block(block.layer_index)
     with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(data)) as t:
         results_mine = method.compress_block(data, spec.fmt, t.advance)
@@ -426,11 +423,10 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
         for qw in r.weights().values():
             for name in ("codes", "scales", "global_scale", "mask"):
                 setattr(qw, name, getattr(qw, name).cpu())
-        if r.latent:
-            r.latent = {k: v.cpu() for k, v in r.latent.items()}
-    if dist:
-        gathered = [None] * world
-        dist.all_gather_object(gathered, list(zip(mine, results_mine)))
+        r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
+    if dist:  # objects holding CPU tensors (with NCCL they travel through this rank's GPU)
+        gathered = distributed.all_gather_object(list(zip(mine, results_mine)),
+                                                 f"{spec.name}: gathering block {block.layer_index}")
         by_e = dict(pair for part in gathered for pair in part)
         results = [by_e[e] for e in range(E)]
     else:

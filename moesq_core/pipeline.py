@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from . import distributed
 from .calibration import CalibConfig, build_calibration, read_documents
 from .config import (DEFAULT_CALIB, DEFAULT_EVAL, DEFAULT_MODEL, ASSETS, MethodConfig, RunConfig,  # noqa: F401
                      refine_identity)
@@ -293,7 +294,7 @@ def run_init(workdir: str | Path, method: MethodConfig, model: str | Path | None
     _check_run_args(device, batch_size, redo_from, cache_limit_gb)
     wd = WorkDir(workdir)
     with _command_lock(wd):
-        wd = open_workdir(wd, model, options, progress=progress)
+        wd = distributed.main_first(open_workdir, wd, model, options, progress=progress)
         return compress(wd, method, device=device, batch_size=batch_size, redo_from=redo_from, progress=progress,
                         cache_limit_gb=cache_limit_gb)
 
@@ -316,7 +317,7 @@ def run_refine(workdir: str | Path, config, model: str | Path | None = None, opt
     _check_run_args(device, batch_size, redo_from, cache_limit_gb)
     wd = WorkDir(workdir)
     with _command_lock(wd):
-        wd = open_workdir(wd, model, options, progress=progress)
+        wd = distributed.main_first(open_workdir, wd, model, options, progress=progress)
         return refine(wd, rcfg, init=recorded_init(wd, init), device=device, batch_size=batch_size,
                       redo_from=redo_from, progress=progress, cache_limit_gb=cache_limit_gb, stage=stage)
 
@@ -339,7 +340,7 @@ def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *
             ppl: str | Path | None = None, ppl_tokens: int = 65536, progress=None) -> dict:
     """`moesq run`: compress (calibrate → baselines → init → refine, as the CompressConfig says; default: the
     micro-quick recipe) → pack → verify → perplexity of the reference, every stage and the packed model.
-    Returns {stage, config, packed, rows, bits_per_weight}."""
+    Returns {stage, config, packed, rows, bits_per_weight} (None on the ranks other than 0 under torchrun)."""
     from .api import compress as compress_model
     from .checkpoint.verify import verify_packed_dir
     from .eval.runner import ResultCache, ppl_for_targets, resolve_targets
@@ -348,6 +349,8 @@ def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *
     wd = WorkDir(workdir)
     with _command_lock(wd):
         handle = compress_model(model, config, workdir, device=device, progress=progress)
+        if not distributed.is_main_process():
+            return None  # expert parallel: rank 0 packs, verifies and evaluates
         out = wd.root / "packed"
         with progress.task(f"pack {handle.stage}", None):
             handle.save_pretrained(out, overwrite=True)

@@ -16,6 +16,17 @@ from ..formats import Format, QuantizedWeight
 from ..naming import PROJECTIONS  # noqa: F401  (the methods import it from here)
 
 
+@dataclass(frozen=True)
+class BlockRows:
+    """The routed calibration rows of every expert of one block (by expert index), as every rank sees them.
+    Methods that batch a block's experts size their batches from these rather than from the experts they
+    were handed, so an expert's result does not depend on which others a process holds (expert parallel)."""
+
+    layer_index: int
+    rows: tuple[int, ...]  # len(x) per expert
+    val_rows: tuple[int, ...] | None = None  # len(x_val) per expert, when the engine gives held-out rows
+
+
 @dataclass
 class ExpertData:
     """One expert of one block. Weights are fp32 [out, in] (gate/up: [I, H], down: [H, I]).
@@ -34,6 +45,7 @@ class ExpertData:
     # them; methods that validate (refine) use these instead of splitting x.
     x_val: torch.Tensor | None = None
     w_val: torch.Tensor | None = None
+    block: BlockRows | None = None  # the whole block's row counts (None: the experts handed over are the block)
 
     def dense_intermediate(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU intermediate of the uncompressed expert: the input of down_proj."""

@@ -9,15 +9,31 @@ gain·A + G); the exported mask is the noise-free argmax of A.
 from __future__ import annotations
 
 import math
+from typing import Sequence, Union
 
 import torch
 
 from ...formats import PatternSet
 
 
-def gumbel_noise(shape, generator: torch.Generator | None, device, dtype=torch.float32) -> torch.Tensor:
+Generators = Union[torch.Generator, Sequence[torch.Generator], None]
+
+
+def draw(sample, shape, generator: Generators, device, dtype=torch.float32) -> torch.Tensor:
+    """`sample` (torch.rand / torch.randn) of `shape`. A sequence of generators draws each index of the leading
+    axis from its own generator (one per expert: an expert's numbers then do not depend on the others)."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"{len(generator)} generators for a leading axis of {shape[0]}")
+        if not generator:
+            return torch.empty(tuple(shape), device=device, dtype=dtype)
+        return torch.stack([sample(tuple(shape[1:]), generator=g, device=device, dtype=dtype) for g in generator])
+    return sample(tuple(shape), generator=generator, device=device, dtype=dtype)
+
+
+def gumbel_noise(shape, generator: Generators, device, dtype=torch.float32) -> torch.Tensor:
     """Standard Gumbel samples −log(−log U). U is clamped away from 0 and 1 so the result stays finite."""
-    u = torch.rand(shape, generator=generator, device=device, dtype=dtype)
+    u = draw(torch.rand, shape, generator, device, dtype)
     tiny = torch.finfo(dtype).tiny
     return -torch.log(-torch.log(u.clamp(tiny, 1.0 - torch.finfo(dtype).eps)))
 
@@ -47,7 +63,7 @@ def hard_mask(A: torch.Tensor, ps: PatternSet) -> torch.Tensor:
     return ps.mask_from_index(hard_index(A))
 
 
-def init_logits(mask: torch.Tensor, ps: PatternSet, generator: torch.Generator | None = None,
+def init_logits(mask: torch.Tensor, ps: PatternSet, generator: Generators = None,
                 noise: float = 0.01, match: float = 4.0) -> torch.Tensor:
     """A = noise·(N(0,1) + match·c), c the centred overlap of each pattern with the init support.
 
@@ -55,7 +71,7 @@ def init_logits(mask: torch.Tensor, ps: PatternSet, generator: torch.Generator |
     against logits of ~1e-2 in bf16 (a fault of the public release).
     """
     c = ps.overlap_init(mask)
-    n = torch.randn(c.shape, generator=generator, device=c.device, dtype=torch.float32)
+    n = draw(torch.randn, c.shape, generator, c.device)
     return noise * (n + match * c.float())
 
 

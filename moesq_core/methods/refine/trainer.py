@@ -19,6 +19,7 @@ everything else, validation included, in fp32.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -217,6 +218,13 @@ def remaining_gap(gap: float, lrs, weight_decay: float) -> float:
     return g
 
 
+def expert_seed(seed: int, layer: int, expert: int, stream: str = "") -> int:
+    """The seed of one expert's random numbers: a hash of (seed, layer, expert index, stream), the same
+    whichever process refines the expert."""
+    digest = hashlib.sha256(f"moesq-refine:{seed}:{layer}:{expert}:{stream}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
 @dataclass(frozen=True)
 class RefineSchedule:
     """What one block's refinement will do (printed before training)."""
@@ -330,7 +338,7 @@ class BlockRefiner:
         self.fmt, self.cfg = fmt, config
         self.ps = fmt.patterns
         self.experts, self.inits = experts, inits
-        self.E = E = len(experts)
+        self.E = len(experts)
         self.device = dev = experts[0].gate.device
         I, H = experts[0].gate.shape
         self.H, self.I = H, I
@@ -351,9 +359,14 @@ class BlockRefiner:
         self.learn_support = config.train_support and self.ps.num_patterns > 1
         if not (self.learn_support or config.train_values):
             raise ValueError(f"format {fmt.name} has no sparsity pattern to learn and train_values is False: nothing to refine")
-        # One generator drives every random draw (split, A init, shuffles, Gumbel noise), in a fixed order.
-        self.gen = torch.Generator(device=dev).manual_seed(config.seed)
-        self.mc = max(1, -(-config.micro_batch_rows // E))  # rows per expert per micro-batch
+        # Shard invariance (expert parallel gives each process some of a block's experts): every random draw
+        # of an expert (split, A init, shuffles, Gumbel noise) comes from its own generator, seeded by (seed,
+        # layer, expert index), and batches are sized from the whole block's row counts, so an expert's
+        # result does not depend on which other experts are refined with it.
+        self._block_layout()
+        self.gens = [torch.Generator(device=dev).manual_seed(expert_seed(config.seed, self.layer, ex.index))
+                     for ex in experts]
+        self.mc = max(1, -(-config.micro_batch_rows // len(self.blk_ntr)))  # rows per expert per micro-batch
         self.timings: dict[str, float] = {}  # setup phases, seconds (synchronised; setup only)
         self._t = time.perf_counter()
         self._setup_data()
@@ -381,10 +394,38 @@ class BlockRefiner:
             return 0
         return min(max(round(self.cfg.val_fraction * n), self.cfg.min_val_rows), n // 2)
 
+    def _split_counts(self, rows: int, val_rows: int | None) -> tuple[int, int]:
+        """(train, validation) rows of an expert with `rows` routed rows and `val_rows` given held-out ones
+        (None: held out from its own rows)."""
+        if val_rows is not None:
+            return rows, val_rows
+        nv = self._n_val(rows)
+        return rows - nv, nv
+
+    def _block_layout(self):
+        """The whole block's train / validation row counts (blk_ntr, blk_nva: [experts of the block]), the
+        block position of each expert refined here (pos) and the layer index, from ExpertData.block; without
+        it the experts handed over are the block."""
+        blk = self.experts[0].block
+        mine = [self._split_counts(ex.x.numel() // self.H, None if ex.x_val is None else ex.x_val.numel() // self.H)
+                for ex in self.experts]
+        if blk is None:
+            self.layer, self.pos, counts = 0, list(range(self.E)), mine
+        else:
+            if any(ex.block != blk for ex in self.experts):
+                raise ValueError("the experts handed over belong to different blocks (ExpertData.block)")
+            self.layer, self.pos = blk.layer_index, [ex.index for ex in self.experts]
+            val = blk.val_rows or (None,) * len(blk.rows)
+            counts = [self._split_counts(n, v) for n, v in zip(blk.rows, val)]
+            for ex, p, c in zip(self.experts, self.pos, mine):
+                if not 0 <= p < len(counts) or counts[p] != c:
+                    raise ValueError(f"expert {ex.index}: its rows do not match ExpertData.block's counts")
+        self.blk_ntr = torch.tensor([c[0] for c in counts], dtype=torch.int64)
+        self.blk_nva = torch.tensor([c[1] for c in counts], dtype=torch.int64)
+
     def _setup_data(self):
         cfg, dev, H = self.cfg, self.device, self.H
         xs, ws, ntr, nva, amax_in = [], [], [], [], []
-        split_gen = torch.Generator().manual_seed(cfg.seed)  # CPU: the split does not depend on the device
         for ex in self.experts:
             x = ex.x.to(dev, torch.float32).reshape(-1, H)
             w = ex.w.to(dev, torch.float32).reshape(-1)
@@ -399,6 +440,8 @@ class BlockRefiner:
                 xt, wt = x, w
             else:
                 nv = self._n_val(x.shape[0])
+                # CPU: the split does not depend on the device
+                split_gen = torch.Generator().manual_seed(expert_seed(cfg.seed, self.layer, ex.index, "split"))
                 perm = torch.randperm(x.shape[0], generator=split_gen).to(dev)
                 xv, wv, xt, wt = x[perm[:nv]], w[perm[:nv]], x[perm[nv:]], w[perm[nv:]]
             xs += [xt, xv]
@@ -422,8 +465,9 @@ class BlockRefiner:
         self.offsets = off
         # Flat row index of each expert's train / validation / all rows, sentinel-padded: [E, max count].
         self.train_base = off.to(dev)
-        self.val_idx = self._ranges(off + self.n_train, self.n_val)
-        all_idx = self._ranges(off, n_all)
+        blk_all = self.blk_ntr + self.blk_nva
+        self.val_idx = self._ranges(off + self.n_train, self.n_val, int(self.blk_nva.max()))
+        all_idx = self._ranges(off, n_all, int(blk_all.max()))
         self.row_expert = torch.repeat_interleave(torch.arange(self.E, device=dev), n_all.to(dev))
         self.h_amax = torch.zeros(self.E, device=dev)  # running SwiGLU-output range (see train_step)
         self.Y = self._dense_targets(X, all_idx)
@@ -431,36 +475,40 @@ class BlockRefiner:
         self.Xq = self._quantize_inputs(X).to(self.cache_dtype)
         del X
         self._tick("quantize_inputs")
-        ntr_t = self.n_train[self.n_train > 0]
+        ntr_t = self.blk_ntr[self.blk_ntr > 0]  # the block's, whichever of its experts are refined here
         self.plan = self.cfg.schedule(int(ntr_t.sum()), int(ntr_t.numel()), self.ps)
         if self.plan.warning and self.plan.warning not in _WARNED:
             _WARNED.add(self.plan.warning)  # once per process, not once per block
             log.warning(self.plan.warning)
         self.steps_per_epoch = S = self.plan.steps_per_epoch
         s = torch.arange(S + 1, dtype=torch.int64)[:, None]
-        bounds = (s * self.n_train[None, :]) // S  # [S+1, E] each expert's rows split into S near-equal chunks
-        self.step_start, self.step_cnt = bounds[:-1], bounds[1:] - bounds[:-1]
+        bounds = (s * self.blk_ntr[None, :]) // S  # [S+1, block] each expert's rows split into S near-equal chunks
+        self.blk_step_cnt = bounds[1:] - bounds[:-1]
+        self.step_start, self.step_cnt = bounds[:-1, self.pos], self.blk_step_cnt[:, self.pos]
         self.total_steps = S * self.cfg.epochs
         self.values_steps = self.plan.values_first_steps  # values-only phase before the joint one
 
-    def _ranges(self, start: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
-        C = max(int(count.max()), 1)
+    def _ranges(self, start: torch.Tensor, count: torch.Tensor, width: int) -> torch.Tensor:
+        C = max(width, 1)
         j = torch.arange(C, device=self.device)[None, :]
         idx = start.to(self.device)[:, None] + j
         return torch.where(j < count.to(self.device)[:, None], idx, torch.full_like(idx, self.sentinel))
 
-    def _plan(self, counts: torch.Tensor, width: int) -> list[tuple[torch.Tensor | None, int, int]]:
+    def _plan(self, block_counts: torch.Tensor, width: int) -> list[tuple[torch.Tensor | None, int, int]]:
         """Token-axis micro-batches over column offsets of a [E, width] index matrix: (act, start, stop),
-        act = the experts (CPU indices; None = all) with rows at `start`. When few experts remain, each
-        takes more columns, so a micro-batch holds about micro_batch_rows rows however unequal the loads."""
+        act = the experts refined here (CPU indices; None = all) with rows at `start`. When few experts
+        remain, each takes more columns, so a micro-batch holds about micro_batch_rows rows however unequal
+        the loads. Offsets come from the whole block's counts [block experts] (shard invariance)."""
         plan, off = [], 0
+        mine = block_counts[self.pos]
         while off < width:
-            act = (counts > off).nonzero().reshape(-1)
-            k = act.numel()
+            k = int((block_counts > off).sum())
             if k == 0:
                 break
             c = max(self.mc, self.cfg.micro_batch_rows // k)
-            plan.append((None if k == self.E else act, off, off + c))
+            act = (mine > off).nonzero().reshape(-1)
+            if act.numel():
+                plan.append((None if act.numel() == self.E else act, off, off + c))
             off += c
         return plan
 
@@ -474,10 +522,10 @@ class BlockRefiner:
             flat = flat.pin_memory().to(self.device, non_blocking=True)
         return list(torch.split(flat, [h.numel() for h in host]))
 
-    def _micro_batches(self, counts: torch.Tensor, width: int, *extra: torch.Tensor):
+    def _micro_batches(self, block_counts: torch.Tensor, width: int, *extra: torch.Tensor):
         """(act on the device or None, start, stop) per micro-batch; `extra` CPU tensors travel along and
         are yielded first (as device tensors)."""
-        plan = self._plan(counts, width)
+        plan = self._plan(block_counts, width)
         moved = self._to_device(*extra, *(a for a, _, _ in plan if a is not None))
         yield moved[:len(extra)]
         it = iter(moved[len(extra):])
@@ -502,8 +550,7 @@ class BlockRefiner:
         st = lambda p: torch.stack([getattr(ex, p).float() for ex in self.experts])
         Wg, Wu, Wd = st("gate"), st("up"), st("down")
         Y = torch.zeros(X.shape[0], self.H, device=self.device)
-        counts = self.n_train + self.n_val
-        mb = self._micro_batches(counts, all_idx.shape[1])
+        mb = self._micro_batches(self.blk_ntr + self.blk_nva, all_idx.shape[1])
         next(mb)
         for act, a, b in mb:
             idx = self._sel(all_idx, act)[:, a:b]
@@ -560,7 +607,7 @@ class BlockRefiner:
                 raise ValueError(f"init latent for {p} has shape {tuple(V.shape[1:])}, weights {tuple(deq.shape[1:])}")
             V.requires_grad_(cfg.train_values)
             if self.learn_support:
-                A = relaxation.init_logits(mask, self.ps, self.gen, cfg.init_noise, cfg.init_match)
+                A = relaxation.init_logits(mask, self.ps, self.gens, cfg.init_noise, cfg.init_match)
                 A = A.to(_DTYPES[cfg.logits_dtype]).requires_grad_()
                 fixed = None
             else:
@@ -611,7 +658,7 @@ class BlockRefiner:
             if pr.A is not None and not joint:
                 soft[p] = pr.V * relaxation.hard_mask(pr.A.detach(), self.ps)
             elif pr.A is not None:
-                G = relaxation.gumbel_noise(pr.A.shape, self.gen, self.device)
+                G = relaxation.gumbel_noise(pr.A.shape, self.gens, self.device)
                 soft[p] = self._relax(pr.A, pr.V, G, tau, gain)
             elif pr.fixed_mask is not None:
                 soft[p] = pr.V * pr.fixed_mask
@@ -677,9 +724,11 @@ class BlockRefiner:
     def epoch_order(self) -> torch.Tensor:
         """A fresh random order of each expert's training rows: [E, max n_train] positions (padding last)."""
         C = max(int(self.n_train.max()), 1)
-        keys = torch.rand(self.E, C, generator=self.gen, device=self.device)
-        pad = torch.arange(C, device=self.device)[None, :] >= self.n_train.to(self.device)[:, None]
-        return keys.masked_fill(pad, 2.0).argsort(dim=1, stable=True)
+        order = torch.arange(C, device=self.device).repeat(self.E, 1)
+        for e, (n, g) in enumerate(zip(self.n_train.tolist(), self.gens)):
+            if n:
+                order[e, :n] = torch.rand(n, generator=g, device=self.device).argsort(stable=True)
+        return order
 
     def train_step(self, order: torch.Tensor, s: int) -> torch.Tensor:
         """One optimizer step (step s of the epoch with row order `order`). Returns the per-expert loss [E]."""
@@ -687,8 +736,8 @@ class BlockRefiner:
         for grp in self.opt.param_groups:
             grp["lr"] = grp["base_lr"] * (sch.lr_logits if grp["name"] == "logits" else sch.lr_values)
         cnt = self.step_cnt[s]
-        C = int(cnt.max())
-        mb = self._micro_batches(cnt, C, self.step_start[s], cnt)
+        C = int(self.blk_step_cnt[s].max())  # the block's widest: shapes that do not depend on the shard
+        mb = self._micro_batches(self.blk_step_cnt[s], C, self.step_start[s], cnt)
         start, cnt_d = next(mb)
         j = torch.arange(max(C, 1), device=self.device)[None, :]
         pos = order.gather(1, (start[:, None] + j).clamp(max=order.shape[1] - 1))
@@ -791,7 +840,7 @@ class BlockRefiner:
         return torch.where(den > 0, num / (den.clamp_min(1e-30) * self.H), torch.full_like(num, math.nan))
 
     def _val_batches(self):
-        mb = self._micro_batches(self.n_val, self.val_idx.shape[1])
+        mb = self._micro_batches(self.blk_nva, self.val_idx.shape[1])
         next(mb)
         for act, a, b in mb:
             yield act, self._sel(self.val_idx, act)[:, a:b]
