@@ -33,7 +33,10 @@ def _blocks(wd: Path, stage: str) -> dict:
 def single(micro_path, tmp_path_factory) -> Path:
     """A work dir whose init-sgptq and refine stages one process computed."""
     wd = tmp_path_factory.mktemp("ep") / "single"
-    r = subprocess.run([MOESQ, "refine", "--model", str(micro_path), "-w", str(wd), *SMALL, *REFINE, "-q"],
+    r = subprocess.run([MOESQ, "init-sgptq", "--model", str(micro_path), "-w", str(wd), *SMALL, "--device", "cpu", "-q"],
+                       capture_output=True, text=True, env=ONE_THREAD, timeout=600)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([MOESQ, "refine", "-w", str(wd), *REFINE, "-q"],
                        capture_output=True, text=True, env=ONE_THREAD, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "patterns can change" in r.stderr
@@ -42,7 +45,9 @@ def single(micro_path, tmp_path_factory) -> Path:
 
 def test_two_processes_write_the_artifacts_of_one(single, micro_path, tmp_path):
     wd = tmp_path / "two"
-    r = moesq("refine", "--model", micro_path, "-w", wd, *SMALL, *REFINE, "--nproc", "2")
+    r = moesq("init-sgptq", "--model", micro_path, "-w", wd, *SMALL, "--device", "cpu", "--nproc", "2")
+    assert r.stdout.count("stage init-sgptq: 4 blocks (4 computed now)") == 1
+    r = moesq("refine", "-w", wd, *REFINE, "--nproc", "2")
     assert r.stdout.count("stage refine: 4 blocks (4 computed now)") == 1  # rank 0 alone prints
     assert r.stderr.count("refine schedule:") == 1
     for stage in ("init-sgptq", "refine"):
