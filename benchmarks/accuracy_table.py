@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moesq_core import pipeline  # noqa: E402
 from moesq_core.calibration import CalibConfig  # noqa: E402
+from moesq_core.config import MethodConfig  # noqa: E402
 from moesq_core.engine import StageSpec, run_stage  # noqa: E402
 from moesq_core.eval.runner import EvalTarget, ResultCache, ppl_for_targets  # noqa: E402
 from moesq_core.formats import get_format  # noqa: E402
@@ -220,9 +221,10 @@ def ensure_stage(wd: WorkDir, row: str, refine_cfg: dict, batch_size: int) -> di
     if st and st.get("done"):
         return st
     if kind == "refine":
-        ensure_stage(wd, method, refine_cfg, batch_size)
-        init = stage_name(method).removeprefix("init-")
-        pipeline.refine(wd, {**refine_cfg, **opts}, init=init, device=DEVICE, batch_size=batch_size, stage=name)
+        ensure_stage(wd, method, refine_cfg, batch_size)  # the init row alone, for the table
+        _, _, init_method, init_opts = ROWS[method]  # refinement runs this init inside its block loop
+        pipeline.refine(wd, {**refine_cfg, **opts}, init=MethodConfig(init_method, init_opts), device=DEVICE,
+                        batch_size=batch_size, stage=name)
     else:
         compress_stage(wd, method, opts, name, batch_size)
     return wd.stage(name)

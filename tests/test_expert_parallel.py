@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -62,6 +63,26 @@ def test_two_processes_write_the_artifacts_of_one(single, micro_path, tmp_path):
         with safe_open(str(wd / rec["file"]), "pt") as f:
             changed += sum(e["refine"].get("groups_changed", 0) for e in json.loads(f.metadata()["moesq"])["info"].values())
     assert changed > 0
+
+
+@pytest.mark.slow
+def test_torchrun_launch_writes_the_artifacts_of_one(single, tmp_path):
+    """The documented torchrun form: `torchrun --nproc-per-node 2 $(which moesq) refine ...`."""
+    import shutil
+
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    wd = tmp_path / "wd"
+    shutil.copytree(single, wd)
+    stage = [*REFINE, "--refine-seed", "3", "--stage", "refine-seed3", "-q"]
+    r = subprocess.run([MOESQ, "refine", "-w", str(single), *stage], env=ONE_THREAD, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([torchrun, "--nproc-per-node", "2", MOESQ, "refine", "-w", str(wd), *stage], env=ENV,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("stage refine-seed3: 4 blocks (4 computed now)") == 1
+    assert _blocks(wd, "refine-seed3") == _blocks(single, "refine-seed3")
+    assert json.loads((wd / "manifest.json").read_text())["stages"]["refine-seed3"]["summary"]["world_size"] == 2
 
 
 def test_bad_options_are_refused_once(tmp_path):
