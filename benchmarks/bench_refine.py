@@ -40,7 +40,8 @@ from moesq_core.methods.rtn import RTN  # noqa: E402
 # name -> (description, RefineConfig overrides of the base configuration)
 VARIANTS = {
     "eager": ("batched trainer, eager (the previous measurement's configuration)", {"compile": False}),
-    "compile": ("batched trainer, torch.compile of the relaxation, weight quantizer and micro-batch forward+loss",
+    "compile": ("batched trainer, torch.compile of the relaxation, weight quantizer and micro-batch forward+loss "
+                "(compile=auto, the default on CUDA)",
                 {"compile": True}),
     "compile-mb2x": ("as compile, micro-batches of twice the rows (524,288)", {"compile": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
@@ -135,7 +136,7 @@ def main(argv=None):
     ap.add_argument("--variants", default=None,
                     help=f"comma-separated trainer variants measured in this one process ({', '.join(VARIANTS)})")
     ap.add_argument("--e2e-epochs", type=int, default=0,
-                    help="also time BlockRefiner.run() end to end at this many epochs of one step (0: skip)")
+                    help="also time BlockRefiner.run() end to end at this many epochs of one step, last variant (0: skip)")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of one step")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -196,7 +197,7 @@ def main(argv=None):
         if a.out:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "bench_refine_partial.json").write_text(json.dumps(variants, indent=2, default=str))
-        if a.e2e_epochs:
+        if a.e2e_epochs and n == names[-1]:
             v["end_to_end"] = e2e = end_to_end(experts, inits, fmt, RefineConfig(**{**base, **VARIANTS[n][1], "epochs": a.e2e_epochs}), dev)
             # the throughput model's prediction of the same run (each epoch: one step + one validation), to check it
             e2e["run_s_predicted"] = a.e2e_epochs * (v["step_s_median"] + v["validation_s"])
