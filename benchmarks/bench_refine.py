@@ -37,6 +37,15 @@ from moesq_core.methods.base import ExpertData  # noqa: E402
 from moesq_core.methods.refine import BlockRefiner, RefineConfig  # noqa: E402
 from moesq_core.methods.rtn import RTN  # noqa: E402
 
+# name -> (description, RefineConfig overrides of the base configuration)
+VARIANTS = {
+    "eager": ("batched trainer, eager (the previous measurement's configuration)", {"compile": False}),
+    "compile": ("batched trainer, torch.compile of the relaxation, weight quantizer and micro-batch forward+loss "
+                "(compile=auto, the default on CUDA)",
+                {"compile": True}),
+    "compile-mb2x": ("as compile, micro-batches of twice the rows (524,288)", {"compile": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
+}
+
 PAPER = dict(epochs=10, sequences=8192, seq_len=4096, batch_sequences=64, val_sequences=128)
 
 
@@ -123,7 +132,11 @@ def main(argv=None):
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--compute-dtype", default="auto")
     ap.add_argument("--cache-dtype", default="bfloat16")
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="compile=True in the base configuration")
+    ap.add_argument("--variants", default=None,
+                    help=f"comma-separated trainer variants measured in this one process ({', '.join(VARIANTS)})")
+    ap.add_argument("--e2e-epochs", type=int, default=0,
+                    help="also time BlockRefiner.run() end to end at this many epochs of one step, last variant (0: skip)")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of one step")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -150,54 +163,51 @@ def main(argv=None):
     sync(dev)
     t_init = time.perf_counter() - t0
 
-    cfg = RefineConfig(epochs=PAPER["epochs"], steps_per_epoch=1, micro_batch_rows=a.micro_batch_rows, val_fraction=a.val_fraction,
-                       compute_dtype=a.compute_dtype, cache_dtype=a.cache_dtype, compile=a.compile, seed=a.seed)
-    t0 = time.perf_counter()
-    r = BlockRefiner(experts, inits, fmt, cfg)  # includes Y, input quantization and the epoch-0 validation
-    sync(dev)
-    t_setup = time.perf_counter() - t0
-    n_train, n_val = int(r.n_train.sum()), int(r.n_val.sum())
-
-    # validation: the hard export state once per validation, then fp32 forward passes over the held-out rows
-    sync(dev)
-    t0 = time.perf_counter()
-    W, _ = r.hard_state()
-    sync(dev)
-    t_hard = time.perf_counter() - t0
-    r.validate(W)
-    sync(dev)
-    t_val_rows = time.perf_counter() - t0 - t_hard
-    del W
-    t0 = time.perf_counter()
-    r.end_epoch(0)
-    sync(dev)
-    t_val = time.perf_counter() - t0
-    t_val_fixed = max(t_val - t_val_rows, 0.0)
-    per_row_setup = sum(r.timings[k] for k in ("gather_rows", "dense_targets", "quantize_inputs"))
-
-    step_times = time_steps(r, a.steps, a.warmup, dev)
-    t_step = statistics.median(step_times)
-    t_weight = weight_side_seconds(r, dev)
-    mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
-    print(f"batched: step {t_step:.3f}s (steps {[round(t, 3) for t in step_times]}), {n_train / t_step:,.0f} rows/s; "
-          f"weight-side {t_weight:.3f}s/step; setup {t_setup:.1f}s; validation {t_val:.2f}s for {n_val} rows", flush=True)
-
-    prof_table = None
-    if a.profile:
-        from torch.profiler import ProfilerActivity, profile
-
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-        with profile(activities=acts) as prof:
-            r.train_step(r.epoch_order(), 0)
-            sync(dev)
-        key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
-        prof_table = prof.key_averages().table(sort_by=key, row_limit=25)
-    r_timings = dict(r.timings)
-    del r
+    base = dict(epochs=PAPER["epochs"], steps_per_epoch=1, micro_batch_rows=a.micro_batch_rows, val_fraction=a.val_fraction,
+                compute_dtype=a.compute_dtype, cache_dtype=a.cache_dtype, compile=a.compile, seed=a.seed)
+    names = a.variants.split(",") if a.variants else ["compile" if a.compile else "eager"]
+    for n in names:
+        if n not in VARIANTS:
+            raise SystemExit(f"--variants: unknown variant {n!r} (known: {', '.join(VARIANTS)})")
+    paper_rows_epoch = PAPER["sequences"] * PAPER["seq_len"] * a.topk
+    paper_steps = PAPER["epochs"] * PAPER["sequences"] // PAPER["batch_sequences"]
+    paper_val_rows = PAPER["val_sequences"] * PAPER["seq_len"] * a.topk
+    rows_per_step_paper = PAPER["batch_sequences"] * PAPER["seq_len"] * a.topk
+    variants = {}
+    for n in names:
+        cfg = RefineConfig(**{**base, **VARIANTS[n][1]})
+        variants[n] = v = measure(experts, inits, fmt, cfg, a, dev)
+        v["description"] = VARIANTS[n][0]
+        v["config"] = {k: getattr(cfg, k) for k in ("compile", "micro_batch_rows", "compute_dtype", "cache_dtype")}
+        # Extrapolation to the paper's budget from this variant's measured throughputs.
+        step_scale = rows_per_step_paper / v["train_rows_per_step"]  # the measured step had n_train rows
+        train_s = paper_steps * v["step_s_median"] * step_scale
+        # per validation: the fixed part (hard state, best-epoch bookkeeping) + the per-row forward passes
+        val_s = (PAPER["epochs"] + 1) * (v["validation_fixed_s"] + paper_val_rows * v["validation_rows_s"] / max(v["val_rows"], 1))
+        # once per block: per-row work (split/gather, dense targets Y, input quantization) for every cached row,
+        # plus the fixed part (A/V init, optimizer); the epoch-0 validation is counted in val_s
+        t = v["setup_phases_s"]
+        per_row_setup = sum(t[k] for k in ("gather_rows", "dense_targets", "quantize_inputs"))
+        setup_s = ((paper_rows_epoch + paper_val_rows) * per_row_setup / (v["train_rows_per_step"] + v["val_rows"]) + t["init_params"])
+        v["paper_budget_extrapolated"] = {"train_min": train_s / 60, "val_min": val_s / 60, "setup_min": setup_s / 60,
+                                          "gpu_min_per_block": (train_s + val_s + setup_s) / 60}
+        print(f"[{n}] step {v['step_s_median']:.3f}s (steps {[round(x, 3) for x in v['step_s']]}, first {v['first_step_s']:.1f}s), "
+              f"{v['rows_per_s']:,.0f} rows/s; weight-side {v['weight_side_s_per_step']:.3f}s; "
+              f"paper budget ≈ {v['paper_budget_extrapolated']['gpu_min_per_block']:.1f} GPU-min/block (extrapolated)", flush=True)
+        if a.out:
+            a.out.mkdir(parents=True, exist_ok=True)
+            (a.out / "bench_refine_partial.json").write_text(json.dumps(variants, indent=2, default=str))
+        if a.e2e_epochs and n == names[-1]:
+            v["end_to_end"] = e2e = end_to_end(experts, inits, fmt, RefineConfig(**{**base, **VARIANTS[n][1], "epochs": a.e2e_epochs}), dev)
+            # the throughput model's prediction of the same run (each epoch: one step + one validation), to check it
+            e2e["run_s_predicted"] = a.e2e_epochs * (v["step_s_median"] + v["validation_s"])
+            print(f"[{n}] end to end: {v['end_to_end']}", flush=True)
+    n_train, n_val = variants[names[0]]["train_rows_per_step"], variants[names[0]]["val_rows"]
 
     # Per-expert loop: the same trainer on one expert at a time, on experts spread over the load range.
     loop = None
     if a.loop_experts > 0:
+        cfg = RefineConfig(**{**base, **VARIANTS[names[0]][1]})
         order = torch.argsort(counts, descending=True)
         pick = [int(order[round(i * (E - 1) / max(a.loop_experts - 1, 1))]) for i in range(min(a.loop_experts, E))]
         per = []
@@ -209,28 +219,13 @@ def main(argv=None):
         mean_step = sum(p["step_s"] for p in per) / len(per)
         loop_rows = sum(p["rows"] for p in per)
         loop_t = sum(p["step_s"] for p in per)
-        loop = {"experts_timed": pick, "per_expert": per, "mean_step_s_per_expert": mean_step,
-                "rows_per_s": loop_rows / loop_t,
-                "block_step_s_extrapolated": mean_step * E}
+        loop = {"variant": names[0], "experts_timed": pick, "per_expert": per, "mean_step_s_per_expert": mean_step,
+                "rows_per_s": loop_rows / loop_t, "block_step_s_extrapolated": mean_step * E}
+        v0 = variants[names[0]]["paper_budget_extrapolated"]
+        loop["paper_budget_gpu_min_per_block"] = (v0["gpu_min_per_block"] - v0["train_min"]
+                                                  + paper_steps * loop["block_step_s_extrapolated"] * rows_per_step_paper / n_train / 60)
         print(f"per-expert loop: {loop['rows_per_s']:,.0f} rows/s on {len(pick)} experts; block step ≈ "
               f"{loop['block_step_s_extrapolated']:.2f}s (extrapolated ×{E}/{len(pick)})", flush=True)
-
-    # Extrapolation to the paper's budget.
-    paper_rows_epoch = PAPER["sequences"] * PAPER["seq_len"] * a.topk
-    paper_steps = PAPER["epochs"] * PAPER["sequences"] // PAPER["batch_sequences"]
-    paper_val_rows = PAPER["val_sequences"] * PAPER["seq_len"] * a.topk
-    rows_per_step_paper = PAPER["batch_sequences"] * PAPER["seq_len"] * a.topk
-    step_scale = rows_per_step_paper / n_train  # measured step had n_train rows
-    train_s = paper_steps * t_step * step_scale
-    # per validation: the fixed part (hard state, best-epoch bookkeeping) + the per-row forward passes
-    val_s = (PAPER["epochs"] + 1) * (t_val_fixed + paper_val_rows * t_val_rows / max(n_val, 1))
-    # once per block: per-row work (split/gather, dense targets Y, input quantization) for every cached row,
-    # plus the fixed part (A/V init, optimizer); the epoch-0 validation is counted in val_s
-    setup_s = ((paper_rows_epoch + paper_val_rows) * per_row_setup / (n_train + n_val) + r_timings["init_params"])
-    total_min = (train_s + val_s + setup_s) / 60
-    loop_min = None
-    if loop:
-        loop_min = (paper_steps * loop["block_step_s_extrapolated"] * step_scale + val_s + setup_s) / 60
 
     gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine()
     commit = a.commit
@@ -247,65 +242,132 @@ def main(argv=None):
         "measured": {
             "tokens": a.tokens, "routed_rows": rows, "train_rows_per_step": n_train, "val_rows": n_val,
             "load_min_mean_max": [int(counts.min()), rows / E, int(counts.max())],
-            "micro_batch_rows": a.micro_batch_rows, "compute_dtype": str(compute_dtype_name(cfg, dev)),
-            "cache_dtype": a.cache_dtype, "compile": a.compile,
-            "step_s": step_times, "step_s_median": t_step, "rows_per_s": n_train / t_step,
-            "weight_side_s_per_step": t_weight,
-            "setup_s": t_setup, "setup_phases_s": r_timings, "validation_s": t_val,
-            "validation_fixed_s": t_val_fixed, "validation_rows_s": t_val_rows, "init_rtn_s": t_init, "data_gen_s": t_data,
-            "peak_gpu_mem_gib": mem,
+            "init_rtn_s": t_init, "data_gen_s": t_data,
         },
+        "variants": variants,
         "per_expert_loop": loop,
-        "speedup_vs_loop": (loop["block_step_s_extrapolated"] / t_step) if loop else None,
-        "paper_budget_extrapolated": {
-            "note": "EXTRAPOLATED from the measured step/validation/setup throughputs, not measured end to end",
+        "paper_budget": {
+            "note": "GPU-min per block EXTRAPOLATED from the measured step/validation/setup throughputs, not measured end to end",
             "train_rows": PAPER["epochs"] * paper_rows_epoch, "steps": paper_steps, "val_rows_per_epoch": paper_val_rows,
-            "train_min": train_s / 60, "val_min": val_s / 60, "setup_min": setup_s / 60,
-            "gpu_min_per_block": total_min, "per_expert_loop_gpu_min_per_block": loop_min,
-            "target_min": 15,
+            "target_min": 5,
         },
-        "profile_top_kernels": prof_table,
     }
     a.out.mkdir(parents=True, exist_ok=True)
     stem = a.tag or f"refine_{dev.type}_{date}"
     (a.out / f"{stem}.json").write_text(json.dumps(res, indent=2))
+    (a.out / "bench_refine_partial.json").unlink(missing_ok=True)
     md = [
         f"# Refinement throughput — {fmt.name}, {E} experts × (H {H}, I {I}), top-{a.topk}",
         "",
         f"{date} · {gpu} · torch {torch.__version__} · commit {commit}",
         "",
         f"Measured: one optimizer step over {n_train:,} routed training rows ({a.tokens:,} tokens × top-{a.topk}, "
-        f"load min/mean/max {int(counts.min())}/{rows / E:.0f}/{int(counts.max())} rows per expert), micro-batch "
-        f"{a.micro_batch_rows:,} rows, matmuls in {res['measured']['compute_dtype']}, median of {a.steps} steps after {a.warmup} warm-up.",
+        f"load min/mean/max {int(counts.min())}/{rows / E:.0f}/{int(counts.max())} rows per expert), median of "
+        f"{a.steps} steps after {a.warmup} warm-up (the first step, compilation included, listed apart). All variants "
+        "in one process on the same block.",
         "",
-        "| variant | s / step | routed rows / s | paper budget, GPU-min per block (extrapolated) |",
-        "| --- | --- | --- | --- |",
-        f"| batched trainer (all experts step together{', torch.compile' if a.compile else ''}) | {t_step:.3f} | {n_train / t_step:,.0f} | {total_min:.1f} |",
+        "| variant | micro-batch rows | s / step | first step s | routed rows / s | weight-side s / step | peak GPU GiB "
+        "| paper budget GPU-min / block (extrapolated: train + val + setup) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    for n, v in variants.items():
+        pb = v["paper_budget_extrapolated"]
+        mem = "" if v["peak_gpu_mem_gib"] is None else f"{v['peak_gpu_mem_gib']:.1f}"
+        md.append(f"| {n}: {v['description']} | {v['config']['micro_batch_rows']:,} | {v['step_s_median']:.3f} | {v['first_step_s']:.1f} "
+                  f"| {v['rows_per_s']:,.0f} | {v['weight_side_s_per_step']:.3f} | {mem} | **{pb['gpu_min_per_block']:.1f}** "
+                  f"({pb['train_min']:.1f} + {pb['val_min']:.1f} + {pb['setup_min']:.1f}) |")
     if loop:
-        md.append(f"| per-expert loop ({len(loop['experts_timed'])} experts timed, ×{E} extrapolated) | "
-                  f"{loop['block_step_s_extrapolated']:.3f} | {loop['rows_per_s']:,.0f} | {loop_min:.1f} |")
-    md += [
-        "",
-        f"Batched vs loop: {res['speedup_vs_loop']:.1f}× per step." if loop else "",
-        f"Weight-side (relaxation + fake-quant + its backward) {t_weight:.3f} s of each step; setup (dense targets Y, "
-        f"input quantization, epoch-0 validation) {t_setup:.1f} s; one validation {t_val:.2f} s for {n_val:,} rows; "
-        f"peak GPU memory {mem:.1f} GiB." if mem is not None else
-        f"Weight-side {t_weight:.3f} s of each step; setup {t_setup:.1f} s; one validation {t_val:.2f} s for {n_val:,} rows.",
-        "",
-        "Setup phases (s): " + ", ".join(f"{k} {v:.2f}" for k, v in r_timings.items())
-        + f"; validation: fixed {t_val_fixed:.3f} s + {t_val_rows:.3f} s for the rows.",
-        "",
-        f"Paper budget (10 epochs × 8,192 × 4,096 tokens × top-{a.topk}, {paper_steps} steps, 11 validations over "
-        f"{paper_val_rows:,} rows): **{total_min:.1f} GPU-minutes per block, EXTRAPOLATED** (train {train_s / 60:.1f}, "
-        f"validation {val_s / 60:.1f}, setup {setup_s / 60:.1f}); target ≤ 15.",
-        "",
-    ]
+        md.append(f"| per-expert loop ({names[0]}, {len(loop['experts_timed'])} experts timed, ×{E} extrapolated) | | "
+                  f"{loop['block_step_s_extrapolated']:.3f} | | {loop['rows_per_s']:,.0f} | | | {loop['paper_budget_gpu_min_per_block']:.1f} |")
+    md += ["", f"Paper budget: 10 epochs × 8,192 × 4,096 tokens × top-{a.topk}, {paper_steps} steps of "
+           f"{rows_per_step_paper:,} rows, 11 validations over {paper_val_rows:,} rows; GPU-minutes per block are "
+           "**EXTRAPOLATED** from the measured throughputs; target ≤ 5.", ""]
+    for n, v in variants.items():
+        t = v["setup_phases_s"]
+        md.append(f"- {n}: setup phases (s) " + ", ".join(f"{k} {x:.2f}" for k, x in t.items())
+                  + f"; one validation {v['validation_s']:.2f} s (fixed {v['validation_fixed_s']:.3f} + rows {v['validation_rows_s']:.3f}).")
+        if v.get("end_to_end"):
+            e2e = v["end_to_end"]
+            md.append(f"  - measured end to end (BlockRefiner construction + run() with export, {e2e['epochs']} epochs × 1 step "
+                      f"over this block, compilation included where on): {e2e['total_s']:.1f} s = setup {e2e['setup_s']:.1f} + "
+                      f"run {e2e['run_s']:.1f}; the throughput model used for the extrapolation predicts run "
+                      f"{e2e['run_s_predicted']:.1f} s (epochs × (step + validation)).")
+    md.append("")
     (a.out / f"{stem}.md").write_text("\n".join(md))
-    if prof_table:
-        (a.out / f"{stem}_profile.txt").write_text(prof_table)
+    for n, v in variants.items():
+        if v.get("profile_top_kernels"):
+            (a.out / f"{stem}_profile_{n}.txt").write_text(v["profile_top_kernels"])
     print("\n".join(md))
     return res
+
+
+def measure(experts, inits, fmt, cfg: RefineConfig, a, dev) -> dict:
+    """Setup, validation, step and weight-side times of one trainer configuration on the block."""
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+    t0 = time.perf_counter()
+    r = BlockRefiner(experts, inits, fmt, cfg)  # includes Y, input quantization and the epoch-0 validation
+    sync(dev)
+    t_setup = time.perf_counter() - t0
+    n_train, n_val = int(r.n_train.sum()), int(r.n_val.sum())
+    # validation: the hard export state once per validation, then fp32 forward passes over the held-out rows
+    t0 = time.perf_counter()
+    W, _ = r.hard_state()
+    sync(dev)
+    t_hard = time.perf_counter() - t0
+    r.validate(W)
+    sync(dev)
+    t_val_rows = time.perf_counter() - t0 - t_hard
+    del W
+    t0 = time.perf_counter()
+    r.end_epoch(0)
+    sync(dev)
+    t_val = time.perf_counter() - t0
+    order = r.epoch_order()
+    sync(dev)
+    t0 = time.perf_counter()
+    r.train_step(order, 0)
+    sync(dev)
+    first = time.perf_counter() - t0
+    step_times = time_steps(r, a.steps, max(a.warmup - 1, 0), dev)
+    t_step = statistics.median(step_times)
+    t_weight = weight_side_seconds(r, dev)
+    mem = torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
+    prof_table = None
+    if a.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            r.train_step(order, 0)
+            sync(dev)
+        key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
+        prof_table = prof.key_averages().table(sort_by=key, row_limit=25)
+    out = {"train_rows_per_step": n_train, "val_rows": n_val, "compute_dtype": compute_dtype_name(cfg, dev),
+           "first_step_s": first, "step_s": step_times, "step_s_median": t_step, "rows_per_s": n_train / t_step,
+           "weight_side_s_per_step": t_weight, "setup_s": t_setup, "setup_phases_s": dict(r.timings),
+           "validation_s": t_val, "validation_fixed_s": max(t_val - t_val_rows, 0.0), "validation_rows_s": t_val_rows,
+           "peak_gpu_mem_gib": mem, "profile_top_kernels": prof_table}
+    del r
+    return out
+
+
+def end_to_end(experts, inits, fmt, cfg: RefineConfig, dev) -> dict:
+    """One block through BlockRefiner construction + run() (train, validate per epoch, export), timed."""
+    sync(dev)
+    t0 = time.perf_counter()
+    r = BlockRefiner(experts, inits, fmt, cfg)
+    sync(dev)
+    t_setup = time.perf_counter() - t0
+    r.run()
+    sync(dev)
+    total = time.perf_counter() - t0
+    run_s = total - t_setup
+    steps = r.step_count
+    out = {"epochs": cfg.epochs, "steps": steps, "setup_s": t_setup, "run_s": run_s, "total_s": total}
+    del r
+    return out
 
 
 def compute_dtype_name(cfg: RefineConfig, dev) -> str:

@@ -439,6 +439,25 @@ def test_refine_on_cuda():
     _check_export(out, inits, fmt)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("compute_dtype,rtol", [("float32", 1e-4), ("bfloat16", 1e-2)])
+def test_compiled_step_on_cuda_matches_eager(compute_dtype, rtol):
+    """On CUDA the default (compile="auto") is the compiled step; eager (compile=False) stays the reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=5, H=128, I=64, n=400, n_val=40, seed=23, device="cuda")
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=3, micro_batch_rows=300, compile=c,
+                                                    compute_dtype=compute_dtype)) for c in (False, "auto")]
+    losses = [torch.stack([r.train_step(r.epoch_order(), s) for s in range(3)]) for r in rs]
+    torch.testing.assert_close(losses[1], losses[0], rtol=rtol, atol=0)
+    for p in PROJECTIONS:  # Lion moves by ±lr: only near-zero gradients may take the other sign
+        assert float((rs[0].proj[p].V - rs[1].proj[p].V).abs().gt(1e-7).float().mean()) < 0.05
+    v = [r.validate(r.hard_state()[0]) for r in rs]
+    torch.testing.assert_close(v[1], v[0], rtol=rtol, atol=0)
+
+
 @pytest.mark.slow
 def test_compiled_relaxation_matches_eager():
     """compile=True fuses the elementwise relaxation/quantization; it must compute the same step."""
@@ -451,6 +470,15 @@ def test_compiled_relaxation_matches_eager():
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
     for p in PROJECTIONS:
         assert float((rs[0].proj[p].V - rs[1].proj[p].V).abs().gt(1e-7).float().mean()) < 1e-3
+    # a later block reuses the compiled functions: no new graphs
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    ex2 = make_block(E=3, H=64, I=32, n=120, n_val=20, seed=18)
+    r2 = BlockRefiner(ex2, RTN(report_errors=False).compress_block(ex2, fmt), fmt,
+                      RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=96, compile=True))
+    r2.train_step(r2.epoch_order(), 0)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 # --- budget rule, pattern-change check, values-first, release-faithful options ---------------------------------

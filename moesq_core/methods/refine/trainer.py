@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _WARNED: set[str] = set()
+_COMPILED: dict = {}  # (function, format, compute dtype) -> its torch.compile'd form, shared by all refiners
 
 
 PAPER_STEPS = 1280  # the paper's budget per block: 10 epochs × 128 Lion steps (its learning rates are set for it)
@@ -121,7 +122,7 @@ class RefineConfig:
     logits_dtype: str = "float32"  # dtype of the logits A ("bfloat16": the release's, where small steps vanish)
     ship: str = "best"  # "best": per expert the best-validating epoch (the init included); "last": the last epoch
     shared_gate_up_global: bool = True  # False: gate and up train with separate global scales (the release)
-    compile: bool = False  # torch.compile the relaxation/quantization and the micro-batch forward+loss
+    compile: bool | str = "auto"  # torch.compile the relaxation/quantization and the micro-batch forward+loss; auto = on CUDA
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
 
     def __post_init__(self):
@@ -157,6 +158,8 @@ class RefineConfig:
             v = getattr(self, name)
             if v not in _DTYPES and not (name == "compute_dtype" and v == "auto"):
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}{' or auto' if name == 'compute_dtype' else ''}, got {v!r}")
+        if self.compile not in (True, False, "auto"):
+            raise ValueError(f"compile must be true, false or auto (on CUDA only), got {self.compile!r}")
         if self.ship not in SHIP:
             raise ValueError(f"ship must be one of {SHIP}, got {self.ship!r}")
 
@@ -372,7 +375,6 @@ class BlockRefiner:
         self._setup_data()
         self._setup_params()
         self.step_count = 0
-        self._compiled: dict = {}
 
     # --- setup -------------------------------------------------------------------------------------------
 
@@ -667,15 +669,17 @@ class BlockRefiner:
         return self._quant_soft(soft)
 
     def _relax(self, A, V, G, tau, gain):
-        fn = self._maybe_compile("relax", lambda A, V, G, tau, gain: relaxation.soft_mask(
-            relaxation.pattern_probs(A, tau, gain, G), self.ps) * V)
+        ps = self.ps
+        fn = self._maybe_compile("relax", lambda: lambda A, V, G, tau, gain: relaxation.soft_mask(
+            relaxation.pattern_probs(A, tau, gain, G), ps) * V)
         return fn(A, V, G, tau, gain)
 
     def _quant_soft(self, soft: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # Scales from the soft weights, detached; gate and up share one global scale from the start (unless
         # shared_gate_up_global is off, as in the release).
         g = self._weight_globals(soft)
-        fq = self._maybe_compile("wq", lambda w, g: self.fmt.fake_quant_weight(w, None, g, ste=True))
+        fmt = self.fmt
+        fq = self._maybe_compile("wq", lambda: lambda w, g: fmt.fake_quant_weight(w, None, g, ste=True))
         return {p: fq(soft[p], g[p]) for p in PROJECTIONS}
 
     def _weight_globals(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -684,12 +688,19 @@ class BlockRefiner:
             return {"gate": g_gu, "up": g_gu, "down": batched_weight_global(self.fmt, w["down"])}
         return {p: batched_weight_global(self.fmt, w[p]) for p in PROJECTIONS}
 
-    def _maybe_compile(self, key, fn):
-        if not self.cfg.compile:
-            return fn
-        if key not in self._compiled:
-            self._compiled[key] = torch.compile(fn, dynamic=True)
-        return self._compiled[key]
+    def _maybe_compile(self, key: str, make):
+        """make() -> the function named `key`, compiled when `compile` says so. Compiled functions are kept per
+        process and close over the format and compute dtype only (never the refiner), so later blocks reuse
+        them instead of recompiling (and never hit dynamo's recompilation limit)."""
+        # auto: compiled on CUDA, where the fused elementwise kernels take a third off the step (measured in
+        # benchmarks/results/refine_h200_*); eager on CPU, the reference path, where compiling costs more than it saves
+        on = self.device.type == "cuda" if self.cfg.compile == "auto" else self.cfg.compile
+        if not on:
+            return make()
+        k = (key, self.fmt.name, self.cd)
+        if k not in _COMPILED:
+            _COMPILED[k] = torch.compile(make(), dynamic=True)
+        return _COMPILED[k]
 
     @staticmethod
     def intermediate(x, Wg, Wu, cd: torch.dtype) -> torch.Tensor:
@@ -709,15 +720,18 @@ class BlockRefiner:
         hq = batched_act_quant(self.fmt, h, ste=ste, g=h_global)
         return torch.bmm(hq.to(cd), Wd.transpose(1, 2).to(cd)).float()
 
-    def _micro_loss(self, x, Wg, Wu, Wd, y, tw, scale, g_h):
-        """One micro-batch of the training forward: (Σ_e scale_e·num_e, num [k], amax of h [k]).
-        The unit torch.compile fuses when `compile` is on (casts, SwiGLU, activation quantizer, loss)."""
-        h = self.intermediate(x, Wg, Wu, self.cd)
-        hamax = h.detach().abs().amax(dim=(1, 2))
-        hq = batched_act_quant(self.fmt, h, ste=True, g=g_h)
-        yhat = torch.bmm(hq.to(self.cd), Wd.transpose(1, 2).to(self.cd))
-        num = objective.weighted_sq_error(yhat, y, tw)
-        return (num * scale).sum(), num.detach(), hamax
+    @staticmethod
+    def micro_loss_fn(fmt: Format, cd: torch.dtype):
+        """One micro-batch of the training forward, (x, Wg, Wu, Wd, y, tw, scale, g_h) -> (Σ_e scale_e·num_e,
+        num [k], amax of h [k]): the unit torch.compile fuses (casts, SwiGLU, activation quantizer, loss)."""
+        def micro_loss(x, Wg, Wu, Wd, y, tw, scale, g_h):
+            h = BlockRefiner.intermediate(x, Wg, Wu, cd)
+            hamax = h.detach().abs().amax(dim=(1, 2))
+            hq = batched_act_quant(fmt, h, ste=True, g=g_h)
+            yhat = torch.bmm(hq.to(cd), Wd.transpose(1, 2).to(cd))
+            num = objective.weighted_sq_error(yhat, y, tw)
+            return (num * scale).sum(), num.detach(), hamax
+        return micro_loss
 
     # --- training -----------------------------------------------------------------------------------------
 
@@ -762,19 +776,21 @@ class BlockRefiner:
             x, y, _, _ = self._gather(sl)
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
-            micro = self._maybe_compile("micro", self._micro_loss)
+            micro = self._maybe_compile("micro", lambda: self.micro_loss_fn(self.fmt, self.cd))
             loss, n, hamax = micro(x, leaves["gate"], leaves["up"], leaves["down"], y, tw, self._sel(inv_den, act),
                                    None if g_h is None else self._sel(g_h, act))
-            loss.backward()
+            # autograd.grad, not backward: the micro-batch's gradients come back as they are, without the
+            # AccumulateGrad copy into .grad of every leaf
+            grads = torch.autograd.grad(loss, [leaves[p] for p in PROJECTIONS])
             if act is None:
                 torch.maximum(step_amax, hamax, out=step_amax)
             else:
                 step_amax.scatter_reduce_(0, act, hamax, reduce="amax")
-            for p, leaf in leaves.items():
+            for p, gr in zip(PROJECTIONS, grads):
                 if act is None:
-                    gacc[p] += leaf.grad.float()
+                    gacc[p].add_(gr)  # fp32 += the compute-dtype gradient, promoted inside the one kernel
                 else:
-                    gacc[p].index_add_(0, act, leaf.grad.float())
+                    gacc[p].index_add_(0, act, gr.float())
             num = num.index_add(0, act, n) if act is not None else num + n
         self.h_amax = torch.where(step_amax > 0, step_amax, self.h_amax)
         torch.autograd.backward([Wq[p] for p in PROJECTIONS], [gacc[p] for p in PROJECTIONS])
