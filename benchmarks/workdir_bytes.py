@@ -44,7 +44,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
     out = [f"# Work-dir bytes per stage ({meta['date']}, commit {meta['commit']})", "",
            "Block files of each stage of a `moesq run` work dir, per expert weight and against the expert tensors "
            "of the packed checkpoint made from it (layout 1: codes, masks and fp32 latents unpacked; layout 2: "
-           "packed by the format's packer).", "",
+           "packed by the format's packer)." + (f" {meta['note']}" if meta.get("note") else ""), "",
            "| work dir | layout | stage | bytes | bytes / weight | × packed experts |", "|---|---|---|---|---|---|"]
     for r in rows:
         for name, s in r["stages"].items():
@@ -62,6 +62,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("workdirs", nargs="+", metavar="LABEL=WORKDIR")
     ap.add_argument("--out", type=Path, required=True, help="output path without extension (.json and .md)")
+    ap.add_argument("--note", default="", help="how the work dirs were made (a line under the title)")
     args = ap.parse_args()
     rows = []
     for spec in args.workdirs:
@@ -71,7 +72,7 @@ def main():
         rows.append(measure(label, Path(path)))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                             text=True).stdout.strip() or "unknown"
-    meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit}
+    meta = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "note": args.note}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     args.out.with_suffix(".md").write_text(markdown(rows, meta))
