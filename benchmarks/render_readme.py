@@ -211,7 +211,18 @@ def render_compression() -> str:
     return table(["work", "batched (moesq)", "per-expert path (extrapolated)", "file"], rows)
 
 
-TABLES = {"run": render_run, "accuracy-budget-embedded": render_budget_embedded,
+WORKDIR_FILE = "workdir_bytes.json"
+
+
+def render_workdir() -> str:
+    d = load(WORKDIR_FILE)
+    rows = [[r["label"], str(layout_), stage, f"{st['bytes']:,}", f"{st['bytes_per_weight']:.3f}", f"{st['x_packed_experts']:.2f}×"]
+            for r in d["rows"] for stage, st in r["stages"].items() for layout_ in [st["layout"]]]
+    return table(["work dir", "layout", "stage", "bytes", "bytes / expert weight", "× packed experts"], rows) + (
+        f"\n\nFrom {link(WORKDIR_FILE.replace('.json', '.md'))} (commit {d['commit']}; the runs' settings are there).")
+
+
+TABLES = {"run": render_run, "workdir": render_workdir, "accuracy-budget-embedded": render_budget_embedded,
           "accuracy-budget-tiny": render_budget_tiny, "accuracy-methods": render_methods,
           "decode": render_decode, "kernels": render_kernels, "compression": render_compression}
 
