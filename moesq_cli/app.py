@@ -56,6 +56,20 @@ def _default(cls_path: str, field: str):
     return f.default
 
 
+def _arg_default(name: str):
+    """A stage function's default (moesq_core.pipeline.run_refine's), for --help."""
+    import inspect
+
+    from moesq_core.pipeline import run_refine
+
+    return inspect.signature(run_refine).parameters[name].default
+
+
+def _stage_kw(batch_size, cache_gb) -> dict:
+    """The stage functions' run options that were given (the others keep the library's defaults)."""
+    return {k: v for k, v in (("batch_size", batch_size), ("cache_limit_gb", cache_gb)) if v is not None}
+
+
 _CALIB = "moesq_core.calibration.CalibConfig"
 _REFINE = "moesq_core.methods.refine.trainer.RefineConfig"
 
@@ -148,8 +162,8 @@ SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help=f"Seed for
 DeviceOpt = Annotated[str, typer.Option("--device", callback=_check_device, help="auto | cpu | cuda | cuda:N.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
 RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, help="Recompute this stage from this layer on.")]
-BatchOpt = Annotated[int, typer.Option("--batch-size", min=1, help="Calibration sequences per forward pass.")]
-CacheOpt = Annotated[float, typer.Option("--cache-gb", min=0.0, help="Calibration states kept in memory; the rest spill to the work dir.")]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, help=f"Calibration sequences per forward pass (default {_arg_default('batch_size')}).")]
+CacheOpt = Annotated[Optional[float], typer.Option("--cache-gb", min=0.0, help=f"GiB of calibration states kept in memory; the rest spill to the work dir (default {_arg_default('cache_limit_gb')}).")]
 NprocOpt = Annotated[int, typer.Option(
     "--nproc", min=1, help="Processes sharing each block's experts (expert parallel): one per GPU, or CPU "
                            "processes with --device cpu; started under torchrun.")]
@@ -390,7 +404,7 @@ def init_sgptq(
     refit: Annotated[Optional[bool], typer.Option("--refit/--no-refit", help="sgptq/gptq: SparseGPT's support, then a closed-form reconstruction and GPTQ on it (default: on for sgptq, off for gptq; --no-refit is the paper's SGPTQ).")] = None,
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
-    device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
+    device: DeviceOpt = "auto", batch_size: BatchOpt = None, redo_from: RedoOpt = None, cache_gb: CacheOpt = None,
     nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
 ):
     """One-shot compression of every routed expert, block by block (SparseGPT+GPTQ by default).
@@ -422,8 +436,8 @@ def init_sgptq(
             _fail(f"{flag} does not apply to --method {method}", 2)
     mcfg = _as_usage_error(MethodConfig, name=method, options=opts)
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
-        summary = run_init(workdir, mcfg, model, given, device=device, batch_size=batch_size, redo_from=redo_from,
-                           cache_limit_gb=cache_gb, progress=p)
+        summary = run_init(workdir, mcfg, model, given, device=device, redo_from=redo_from, progress=p,
+                           **_stage_kw(batch_size, cache_gb))
     if _rank() != 0:
         return
     stage = init_stage_name(method)
@@ -452,7 +466,7 @@ def refine(
     init: Annotated[str, typer.Option(callback=_check_method, help="One-shot init method, run per block inside refinement's block loop.")] = "sgptq",
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
-    device: DeviceOpt = "auto", batch_size: BatchOpt = 8, redo_from: RedoOpt = None, cache_gb: CacheOpt = 4.0,
+    device: DeviceOpt = "auto", batch_size: BatchOpt = None, redo_from: RedoOpt = None, cache_gb: CacheOpt = None,
     nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
 ):
     """Learn each expert's sparsity pattern jointly with its quantized values (the moesq algorithm).
@@ -502,7 +516,7 @@ def refine(
     rcfg = _as_usage_error(RefineConfig, **{k: v for k, v in options.items() if v is not None})
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,
-                             batch_size=batch_size, redo_from=redo_from, cache_limit_gb=cache_gb, progress=p)
+                             redo_from=redo_from, progress=p, **_stage_kw(batch_size, cache_gb))
     if _rank() != 0:
         return
     if json_out is not None:
