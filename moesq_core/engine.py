@@ -40,14 +40,28 @@ class _Stop(Exception):
 
 
 # -- calibration state storage ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SpilledChunk:
+    """A chunk of hidden states in the store's spill file: `nbytes` raw bytes at `offset`."""
+
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 class StateStore:
-    """Per-batch hidden-state chunks; chunks beyond `limit_bytes` are spilled to disk."""
+    """Per-batch hidden-state chunks; chunks beyond `limit_bytes` go to one append-only spill file that is read
+    back memory-mapped (pages come in as a chunk is used and the OS may drop them again), so host memory stays
+    at `limit_bytes` whatever the calibration size."""
 
     def __init__(self, limit_bytes: int, spill_dir: Path | None):
         self.limit = limit_bytes
         self.spill_dir = spill_dir
-        self.chunks: list[torch.Tensor | Path] = []
+        self.chunks: list[torch.Tensor | SpilledChunk] = []
         self.in_memory = 0
+        self.spill_path: Path | None = None
+        self.spilled = 0
 
     def append(self, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
@@ -55,24 +69,38 @@ class StateStore:
             self.chunks.append(t)
             self.in_memory += nbytes
             return
-        self.spill_dir.mkdir(parents=True, exist_ok=True)
-        fd, path = tempfile.mkstemp(suffix=".pt", dir=self.spill_dir)
-        os.close(fd)
-        torch.save(t.cpu(), path)
-        self.chunks.append(Path(path))
+        if self.spill_path is None:
+            self.spill_dir.mkdir(parents=True, exist_ok=True)
+            fd, path = tempfile.mkstemp(suffix=".states", dir=self.spill_dir)
+            os.close(fd)
+            self.spill_path = Path(path)
+        raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        with open(self.spill_path, "ab") as f:
+            f.write(raw.tobytes())
+        self.chunks.append(SpilledChunk(self.spilled, nbytes, tuple(t.shape), t.dtype))
+        self.spilled += nbytes
 
     def __len__(self) -> int:
         return len(self.chunks)
 
+    def _read(self, c: SpilledChunk) -> torch.Tensor:
+        import numpy as np
+
+        if c.nbytes == 0:
+            return torch.empty(c.shape, dtype=c.dtype)
+        # copy-on-write map: lazily paged in, never written back
+        mm = np.memmap(self.spill_path, dtype=np.uint8, mode="c", offset=c.offset, shape=(c.nbytes,))
+        return torch.from_numpy(mm).view(c.dtype).reshape(c.shape)
+
     def __iter__(self):
         for c in self.chunks:
-            yield torch.load(c, weights_only=True) if isinstance(c, Path) else c
+            yield self._read(c) if isinstance(c, SpilledChunk) else c
 
     def close(self) -> None:
-        for c in self.chunks:
-            if isinstance(c, Path):
-                c.unlink(missing_ok=True)
-        self.chunks = []
+        if self.spill_path is not None:
+            self.spill_path.unlink(missing_ok=True)
+            self.spill_path = None
+        self.chunks, self.spilled, self.in_memory = [], 0, 0
 
 
 @dataclass

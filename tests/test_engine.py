@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moesq_core.calibration import CalibConfig, build_calibration, read_documents
-from moesq_core.engine import StageSpec, StateStore, load_block, run_stage
+from moesq_core.engine import SpilledChunk, StageSpec, StateStore, load_block, run_stage
 from moesq_core.formats import get_format
 from moesq_core.methods.rtn import RTN
 from moesq_core.models import load_model
@@ -104,13 +104,17 @@ def test_corrupt_artifact_and_foreign_config_are_refused(micro, tmp_path):
     assert run_stage(model, adapter, calib, _spec(), wd)["computed_now"] == 2
 
 
-def test_state_store_spills_to_disk(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_state_store_spills_to_a_memory_mapped_file(tmp_path, dtype):
     s = StateStore(limit_bytes=100, spill_dir=tmp_path / "spill")
-    ts = [torch.randn(3, 5) for _ in range(4)]
+    ts = [torch.randn(3, 5).to(dtype) for _ in range(4)] + [torch.randn(2, 0, 7).to(dtype), torch.randn(4, 2).to(dtype)]
     for t in ts:
         s.append(t)
-    assert sum(isinstance(c, Path) for c in s.chunks) >= 3
-    assert all(torch.equal(a, b) for a, b in zip(s, ts))
+    assert sum(isinstance(c, SpilledChunk) for c in s.chunks) >= 2
+    assert [p.name for p in (tmp_path / "spill").iterdir()] == [s.spill_path.name]  # one file for the store
+    for _ in range(2):  # re-iterable, bit-exact, right shape and dtype
+        got = list(s)
+        assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(got, ts))
     s.close()
     assert not list((tmp_path / "spill").iterdir())
 
