@@ -44,6 +44,19 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def packed_expert_linears(model, f, suffixes: tuple[str, ...]):
+    """(name, load_packed's dequantized weight, the linear's tensors in the open shard `f`) for every expert
+    linear of a model `load_packed` returned: what the stock decompressors are compared against."""
+    for li, layer in enumerate(model.model.layers):
+        ours = layer.mlp.experts
+        inter = ours.gate_up_proj.shape[1] // 2
+        for e in range(ours.num_experts):
+            for proj, mine in (("gate_proj", ours.gate_up_proj[e, :inter]), ("up_proj", ours.gate_up_proj[e, inter:]),
+                               ("down_proj", ours.down_proj[e])):
+                base = f"model.layers.{li}.mlp.experts.{e}.{proj}"
+                yield base, mine, {k: f.get_tensor(f"{base}.{k}") for k in suffixes}
+
+
 def pytest_collection_modifyitems(config, items):
     has_gpu = torch.cuda.is_available()
     hopper = has_gpu and torch.cuda.get_device_capability() == (9, 0)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from moesq_core.formats import QuantizedWeight, get_format
 from moesq_core.packing import PackingError, bits_per_weight, pack, unpack
 
-from conftest import EVAL
+from conftest import EVAL, packed_expert_linears
 from test_cli import SMALL, moesq
 
 FMT = "dense-fp8"
@@ -123,17 +123,10 @@ def test_compressed_tensors_decompresses_exactly_what_load_packed_serves(fp8_pac
     checked = 0
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert not [k for k in f.keys() if k.endswith("input_global_scale")]  # per-token activations: nothing stored
-        for li, layer in enumerate(model.model.layers):
-            ours = layer.mlp.experts
-            inter = ours.gate_up_proj.shape[1] // 2
-            for e in range(ours.num_experts):
-                for proj, mine in (("gate_proj", ours.gate_up_proj[e, :inter]), ("up_proj", ours.gate_up_proj[e, inter:]),
-                                   ("down_proj", ours.down_proj[e])):
-                    base = f"model.layers.{li}.mlp.experts.{e}.{proj}"
-                    sd = {k: f.get_tensor(f"{base}.{k}") for k in ("weight", "weight_scale")}
-                    theirs = FloatQuantizationCompressor.decompress(sd, scheme)["weight"]
-                    assert torch.equal(theirs.float(), mine.float()), base
-                    checked += 1
+        for base, mine, sd in packed_expert_linears(model, f, ("weight", "weight_scale")):
+            theirs = FloatQuantizationCompressor.decompress(sd, scheme)["weight"]
+            assert torch.equal(theirs.float(), mine.float()), base
+            checked += 1
     assert checked == 4 * 8 * 3
 
 

@@ -18,7 +18,7 @@ from moesq_core.checkpoint.export import check_output_dir, export_packed, input_
 from moesq_core.checkpoint.loader import load_packed
 from moesq_core.checkpoint.verify import verify_packed_dir
 
-from conftest import PACK_FORMATS as FORMATS
+from conftest import PACK_FORMATS as FORMATS, packed_expert_linears
 
 
 def _digests(d: Path) -> dict:
@@ -129,17 +129,10 @@ def test_dense_nvfp4_decompresses_bit_exactly_with_compressed_tensors(packs):
     model, _ = load_packed(out)
     checked = 0
     with safe_open(str(out / "model.safetensors"), "pt") as f:
-        for li, layer in enumerate(model.model.layers):
-            ours = layer.mlp.experts
-            inter = ours.gate_up_proj.shape[1] // 2
-            for e in range(ours.num_experts):
-                for proj, mine in (("gate_proj", ours.gate_up_proj[e, :inter]), ("up_proj", ours.gate_up_proj[e, inter:]),
-                                   ("down_proj", ours.down_proj[e])):
-                    base = f"model.layers.{li}.mlp.experts.{e}.{proj}"
-                    sd = {k: f.get_tensor(f"{base}.{k}") for k in ("weight_packed", "weight_scale", "weight_global_scale")}
-                    theirs = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]  # bf16: its decode dtype
-                    assert torch.equal(theirs.float(), mine.to(theirs.dtype).float()), base
-                    checked += 1
+        for base, mine, sd in packed_expert_linears(model, f, ("weight_packed", "weight_scale", "weight_global_scale")):
+            theirs = NVFP4PackedCompressor.decompress(sd, scheme)["weight"]  # bf16: its decode dtype
+            assert torch.equal(theirs.float(), mine.to(theirs.dtype).float()), base
+            checked += 1
     assert checked == 4 * 8 * 3
 
 
