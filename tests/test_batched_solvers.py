@@ -33,12 +33,7 @@ VARIANTS = [("sgptq", {}), ("sgptq", {"refit": True}), ("sgptq", {"exact_scales"
             ("obr", {}), ("obr", {"second_stage": "rtn"})]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors, one intra-op thread
 
 
 def variant_id(v):

@@ -16,13 +16,7 @@ from moesq_core.methods.refine.trainer import batched_act_quant, batched_weight_
 from moesq_core.methods.rtn import RTN
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny tensors: intra-op threads only add contention on the shared 2-core CI machine.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors, one intra-op thread
 
 
 def make_block(E=4, H=64, I=64, n=300, n_val=100, seed=0, with_val=True, device="cpu"):
