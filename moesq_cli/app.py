@@ -172,9 +172,21 @@ JsonOpt = Annotated[Optional[Path], typer.Option(
                    "schema in the README (JSON output).")]
 
 
+def _produced() -> dict:
+    """Where a --json result came from, so a results file can be traced to the code and the day."""
+    import datetime
+
+    from moesq_core import __version__
+    from moesq_core.bench.harness import git_commit
+
+    return {"moesq": __version__, "commit": git_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
 def _write_json(path: Path | None, doc: dict) -> None:
     if path is None:
         return
+    doc = {**doc, "produced": _produced()}
     text = json.dumps(doc, indent=2, default=str) + "\n"
     if str(path) == "-":
         sys.stdout.write(text)
@@ -456,6 +468,7 @@ def refine(
     steps_per_epoch: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps per epoch (see Budget below).")] = None,
     batch_rows: Annotated[Optional[int], typer.Option(min=1, help="Routed token rows per optimizer step over the block (the paper's: 2097152); derives the steps per epoch, at least 16.")] = None,
     micro_batch_rows: Annotated[Optional[int], typer.Option(min=1, help=f"Rows per forward/backward (memory bound; default {_default(_REFINE, 'micro_batch_rows')}).")] = None,
+    chunk_gb: Annotated[Optional[float], typer.Option(callback=_positive_float, help="GiB for one chunk of a block's experts refined together (default: 85 % of the free GPU memory; the CPU refines a block at once). Same result, bounded memory.")] = None,
     lr_logits: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Lion learning rate of the pattern logits A at the paper's budget (default {_default(_REFINE, 'lr_logits')}; scaled to the step budget, see Budget).")] = None,
     lr_values: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Lion learning rate of the latent weights V at the paper's budget (default {_default(_REFINE, 'lr_values')}; scaled likewise).")] = None,
     loss_power: Annotated[Optional[int], typer.Option(min=0, max=2, help=f"Token weight w^p in the loss: 0 uniform (ablation), 2 the paper's eq. 4 (Σ w²‖y − ŷ‖²; default {_default(_REFINE, 'loss_power')}).")] = None,
@@ -510,7 +523,7 @@ def refine(
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
     _as_usage_error(_run_config_check, **given)
     options = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows,
-                   micro_batch_rows=micro_batch_rows, lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power,
+                   micro_batch_rows=micro_batch_rows, chunk_gb=chunk_gb, lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power,
                    train_support=False if values_only else None, train_values=False if support_only else None,
                    seed=refine_seed)
     rcfg = _as_usage_error(RefineConfig, **{k: v for k, v in options.items() if v is not None})

@@ -416,9 +416,12 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+ESTIMATE_MIN_SECONDS = 10.0  # shorter remainders are over before an estimate could help anyone
+
+
 def _note_estimate(progress, stage: str, remaining: list[int], seconds: float) -> None:
     """Before the long part of a stage: the blocks still to compute × the first block's measured time."""
-    if remaining:
+    if remaining and len(remaining) * seconds >= ESTIMATE_MIN_SECONDS:
         n = len(remaining)
         note(progress, f"stage {stage}: ~{n} block{'s' if n > 1 else ''} × {seconds:.1f} s/block ≈ "
                        f"{_duration(n * seconds)} remaining")

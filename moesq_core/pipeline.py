@@ -216,7 +216,7 @@ def compress(workdir: WorkDir, method: str | MethodConfig = "sgptq", options: di
 def _memory_options(init: MethodConfig, refine: bool = False) -> tuple[str, ...]:
     """The options that lower a stage's memory, most effective first (for its out-of-memory message)."""
     chunk = ("the method option chunk_gb",) if "chunk_gb" in init.options else ()
-    return (("--micro-batch-rows",) if refine else ()) + chunk + ("--batch-size", "--cache-gb")
+    return (("--micro-batch-rows", "--chunk-gb") if refine else ()) + chunk + ("--batch-size", "--cache-gb")
 
 
 def _check_run_args(device, batch_size: int, redo_from: int | None, cache_limit_gb: float) -> None:

@@ -181,9 +181,15 @@ def check_location(root: Path) -> None:
 _HELD: dict[str, list] = {}  # real path -> [lock fd, depth]: the locks this process holds (re-entrant)
 
 
+# Config fields that bound memory, not what is computed (chunks of experts give the same bytes; micro-batches
+# change only the float summation order): a stage resumes or counts as done whatever they were, so the
+# out-of-memory advice "lower it and re-run" works on a half-finished stage.
+RESOURCE_OPTIONS = frozenset({"micro_batch_rows", "chunk_gb"})
+
+
 def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:
     out = []
-    for k in sorted(set(old) | set(new)):
+    for k in sorted((set(old) | set(new)) - RESOURCE_OPTIONS):
         a, b = old.get(k, "<unset>"), new.get(k, "<unset>")
         if isinstance(a, dict) and isinstance(b, dict):
             out += _diff(a, b, f"{prefix}{k}.")

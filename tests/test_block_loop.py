@@ -96,9 +96,16 @@ def test_cli_prints_out_of_memory_as_one_line(tmp_path):
     assert "StageOutOfMemoryError" not in out
 
 
-def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path):
+def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, monkeypatch):
+    from moesq_core import engine
+
     model, adapter, path, calib = micro_calibrated
     wd = _new_wd(tmp_path / "wd", path)
+    rec = Recorder()
+    run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd, rec)
+    assert not [n for n in rec.notes if "remaining" in n], rec.notes  # a stage over in seconds needs no estimate
+    wd.drop_blocks_from("init-rtn", 0)
+    monkeypatch.setattr(engine, "ESTIMATE_MIN_SECONDS", 0.0)  # as if every block took minutes
     rec = Recorder()
     run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd, rec)
     est = [n for n in rec.notes if "remaining" in n]

@@ -38,6 +38,7 @@ def test_pack_verify_generate_json(stages, tmp_path):
     moesq("pack", wd, "--out", out, "--json", tmp_path / "pack.json", "--quiet")
     doc = json.loads((tmp_path / "pack.json").read_text())
     assert doc["schema"] == "moesq.pack/1" and doc["format"] == "p48-nvfp4" and doc["hub"] is None
+    assert set(doc["produced"]) == {"moesq", "commit", "date"} and doc["produced"]["date"].startswith("20")
     assert "moesq_pack.json" in doc["files"] and doc["bits_per_weight"] > 2.75
     r = moesq("verify", out, "--json", "-", "--quiet")
     v = json.loads(r.stdout)  # stdout holds only the JSON; the table went to stderr

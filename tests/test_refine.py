@@ -653,3 +653,35 @@ def test_any_sharding_of_a_block_gives_bitwise_the_same_experts(with_val):
         e.block = other_layer
     moved = method.compress_block(ex, fmt)  # the layer index seeds the random numbers too
     assert any(not torch.equal(a.gate.codes, b.gate.codes) for a, b in zip(moved, whole))
+
+
+@pytest.mark.parametrize("with_block", [True, False])
+def test_refining_a_block_in_memory_chunks_gives_bitwise_the_same_experts(with_block):
+    """chunk_gb bounds the memory of one refinement (a Kimi-K2 block does not fit one GPU at once): the experts
+    are refined chunk by chunk, each sized from the whole block, so every expert gets exactly the bytes of the
+    unchunked run; without ExpertData.block the chunks are given the block the experts form."""
+    from moesq_core.methods.base import BlockRows
+    from moesq_core.methods.refine.trainer import expert_chunks, refine_bytes_per_expert
+
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=5, n=120, n_val=30, seed=5)
+    ex[2].x, ex[2].w = ex[2].x[:41], ex[2].w[:41]
+    if with_block:
+        rows = BlockRows(3, tuple(e.x.shape[0] for e in ex), tuple(e.x_val.shape[0] for e in ex))
+        for e in ex:
+            e.block = rows
+    base = dict(epochs=2, steps_per_epoch=3, micro_batch_rows=48, lr_logits=5e-3, lr_values=1e-3, lr_budget_steps=None)
+    per_expert = refine_bytes_per_expert(fmt, 64, 64, 150)
+    two = RefineConfig(**base, chunk_gb=2.5 * per_expert / 2**30)  # two experts per chunk
+    assert [len(c) for c in expert_chunks(ex, fmt, two)] == [2, 2, 1]
+    assert [len(c) for c in expert_chunks(ex, fmt, RefineConfig(**base))] == [5]  # CPU, no chunk_gb: one chunk
+    whole = RefineMethod(RTN(report_errors=False), RefineConfig(**base)).compress_block(ex, fmt)
+    chunked = RefineMethod(RTN(report_errors=False), two).compress_block(ex, fmt)
+    assert any(r.info["refine"]["best_epoch"] > 0 for r in whole)
+    for i, (a, b) in enumerate(zip(whole, chunked)):
+        assert a.info == b.info, i
+        for p in PROJECTIONS:
+            for name in ("codes", "scales", "global_scale", "mask"):
+                assert torch.equal(getattr(a.weights()[p], name), getattr(b.weights()[p], name)), (i, p, name)
+    with pytest.raises(ValueError, match="chunk_gb"):
+        RefineConfig(chunk_gb=0)

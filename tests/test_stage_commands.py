@@ -197,6 +197,7 @@ def test_bad_options_never_touch_the_manifest(wd):
     (["calibrate", "--calib", "no/such/file.txt.xz"], "--calib"),
     (["refine", "--lr-values", "-1"], "--lr-values"),
     (["refine", "--loss-power", "3"], "--loss-power"),
+    (["refine", "--chunk-gb", "0"], "--chunk-gb"),
     (["refine", "--stage", "../x"], "--stage"),
     (["init-sgptq", "--device", "tpu"], "--device"),
     (["init-sgptq", "--cache-gb", "-1"], "--cache-gb"),

@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 import time
 
+import torch
+
 from ...formats import Format
 from ..base import CompressedExpert, ExpertData, Method, ProgressFn
-from .trainer import PAPER_STEPS, BlockRefiner, RefineConfig, RefineSchedule
+from .trainer import PAPER_STEPS, BlockRefiner, RefineConfig, RefineSchedule, expert_chunks
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +44,19 @@ class RefineMethod:
         t0 = time.perf_counter()
         inits = self.init.compress_block(experts, fmt, None)
         t_init = time.perf_counter() - t0
-        refiner = BlockRefiner(experts, inits, fmt, self.config)
-        out = refiner.run()
-        log.info("refine: %d experts, init %.1f s, refinement %.1f s (%s)", len(experts), t_init,
-                 time.perf_counter() - t0 - t_init, refiner.plan)
+        init_of = {ex.index: ce for ex, ce in zip(experts, inits)}
+        chunks = expert_chunks(experts, fmt, self.config)  # bounded memory; the same bytes as one chunk
+        out = []
+        for chunk in chunks:
+            try:
+                refiner = BlockRefiner(chunk, [init_of[ex.index] for ex in chunk], fmt, self.config)
+                out += refiner.run()
+            except torch.OutOfMemoryError as exc:
+                raise torch.OutOfMemoryError(
+                    f"refine: out of memory refining {len(chunk)} of the block's {len(experts)} experts together; "
+                    f"lower the refine option chunk_gb or micro_batch_rows") from exc
+        log.info("refine: %d experts in %d chunk(s), init %.1f s, refinement %.1f s (%s)", len(experts), len(chunks),
+                 t_init, time.perf_counter() - t0 - t_init, refiner.plan)
         if progress is not None:
             progress(len(experts))
         return out

@@ -19,6 +19,7 @@ everything else, validation included, in fp32.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ...formats import P48, Format, PatternSet
-from ..base import PROJECTIONS, CompressedExpert, ExpertData
+from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData
 from . import objective, relaxation
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,7 @@ class RefineConfig:
     shared_gate_up_global: bool = True  # False: gate and up train with separate global scales (the release)
     compile: bool | str = "auto"  # torch.compile the relaxation/quantization and the micro-batch forward+loss; auto = on CUDA
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
+    chunk_gb: float | None = None  # memory for one chunk of a block's experts (None: 85 % of the free GPU memory; no chunking on CPU)
 
     def __post_init__(self):
         if self.epochs < 0:
@@ -162,6 +164,8 @@ class RefineConfig:
             raise ValueError(f"compile must be true, false or auto (on CUDA only), got {self.compile!r}")
         if self.ship not in SHIP:
             raise ValueError(f"ship must be one of {SHIP}, got {self.ship!r}")
+        if self.chunk_gb is not None and not self.chunk_gb > 0:
+            raise ValueError(f"chunk_gb must be > 0 GiB (or None: from the free GPU memory), got {self.chunk_gb}")
 
     def lr_scale(self, steps: int, cap: float) -> float:
         """The budget rule's multiplier for a group that trains `steps` optimizer steps."""
@@ -219,6 +223,60 @@ def remaining_gap(gap: float, lrs, weight_decay: float) -> float:
         if g <= 0:
             return g
     return g
+
+
+REFINE_GPU_FRACTION = 0.85  # of the free device memory: the estimate below already is the chunk's peak
+
+
+def refine_bytes_per_expert(fmt: Format, I: int, H: int, rows: int) -> int:
+    """Estimated peak bytes of one expert in the batched trainer: per weight the fp32 latent, its gradient,
+    Lion state and best copy, the logits (patterns per group, with gradient and Lion state), masks and the
+    relaxed/quantized transients (~30 B + 12 B per logit); per routed row the setup's fp32 inputs, dense
+    targets and quantized inputs (12 B per hidden unit). Micro-batch activations do not grow with the chunk."""
+    ps = fmt.patterns
+    logits_per_weight = ps.num_patterns / ps.group if ps.num_patterns > 1 else 0.0
+    return int(3 * I * H * (30 + 12 * logits_per_weight) + rows * H * 12)
+
+
+def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
+    """The block's experts cut into consecutive chunks that fit cfg.chunk_gb (default: 85 % of the free
+    CUDA memory; on the CPU one chunk unless chunk_gb is given). Refining chunk by chunk gives the same bytes
+    as all at once: every expert draws from its own generator and batches are sized from the whole block's
+    row counts (ExpertData.block), exactly as for expert parallel."""
+    if not experts:
+        return []
+    dev = experts[0].gate.device
+    if cfg.chunk_gb is not None:
+        budget = cfg.chunk_gb * (1 << 30)
+    elif dev.type == "cuda":
+        budget = torch.cuda.mem_get_info(dev)[0] * REFINE_GPU_FRACTION
+    else:
+        return [experts]
+    I, H = experts[0].gate.shape
+    need = [refine_bytes_per_expert(fmt, I, H, ex.x.shape[0] + (0 if ex.x_val is None else ex.x_val.shape[0]))
+            for ex in experts]
+    if sum(need) <= budget:
+        return [experts]
+    if experts[0].block is None:
+        # Without the block's row counts a chunk would size its batches from itself: give the experts the
+        # block they form (by expert index), which is what BlockRefiner assumes when none is given.
+        idx = sorted(ex.index for ex in experts)
+        if idx != list(range(len(experts))):
+            raise ValueError("refining a block in chunks needs ExpertData.block (or expert indices 0..E-1)")
+        rows = {ex.index: ex.x.shape[0] for ex in experts}
+        has_val = experts[0].x_val is not None
+        val = {ex.index: (0 if ex.x_val is None else ex.x_val.shape[0]) for ex in experts}
+        blk = BlockRows(0, tuple(rows[i] for i in idx), tuple(val[i] for i in idx) if has_val else None)
+        experts = [dataclasses.replace(ex, block=blk) for ex in experts]
+    chunks, cur, used = [], [], 0
+    for ex, n in zip(experts, need):
+        if cur and used + n > budget:
+            chunks.append(cur)
+            cur, used = [], 0
+        cur.append(ex)
+        used += n
+    chunks.append(cur)
+    return chunks
 
 
 def expert_seed(seed: int, layer: int, expert: int, stream: str = "") -> int:
