@@ -309,9 +309,10 @@ def row_sets_batched(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 SOLVES = ("cg", "exact")  # how the kept-set least squares are solved (see `kept_set_solve`)
-CG_TOL = 1e-6  # a row stops once its last CG_WINDOW steps lowered its objective by <= CG_TOL of its value
+CG_TOL = 1e-5  # a row stops once its last CG_WINDOW steps lowered its objective by <= CG_TOL of its value
 CG_WINDOW = 4
 CG_MAX_ITER = 300  # rows still above the tolerance then are solved exactly
+CG_RANK = 32  # top eigenpairs of the Jacobi-scaled Hessian in the preconditioner (0: Jacobi alone)
 
 
 def check_solve(solve: str) -> None:
@@ -339,32 +340,99 @@ def _exact_rows(H64: torch.Tensor, e_of_row: torch.Tensor, a: torch.Tensor, rhs_
     return out
 
 
+def top_eigenpairs(H: torch.Tensor, k: int, iters: int = 4, oversample: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest eigenpairs of symmetric PSD H [E, C, C] by subspace iteration from a fixed start (the same
+    for every expert, so an expert's pairs do not depend on the batch): (λ [E, k] descending, V [E, C, k])."""
+    E, C = H.shape[0], H.shape[-1]
+    m = min(C, k + oversample)
+    g = torch.Generator().manual_seed(0)
+    Q = torch.randn(C, m, generator=g, dtype=torch.float32).to(device=H.device, dtype=H.dtype).expand(E, C, m)
+    for _ in range(iters):
+        Y = (H @ Q).to(torch.float64)
+        # Cholesky-QR (products and an m × m factor; batched QR is a loop over matrices on some devices)
+        L = torch.linalg.cholesky(Y.mT @ Y)
+        Q = torch.linalg.solve_triangular(L, Y.mT, upper=False).mT.to(H.dtype)
+    lam, S = torch.linalg.eigh((Q.mT @ H @ Q).to(torch.float64))
+    lam, S = lam.to(H.dtype), S.to(H.dtype)
+    top = torch.arange(m - 1, m - 1 - min(k, m), -1, device=H.device)
+    return lam[:, top], Q @ S[..., top]
+
+
+class _Preconditioner:
+    """An approximate inverse of each row's kept-set block A = H[K, K], for `cg_rows`.
+
+    Jacobi alone (rank 0) is z = r / diag(H). With rank k > 0, the Jacobi-scaled Hessian Ĥ = D^-½ H D^-½ is
+    approximated as Ĥ ≈ Dres + V Λ Vᵀ (its top k eigenpairs plus the diagonal they leave), which restricted to a
+    row's kept set is inverted per row with Woodbury: M_K⁻¹ = Dres⁻¹ − Dres⁻¹ V_K G⁻¹ V_Kᵀ Dres⁻¹ with the k × k
+    G = Λ⁻¹ + V_Kᵀ Dres⁻¹ V_K. A few dominant directions (what correlated activations produce) are what make
+    the kept-set systems ill-conditioned; this removes them at the cost of two thin products per iteration."""
+
+    def __init__(self, H: torch.Tensor, keep: torch.Tensor, rank: int):
+        zero = torch.zeros((), dtype=H.dtype, device=H.device)
+        d = torch.diagonal(H, dim1=-2, dim2=-1)  # > 0: damped, dead columns fixed
+        self.keep = keep
+        self.rank = min(rank, H.shape[-1])
+        if self.rank == 0:
+            self.dinv = torch.where(keep, 1.0 / d[:, None, :], zero)
+            return
+        s = d.rsqrt()
+        lam, V = top_eigenpairs(H * s[:, :, None] * s[:, None, :], self.rank)
+        lam = lam.clamp_min(torch.finfo(H.dtype).tiny)
+        dres = (1.0 - (V * V * lam[:, None, :]).sum(-1)).clamp_min(1e-3)  # what the top pairs leave of diag Ĥ = 1
+        w = torch.where(keep, 1.0 / dres[:, None, :], zero)  # Dres⁻¹ on the kept set
+        k = self.rank
+        outer = (V[..., :, None] * V[..., None, :]).reshape(*V.shape[:-1], k * k)  # [E, C, k²]
+        G = (w @ outer).reshape(*keep.shape[:-1], k, k) + torch.diag_embed(1.0 / lam)[:, None]
+        del outer
+        # z = D^-½ M⁻¹ D^-½ r = (D^-1 Dres⁻¹) r − (D^-½ Dres⁻¹) (y Vᵀ) with y = G⁻¹ Vᵀ (D^-½ Dres⁻¹) r
+        self.sw = w * s[:, None, :]
+        self.ssw = self.sw * s[:, None, :]
+        self.V = V
+        del w
+        L, info = torch.linalg.cholesky_ex(G)
+        eye = torch.eye(k, dtype=H.dtype, device=H.device)
+        self.Li = torch.linalg.solve_triangular(L, eye.expand_as(L), upper=False)  # G⁻¹ = Liᵀ Li
+        bad = info != 0  # (cannot happen for SPD G; such a row falls back to Jacobi)
+        self.Li = torch.where(bad[..., None, None], zero, self.Li)
+
+    def __call__(self, r: torch.Tensor) -> torch.Tensor:
+        if self.rank == 0:
+            return self.dinv * r
+        t = self.Li @ ((self.sw * r) @ self.V)[..., None]
+        y = (self.Li.mT @ t)[..., 0]
+        return torch.addcmul(self.ssw * r, self.sw, y @ self.V.mT, value=-1)
+
+
 def cg_rows(H: torch.Tensor, keep: torch.Tensor, b: torch.Tensor, x: torch.Tensor, c: torch.Tensor,
-            tol: float | None = None, window: int | None = None, max_iter: int | None = None) -> tuple[torch.Tensor, int]:
-    """Jacobi-preconditioned conjugate gradients for every row of every expert at once: per row, minimise
+            tol: float | None = None, window: int | None = None, max_iter: int | None = None,
+            rank: int | None = None) -> tuple[torch.Tensor, int]:
+    """Preconditioned conjugate gradients for every row of every expert at once: per row, minimise
     f(x) = c − 2xᵀb + xᵀAx, A = H[keep, keep] (H [E, C, C]; keep, b, x [E, R, C], b and x zero off `keep`;
     c [E, R] = f(0)). Each row has its own step sizes and is frozen once converged, so its numbers do not depend
     on the rows solved with it. x is updated in place. Returns (converged [E, R], iterations run).
 
     A CG step lowers f by exactly αρ, and the decreases of the next few steps estimate the A-norm error left
     (Hestenes–Stiefel; Strakoš & Tichý), so a row stops once its last `window` steps lowered f by ≤ tol·f.
-    None: the module's CG_TOL, CG_WINDOW, CG_MAX_ITER (read at call time)."""
+    Preconditioner: `_Preconditioner` of `rank`. None: the module's CG_TOL, CG_WINDOW, CG_MAX_ITER, CG_RANK
+    (read at call time)."""
     tol = CG_TOL if tol is None else tol
     window = CG_WINDOW if window is None else window
     max_iter = CG_MAX_ITER if max_iter is None else max_iter
+    precondition = _Preconditioner(H, keep, CG_RANK if rank is None else rank)
     zero = torch.zeros((), dtype=H.dtype, device=H.device)
     tiny = torch.finfo(H.dtype).tiny
-    dinv = torch.where(keep, 1.0 / torch.diagonal(H, dim1=-2, dim2=-1)[:, None, :], zero)
-    r = b - (x @ H) * keep
-    f = c - (x * (b + r)).sum(-1)  # f(x) for any x, as r = b − Ax
-    z = dinv * r
+    # r = b − Ax on the kept set; off it r is never read (the preconditioner is zero there), so no product is
+    # masked
+    r = b - x @ H
+    f = c - (x * (b + r)).sum(-1)  # f(x) for any x (x is zero off the kept set)
+    z = precondition(r)
     p = z
     rho = (r * z).sum(-1)
     done = rho <= 0  # nothing to do: a zero right-hand side, or x already exact
     recent = torch.zeros(window, *rho.shape, dtype=rho.dtype, device=rho.device)
     it = 0
     while it < max_iter:
-        Ap = (p @ H) * keep
+        Ap = p @ H  # (p is zero off the kept set, and Ap off it only reaches r where it is never read)
         pAp = (p * Ap).sum(-1)
         alpha = torch.where(done | (pAp <= 0), zero, rho / pAp.clamp_min(tiny))
         x.addcmul_(alpha[..., None], p)
@@ -377,7 +445,7 @@ def cg_rows(H: torch.Tensor, keep: torch.Tensor, b: torch.Tensor, x: torch.Tenso
             done = done | (recent.sum(0) <= tol * f.clamp_min(0))
         if it % 8 == 0 and bool(done.all()):  # (a host sync: not every iteration)
             break
-        z = dinv * r
+        z = precondition(r)
         rho_new = (r * z).sum(-1)
         beta = torch.where(done, zero, rho_new / rho.clamp_min(tiny))
         p = z + beta[..., None] * p
@@ -416,7 +484,9 @@ def kept_set_solve(H: torch.Tensor, rows_a: torch.Tensor, rows_b: torch.Tensor, 
     # partition point, a quarter of the products.
     lo, hi = int(rows_a.min()), int(rows_a.max()) + 1
     Cw = hi - lo
-    step = max(1, budget // (4 * (8 * R * Cw + 2 * R * C + 2 * Cw * Cw)))  # the recurrence's fp32 vectors, rhs, H
+    k2 = CG_RANK * CG_RANK
+    # fp32: the recurrence's and the preconditioner's vectors, the scattered rhs, H's window, the per-row k × k factors
+    step = max(1, budget // (4 * (10 * R * Cw + 2 * R * C + 2 * Cw * Cw + 2 * R * k2 + Cw * k2)))
     iters, fallback = 0, 0
     for s in range(0, E, step):
         sl = slice(s, s + step)
