@@ -228,4 +228,4 @@ def test_methods_with_cg_on_cuda_match_the_cpu_exact_reference(name):
     for r, b in zip(ref, got):
         for p in PROJECTIONS:
             assert float((r.weights()[p].codes == b.weights()[p].codes).float().mean()) > 0.95
-            assert b.info["rel_err"][p] == pytest.approx(r.info["rel_err"][p], rel=0.02)
+            assert b.info["rel_err"][p] == pytest.approx(r.info["rel_err"][p], rel=0.05)
