@@ -12,8 +12,9 @@ Per projection, with H the damped Hessian:
 4. The second partition is quantized: by GPTQ with the support fixed (OBR's default; `second_stage="gptq"`,
    export-exact scales as in SGPTQ) or by RTN (`"rtn"`, OBR's --obr_rtn, which re-rounds the whole row).
 
-Each row has its own kept set, so steps 2-3 are batched solves over chunks of rows ([rows, k, k] systems
-gathered from H): no Python loop over rows. `compress_block` runs all experts of a block at once (gate and up
+Each row has its own kept set, so steps 2-3 are least-squares problems per row, solved for all rows at once
+(`hessian.kept_set_solve`): by preconditioned conjugate gradients (`solve="cg"`, the default) or one Cholesky per
+row of the gathered H[K, K] (`solve="exact"`): no Python loop over rows. `compress_block` runs all experts of a block at once (gate and up
 stacked along their rows, then down; chunked to a memory budget); `batched=False` runs the per-expert
 reference (`compress_expert`) instead.
 """

@@ -445,8 +445,8 @@ class SGPTQ:
         g_d = fmt.global_scale(W["down"] * provisional_mask(fmt, W["down"], fac["down"].hinv_chol))
         solver = self._solver(fmt)
         if self.refit:
-            # SparseGPT's support, then the exact least-squares weights on it (the sequential OBS updates
-            # of the sweep only approximate them), then GPTQ with that support fixed.
+            # SparseGPT's support, then the least-squares weights on it (the sequential OBS updates of the
+            # sweep only approximate them; CG starts from the sweep's values), then GPTQ with that support fixed.
             sparse = {p: replace(solver, quantize=False).solve(W[p], fac[p].hinv_chol) for p in PROJECTIONS}
             support = {p: sparse[p].mask for p in PROJECTIONS}
             W = {p: masked_optimum(W[p], fac[p].H, support[p], self.solve, start=sparse[p].values) for p in PROJECTIONS}
