@@ -7,8 +7,11 @@ tokens (~`--tokens-per-expert` routed rows per expert, a skewed load). In one pr
 - the per-expert reference path (`batched=False`) timed on `--baseline-experts` experts spread over the load
   range and EXTRAPOLATED to the block (mean seconds per expert × experts; labelled as such), and its results
   compared with the batched ones for those experts (code agreement, relative errors);
-- optionally (`--kimi`) SGPTQ on a Kimi-K2-shaped block (384 experts of 7168 × 2048): one memory chunk of
-  experts timed and extrapolated to the 384 experts;
+- for the methods with kept-set least squares (sgptq's refit, obr), the default iterative solve (`solve="cg"`)
+  against the exact one (`solve="exact"`, a Cholesky per row) on the same experts: relative errors and codes,
+  and the CG iterations the block needed;
+- optionally (`--kimi`) the same methods on a Kimi-K2-shaped block (384 experts of 7168 × 2048): one memory
+  chunk of experts timed and extrapolated to the 384 experts;
 - optionally (`--factorisations`, run first) the batched SPD factorisations at this block's sizes, torch's
   cuSOLVER calls vs each `spd` strategy and leaf size; the fastest accurate kept-set solver is used for the
   methods in this process (recorded as `spd_config_used`).
@@ -17,7 +20,9 @@ Writes JSON + Markdown to --out (relative paths only).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import logging
 import os
 import subprocess
 import time
@@ -82,7 +87,33 @@ def agreement(ref, bat) -> dict:
             same += int((r.weights()[p].codes.cpu() == b.weights()[p].codes.cpu()).sum())
             total += r.weights()[p].codes.numel()
             ratios.append(b.info["rel_err"][p] / r.info["rel_err"][p])
-    return {"code_agreement": same / total, "rel_err_ratio_min": min(ratios), "rel_err_ratio_max": max(ratios)}
+    return {"code_agreement": same / total, "rel_err_ratio_min": min(ratios), "rel_err_ratio_max": max(ratios),
+            "rel_err_ratio_mean": sum(ratios) / len(ratios)}
+
+
+class SolveLog(logging.Handler):
+    """Collects the kept-set CG reports (rows, iterations, exact fallbacks) the solvers log at DEBUG."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.calls = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("kept-set CG"):
+            self.calls.append(record.args)
+
+    def take(self) -> dict | None:
+        calls, self.calls = self.calls, []
+        if not calls:
+            return None
+        return {"solves": len(calls), "max_iterations": max(c[1] for c in calls),
+                "iterations": [c[1] for c in calls], "exact_fallback_rows": sum(c[2] for c in calls)}
+
+
+def solves_kept_sets(name: str) -> bool:
+    """The method's default runs kept-set least squares (obr; sgptq with its refit; not gptq)."""
+    m = get_method(name)
+    return any(f.name == "solve" for f in dataclasses.fields(type(m))) and getattr(m, "refit", True)
 
 
 def mean_rel_err(results) -> dict:
@@ -154,6 +185,10 @@ def main():
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script on small shapes")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    solve_log = SolveLog()
+    hlog = logging.getLogger("moesq_core.methods.hessian")
+    hlog.setLevel(logging.DEBUG)
+    hlog.addHandler(solve_log)
     commit = os.environ.get("MOESQ_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
     date = time.strftime("%Y-%m-%d")
@@ -195,10 +230,16 @@ def main():
         fmt = get_format(METHOD_FORMATS[name])
         try:
             get_method(name).compress_block(block[:2], fmt)  # warm-up (cuBLAS/cuSOLVER handles, allocator)
+            solve_log.take()
             out, sec, peak = timed(lambda: get_method(name).compress_block(block, fmt))
-            row = {"format": fmt.name, "batched_block_s": sec, "batched_peak_gib": peak, "mean_rel_err": mean_rel_err(out)}
+            row = {"format": fmt.name, "batched_block_s": sec, "batched_peak_gib": peak, "mean_rel_err": mean_rel_err(out),
+                   "kept_set_cg": solve_log.take()}
             bat_picks = [out[e] for e in picks]
             del out
+            if solves_kept_sets(name):  # the iterative kept-set solve against the exact one, on the same experts
+                exact = get_method(name, solve="exact").compress_block([block[e] for e in picks], fmt)
+                row["cg_vs_exact_on_timed_experts"] = agreement(exact, bat_picks)
+                del exact
             per = []
             ref = []
             for e in picks:
@@ -219,26 +260,32 @@ def main():
     del block
     empty_cache()
     if args.kimi:
-        try:
-            E, H, I = 384, 7168, 2048
-            per_chunk = int(max(1, memory_budget(dev, None) // solver_bytes_per_expert(I, H)))
-            kc = routed_counts(E, args.tokens_per_expert, 1)
-            which = list(range(per_chunk))
-            kb = make_block(E, H, I, kc, dev, seed=1, which=which)
-            fmt = get_format("p48-nvfp4")
-            get_method("sgptq").compress_block(kb[:1], fmt)
-            out, sec, peak = timed(lambda: get_method("sgptq").compress_block(kb, fmt))
-            rows_timed = int(kc[which].sum())
-            res["results"]["sgptq_kimi_k2"] = {
-                "shape": {"model": "Kimi-K2", "experts": E, "hidden": H, "inter": I, "routed_rows": int(kc.sum())},
-                "format": fmt.name, "experts_timed": len(which), "rows_timed": rows_timed, "seconds_timed": sec,
-                "peak_gib": peak, "block_s_extrapolated": sec * E / len(which), "mean_rel_err": mean_rel_err(out),
-                "note": f"one chunk of {len(which)} experts timed, x{E / len(which):.1f} extrapolated to the block"}
-            print("kimi", json.dumps(res["results"]["sgptq_kimi_k2"]), flush=True)
-            del kb, out
-        except Exception:
-            res["errors"]["sgptq_kimi_k2"] = traceback.format_exc()
-        save()
+        E, H, I = 384, 7168, 2048
+        per_chunk = int(max(1, memory_budget(dev, None) // solver_bytes_per_expert(I, H)))
+        kc = routed_counts(E, args.tokens_per_expert, 1)
+        which = list(range(min(per_chunk, E)))
+        kb = make_block(E, H, I, kc, dev, seed=1, which=which)
+        for name in args.methods.split(","):
+            key = f"{name}_kimi_k2"
+            try:
+                fmt = get_format(METHOD_FORMATS[name])
+                get_method(name).compress_block(kb[:1], fmt)
+                solve_log.take()
+                out, sec, peak = timed(lambda: get_method(name).compress_block(kb, fmt))
+                rows_timed = int(kc[which].sum())
+                res["results"][key] = {
+                    "shape": {"model": "Kimi-K2", "experts": E, "hidden": H, "inter": I, "routed_rows": int(kc.sum())},
+                    "format": fmt.name, "experts_timed": len(which), "rows_timed": rows_timed, "seconds_timed": sec,
+                    "peak_gib": peak, "block_s_extrapolated": sec * E / len(which), "mean_rel_err": mean_rel_err(out),
+                    "kept_set_cg": solve_log.take(),
+                    "note": f"one chunk of {len(which)} experts timed, x{E / len(which):.1f} extrapolated to the block"}
+                print("kimi", name, json.dumps(res["results"][key]), flush=True)
+                del out
+            except Exception:
+                res["errors"][key] = traceback.format_exc()
+            empty_cache()
+            save()
+        del kb
     print((args.out / f"{stem}.md").read_text())
 
 
@@ -253,18 +300,35 @@ def write_markdown(res: dict, path: Path):
           "| method | format | batched, s per block (measured) | per-expert, s per block (extrapolated) | speed-up | "
           "peak GiB | codes equal on timed experts |", "|---|---|---|---|---|---|---|"]
     for name, r in res["results"].items():
-        if name == "sgptq_kimi_k2":
+        if name.endswith("_kimi_k2"):
             continue
         a = r["batched_vs_per_expert_on_timed_experts"]
         md.append(f"| {name} | {r['format']} | **{r['batched_block_s']:.2f}** | {r['per_expert_block_s_extrapolated']:,.1f} "
                   f"(from {len(r['per_expert_timed'])} experts) | {r['speedup_vs_extrapolated_per_expert']:,.1f}× | "
                   f"{r['batched_peak_gib']:.1f} | {100 * a['code_agreement']:.3f} % (rel. err ratio "
                   f"{a['rel_err_ratio_min']:.4f}–{a['rel_err_ratio_max']:.4f}) |")
-    k = res["results"].get("sgptq_kimi_k2")
-    if k:
-        md += ["", f"Kimi-K2-shaped block (384 experts, hidden 7168, inter 2048), SGPTQ p48-nvfp4: {k['seconds_timed']:.1f} s "
-                   f"for one chunk of {k['experts_timed']} experts ({k['rows_timed']:,} rows, peak {k['peak_gib']:.1f} GiB) → "
-                   f"**{k['block_s_extrapolated']:.0f} s per block, extrapolated** ×{384 / k['experts_timed']:.1f}."]
+    solves = {n: r for n, r in res["results"].items() if r.get("kept_set_cg") or r.get("cg_vs_exact_on_timed_experts")}
+    if solves:
+        md += ["", "Kept-set least squares (sgptq's refit, obr) by conjugate gradients (the default, `solve=\"cg\"`) vs "
+                   "the exact Cholesky per row (`solve=\"exact\"`) on the timed experts: relative output error of CG over "
+                   "exact, and the CG iterations the block needed (per solve; rows not converged by then are solved "
+                   "exactly).", "",
+               "| run | rel. err CG / exact (min–max) | codes equal | CG iterations per solve | rows solved exactly |",
+               "|---|---|---|---|---|"]
+        for n, r in solves.items():
+            c, cg = r.get("cg_vs_exact_on_timed_experts"), r.get("kept_set_cg") or {}
+            ratio = f"{c['rel_err_ratio_min']:.4f}–{c['rel_err_ratio_max']:.4f} (mean {c['rel_err_ratio_mean']:.5f})" if c else "—"
+            codes = f"{100 * c['code_agreement']:.2f} %" if c else "—"
+            md.append(f"| {n} | {ratio} | {codes} | {', '.join(map(str, cg.get('iterations', []))) or '—'} | "
+                      f"{cg.get('exact_fallback_rows', '—')} |")
+    kimi = {n: r for n, r in res["results"].items() if n.endswith("_kimi_k2")}
+    if kimi:
+        md += ["", "Kimi-K2-shaped block (384 experts, hidden 7168, inter 2048): one memory chunk of experts timed, "
+                   "**extrapolated** to the block.", "",
+               "| method | format | chunk | s for the chunk | peak GiB | s per block (extrapolated) |", "|---|---|---|---|---|---|"]
+        for n, k in kimi.items():
+            md.append(f"| {n.removesuffix('_kimi_k2')} | {k['format']} | {k['experts_timed']} experts, {k['rows_timed']:,} rows "
+                      f"| {k['seconds_timed']:.1f} | {k['peak_gib']:.1f} | **{k['block_s_extrapolated']:.0f}** |")
     if res.get("factorisations"):
         md += ["", "Batched SPD factorisations, seconds (fp64; `spd` strategy and leaf size vs torch's batched cuSOLVER "
                    "calls). The solvers above ran with " + f"strategy {res['spd_config_used']['strategy']!r}, leaf "

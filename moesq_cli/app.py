@@ -414,6 +414,7 @@ def init_sgptq(
     exact_scales: Annotated[Optional[bool], typer.Option("--exact-scales/--fp32-scales",
                                                          help="GPTQ with the final E4M3 block scales (export-exact, default) or fp32 scales projected afterwards.")] = None,
     refit: Annotated[Optional[bool], typer.Option("--refit/--no-refit", help="sgptq/gptq: SparseGPT's support, then a closed-form reconstruction and GPTQ on it (default: on for sgptq, off for gptq; --no-refit is the paper's SGPTQ).")] = None,
+    solve: Annotated[Optional[str], typer.Option(callback=_choice("cg", "exact"), help="sgptq's refit, obr: the kept-set least squares by preconditioned conjugate gradients (cg, default) or one Cholesky per weight row (exact, slow on wide experts).")] = None,
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
     seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
     device: DeviceOpt = "auto", batch_size: BatchOpt = None, redo_from: RedoOpt = None, cache_gb: CacheOpt = None,
@@ -440,7 +441,7 @@ def init_sgptq(
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
     _as_usage_error(_run_config_check, **given)
     opts = {k: v for k, v in dict(percdamp=percdamp, hessian_weighting=hessian_weighting, exact_scales=exact_scales,
-                                  refit=refit).items() if v is not None}
+                                  refit=refit, solve=solve).items() if v is not None}
     valid = method_options(method)
     for k in opts:
         if k not in valid:

@@ -96,6 +96,15 @@ def test_refit_is_part_of_the_stage_identity(wd):
     assert _manifest(wd)["stages"]["init-sgptq"]["config"]["options"]["refit"] is True
     r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--refit", *FAST, check=False)
     assert r.returncode == 2 and "--refit/--no-refit does not apply to --method rtn" in r.stderr
+    # how the refit's least squares are solved is part of the identity too (cg is the default)
+    assert _manifest(wd)["stages"]["init-sgptq"]["config"]["options"]["solve"] == "cg"
+    r = moesq("init-sgptq", "-w", wd, "--solve", "exact", *FAST, check=False)
+    assert r.returncode == 1 and "options.solve: 'cg' (work dir) vs 'exact' (now)" in r.stderr, r.stderr
+    r = moesq("init-sgptq", "-w", wd, "--solve", "lu", *FAST, check=False)
+    assert r.returncode == 2 and "'lu' is not one of: cg, exact" in r.stderr
+    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--solve", "cg", *FAST, check=False)
+    assert r.returncode == 2 and "--solve does not apply to --method rtn" in r.stderr
+    assert (wd / "manifest.json").read_bytes() == before
 
 
 def _changed_copy(src: Path, dst: Path, factor: float) -> Path:

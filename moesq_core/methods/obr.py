@@ -12,8 +12,9 @@ Per projection, with H the damped Hessian:
 4. The second partition is quantized: by GPTQ with the support fixed (OBR's default; `second_stage="gptq"`,
    export-exact scales as in SGPTQ) or by RTN (`"rtn"`, OBR's --obr_rtn, which re-rounds the whole row).
 
-Each row has its own kept set, so steps 2-3 are batched solves over chunks of rows ([rows, k, k] systems
-gathered from H): no Python loop over rows. `compress_block` runs all experts of a block at once (gate and up
+Each row has its own kept set, so steps 2-3 are least-squares problems per row, solved for all rows at once
+(`hessian.kept_set_solve`): by preconditioned conjugate gradients (`solve="cg"`, the default) or one Cholesky per
+row of the gathered H[K, K] (`solve="exact"`): no Python loop over rows. `compress_block` runs all experts of a block at once (gate and up
 stacked along their rows, then down; chunked to a memory budget); `batched=False` runs the per-expert
 reference (`compress_expert`) instead.
 """
@@ -31,14 +32,15 @@ from .hessian import (
     Damped,
     DampedBatch,
     batched_masked_solve,
-    batched_masked_solve_experts,
     block_statistics,
+    check_solve,
     damped_factor,
     damped_factors,
     expert_hessians,
     fix_dead,
     fix_dead_batched,
     hessian,
+    kept_set_solve,
     masked_optimum,
     masked_optimum_batched,
     relative_error,
@@ -65,6 +67,7 @@ class OBR:
     exact_scales: bool = True
     blocksize: int = 128
     hessian_weighting: str = "none"
+    solve: str = "cg"  # the kept-set least squares of steps 2-3: "cg" (iterative) | "exact" (Cholesky per row)
     batched: bool = True  # all experts of a block at once (False: the per-expert reference, one at a time)
     chunk_gb: float | None = None  # memory for one chunk of experts (None: half the free GPU memory; 4 GiB on CPU)
 
@@ -73,6 +76,7 @@ class OBR:
             raise ValueError(f"OBR second_stage must be 'gptq' or 'rtn', got {self.second_stage!r}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"OBR alpha must be in [0, 1], got {self.alpha}")
+        check_solve(self.solve)
 
     def quantize(self, Wc: torch.Tensor, fac: Damped, mask: torch.Tensor, fmt: Format,
                  g: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -86,7 +90,7 @@ class OBR:
             k1 = int((kept[0] < s).sum())
             k_first, k_second = kept[:, :k1], kept[:, k1:]
             e1 = (Wc - q0.dequantize()).gather(1, k_first)
-            Wc = Wc.scatter_add(1, k_second, batched_masked_solve(Hd, k_second, k_first, e1))
+            Wc = Wc.scatter_add(1, k_second, batched_masked_solve(Hd, k_second, k_first, e1, solve=self.solve))
         if self.second_stage == "rtn" or s >= C:
             q = fmt.quantize(Wc, mask, g)
             return q, Wc
@@ -117,7 +121,7 @@ class OBR:
         for p in PROJECTIONS:
             W[p] = fixed[p][1]
             masks[p] = fmt.patterns.best_mask(wanda_scores(W[p], inputs[p], ex.w, self.hessian_weighting))
-            Wc[p] = masked_optimum(W[p], fac[p].H, masks[p])
+            Wc[p] = masked_optimum(W[p], fac[p].H, masks[p], self.solve)
         g_gu = fmt.global_scale(Wc["gate"], Wc["up"])  # Wc is already masked
         g_d = fmt.global_scale(Wc["down"])
         q, latent = {}, {}
@@ -161,7 +165,7 @@ class OBR:
             k1 = s // fmt.patterns.group * fmt.patterns.kept_per_group  # every row keeps this many left of s
             k_first, k_second = kept[..., :k1], kept[..., k1:]
             e1 = (Wc - q.decode(codes0, scales0, gb) * mask).gather(-1, k_first)
-            Wc = Wc.scatter_add(-1, k_second, batched_masked_solve_experts(fac.H, k_second, k_first, e1, budget))
+            Wc = Wc.scatter_add(-1, k_second, kept_set_solve(fac.H, k_second, k_first, e1, self.solve, budget=budget))
         if self.second_stage == "rtn" or s >= C:
             codes, scales = rtn(Wc)
             return codes, scales, Wc
@@ -190,7 +194,7 @@ class OBR:
             fac = damped_factors(Hf, self.percdamp, what=[f"expert {ex.index} {phase.replace('_', '/')} Hessian" for ex in experts])
             del Hf
             mask = fmt.patterns.best_mask(W.abs() * stats.sq_norms.sqrt()[:, None, :])  # Wanda's scores
-            Wc = masked_optimum_batched(W, fac.H, mask, budget // 2)
+            Wc = masked_optimum_batched(W, fac.H, mask, budget // 2, solve=self.solve)
             del W
             g = fmt.weight.global_scales(Wc)  # Wc is already masked; gate and up share one
             codes, scales, latent = self.quantize_batched(Wc, fac, mask, fmt, g, len(projs), budget // 2)

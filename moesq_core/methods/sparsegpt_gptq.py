@@ -47,6 +47,7 @@ from .base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn, compres
 from .batching import assemble_results, compress_batched
 from .hessian import (
     block_statistics,
+    check_solve,
     damped_factor,
     damped_factors,
     expert_hessians,
@@ -414,9 +415,13 @@ class SGPTQ:
     pin_block_max: bool = True
     hessian_weighting: str = "none"
     refit: bool = False  # not SGPTQ proper: SparseGPT's support + closed-form reconstruction + GPTQ
+    solve: str = "cg"  # the refit's kept-set least squares: "cg" (iterative, from SparseGPT's values) | "exact"
     dense_only: bool = False
     batched: bool = True  # all experts of a block at once (False: the per-expert reference, one at a time)
     chunk_gb: float | None = None  # memory for one chunk of experts (None: half the free GPU memory; 4 GiB on CPU)
+
+    def __post_init__(self):
+        check_solve(self.solve)
 
     def _solver(self, fmt: Format) -> SGPTQSolver:
         return SGPTQSolver(fmt, self.blocksize, self.mask_block, self.exact_scales, True, self.pin_block_max)
@@ -440,10 +445,11 @@ class SGPTQ:
         g_d = fmt.global_scale(W["down"] * provisional_mask(fmt, W["down"], fac["down"].hinv_chol))
         solver = self._solver(fmt)
         if self.refit:
-            # SparseGPT's support, then the exact least-squares weights on it (the sequential OBS updates
-            # of the sweep only approximate them), then GPTQ with that support fixed.
-            support = {p: replace(solver, quantize=False).solve(W[p], fac[p].hinv_chol).mask for p in PROJECTIONS}
-            W = {p: masked_optimum(W[p], fac[p].H, support[p]) for p in PROJECTIONS}
+            # SparseGPT's support, then the least-squares weights on it (the sequential OBS updates of the
+            # sweep only approximate them; CG starts from the sweep's values), then GPTQ with that support fixed.
+            sparse = {p: replace(solver, quantize=False).solve(W[p], fac[p].hinv_chol) for p in PROJECTIONS}
+            support = {p: sparse[p].mask for p in PROJECTIONS}
+            W = {p: masked_optimum(W[p], fac[p].H, support[p], self.solve, start=sparse[p].values) for p in PROJECTIONS}
             g_gu = fmt.global_scale(W["gate"], W["up"])
             g_d = fmt.global_scale(W["down"])
             res = {p: solver.solve(W[p], fac[p].hinv_chol, g_d if p == "down" else g_gu, mask=support[p])
@@ -494,8 +500,10 @@ class SGPTQ:
             U = fac.hinv_chol
             rg = len(projs)
             if self.refit:
-                support = replace(solver, quantize=False).solve_batched(W, U, row_groups=rg).mask
-                W = masked_optimum_batched(W, fac.H, support, budget // 2)
+                sparse = replace(solver, quantize=False).solve_batched(W, U, row_groups=rg)
+                support = sparse.mask
+                W = masked_optimum_batched(W, fac.H, support, budget // 2, solve=self.solve, start=sparse.values)
+                del sparse
                 res = solver.solve_batched(W, U, fmt.weight.global_scales(W), mask=support, row_groups=rg)
                 del support
             else:
