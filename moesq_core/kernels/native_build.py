@@ -14,8 +14,9 @@ order: $MOESQ_CUTLASS_DIR (a CUTLASS checkout or the wheel's `cutlass_library/so
 `nvidia-cutlass` wheel, or a `nvidia_cutlass-*.whl` in `.wheels/` at the repo root (unpacked into the cache;
 for machines without pip access). No GPU is needed to build: the kernels are compiled for sm_90a only.
 
-Layout of the build: one object per kernel variant (nvcc, no torch headers, so variants compile in parallel),
-the C interface (s24_api.cu), and the pybind11 bindings (bindings.cpp, the host compiler with torch's headers),
+Layout of the build: one object per s24 kernel variant (nvcc, no torch headers, so variants compile in parallel),
+the C interface (s24_api.cu), the p48 sparse-tensor-core kernels (p48_gemm.cu), and the pybind11 bindings
+(bindings.cpp, the host compiler with torch's headers),
 linked into `_moesq_native<EXT_SUFFIX>`.
 """
 from __future__ import annotations
@@ -236,6 +237,7 @@ def build(jobs: int | None = None, force: bool = False, verbose: bool = True) ->
         units = [(f"v{i}", [str(nvcc), *nv_flags, f"-DMOESQ_VARIANT_ID={i}", "-c", str(NATIVE_DIR / "src" / "s24_variant.cu")])
                  for i in variant_ids()]
         units.append(("api", [str(nvcc), *nv_flags, "-c", str(NATIVE_DIR / "src" / "s24_api.cu")]))
+        units.append(("p48", [str(nvcc), *nv_flags, "-c", str(NATIVE_DIR / "src" / "p48_gemm.cu")]))
         units.append(("bindings", [cxx, *cxx_flags, "-c", str(NATIVE_DIR / "src" / "bindings.cpp")]))
         jobs = jobs or max(1, os.cpu_count() or 1)
         if verbose:
