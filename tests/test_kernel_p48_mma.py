@@ -45,20 +45,18 @@ def _emulate_decode(records: torch.Tensor) -> torch.Tensor:
     words = rec[..., :512].reshape(E, MT, KR, 32, 4, 4)
     w = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [.., lane, s]
     sc = rec[..., 640:].reshape(E, MT, KR, 8, 4, 2)  # [.., g, s, row hi]
-    e4m3 = sc.to(torch.uint8).view(torch.float8_e4m3fn).float() * 2.0**119
-    scale_bf16 = e4m3.to(torch.bfloat16).float()
-    assert torch.equal(scale_bf16, e4m3)  # exact
+    scale_bits = (sc << 4) + 0x7600  # the kernel's integer multiply-add: bf16 bits of s * 2^119
+    scale_bf16 = (scale_bits << 16).to(torch.int32).view(torch.float32)
     meta = rec[..., 512:640].reshape(E, MT, KR, 32, 4)  # [.., lane, byte]
     out = torch.zeros(E, MT * 16, KR * 128)
     for lane in range(32):
         g, t = lane // 4, lane % 4
         for s in range(4):
             ww = w[..., lane, s]
+            regs = [(ww << 6) & 0x81C081C0, ((ww << 3) & 0x01C001C0) | ((ww << 5) & 0x80008000),
+                    ww & 0x81C081C0, ((ww >> 5) & 0x01C001C0) | ((ww << 1) & 0x80008000)]
             for r in range(4):
-                ms, ss = 6 - 4 * r, 12 - 4 * r
-                m = (ww << ms) if ms >= 0 else (ww >> -ms)
-                sg = (ww << ss) if ss >= 0 else (ww >> -ss)
-                bits = ((m & 0x01C001C0) | (sg & 0x80008000)) & 0xFFFFFFFF
+                bits = regs[r] & 0xFFFFFFFF
                 halves = [bits & 0xFFFF, bits >> 16]
                 row_hi, grp = r & 1, t + 4 * (r >> 1)
                 vals = [((h << 16).to(torch.int32).view(torch.float32)) * scale_bf16[..., g, s, row_hi] for h in halves]
@@ -94,8 +92,26 @@ def test_register_decode_matches_reference_values():
     assert not full[:, M:].any() and not full[:, :, K:].any()  # padding decodes to zeros
 
 
+def test_scale_encoding_is_exact_and_zero_scales_zero_their_block():
+    v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    ok = (v > 0) & ~v.isnan()
+    bits = (pm.SCALE_BYTE.long() << 4) + 0x7600
+    got = (bits << 16).to(torch.int32).view(torch.float32)
+    assert torch.equal(got[ok], v[ok] * 2.0**119)
+    t = random_p48_tensors(1, 16, 128, torch.Generator().manual_seed(1), "cpu")
+    sc = t["weight_scale"].view(torch.uint8).clone()
+    sc[0, 3, 1] = 0
+    t["weight_scale"] = sc.view(torch.float8_e4m3fn)
+    full = _emulate_decode(pm.P48MmaWeights.from_packed(t).records)
+    want = ps.unscaled_weight(ps.p48_to_2to4(t)) / pm.ALPHA_FOLD
+    assert torch.equal(full, want) and not full[0, 3, 32:64].any()
+
+
 def test_from_packed_rejects_bad_input():
     t = random_p48_tensors(2, 16, 64, torch.Generator().manual_seed(0), "cpu")
+    neg = t["weight_scale"].view(torch.uint8) | 0x80
+    with pytest.raises(ValueError, match="negative or NaN"):
+        pm.P48MmaWeights.from_packed(dict(t, weight_scale=neg.view(torch.float8_e4m3fn)))
     bad = dict(t, weight_sparse_mask=t["weight_sparse_mask"] | 0xFF)
     with pytest.raises(ValueError, match="exactly 2 pairs"):
         pm.P48MmaWeights.from_packed(bad, name="gate")
@@ -141,10 +157,11 @@ def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed):
         alpha = 1.0 / (W.global_scale * g_a.to(dev))
     else:
         alpha = 1.0 / W.global_scale
-    if split == 1:
+    if min(split, -(-K // pm.RECORD_K)) == 1:
         out = torch.full((E * C, M), float("nan"), device=dev, dtype=out_dtype)  # poisoned
     else:
         out = torch.zeros(E * C, M, device=dev)
+    split = min(split, W.records.shape[2])
     pm.p48_mma_gemm_rows(xr, W, row_start, cnt.to(dev), alpha, out, pm.MmaConfig(variant, split), native)
     torch.cuda.synchronize()
     got = out.float().reshape(E, C, M).cpu()
@@ -155,7 +172,7 @@ def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed):
             assert not torch.isnan(got[e, :n]).any(), f"expert {e}: outputs left unwritten"
             err = ((got[e, :n] - want[e, :n]).norm() / want[e, :n].norm()).item()
             assert err < tol, f"expert {e}: relative error {err}"
-        if split == 1:
+        if min(split, -(-K // pm.RECORD_K)) == 1:
             assert torch.isnan(got[e, n:]).all(), f"expert {e}: rows past the count were written"
 
 
@@ -188,9 +205,9 @@ def test_gpu_kernel_rejects_bad_arguments():
     if native is None:
         pytest.skip("needs the native module on an sm_90 GPU")
     dev = torch.device("cuda")
-    t = random_p48_tensors(2, 32, 128, torch.Generator().manual_seed(0), "cpu")
+    t = random_p48_tensors(2, 32, 256, torch.Generator().manual_seed(0), "cpu")
     W = pm.P48MmaWeights.from_packed(t, dev)
-    x = torch.zeros(4, 128, dtype=torch.bfloat16, device=dev)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16, device=dev)
     rs, cnt = torch.zeros(2, dtype=torch.int32, device=dev), torch.ones(2, dtype=torch.int32, device=dev)
     with pytest.raises(ValueError, match="float32"):
         pm.p48_mma_gemm_rows(x, W, rs, cnt, W.global_scale, torch.zeros(4, 32, dtype=torch.bfloat16, device=dev),

@@ -11,12 +11,15 @@ of p48_sparse24.p48_to_2to4): one record holds 16 output rows x 128 (permuted) i
 streams per step, as three parts, each ordered by the lane that reads it (lane = 4 g + t, g = lane // 4):
 
     codes  512 B  lane-major, 16 B per lane = 4 words, one per 32-column MMA step s: the 8 codes of the lane's
-                  four A registers (rows g, g+8 x 4-groups t, t+4 of the step), low codes in nibbles 0-3, high
-                  codes in nibbles 4-7 (register r's two codes are nibbles r and 4+r), so that one shift pair
-                  and a lop3 place both in bf16 fields
+                  four A registers (rows g, g+8 x 4-groups t, t+4 of the step); the low codes fill bits 0-15,
+                  the high codes bits 16-31, register r's magnitude at bit MAG_POS[r] and sign at SIGN_POS[r] of
+                  its half, so that 0-2 shifts and a lop3 put both codes of a register in bf16 fields
     meta   128 B  4 B per lane: two 16-bit roles (the steps 2*i + t//2 for role i, i.e. selector t//2), each two
                   bytes of 8-group nibbles that expand to one mma.sp metadata register (META_LAYOUT)
-    scales  64 B  8 B per row pair (g, g+8): per step s the UE4M3 scales of row g and row g+8
+    scales  64 B  8 B per row pair (g, g+8): per step s the scales of row g and row g+8, re-encoded from UE4M3
+                  to 5 exponent / 3 mantissa bits without subnormals (SCALE_BYTE), so that one integer
+                  multiply-add gives the bf16 bits of s * 2^119: (byte << 4) + 0x7600 (a zero scale, byte 0,
+                  zeroes its block's codes instead)
 
 Rows are padded to a multiple of 16 and columns to a multiple of 128 with zero codes, zero scales and a valid
 2:4 pattern. Bytes: exactly the packed 2.75 bits per weight (+ padding), plus the fp32 global scale per expert.
@@ -42,7 +45,24 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # t = 2*sel and 2*sel + 1 of every quad): "half" = lane 2*sel + h holds K columns 16h..16h+15 of rows g (bits
 # 0-15) and g+8 (bits 16-31), as the m16n8k16 layout stacked along K.
 META_LAYOUT = os.environ.get("MOESQ_P48_META_LAYOUT", "half")
-TOKEN_BLOCKS = (16, 64)  # tokens staged per pass by the compiled variants (index = variant)
+TOKEN_BLOCKS = (16, 64)
+MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
+SIGN_POS = (9, 10, 15, 14)
+
+
+def _scale_byte_table() -> torch.Tensor:
+    """UE4M3 bits -> record scale byte: 8 (e + 10) + m for s = 2^e (1 + m/8), e in [-9, 8]; 0 for zero."""
+    out = torch.zeros(256, dtype=torch.uint8)
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    for b in range(256):
+        v = float(vals[b])
+        if v > 0 and v == v and v != float("inf"):
+            m, e = math.frexp(v)  # v = m 2^e, m in [0.5, 1)
+            out[b] = 8 * (e - 1 + 10) + int(round((2 * m - 1) * 8))
+    return out
+
+
+SCALE_BYTE = _scale_byte_table()  # tokens staged per pass by the compiled variants (index = variant)
 
 
 @dataclass
@@ -132,17 +152,26 @@ def build_records(op: P48As24) -> torch.Tensor:
     E, M, K = codes.shape[0], codes.shape[1], op.in_features
     MT, KR = math.ceil(M / RECORD_ROWS), math.ceil(K / RECORD_K)
     Mp, Kp = MT * RECORD_ROWS, KR * RECORD_K
+    sc8 = op.scales.contiguous().view(torch.uint8)
+    bad = ((sc8 & 0x80) != 0) | ((sc8 & 0x7F) == 0x7F)
+    if bool(bad.any()):
+        raise ValueError(f"weight_scale: {int(bad.sum())} block scales are negative or NaN (expected UE4M3)")
+    codes = codes.masked_fill((sc8 == 0).repeat_interleave(8, -1), 0)  # a zero scale's block decodes to zeros
     codes = _pad(codes, Mp, Kp // 4, 0)
     nib = _pad(meta & 0xF, Mp, Kp // 8, PAD_NIBBLE)  # one 2:4 nibble per permuted 8-group
-    sc = _pad(op.scales.contiguous().view(torch.uint8), Mp, Kp // 32, 0)
+    sc = _pad(SCALE_BYTE.to(sc8.device)[sc8.long()], Mp, Kp // 32, 0)
 
     # codes: [E, MT, (ra, g), KR, s, (rb, t)] -> [E, MT, KR, g, t, s, (rb, ra)]: register r = 2 rb + ra holds
     # row g + 8 ra, 4-group t + 4 rb of step s
     c = codes.reshape(E, MT, 2, 8, KR, 4, 2, 4).permute(0, 1, 4, 3, 7, 5, 6, 2).reshape(E, MT, KR, 8, 4, 4, 4)
-    lo, hi = c & 0xF, c >> 4
-    word = torch.stack([lo[..., 0] | (lo[..., 1] << 4), lo[..., 2] | (lo[..., 3] << 4),
-                        hi[..., 0] | (hi[..., 1] << 4), hi[..., 2] | (hi[..., 3] << 4)], -1)
-    codes_part = word.reshape(E, MT, KR, CODES_BYTES)
+    c = c.to(torch.int32)
+    half = [torch.zeros(c.shape[:-1], dtype=torch.int32, device=c.device) for _ in range(2)]
+    for r in range(4):
+        for h, code in enumerate((c[..., r] & 0xF, c[..., r] >> 4)):
+            half[h] |= ((code & 7) << MAG_POS[r]) | ((code >> 3) << SIGN_POS[r])
+    word = half[0] | (half[1] << 16)  # [.., g, t, s]
+    codes_part = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+    codes_part = codes_part.reshape(E, MT, KR, CODES_BYTES)
 
     # metadata: byte (s, row, j) = nibble of 8-group 2j | nibble of 8-group 2j+1 << 4, step s = 2 role + sel
     n = nib.reshape(E, MT, 16, KR, 4, 4).permute(0, 1, 3, 4, 2, 5)  # [E, MT, KR, s, row, q]
@@ -164,10 +193,13 @@ def records_to_2to4(records: torch.Tensor, M: int, K: int, global_scale: torch.T
     """Inverse of build_records (cropped to [E, M, K]): for round-trip checks."""
     E, MT, KR, _ = records.shape
     codes_part, meta_part, scale_part = records.split([CODES_BYTES, META_BYTES, SCALE_BYTES], -1)
-    w = codes_part.reshape(E, MT, KR, 8, 4, 4, 4)  # [.., g, t, s, byte]
-    lo = torch.stack([w[..., 0] & 0xF, w[..., 0] >> 4, w[..., 1] & 0xF, w[..., 1] >> 4], -1)
-    hi = torch.stack([w[..., 2] & 0xF, w[..., 2] >> 4, w[..., 3] & 0xF, w[..., 3] >> 4], -1)
-    c = (lo | (hi << 4)).reshape(E, MT, KR, 8, 4, 4, 2, 2)  # [.., g, t, s, rb, ra]
+    b = codes_part.reshape(E, MT, KR, 8, 4, 4, 4).to(torch.int32)  # [.., g, t, s, byte]
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    regs = []
+    for r in range(4):
+        lo, hi = (((word >> (16 * h + MAG_POS[r])) & 7) | (((word >> (16 * h + SIGN_POS[r])) & 1) << 3) for h in (0, 1))
+        regs.append(lo | (hi << 4))
+    c = torch.stack(regs, -1).to(torch.uint8).reshape(E, MT, KR, 8, 4, 4, 2, 2)  # [.., g, t, s, rb, ra]
     codes = c.permute(0, 1, 7, 3, 2, 5, 6, 4).reshape(E, MT * 16, KR * 32)
     if META_LAYOUT == "half":
         pb = meta_part.reshape(E, MT, KR, 8, 2, 2, 2, 2).permute(0, 1, 2, 6, 4, 7, 3, 5)
@@ -177,6 +209,10 @@ def records_to_2to4(records: torch.Tensor, M: int, K: int, global_scale: torch.T
     n = torch.stack([pb & 0xF, pb >> 4], -1).reshape(E, MT, KR, 4, 16, 4).permute(0, 1, 4, 2, 3, 5)
     nib = n.reshape(E, MT * 16, KR * 16)
     sc = scale_part.reshape(E, MT, KR, 8, 4, 2).permute(0, 1, 5, 3, 2, 4).reshape(E, MT * 16, KR * 4)
+    inverse = torch.zeros(256, dtype=torch.uint8)
+    inverse[SCALE_BYTE.long()] = torch.arange(256, dtype=torch.uint8)
+    inverse[0] = 0
+    sc = inverse.to(sc.device)[sc.long()]
     return P48As24(codes[:, :M, : K // 4].contiguous(), (nib | (nib << 4))[:, :M, : K // 8].contiguous(),
                    sc[:, :M, : K // 32].contiguous().view(torch.float8_e4m3fn), global_scale.reshape(E, 1))
 

@@ -68,29 +68,22 @@ __device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t 
   return d;
 }
 
-// Two UE4M3 scales (bytes 0, 1 of v) -> bf16x2 (s * 2^119) (exact: 3 mantissa bits, in bf16 range).
-__device__ __forceinline__ uint32_t scales_bf16x2(uint32_t v) {
-  uint32_t h2;
-  asm("{\n .reg .b16 lo;\n cvt.u16.u32 lo, %1;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(h2) : "r"(v));
-  float f0, f1;
-  asm("{\n .reg .f16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;\n}\n"
-      : "=f"(f0), "=f"(f1)
-      : "r"(h2));
-  constexpr float k2p119 = 6.64613997892457936451903530140172288e35f;  // 2^119
-  uint32_t d;
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(f1 * k2p119), "f"(f0 * k2p119));
-  return d;
+// One code word (8 E2M1 codes, per 16-bit half (low codes, high codes) register r's magnitude at bits
+// {0, 3, 6, 11}[r] and sign at {9, 10, 15, 14}[r]) -> A register r = bf16x2(lo, hi) of e2m1 * 2^-126 (bf16
+// fields: magnitude at bits 6..8, sign at 15; registers 0 and 2 need one shift or none), then times the row's
+// scale (registers 0, 2: row g; 1, 3: row g + 8). The fma keeps bf16 subnormals (no flush), so it is exact.
+__device__ __forceinline__ void decode_regs(uint32_t w, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
+  constexpr uint32_t kField = 0x81C081C0u, kMag = 0x01C001C0u, kSign = 0x80008000u;
+  a[0] = bf16x2_fma((w << 6) & kField, s_lo, kSign);
+  a[1] = bf16x2_fma(and_or(w << 3, kMag, (w << 5) & kSign), s_hi, kSign);
+  a[2] = bf16x2_fma(w & kField, s_lo, kSign);
+  a[3] = bf16x2_fma(and_or(w >> 5, kMag, (w << 1) & kSign), s_hi, kSign);
 }
 
-// One code word (8 E2M1 codes: low codes of registers 0..3 in nibbles 0..3, high codes in nibbles 4..7) -> the
-// 4 A registers, register r = bf16x2(lo, hi) of e2m1 * 2^-126 (bf16 fields: magnitude at bits 6..8, sign at 15),
-// then times the row's scale (registers 0, 2: row g; 1, 3: row g + 8).
-template <int R>
-__device__ __forceinline__ uint32_t decode_reg(uint32_t w, uint32_t scale) {
-  constexpr int mag_shift = 6 - 4 * R, sign_shift = 12 - 4 * R;
-  const uint32_t m = mag_shift >= 0 ? (w << mag_shift) : (w >> -mag_shift);
-  const uint32_t s = (sign_shift >= 0 ? (w << sign_shift) : (w >> -sign_shift)) & 0x80008000u;
-  return bf16x2_fma(and_or(m, 0x01C001C0u, s), scale, 0x80008000u);
+// A scale byte pair of the record layout (exponent-5 / mantissa-3 re-encoding of UE4M3 without subnormals,
+// see p48_mma.py) -> bf16x2 (s * 2^119, s * 2^119) for the byte selected by `sel` (prmt selector 0x4b4b).
+__device__ __forceinline__ uint32_t scale_pair(uint32_t word, uint32_t sel) {
+  return prmt(word, 0, sel) * 16u + 0x76007600u;
 }
 
 // Two compact metadata bytes (n_a | n_b << 4 each; bytes at bit 0 and 16 of x) -> one mma.sp metadata
@@ -128,30 +121,35 @@ struct Variant {
 };
 
 // Stage activations rows [t0, t0 + ntok) x columns [k0, k0 + kw) into shared memory, K-permuted per 8-group;
-// columns >= K are zeros (the padded weight columns are zero, and 0 * garbage could be NaN).
+// columns >= K are zeros (the padded weight columns are zero, and 0 * garbage could be NaN). In rounds of at
+// most 8 16-byte loads per thread (registers).
 template <class V>
 __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long row0, int ntok, int k0, int kw) {
+  constexpr int kRound = V::kXIters < 8 ? V::kXIters : 8;
   const int groups = kw / 8;
-  uint4 v[V::kXIters];
 #pragma unroll
-  for (int j = 0; j < V::kXIters; ++j) {
-    const int idx = threadIdx.x + j * V::kThreads;
-    const int t = idx / groups, c = idx - t * groups;
-    v[j] = make_uint4(0, 0, 0, 0);
-    if (t < ntok && k0 + 8 * c < p.K)
-      v[j] = __ldg(reinterpret_cast<const uint4*>(p.x + (row0 + t) * p.x_stride + k0 + 8 * c));
-  }
+  for (int j0 = 0; j0 < V::kXIters; j0 += kRound) {
+    uint4 v[kRound];
 #pragma unroll
-  for (int j = 0; j < V::kXIters; ++j) {
-    const int idx = threadIdx.x + j * V::kThreads;
-    const int t = idx / groups, c = idx - t * groups;
-    if (t < ntok) {
-      uint4 o;
-      o.x = prmt(v[j].x, v[j].y, 0x5410);  // e0 e2
-      o.y = prmt(v[j].z, v[j].w, 0x5410);  // e4 e6
-      o.z = prmt(v[j].x, v[j].y, 0x7632);  // e1 e3
-      o.w = prmt(v[j].z, v[j].w, 0x7632);  // e5 e7
-      *reinterpret_cast<uint4*>(xs + t * V::XS + 8 * c) = o;
+    for (int j = 0; j < kRound; ++j) {
+      const int idx = threadIdx.x + (j0 + j) * V::kThreads;
+      const int t = idx / groups, c = idx - t * groups;
+      v[j] = make_uint4(0, 0, 0, 0);
+      if (t < ntok && k0 + 8 * c < p.K)
+        v[j] = __ldg(reinterpret_cast<const uint4*>(p.x + (row0 + t) * p.x_stride + k0 + 8 * c));
+    }
+#pragma unroll
+    for (int j = 0; j < kRound; ++j) {
+      const int idx = threadIdx.x + (j0 + j) * V::kThreads;
+      const int t = idx / groups, c = idx - t * groups;
+      if (t < ntok) {
+        uint4 o;
+        o.x = prmt(v[j].x, v[j].y, 0x5410);  // e0 e2
+        o.y = prmt(v[j].z, v[j].w, 0x5410);  // e4 e6
+        o.z = prmt(v[j].x, v[j].y, 0x7632);  // e1 e3
+        o.w = prmt(v[j].z, v[j].w, 0x7632);  // e5 e7
+        *reinterpret_cast<uint4*>(xs + t * V::XS + 8 * c) = o;
+      }
     }
   }
 }
@@ -243,12 +241,10 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const uint32_t w = s == 0 ? codes[r].x : s == 1 ? codes[r].y : s == 2 ? codes[r].z : codes[r].w;
-        const uint32_t sv = scales_bf16x2((s < 2 ? sc[r].x : sc[r].y) >> (16 * (s & 1)));
-        const uint32_t s_lo = prmt(sv, sv, 0x1010), s_hi = prmt(sv, sv, 0x3232);
-        a[r][0] = decode_reg<0>(w, s_lo);
-        a[r][1] = decode_reg<1>(w, s_hi);
-        a[r][2] = decode_reg<2>(w, s_lo);
-        a[r][3] = decode_reg<3>(w, s_hi);
+        const uint32_t sw = s < 2 ? sc[r].x : sc[r].y;
+        const uint32_t s_lo = scale_pair(sw, (s & 1) ? 0x4242 : 0x4040);  // row g
+        const uint32_t s_hi = scale_pair(sw, (s & 1) ? 0x4343 : 0x4141);  // row g + 8
+        decode_regs(w, s_lo, s_hi, a[r]);
         em[r] = expand_meta(prmt(meta[r], 0, (s >> 1) ? 0x4342 : 0x4140));
       }
 #pragma unroll
@@ -296,8 +292,8 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
 
 // The compiled variants: decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA) and larger
 // batches (64 tokens per pass, the weight decode amortised over 8 token tiles).
-using V16 = Variant<16, 2, 8, 4, 1024>;
-using V64 = Variant<64, 2, 8, 3, 256>;
+using V16 = Variant<16, 2, 8, 6, 1024>;
+using V64 = Variant<64, 2, 8, 4, 512>;
 
 template <class V>
 int launch(const moesq_p48_args& a) {
