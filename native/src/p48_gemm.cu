@@ -1,9 +1,9 @@
 // p48-nvfp4 grouped GEMM on Hopper's 2:4 sparse tensor cores (mma.sp m16n8k32, bf16 operands, fp32 accumulate).
 //
 // Paired 4:8 is 2:4 after permuting K inside every 8-group to [e0 e2 e4 e6 | e1 e3 e5 e7]. The weights are the
-// sparse A operand (16 output rows per MMA), the activations B (8 tokens per MMA). Work of one CTA: one expert,
-// W*R row tiles of 16 rows, one K slice; per pass it stages up to NB tokens x KC columns of activations in shared
-// memory (permuting K on the way) and every warp streams its row tiles' weight records through a private
+// sparse A operand (16 output rows per MMA), the activations B (8 tokens per MMA). A persistent grid walks work
+// units (one expert, W*R row tiles of 16 rows, one K slice); per pass a CTA stages up to NB tokens x KC columns
+// of activations in shared memory (permuting K on the way) and every warp streams its row tiles' weight records through a private
 // cp.async ring (records are laid out at load time so that one record is one contiguous 704-byte copy and each
 // lane's share of it is contiguous: 16 B of codes, 4 B of metadata, 8 B of scales). Each weight record is
 // decoded once into bf16 fragments (E2M1 bits placed in bf16 fields, times the UE4M3 scale * 2^119 by a bf16x2
@@ -29,6 +29,7 @@ constexpr int kRecChunks = kRecBytes / 16;
 
 struct Params {
   const uint8_t* records;
+  int E;
   const uint16_t* x;
   const int* row_start;
   const int* counts;
@@ -154,52 +155,75 @@ __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long
   }
 }
 
+// Walks the CTA's work units (expert, group of W*R row tiles, K slice; units blockIdx.x, + gridDim.x, ...)
+// record by record: for each unit, each token block of NB tokens, each 128-column record of the K slice.
+// Units of experts without tokens are skipped. The producer (cp.async ring) and the consumer (MMA) each keep
+// one cursor; the producer runs S - 1 records ahead, across unit boundaries, so the weight stream never drains.
+struct Cursor {
+  int u, e, rg, kr0, nkr, ntb, tb, kr;
+  bool valid;
+
+  template <int NB>
+  __device__ __forceinline__ void seek(const Params& p, int unit, int row_groups, int kr_per, int n_units) {
+    for (; unit < n_units; unit += gridDim.x) {
+      const int eu = unit / (row_groups * p.split), rem = unit - eu * (row_groups * p.split);
+      const int rgu = rem / p.split, z = rem - rgu * p.split;
+      const int cnt = __ldg(p.counts + eu);
+      const int k0 = z * kr_per, nk = min(p.KR, k0 + kr_per) - k0;
+      if (cnt > 0 && nk > 0) {
+        u = unit, e = eu, rg = rgu, kr0 = k0, nkr = nk, ntb = (cnt + NB - 1) / NB, tb = 0, kr = 0, valid = true;
+        return;
+      }
+    }
+    valid = false;
+  }
+  template <int NB>
+  __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units) {
+    if (++kr < nkr) return;
+    kr = 0;
+    if (++tb < ntb) return;
+    seek<NB>(p, u + gridDim.x, row_groups, kr_per, n_units);
+  }
+};
+
 template <class V, bool OUT_BF16, bool ATOMIC>
 __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int NB = V::NB, R = V::R, W = V::W, S = V::S, KC = V::KC, NT = NB / 8;
   constexpr int kRecPerChunk = KC / kRecK;
-  const int e = blockIdx.y;
-  const int cnt = p.counts[e];
-  if (cnt <= 0) return;
+  const int row_groups = (p.MT + W * R - 1) / (W * R);
   const int kr_per = (p.KR + p.split - 1) / p.split;
-  const int kr0 = blockIdx.z * kr_per;
-  const int nkr = min(p.KR, kr0 + kr_per) - kr0;
-  if (nkr <= 0) return;
-  const long long row0 = p.row_start[e];
-  const float alpha = p.alpha[e];
+  const int n_units = p.E * row_groups * p.split;
 
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * kRecBytes);
 
-  int rt[R];
-  const uint8_t* wsrc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    rt[r] = blockIdx.x * (W * R) + r * W + warp;
-    const int rt_safe = min(rt[r], p.MT - 1);  // idle row tiles stream a valid tile and store nothing
-    wsrc[r] = p.records + ((static_cast<long long>(e) * p.MT + rt_safe) * p.KR + kr0) * kRecBytes;
-  }
-  const int ntb = (cnt + NB - 1) / NB;
-  const int total = ntb * nkr;
+  Cursor prod{}, cons{};
+  prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+  if (!prod.valid) return;
+  cons = prod;
+  int slot_p = 0, slot_c = 0;
 
-  auto issue = [&](int it) {
-    if (it < total) {
-      const int kr = it % nkr;
-      uint8_t* dst = ring + (it % S) * (R * kRecBytes);
+  auto issue = [&]() {
+    if (prod.valid) {
+      uint8_t* dst = ring + slot_p * (R * kRecBytes);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const uint8_t* src = wsrc[r] + static_cast<long long>(kr) * kRecBytes;
+        const int rt = min(prod.rg * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
+        const uint8_t* src =
+            p.records + ((static_cast<long long>(prod.e) * p.MT + rt) * p.KR + prod.kr0 + prod.kr) * kRecBytes;
 #pragma unroll
         for (int c = lane; c < kRecChunks; c += 32) cp_async16(dst + r * kRecBytes + 16 * c, src + 16 * c);
       }
+      prod.next<NB>(p, row_groups, kr_per, n_units);
     }
     cp_async_commit();
+    slot_p = slot_p == S - 1 ? 0 : slot_p + 1;
   };
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) issue(s);
+  for (int s = 0; s < S - 1; ++s) issue();
 
   float acc[R][NT][4];
 #pragma unroll
@@ -212,18 +236,21 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
   // ldmatrix row address of this lane: token (lane & 7) of an 8-token tile, 8 columns at (lane >> 3) * 8.
   const uint16_t* xs_lane = xs + (lane & 7) * V::XS + (lane >> 3) * 8;
 
-  for (int it = 0; it < total; ++it) {
-    const int tb = it / nkr, kr = it - tb * nkr;
+  while (cons.valid) {
+    const int kr = cons.kr, tb = cons.tb;
+    const int cnt = __ldg(p.counts + cons.e);
+    const long long row0 = __ldg(p.row_start + cons.e);
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
       __syncthreads();  // every warp is done with the previous chunk
-      stage_x<V>(p, xs, row0 + tb * NB, ntok, (kr0 + kr) * kRecK, min(KC, (nkr - kr) * kRecK));
+      stage_x<V>(p, xs, row0 + tb * NB, ntok, (cons.kr0 + kr) * kRecK, min(KC, (cons.nkr - kr) * kRecK));
       __syncthreads();
     }
     cp_async_wait<S - 2>();
     __syncwarp();
-    issue(it + S - 1);
-    const uint8_t* rec = ring + (it % S) * (R * kRecBytes);
+    issue();
+    const uint8_t* rec = ring + slot_c * (R * kRecBytes);
+    slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
     uint4 codes[R];
     uint32_t meta[R];
     uint2 sc[R];
@@ -262,16 +289,18 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
         }
       }
     }
-    if (kr == nkr - 1) {  // end of a token block: write its outputs
+    if (kr == cons.nkr - 1) {  // end of a token block: write its outputs
+      const float alpha = __ldg(p.alpha + cons.e);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
+        const int rt = cons.rg * (W * R) + r * W + warp;
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const int m = rt[r] * 16 + g + 8 * (i >> 1);
+            const int m = rt * 16 + g + 8 * (i >> 1);
             const int tok = n * 8 + 2 * t4 + (i & 1);
-            if (rt[r] < p.MT && m < p.M && tok < ntok) {
+            if (rt < p.MT && m < p.M && tok < ntok) {
               const float v = acc[r][n][i] * alpha;
               const long long off = (row0 + tb * NB + tok) * p.out_stride + m;
               if (ATOMIC)
@@ -286,6 +315,7 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
         }
       }
     }
+    cons.next<NB>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
 }
@@ -297,15 +327,20 @@ using V64 = Variant<64, 2, 8, 4, 512>;
 
 template <class V>
 int launch(const moesq_p48_args& a) {
-  Params p{static_cast<const uint8_t*>(a.records), static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
+  Params p{static_cast<const uint8_t*>(a.records), a.E, static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
            a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split};
-  const dim3 grid((a.MT + V::W * V::R - 1) / (V::W * V::R), a.E, a.split);
   auto kernel = a.split > 1 ? p48_mma_kernel<V, false, true>
                 : a.out_bf16 ? p48_mma_kernel<V, true, false>
                              : p48_mma_kernel<V, false, false>;
+  const long long units = static_cast<long long>(a.E) * ((a.MT + V::W * V::R - 1) / (V::W * V::R)) * a.split;
+  int sms = 0, per_sm = 0;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, V::kSmem);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, V::kThreads, V::kSmem);
   if (err == cudaSuccess) {
-    kernel<<<grid, V::kThreads, V::kSmem, static_cast<cudaStream_t>(a.stream)>>>(p);
+    // Persistent: one wave of CTAs walks all units (experts without tokens are skipped on the device).
+    const int grid = static_cast<int>(units < 1LL * sms * per_sm ? units : 1LL * sms * per_sm);
+    kernel<<<grid > 0 ? grid : 1, V::kThreads, V::kSmem, static_cast<cudaStream_t>(a.stream)>>>(p);
     err = cudaGetLastError();
   }
   if (err != cudaSuccess) {
