@@ -215,3 +215,21 @@ def test_gpu_kernel_rejects_bad_arguments():
     with pytest.raises(ValueError, match="x:"):
         pm.p48_mma_gemm_rows(x.float(), W, rs, cnt, W.global_scale, torch.zeros(4, 32, device=dev),
                              pm.MmaConfig(0, 1), native)
+
+
+def test_native_build_reuses_objects_of_unchanged_units(monkeypatch, tmp_path):
+    from moesq_core.kernels import native_build as nb
+
+    (tmp_path / "include").mkdir()
+    (tmp_path / "src").mkdir()
+    for name, text in (("include/a.h", "int a;"), ("src/one.cu", "1"), ("src/two.cu", "2"), ("src/v.def", "V")):
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(nb, "NATIVE_DIR", tmp_path)
+    one = ["nvcc", "-O3", "-c", str(tmp_path / "src/one.cu")]
+    two = ["nvcc", "-O3", "-c", str(tmp_path / "src/two.cu")]
+    d1, d2 = nb._unit_digest(one), nb._unit_digest(two)
+    (tmp_path / "src/two.cu").write_text("2 changed")
+    assert nb._unit_digest(one) == d1 and nb._unit_digest(two) != d2  # another unit's source: no recompile
+    (tmp_path / "include/a.h").write_text("int b;")
+    assert nb._unit_digest(one) != d1  # a header: every unit
+    assert nb._unit_digest([*one[:-1], "-DX", one[-1]]) != nb._unit_digest(one)  # flags
