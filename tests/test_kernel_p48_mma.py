@@ -60,17 +60,11 @@ def _emulate_decode(records: torch.Tensor) -> torch.Tensor:
                 halves = [bits & 0xFFFF, bits >> 16]
                 row_hi, grp = r & 1, t + 4 * (r >> 1)
                 vals = [((h << 16).to(torch.int32).view(torch.float32)) * scale_bf16[..., g, s, row_hi] for h in halves]
-                # metadata of this 4-group: from the supplying lane of step s (layout "half": lane 2*sel + half
-                # holds rows g / g+8 in bytes 0 / 1 of role s // 2; the 8-group nibble is in byte (grp // 2) % 2)
+                # metadata of this 4-group: from the supplying lane of step s (lane 2*sel + half holds rows g / g+8
+                # in bytes 0 / 1 of role s // 2; the 8-group's nibble is nibble (grp // 2) % 2 of the byte)
                 sel, half = s % 2, grp // 4
-                sup = 4 * g + 2 * sel + half
-                if pm.META_LAYOUT == "half":
-                    byte = meta[..., sup, 2 * (s // 2) + row_hi]
-                    nib = (byte >> (4 * ((grp // 2) % 2))) & 0xF
-                else:
-                    sup = 4 * g + 2 * sel + row_hi
-                    byte = meta[..., sup, 2 * (s // 2) + half]
-                    nib = (byte >> (4 * ((grp // 2) % 2))) & 0xF
+                byte = meta[..., 4 * g + 2 * sel + half, 2 * (s // 2) + row_hi]
+                nib = (byte >> (4 * ((grp // 2) % 2))) & 0xF
                 i0, i1 = nib & 3, nib >> 2
                 row = g + 8 * row_hi
                 rows = torch.arange(MT) * 16 + row

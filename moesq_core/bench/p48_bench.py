@@ -1,4 +1,5 @@
-"""Kernel benchmark for p48-nvfp4: the Hopper Triton grouped GEMM vs torch's bf16 and fp8 grouped GEMMs.
+"""Kernel benchmark for p48-nvfp4: the Hopper grouped GEMMs (Triton; native sparse tensor cores) vs torch's bf16
+and fp8 grouped GEMMs.
 
     bench_p48(shapes=[(1536, 2048, 128), (4096, 7168, 48)], G=[128], N=[1, 4, 16, 64, 128, 256],
               out_dir=Path("benchmarks/results"))

@@ -15,7 +15,10 @@ streams per step, as three parts, each ordered by the lane that reads it (lane =
                   the high codes bits 16-31, register r's magnitude at bit MAG_POS[r] and sign at SIGN_POS[r] of
                   its half, so that 0-2 shifts and a lop3 put both codes of a register in bf16 fields
     meta   128 B  4 B per lane: two 16-bit roles (the steps 2*i + t//2 for role i, i.e. selector t//2), each two
-                  bytes of 8-group nibbles that expand to one mma.sp metadata register (META_LAYOUT)
+                  bytes of 8-group nibbles that expand to one mma.sp metadata register. For m16n8k32 with 16-bit
+                  types the selector picks lanes 2*sel and 2*sel+1 of every quad, and lane 2*sel + h holds K
+                  columns 16h..16h+15 of rows g (bits 0-15) and g+8 (bits 16-31) (checked on an H200: the
+                  one-row-per-lane reading fails the GPU tests)
     scales  64 B  8 B per row pair (g, g+8): per step s the scales of row g and row g+8, re-encoded from UE4M3
                   to 5 exponent / 3 mantissa bits without subnormals (SCALE_BYTE), so that one integer
                   multiply-add gives the bf16 bits of s * 2^119: (byte << 4) + 0x7600 (a zero scale, byte 0,
@@ -27,7 +30,6 @@ Rows are padded to a multiple of 16 and columns to a multiple of 128 with zero c
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -41,10 +43,6 @@ RECORD_BYTES = 704
 CODES_BYTES, META_BYTES, SCALE_BYTES = 512, 128, 64
 ALPHA_FOLD = 128.0  # the in-register decode yields e2m1 * s * 2^-7
 PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padded groups)
-# Which metadata each supplying lane holds for mma.sp m16n8k32 with 16-bit types (selector t//2 picks lanes
-# t = 2*sel and 2*sel + 1 of every quad): "half" = lane 2*sel + h holds K columns 16h..16h+15 of rows g (bits
-# 0-15) and g+8 (bits 16-31), as the m16n8k16 layout stacked along K.
-META_LAYOUT = os.environ.get("MOESQ_P48_META_LAYOUT", "half")
 TOKEN_BLOCKS = (16, 64)
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
@@ -176,13 +174,8 @@ def build_records(op: P48As24) -> torch.Tensor:
     # metadata: byte (s, row, j) = nibble of 8-group 2j | nibble of 8-group 2j+1 << 4, step s = 2 role + sel
     n = nib.reshape(E, MT, 16, KR, 4, 4).permute(0, 1, 3, 4, 2, 5)  # [E, MT, KR, s, row, q]
     pb = (n[..., 0::2] | (n[..., 1::2] << 4)).reshape(E, MT, KR, 2, 2, 2, 8, 2)  # [.., role, sel, row hi, g, j]
-    if META_LAYOUT == "half":  # lane (g, sel, h): rows g (byte 0) and g+8 (byte 1), columns of half h
-        meta_part = pb.permute(0, 1, 2, 6, 4, 7, 3, 5)  # [.., g, sel, h=j, role, byte=row hi]
-    elif META_LAYOUT == "row":  # lane (g, sel, h): row g + 8h, 8-groups (0,1) in byte 0 and (2,3) in byte 1
-        meta_part = pb.permute(0, 1, 2, 6, 4, 5, 3, 7)  # [.., g, sel, h=row hi, role, byte=j]
-    else:
-        raise ValueError(f"MOESQ_P48_META_LAYOUT={META_LAYOUT!r}: expected 'half' or 'row'")
-    meta_part = meta_part.reshape(E, MT, KR, META_BYTES)
+    # lane (g, sel, h): rows g (byte 0) and g+8 (byte 1), the two 8-groups of column half h
+    meta_part = pb.permute(0, 1, 2, 6, 4, 7, 3, 5).reshape(E, MT, KR, META_BYTES)  # [.., g, sel, h=j, role, row hi]
 
     # scales: [E, MT, (j, g), KR, s] -> [E, MT, KR, g, s, j]
     scale_part = sc.reshape(E, MT, 2, 8, KR, 4).permute(0, 1, 4, 3, 5, 2).reshape(E, MT, KR, SCALE_BYTES)
@@ -201,10 +194,7 @@ def records_to_2to4(records: torch.Tensor, M: int, K: int, global_scale: torch.T
         regs.append(lo | (hi << 4))
     c = torch.stack(regs, -1).to(torch.uint8).reshape(E, MT, KR, 8, 4, 4, 2, 2)  # [.., g, t, s, rb, ra]
     codes = c.permute(0, 1, 7, 3, 2, 5, 6, 4).reshape(E, MT * 16, KR * 32)
-    if META_LAYOUT == "half":
-        pb = meta_part.reshape(E, MT, KR, 8, 2, 2, 2, 2).permute(0, 1, 2, 6, 4, 7, 3, 5)
-    else:
-        pb = meta_part.reshape(E, MT, KR, 8, 2, 2, 2, 2).permute(0, 1, 2, 6, 4, 5, 3, 7)
+    pb = meta_part.reshape(E, MT, KR, 8, 2, 2, 2, 2).permute(0, 1, 2, 6, 4, 7, 3, 5)
     pb = pb.reshape(E, MT, KR, 4, 16, 2)  # [.., s, row, j]
     n = torch.stack([pb & 0xF, pb >> 4], -1).reshape(E, MT, KR, 4, 16, 4).permute(0, 1, 4, 2, 3, 5)
     nib = n.reshape(E, MT * 16, KR * 16)
