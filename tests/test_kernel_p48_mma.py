@@ -227,3 +227,24 @@ def test_native_build_reuses_objects_of_unchanged_units(monkeypatch, tmp_path):
     (tmp_path / "include/a.h").write_text("int b;")
     assert nb._unit_digest(one) != d1  # a header: every unit
     assert nb._unit_digest([*one[:-1], "-DX", one[-1]]) != nb._unit_digest(one)  # flags
+
+
+def test_bench_targets_and_table_include_the_native_kernel():
+    from moesq_core.bench import p48_bench as pb
+
+    def row(N, us, tbps, vs8):
+        return {"shape": "Qwen3-30B-A3B gate/up", "G": 128, "N": N,
+                "methods": {"fp8_grouped_mm": {"us": us * vs8},
+                            "p48_mma_w4a16": {"us": us, "weight_TBps": tbps, "speedup_vs_fp8": vs8}}}
+
+    rows = [row(1, 50.0, 2.7, 3.0), row(16, 60.0, 2.4, 2.5), row(128, 100.0, 1.5, 1.1)]
+    t = pb.targets(rows, "p48_mma_w4a16")
+    assert t["N_le_16_TBps"] == {"min": 2.4, "max": 2.7, "target": 2.5, "met": False}
+    assert t["N_le_16_speedup_vs_fp8"]["met"] and t["N_128_speedup_vs_fp8"]["met"]
+    result = {"date": "d", "gpu": "H200", "sm_count": 132, "torch": "t", "cuda": "c", "triton": "3", "commit": "abc",
+              "repeats": 20, "token_pattern": "p", "methods": {"fp8_grouped_mm": "", "p48_mma_w4a16": ""},
+              "rows": rows, "targets_p48_mma_w4a16": t}
+    md = pb.markdown(result)
+    assert "| p48_mma_w4a16 TB/s | p48_mma_w4a16 vs fp8 |" in md
+    assert "| Qwen3-30B-A3B gate/up | 128 | 16 | – | 150.0 | 60.0 | 2.4 | 2.5 |" in md
+    assert "p48_mma_w4a16 N_le_16_TBps: min=2.4, max=2.7, target=2.5, met=False" in md
