@@ -180,9 +180,26 @@ def test_fast_path_under_triton_interpreter():
 # ------------------------------------------------------------------------------------------ GPU
 
 
+def _kernel_or_skip(kernel: str) -> str:
+    if kernel == "sparse-mma":
+        from moesq_core.kernels.p48_mma import load_native
+
+        if load_native() is None:
+            pytest.skip("the sparse-tensor-core kernel needs an sm_90 GPU and the native module")
+    return kernel
+
+
+def test_rejects_unknown_kernel():
+    packed, _, _ = random_experts(E=2, dynamic=())
+    with pytest.raises(ValueError, match="kernel="):
+        P48HopperExperts.from_packed(packed, False, "cpu", kernel="cutlass")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["sparse-mma", "triton"])
 @pytest.mark.parametrize("act_quant", [False, True])
-def test_gpu_micro_model_logits(act_quant):
+def test_gpu_micro_model_logits(act_quant, kernel):
+    kernel = _kernel_or_skip(kernel)
     cpu = _load_micro()
     ids = torch.randint(0, cpu.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
     packed = _calibrate_and_pack(cpu, ids)
@@ -204,8 +221,8 @@ def test_gpu_micro_model_logits(act_quant):
     gpu = _load_micro("cuda", dtype)
     with torch.no_grad():
         for layer, p in zip(gpu.model.layers, packed):
-            layer.mlp.experts = P48HopperExperts.from_packed(p, act_quant=act_quant, device="cuda")
-            assert not layer.mlp.experts.reference
+            layer.mlp.experts = P48HopperExperts.from_packed(p, act_quant=act_quant, device="cuda", kernel=kernel)
+            assert layer.mlp.experts.kernel == kernel
         got = gpu(ids.cuda()).logits.float().cpu()
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < (1e-2 if act_quant else 3e-2), rel
@@ -214,11 +231,14 @@ def test_gpu_micro_model_logits(act_quant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["sparse-mma", "triton"])
 @pytest.mark.parametrize("act_quant", [False, True])
-def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant):
+def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kernel):
+    kernel = _kernel_or_skip(kernel)
     packed, _, _ = random_experts(E=8, H=128, I=192, dynamic=(3,))
     ref_ = P48HopperExperts.from_packed(packed, act_quant, "cpu")
-    fast = P48HopperExperts.from_packed(packed, act_quant, "cuda")
+    fast = P48HopperExperts.from_packed(packed, act_quant, "cuda", kernel=kernel)
+    assert fast.kernel == kernel
     T, k = 9, 3
     xs = [torch.randn(T, 128) for _ in range(3)]
     routes = [routing(T, 8, k, seed=s) for s in range(3)]

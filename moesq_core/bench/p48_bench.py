@@ -1,4 +1,5 @@
-"""Kernel benchmark for p48-nvfp4: the Hopper Triton grouped GEMM vs torch's bf16 and fp8 grouped GEMMs.
+"""Kernel benchmark for p48-nvfp4: the Hopper grouped GEMMs (Triton; native sparse tensor cores) vs torch's bf16
+and fp8 grouped GEMMs.
 
     bench_p48(shapes=[(1536, 2048, 128), (4096, 7168, 48)], G=[128], N=[1, 4, 16, 64, 128, 256],
               out_dir=Path("benchmarks/results"))
@@ -13,6 +14,9 @@ Methods timed in one process on the same token counts:
   p48_w4a16        p48_triton GEMM, bf16 activations in the capacity layout [G, C, K], inline-PTX expansion
   p48_w4a4         NVFP4 activation quantization (all G*C capacity rows) + the same GEMM
   p48_w4a16_plain  the GEMM with the plain-Triton expansion (use_asm=False), for the PTX gain (N <= 16 only)
+  p48_mma_w4a16    the native sparse-tensor-core kernel (moesq_core.kernels.p48_mma), same activations; skipped
+                   (with the reason in the row) where the native module cannot run
+  p48_mma_w4a4     the same NVFP4 quantization pre-pass + the native kernel
 p48 weights are random valid packed tensors (every kept byte, pattern and scale drawn uniformly), built on
 the GPU; each shape's first copy is checked against p48_reference on two experts before it is timed.
 Achieved bandwidth counts the packed weight bytes (2.75 bits/weight) over the median time.
@@ -35,7 +39,12 @@ P48_METHODS = {
     "p48_w4a16": "moesq p48 Triton grouped GEMM, bf16 activations, inline-PTX weight expansion",
     "p48_w4a4": "NVFP4 activation quantization (32-blocks, static global scale) + the p48 GEMM",
     "p48_w4a16_plain": "the p48 GEMM with the plain-Triton weight expansion (N <= 16 only)",
+    "p48_mma_w4a16": "moesq p48 CUDA grouped GEMM on the 2:4 sparse tensor cores (mma.sp bf16), bf16 activations",
+    "p48_mma_w4a4": "NVFP4 activation quantization + the p48 sparse-tensor-core GEMM",
 }
+MMA_METHODS = ("p48_mma_w4a16", "p48_mma_w4a4")
+# The issue's targets for the p48 kernel (packed bytes at N <= 16, speedups over torch's fp8 grouped GEMM).
+TARGET_TBPS, TARGET_SPEEDUP_SMALL, TARGET_SPEEDUP_128 = 2.5, 2.0, 1.0
 BASELINE_NAMES = ("bf16_grouped_mm", "fp8_grouped_mm")
 VALID_NIBBLES = (3, 5, 6, 9, 10, 12)
 COPY_BANDWIDTH_TBPS = 4.3  # device-to-device copy measured on an H200
@@ -57,12 +66,14 @@ def random_p48_tensors(G: int, M: int, K: int, gen: torch.Generator, device) -> 
 
 
 class P48Bench:
-    """The p48 GEMM on one problem: capacity-batched activations [G, C, K], counts on the device."""
+    """The p48 GEMM on one problem: capacity-batched activations [G, C, K], counts on the device. `native`:
+    the sparse-tensor-core module (moesq_core.kernels.p48_mma) instead of the Triton kernel."""
 
-    def __init__(self, prob: Problem, gen: torch.Generator, device):
+    def __init__(self, prob: Problem, gen: torch.Generator, device, native=None):
+        from ..kernels import p48_mma as pm
         from ..kernels import p48_triton as pt
 
-        self.pt, self.prob, self.gen, self.device = pt, prob, gen, device
+        self.pt, self.pm, self.native, self.prob, self.gen, self.device = pt, pm, native, prob, gen, device
         G, K, C = prob.G, prob.K, prob.capacity
         self.x = (torch.randn(G, C, prob.K, generator=gen, device=device) * 2).to(torch.bfloat16)
         self.xr = self.x.reshape(G * C, K)
@@ -71,7 +82,10 @@ class P48Bench:
         self.row_group = torch.arange(G, dtype=torch.int32, device=device).repeat_interleave(C)
         self.g_act = torch.rand(G, generator=gen, device=device) * 100 + 100
         self.xq = torch.empty_like(self.xr)
-        self.config = pt.pick_config(prob.M, K, G, C, device)
+        if native is None:
+            self.config = pt.pick_config(prob.M, K, G, C, device)
+        else:
+            self.config = pm.pick_config(prob.M, K, G, C, device)
         out_dtype = torch.float32 if self.config.split > 1 else torch.bfloat16
         self.out = torch.zeros(G * C, prob.M, dtype=out_dtype, device=device)
         self.copies: list = []
@@ -82,7 +96,10 @@ class P48Bench:
         t = random_p48_tensors(self.prob.G, self.prob.M, self.prob.K, self.gen, self.device)
         if self.raw0 is None:
             self.raw0 = {k: v[:2].cpu() for k, v in t.items()}
-        w = self.pt.P48GemmWeights.from_packed(t)
+        if self.native is None:
+            w = self.pt.P48GemmWeights.from_packed(t)
+        else:
+            w = self.pm.P48MmaWeights.from_packed(t)
         del t
         self.copies.append(w)
         return w
@@ -90,6 +107,12 @@ class P48Bench:
     @property
     def weight_bytes(self) -> int:
         return self.copies[0].nbytes
+
+    def gemm(self, x, w, alpha, use_asm: bool):
+        if self.native is None:
+            self.pt.p48_gemm_rows(x, w, self.row_start, self.counts, alpha, self.out, self.config, use_asm)
+        else:
+            self.pm.p48_mma_gemm_rows(x, w, self.row_start, self.counts, alpha, self.out, self.config, self.native)
 
     def call(self, w, act_quant: bool, use_asm: bool):
         pt, cfg, out = self.pt, self.config, self.out
@@ -100,14 +123,14 @@ class P48Bench:
                 if cfg.split > 1:
                     out.zero_()
                 pt.nvfp4_quantize_rows(self.xr, self.row_group, self.g_act, self.xq)
-                pt.p48_gemm_rows(self.xq, w, self.row_start, self.counts, alpha, out, cfg, use_asm)
+                self.gemm(self.xq, w, alpha, use_asm)
         else:
             alpha = (1.0 / w.global_scale).contiguous()
 
             def run():
                 if cfg.split > 1:
                     out.zero_()
-                pt.p48_gemm_rows(self.xr, w, self.row_start, self.counts, alpha, out, cfg, use_asm)
+                self.gemm(self.xr, w, alpha, use_asm)
         return run
 
     def verify(self, act_quant: bool, use_asm: bool) -> float:
@@ -143,24 +166,12 @@ def _free():
     torch.cuda.empty_cache()
 
 
-def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, seed: int = 0,
-              methods: tuple[str, ...] = tuple(P48_METHODS)) -> dict:
-    prob, gen, row = new_row(name, M, K, G, N, seed, device)
-    for bname in BASELINE_NAMES:
-        m = None
-        try:
-            m = BASELINES[bname](prob, gen, device)
-            row["methods"][bname] = _record(time_method(m, repeats), prob, m.weight_bytes)
-        except Exception as e:  # a baseline that cannot run a shape is reported, not fatal
-            row["methods"][bname] = {"error": f"{type(e).__name__}: {e}"[:300]}
-        finally:
-            del m
-            _free()
-    ours = P48Bench(prob, gen, device)
+def _bench_kernel(row: dict, ours: P48Bench, methods: tuple[str, ...], N: int, repeats: int, config_key: str):
+    prob = ours.prob
     ours.add_copy()
-    row["p48_config"] = ours.config.__dict__
+    row[config_key] = ours.config.__dict__
     for label in methods:
-        act_quant = label == "p48_w4a4"
+        act_quant = label.endswith("w4a4")
         use_asm = label != "p48_w4a16_plain"
         if label == "p48_w4a16_plain" and N > 16:
             continue
@@ -178,9 +189,37 @@ def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, s
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
         row["methods"][label] = rec
-    row["p48_bits_per_weight"] = round(ours.copies[0].bits_per_weight, 4)
+    row.setdefault("p48_bits_per_weight", round(8.0 * ours.weight_bytes / (prob.G * prob.M * prob.K), 4))
     del ours
     _free()
+
+
+def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, seed: int = 0,
+              methods: tuple[str, ...] = tuple(P48_METHODS)) -> dict:
+    prob, gen, row = new_row(name, M, K, G, N, seed, device)
+    for bname in BASELINE_NAMES:
+        m = None
+        try:
+            m = BASELINES[bname](prob, gen, device)
+            row["methods"][bname] = _record(time_method(m, repeats), prob, m.weight_bytes)
+        except Exception as e:  # a baseline that cannot run a shape is reported, not fatal
+            row["methods"][bname] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        finally:
+            del m
+            _free()
+    triton_methods = tuple(m for m in methods if m not in MMA_METHODS)
+    mma_methods = tuple(m for m in methods if m in MMA_METHODS)
+    if triton_methods:
+        _bench_kernel(row, P48Bench(prob, gen, device), triton_methods, N, repeats, "p48_config")
+    if mma_methods:
+        from ..kernels import p48_mma
+
+        native = p48_mma.load_native()
+        if native is None:
+            for label in mma_methods:
+                row["methods"][label] = {"error": "the native module cannot run here (needs sm_90 and nvcc)"}
+        else:
+            _bench_kernel(row, P48Bench(prob, gen, device, native), mma_methods, N, repeats, "p48_mma_config")
     base = {k: row["methods"][k]["us"] for k in BASELINE_NAMES if "us" in row["methods"].get(k, {})}
     for label in P48_METHODS:
         rec = row["methods"].get(label, {})
@@ -196,7 +235,8 @@ def _geomean(xs):
 
 
 def targets(rows: list[dict], label: str = "p48_w4a16") -> dict:
-    """Performance targets: N <= 16: >= 3.6 TB/s of packed bytes and >= 3x fp8; N = 128: >= 1.3x fp8."""
+    """Performance targets: N <= 16: >= TARGET_TBPS of packed bytes and >= TARGET_SPEEDUP_SMALL x fp8;
+    N = 128: >= TARGET_SPEEDUP_128 x fp8."""
     get = lambda r, k: r["methods"].get(label, {}).get(k)  # noqa: E731
     small = [r for r in rows if r["N"] <= 16 and get(r, "us")]
     mid = [r for r in rows if r["N"] == 128 and get(r, "us")]
@@ -204,12 +244,13 @@ def targets(rows: list[dict], label: str = "p48_w4a16") -> dict:
     sp_small = [get(r, "speedup_vs_fp8") for r in small if get(r, "speedup_vs_fp8")]
     sp_mid = [get(r, "speedup_vs_fp8") for r in mid if get(r, "speedup_vs_fp8")]
     return {
-        "N_le_16_TBps": {"min": min(bw) if bw else None, "max": max(bw) if bw else None, "target": 3.6,
-                         "met": bool(bw) and min(bw) >= 3.6},
+        "N_le_16_TBps": {"min": min(bw) if bw else None, "max": max(bw) if bw else None, "target": TARGET_TBPS,
+                         "met": bool(bw) and min(bw) >= TARGET_TBPS},
         "N_le_16_speedup_vs_fp8": {"min": min(sp_small) if sp_small else None, "geomean": _geomean(sp_small),
-                                   "target": 3.0, "met": bool(sp_small) and min(sp_small) >= 3.0},
+                                   "target": TARGET_SPEEDUP_SMALL,
+                                   "met": bool(sp_small) and min(sp_small) >= TARGET_SPEEDUP_SMALL},
         "N_128_speedup_vs_fp8": {"min": min(sp_mid) if sp_mid else None, "geomean": _geomean(sp_mid),
-                                 "target": 1.3, "met": bool(sp_mid) and min(sp_mid) >= 1.3},
+                                 "target": TARGET_SPEEDUP_128, "met": bool(sp_mid) and min(sp_mid) >= TARGET_SPEEDUP_128},
     }
 
 
@@ -249,14 +290,18 @@ def bench_p48(shapes, G, N, out_dir: Path, repeats: int = 50, log=print,
         for n in Ns:
             row = bench_one(name, M, K, g, n, repeats, device, methods=methods)
             result["rows"].append(row)
-            p = row["methods"].get("p48_w4a16", {})
             f = row["methods"].get("fp8_grouped_mm", {})
-            log(f"{name:24s} G={g:4d} N={n:4d} | fp8 {f.get('us', float('nan')):8.1f} us | p48 "
-                f"{p.get('us', float('nan')):8.1f} us {p.get('weight_TBps', float('nan')):5.2f} TB/s "
-                f"x{p.get('speedup_vs_fp8', float('nan')):.2f} vs fp8 {p.get('error', '')}")
+            parts = []
+            for label in ("p48_w4a16", "p48_mma_w4a16"):
+                p = row["methods"].get(label)
+                if p is not None:
+                    parts.append(f"{label} {p.get('us', float('nan')):8.1f} us {p.get('weight_TBps', float('nan')):5.2f} "
+                                 f"TB/s x{p.get('speedup_vs_fp8', float('nan')):.2f} vs fp8 {p.get('error', '')}")
+            log(f"{name:24s} G={g:4d} N={n:4d} | fp8 {f.get('us', float('nan')):8.1f} us | " + " | ".join(parts))
             (out_dir / "p48_kernel_bench.json").write_text(json.dumps(result, indent=1))
-    result["targets"] = targets(result["rows"])
-    result["targets_w4a4"] = targets(result["rows"], "p48_w4a4")
+    for label in ("p48_w4a16", "p48_w4a4", *MMA_METHODS):
+        if label in methods:
+            result[f"targets_{label}"] = targets(result["rows"], label)
     (out_dir / "p48_kernel_bench.json").write_text(json.dumps(result, indent=1))
     (out_dir / "p48_kernel_bench.md").write_text(markdown(result))
     try:
@@ -268,6 +313,7 @@ def bench_p48(shapes, G, N, out_dir: Path, repeats: int = 50, log=print,
 
 def markdown(result: dict) -> str:
     cols = list(BASELINE_NAMES) + [m for m in P48_METHODS if m in result["methods"]]
+    ratio_cols = [m for m in ("p48_w4a16", "p48_w4a4", *MMA_METHODS) if m in result["methods"]]
     lines = [
         f"# p48-nvfp4 grouped GEMM on Hopper vs torch bf16 / fp8 grouped GEMMs",
         "",
@@ -278,8 +324,8 @@ def markdown(result: dict) -> str:
         f"Tokens per expert: {result['token_pattern']}. µs per grouped GEMM; TB/s = the method's weight bytes / "
         "time (p48: packed bytes, 2.75 bits/weight).",
         "",
-        "| shape | G | N | " + " | ".join(cols) + " | p48 W4A16 TB/s | p48 W4A16 vs fp8 | p48 W4A4 vs fp8 |",
-        "|---|---|---|" + "---|" * len(cols) + "---|---|---|",
+        "| shape | G | N | " + " | ".join(cols) + " | " + " | ".join(f"{m} TB/s | {m} vs fp8" for m in ratio_cols) + " |",
+        "|---|---|---|" + "---|" * len(cols) + "---|---|" * len(ratio_cols),
     ]
     for r in result["rows"]:
         ms = r["methods"]
@@ -287,15 +333,14 @@ def markdown(result: dict) -> str:
         for c in cols:
             m = ms.get(c, {})
             cells.append(f"{m['us']:.1f}" if "us" in m else ("err" if "error" in m else "–"))
-        p, q = ms.get("p48_w4a16", {}), ms.get("p48_w4a4", {})
-        lines.append(f"| {r['shape']} | {r['G']} | {r['N']} | " + " | ".join(cells)
-                     + f" | {p.get('weight_TBps', '–')} | {p.get('speedup_vs_fp8', '–')} | {q.get('speedup_vs_fp8', '–')} |")
+        ratios = [f"{ms.get(m, {}).get('weight_TBps', '–')} | {ms.get(m, {}).get('speedup_vs_fp8', '–')}" for m in ratio_cols]
+        lines.append(f"| {r['shape']} | {r['G']} | {r['N']} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     errs = [(r["shape"], r["N"], k, m["error"]) for r in result["rows"] for k, m in r["methods"].items() if "error" in m]
     if errs:
         lines += ["", "Errors:", ""] + [f"- {s} N={n} {k}: {e}" for s, n, k, e in errs]
     lines += ["", "## Targets", ""]
-    for label, key in (("W4A16", "targets"), ("W4A4 (quantization included)", "targets_w4a4")):
-        for tname, t in result.get(key, {}).items():
+    for label in ratio_cols:
+        for tname, t in result.get(f"targets_{label}", {}).items():
             lines.append(f"- {label} {tname}: " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
                                                           for k, v in t.items()))
     return "\n".join(lines) + "\n"
@@ -315,7 +360,7 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(4.2 * len(shapes), 3.6), squeeze=False)
     for ax, (shape, g) in zip(axes[0], shapes):
         rows = [r for r in result["rows"] if (r["shape"], r["G"]) == (shape, g)]
-        for m in list(BASELINE_NAMES) + ["p48_w4a16", "p48_w4a4"]:
+        for m in list(BASELINE_NAMES) + ["p48_w4a16", "p48_w4a4", *MMA_METHODS]:
             pts = [(r["N"], r["methods"][m]["us"]) for r in rows if "us" in r["methods"].get(m, {})]
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=m)
@@ -326,7 +371,7 @@ def plot(result: dict, path: Path) -> None:
         ax.set_ylabel("µs per grouped GEMM")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"p48-nvfp4 Triton kernel vs torch grouped GEMMs · {result['gpu']} · {result['date'][:10]} · "
+    fig.suptitle(f"p48-nvfp4 kernels vs torch grouped GEMMs · {result['gpu']} · {result['date'][:10]} · "
                  f"{result['commit'][:12]}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -29,7 +29,8 @@ completes chunks with fewer than 2 with their lowest-index zero bytes (the relea
 and global scale round trip exactly and the mask only where no kept pair is all zero. A chunk with more than
 2 nonzero bytes is rejected.
 
-Serving: on an sm_90 GPU the packed Triton experts (runtime.p48_hopper) when they import, else the reference.
+Serving: on an sm_90 GPU the packed experts (runtime.p48_hopper: the sparse-tensor-core kernel of the native
+module, else the Triton kernel) when they import, else the reference.
 """
 from __future__ import annotations
 

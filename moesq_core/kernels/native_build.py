@@ -7,15 +7,17 @@ The module is also built on first use (`load_extension()`), so `pip install -e .
 CUTLASS headers) is all the setup a source checkout needs. Builds live in a cache directory keyed by the GPU
 architecture and a hash of everything the binary depends on (the native sources, flags, CUTLASS version,
 torch version and Python ABI): $MOESQ_NATIVE_CACHE, else ~/.cache/moesq/native, one `sm90a-<hash>/` folder per
-key; concurrent builders wait on a lock. $MOESQ_NATIVE_EXT points the loader at a module built elsewhere.
+key; compiled objects are also kept per unit in `objects/`, so a change to one source recompiles that unit
+only; concurrent builders wait on a lock. $MOESQ_NATIVE_EXT points the loader at a module built elsewhere.
 
 Needs nvcc (CUDA >= 12.3; built with 13.0) and a C++17 host compiler, and the CUTLASS 4.2 headers, found in this
 order: $MOESQ_CUTLASS_DIR (a CUTLASS checkout or the wheel's `cutlass_library/source`), the installed
 `nvidia-cutlass` wheel, or a `nvidia_cutlass-*.whl` in `.wheels/` at the repo root (unpacked into the cache;
 for machines without pip access). No GPU is needed to build: the kernels are compiled for sm_90a only.
 
-Layout of the build: one object per kernel variant (nvcc, no torch headers, so variants compile in parallel),
-the C interface (s24_api.cu), and the pybind11 bindings (bindings.cpp, the host compiler with torch's headers),
+Layout of the build: one object per s24 kernel variant (nvcc, no torch headers, so variants compile in parallel),
+the C interface (s24_api.cu), the p48 sparse-tensor-core kernels (p48_gemm.cu), and the pybind11 bindings
+(bindings.cpp, the host compiler with torch's headers),
 linked into `_moesq_native<EXT_SUFFIX>`.
 """
 from __future__ import annotations
@@ -173,6 +175,18 @@ def _sources_digest() -> str:
     return h.hexdigest()
 
 
+def _unit_digest(cmd: list[str]) -> str:
+    """A compile unit's identity: its command line, the unit's own source file, every header and .def under
+    native/ (other units' sources excluded), and the CUTLASS version: objects are reused across build keys."""
+    h = hashlib.sha256("\0".join(cmd).encode() + CUTLASS_VERSION.encode())
+    own = Path(cmd[-1])
+    for p in sorted(NATIVE_DIR.rglob("*")):
+        if p.is_file() and (p.suffix in (".h", ".hpp", ".cuh", ".def") or p == own):
+            h.update(str(p.relative_to(NATIVE_DIR)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()[:24]
+
+
 def build_key() -> str:
     """`<arch>-<hash>`: the native sources, this build script, CUTLASS version, torch version, Python ABI."""
     import torch
@@ -236,6 +250,7 @@ def build(jobs: int | None = None, force: bool = False, verbose: bool = True) ->
         units = [(f"v{i}", [str(nvcc), *nv_flags, f"-DMOESQ_VARIANT_ID={i}", "-c", str(NATIVE_DIR / "src" / "s24_variant.cu")])
                  for i in variant_ids()]
         units.append(("api", [str(nvcc), *nv_flags, "-c", str(NATIVE_DIR / "src" / "s24_api.cu")]))
+        units.append(("p48", [str(nvcc), *nv_flags, "-c", str(NATIVE_DIR / "src" / "p48_gemm.cu")]))
         units.append(("bindings", [cxx, *cxx_flags, "-c", str(NATIVE_DIR / "src" / "bindings.cpp")]))
         jobs = jobs or max(1, os.cpu_count() or 1)
         if verbose:
@@ -244,18 +259,30 @@ def build(jobs: int | None = None, force: bool = False, verbose: bool = True) ->
         done = [0]
         lock = threading.Lock()
 
+        objects = cache_root() / "objects"
+        objects.mkdir(parents=True, exist_ok=True)
+
         def compile_unit(unit):
             name, cmd = unit
             obj = out_dir / f"{name}.o"
-            cmd = [*cmd, "-o", str(obj)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            (out_dir / f"{name}.log").write_text(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+            cached = objects / f"{_unit_digest(cmd)}.o"
+            if cached.is_file():  # same command, source and headers: reuse the object of an earlier build
+                shutil.copyfile(cached, obj)
+                rc, err, how = 0, "", "cached"
+            else:
+                full = [*cmd, "-o", str(obj)]
+                r = subprocess.run(full, capture_output=True, text=True)
+                (out_dir / f"{name}.log").write_text(" ".join(full) + "\n" + r.stdout + r.stderr)
+                rc, err, how = r.returncode, r.stderr, "ok" if r.returncode == 0 else "FAILED"
+                if rc == 0:
+                    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}.{threading.get_ident()}")
+                    shutil.copyfile(obj, tmp)
+                    os.replace(tmp, cached)
             with lock:
                 done[0] += 1
                 if verbose:
-                    print(f"  [{done[0]}/{len(units)}] {name} {'ok' if r.returncode == 0 else 'FAILED'} "
-                          f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            return name, r.returncode, r.stderr
+                    print(f"  [{done[0]}/{len(units)}] {name} {how} ({time.perf_counter() - t0:.0f} s)", flush=True)
+            return name, rc, err
 
         with ThreadPoolExecutor(jobs) as pool:
             results = list(pool.map(compile_unit, units))

@@ -2,8 +2,10 @@
 
 `P48HopperExperts` is a drop-in for transformers 5.x fused experts modules
 (`forward(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`, e.g. Qwen3MoeExperts).
-Weights stay packed at 2.75 bits/weight (moesq_core.kernels.p48_triton.P48GemmWeights). On a CUDA device one
-forward is seven launches and no host synchronisation, so it can be captured in a CUDA graph:
+Weights stay packed at 2.75 bits/weight. The grouped GEMMs run on Hopper's 2:4 sparse tensor cores
+(moesq_core.kernels.p48_mma, the native module) on an sm_90 GPU where that module builds, which is faster than
+the Triton kernel (moesq_core.kernels.p48_triton) at every measured batch size; else on the Triton kernel.
+On a CUDA device one forward is seven launches and no host synchronisation, so it can be captured in a CUDA graph:
 
   1. per-expert token counts and segment offsets (torch scatter_add / cumsum on the device);
   2. routing scatter: each (token, slot) claims a row of its expert's segment and copies the token there,
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels import p48_mma as pm
 from ..kernels import p48_reference as ref
 from ..kernels import p48_triton as pt
 from ..naming import PROJECTIONS
@@ -49,15 +52,20 @@ class P48HopperExperts(nn.Module):
         self.act_quant = act_quant
         self.reference = reference
         self._ref_experts: list[dict[str, ref.P48Weight]] = []
-        self.gate_up: pt.P48GemmWeights | None = None
-        self.down: pt.P48GemmWeights | None = None
+        self.gate_up: pt.P48GemmWeights | pm.P48MmaWeights | None = None
+        self.down: pt.P48GemmWeights | pm.P48MmaWeights | None = None
         self.use_asm: bool | None = None  # None = the kernel default (inline PTX expansion on CUDA)
+        self.kernel = "reference" if reference else "triton"  # or "sparse-mma" (native, sm_90)
+        self._native = None
 
     @classmethod
     def from_packed(cls, packed: list[dict[str, dict[str, torch.Tensor]]], act_quant: bool, device=None,
-                    reference: bool | None = None) -> "P48HopperExperts":
+                    reference: bool | None = None, kernel: str | None = None) -> "P48HopperExperts":
         """packed[e] = {"gate"|"up"|"down": {suffix: tensor}} in the release layout (weight_sparse_packed,
-        weight_sparse_mask, weight_scale, weight_global_scale, input_global_scale)."""
+        weight_sparse_mask, weight_scale, weight_global_scale, input_global_scale). `kernel` ("sparse-mma" or
+        "triton"; default: sparse-mma where the native module runs) picks the GPU GEMM."""
+        if kernel not in (None, "sparse-mma", "triton"):
+            raise ValueError(f"kernel={kernel!r}: expected 'sparse-mma' or 'triton'")
         if not packed:
             raise ValueError("P48HopperExperts.from_packed: no experts given")
         device = torch.device(device if device is not None else "cpu")
@@ -74,12 +82,22 @@ class P48HopperExperts(nn.Module):
         if reference:
             mod._ref_experts = [first] + [ref.expert_weights(t, f"expert {e}") for e, t in enumerate(packed) if e > 0]
         else:
-            pt.require_triton(device)
-            gate = pt.P48GemmWeights.from_packed([t["gate"] for t in packed], device, "gate")
-            up = pt.P48GemmWeights.from_packed([t["up"] for t in packed], device, "up")
-            mod.gate_up = pt.stack_gate_up(gate, up)
-            mod.down = pt.P48GemmWeights.from_packed([t["down"] for t in packed], device, "down")
-            del gate, up
+            pt.require_triton(device)  # routing, SwiGLU and combine are Triton kernels either way
+            native = pm.load_native() if device.type == "cuda" and kernel != "triton" else None
+            if kernel == "sparse-mma" and native is None:
+                raise RuntimeError("kernel='sparse-mma' needs an sm_90 GPU and the native module (nvcc, CUTLASS)")
+            if native is not None:
+                mod.kernel, mod._native = "sparse-mma", native
+                gate_up = pm.stack_gate_up([t["gate"] for t in packed], [t["up"] for t in packed])
+                mod.gate_up = pm.P48MmaWeights.from_packed(gate_up, device, "gate/up")
+                mod.down = pm.P48MmaWeights.from_packed([t["down"] for t in packed], device, "down")
+                del gate_up
+            else:
+                gate = pt.P48GemmWeights.from_packed([t["gate"] for t in packed], device, "gate")
+                up = pt.P48GemmWeights.from_packed([t["up"] for t in packed], device, "up")
+                mod.gate_up = pt.stack_gate_up(gate, up)
+                mod.down = pt.P48GemmWeights.from_packed([t["down"] for t in packed], device, "down")
+                del gate, up
             for w, shape, what in ((mod.gate_up, (2 * inter, hidden), "gate/up"), (mod.down, (hidden, inter), "down")):
                 if (w.out_features, w.in_features) != shape:
                     raise ValueError(f"{what} weights are {(w.out_features, w.in_features)}, expected {shape}")
@@ -135,9 +153,7 @@ class P48HopperExperts(nn.Module):
         active = min(E, R)
         per = R / active
         alpha = 1.0 / (self.gate_up.global_scale * g_in) if aq else 1.0 / self.gate_up.global_scale
-        cfg = pt.pick_config(2 * I, H, active, per, dev)
-        y1 = (torch.zeros if cfg.split > 1 else torch.empty)(R, 2 * I, dtype=torch.float32, device=dev)
-        pt.p48_gemm_rows(xs, self.gate_up, offsets, counts, alpha, y1, cfg, self.use_asm)
+        y1 = self._gemm(xs, self.gate_up, offsets, counts, alpha, active, per)
         quant_mid = aq and self.static_mid
         z = torch.empty(R, I, dtype=torch.bfloat16 if (not aq or quant_mid) else torch.float32, device=dev)
         BR = 8
@@ -148,16 +164,28 @@ class P48HopperExperts(nn.Module):
             g_mid = pt.dynamic_group_global(z, row_expert, self.g_mid)
             z = pt.nvfp4_quantize_rows(z, row_expert, g_mid)
         alpha = 1.0 / (self.down.global_scale * g_mid) if aq else 1.0 / self.down.global_scale
-        cfg = pt.pick_config(H, I, active, per, dev)
-        y2 = (torch.zeros if cfg.split > 1 else torch.empty)(R, H, dtype=torch.float32, device=dev)
-        pt.p48_gemm_rows(z, self.down, offsets, counts, alpha, y2, cfg, self.use_asm)
+        y2 = self._gemm(z, self.down, offsets, counts, alpha, active, per)
         wts = wts.contiguous()
         BH = 256
         pt._combine_kernel[(T, pt.triton.cdiv(H, BH))](y2, slot_row, wts, out, H, y2.stride(0), out.stride(0),
                                                        TOPK=k, BH=BH, num_warps=4)
         return out
 
+    def _gemm(self, x: torch.Tensor, w, offsets: torch.Tensor, counts: torch.Tensor, alpha: torch.Tensor,
+              active: int, per: float) -> torch.Tensor:
+        """One grouped GEMM over the experts' row segments of x -> float32 [R, out]."""
+        R, K = x.shape
+        M = w.out_features
+        if self.kernel == "sparse-mma":
+            cfg = pm.pick_config(M, K, active, per, x.device)
+            y = (torch.zeros if cfg.split > 1 else torch.empty)(R, M, dtype=torch.float32, device=x.device)
+            return pm.p48_mma_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self._native)
+        cfg = pt.pick_config(M, K, active, per, x.device)
+        y = (torch.zeros if cfg.split > 1 else torch.empty)(R, M, dtype=torch.float32, device=x.device)
+        return pt.p48_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self.use_asm)
+
     def extra_repr(self) -> str:
-        path = "reference (CPU)" if self.reference else "Triton p48 kernels"
+        path = {"reference": "reference (CPU)", "triton": "Triton p48 kernels",
+                "sparse-mma": "p48 kernels on the 2:4 sparse tensor cores"}[self.kernel]
         return (f"experts={self.num_experts}, hidden={self.hidden_dim}, intermediate={self.intermediate_dim}, "
                 f"act_quant={self.act_quant}, path={path}")

@@ -10,6 +10,7 @@
 
 #include <string>
 
+#include "moesq/p48_api.h"
 #include "moesq/s24_api.h"
 
 namespace {
@@ -95,6 +96,72 @@ void compress(const at::Tensor& dense, at::Tensor& values, at::Tensor& meta) {
            "CUTLASS compressor");
 }
 
+// out[row_start[e] + n, m] (=|+=) alpha[e] * sum_k W_e[m, k] x[row_start[e] + n, k] for n < counts[e]: the p48
+// grouped GEMM on the 2:4 sparse tensor cores (records: moesq_core.kernels.p48_mma.P48MmaWeights).
+void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, const at::Tensor& row_start,
+              const at::Tensor& counts, const at::Tensor& alpha, at::Tensor& out, int64_t M, int64_t K,
+              int64_t split) {
+  TORCH_CHECK_VALUE(records.is_cuda(), "records must be on a CUDA device, got ", records.device());
+  TORCH_CHECK_VALUE(records.dim() == 4 && x.dim() == 2 && out.dim() == 2,
+                    "records [E, MT, KR, 704], x [rows, K] and out [rows, M] expected");
+  const at::Device dev = records.device();
+  const int64_t E = records.size(0), MT = records.size(1), KR = records.size(2), rows = x.size(0);
+  TORCH_CHECK_VALUE(M > 0 && K > 0 && K % 32 == 0 && MT == cdiv(M, 16) && KR == cdiv(K, MOESQ_P48_RECORD_K),
+                    "records ", shape_str(records), " do not hold M=", M, " K=", K);
+  check_tensor("records", records, {at::kByte}, {E, MT, KR, MOESQ_P48_RECORD_BYTES}, dev);
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kBFloat16 && x.device() == dev && x.size(1) == K && x.stride(1) == 1 &&
+                        x.stride(0) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+                    "x: expected bfloat16 [rows, ", K, "] on ", dev, " with 16-byte aligned rows, got ",
+                    x.scalar_type(), " ", shape_str(x), " strides ", x.strides());
+  TORCH_CHECK_VALUE((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.device() == dev &&
+                        out.size(0) == rows && out.size(1) == M && out.stride(1) == 1,
+                    "out: expected float32 or bfloat16 [", rows, ", ", M, "] on ", dev, ", got ", out.scalar_type(),
+                    " ", shape_str(out));
+  TORCH_CHECK_VALUE(split >= 1 && split <= KR, "split must be in [1, ", KR, "], got ", split);
+  TORCH_CHECK_VALUE(split == 1 || out.scalar_type() == at::kFloat, "split > 1 accumulates atomically: out must be float32");
+  check_tensor("row_start", row_start, {at::kInt}, {E}, dev);
+  check_tensor("counts", counts, {at::kInt}, {E}, dev);
+  check_tensor("alpha", alpha, {at::kFloat}, {E}, dev);
+  const c10::cuda::CUDAGuard guard(dev);
+  moesq_p48_args a{};
+  a.records = records.data_ptr();
+  a.x = x.data_ptr();
+  a.row_start = row_start.data_ptr<int>();
+  a.counts = counts.data_ptr<int>();
+  a.alpha = alpha.data_ptr<float>();
+  a.out = out.data_ptr();
+  a.E = int(E);
+  a.M = int(M);
+  a.K = int(K);
+  a.MT = int(MT);
+  a.KR = int(KR);
+  a.x_stride = x.stride(0);
+  a.out_stride = out.stride(0);
+  a.out_bf16 = out.scalar_type() == at::kBFloat16;
+  a.split = int(split);
+  a.device = dev.index();
+  a.stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
+  raise_if(moesq_p48_gemm(int(variant), &a), "p48 kernel");
+}
+
+py::list p48_variants() {
+  py::list out;
+  for (int i = 0; i < moesq_p48_num_variants(); ++i) {
+    moesq_p48_variant_info info{};
+    raise_if(moesq_p48_get_variant_info(i, &info), "p48 variant table");
+    py::dict d;
+    d["index"] = i;
+    d["tokens_per_block"] = info.tokens_per_block;
+    d["row_tiles_per_warp"] = info.row_tiles_per_warp;
+    d["warps"] = info.warps;
+    d["stages"] = info.stages;
+    d["k_chunk"] = info.k_chunk;
+    d["smem_bytes"] = info.smem_bytes;
+    out.append(d);
+  }
+  return out;
+}
+
 void check_device(int64_t device) { raise_if(moesq_s24_check_device(int(device)), "s24-fp8 kernel"); }
 
 py::list variants() {
@@ -122,7 +189,7 @@ py::list variants() {
 }  // namespace
 
 PYBIND11_MODULE(_moesq_native, m) {
-  m.doc() = "moesq native kernels for Hopper (sm_90a): grouped 2:4 sparse FP8 GEMM (CUTLASS)";
+  m.doc() = "moesq native kernels for Hopper (sm_90a): grouped 2:4 sparse FP8 GEMM (CUTLASS), p48-nvfp4 grouped GEMM on the sparse tensor cores";
   m.attr("ABI_VERSION") = MOESQ_S24_ABI_VERSION;
   m.def("s24_gemm", &gemm, py::arg("variant"), py::arg("values"), py::arg("meta"), py::arg("act"),
         py::arg("scale_w"), py::arg("scale_x"), py::arg("counts"), py::arg("out"), py::arg("max_clusters") = 0,
@@ -131,5 +198,9 @@ PYBIND11_MODULE(_moesq_native, m) {
         "CUTLASS's sm90 structured-sparse compressor (dense 2:4 e4m3 -> values + kernel-layout metadata).");
   m.def("s24_check_device", &check_device, py::arg("device"),
         "Raise unless the CUDA device can run the kernels (compute capability 9.0).");
+  m.def("p48_gemm", &p48_gemm, py::arg("variant"), py::arg("records"), py::arg("x"), py::arg("row_start"),
+        py::arg("counts"), py::arg("alpha"), py::arg("out"), py::arg("M"), py::arg("K"), py::arg("split") = 1,
+        "p48-nvfp4 grouped GEMM on the 2:4 sparse tensor cores; see moesq_core.kernels.p48_mma.");
+  m.def("p48_variants", &p48_variants, "The compiled p48 kernel variants (tokens per pass, warps, stages, ...).");
   m.def("s24_variants", &variants, "The compiled kernel variants (index, name, tile shape, schedule, ...).");
 }

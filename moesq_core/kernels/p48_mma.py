@@ -1,0 +1,265 @@
+"""p48-nvfp4 grouped GEMM on Hopper's 2:4 sparse tensor cores (native/src/p48_gemm.cu): weight layout + launcher.
+
+Paired 4:8 is 2:4 after the K permutation of moesq_core.kernels.p48_sparse24 (inside every 8-group
+[e0 e2 e4 e6 | e1 e3 e5 e7]), so the kernel runs `mma.sp.m16n8k32` with the weights as the sparse bf16 A
+operand (decoded in registers: E2M1 x UE4M3 is exact in bf16) and the activations as B; it permutes the
+activations' K while staging them, so callers pass x in natural order (the calling convention of
+p48_triton.p48_gemm_rows: rows of x, per-expert start rows and counts on the device, alpha per expert).
+
+Weight layout (`P48MmaWeights.records`, uint8 [E, MT, KR, 704], built once at load time from the 2:4 operand
+of p48_sparse24.p48_to_2to4): one record holds 16 output rows x 128 (permuted) input columns, the unit one warp
+streams per step, as three parts, each ordered by the lane that reads it (lane = 4 g + t, g = lane // 4):
+
+    codes  512 B  lane-major, 16 B per lane = 4 words, one per 32-column MMA step s: the 8 codes of the lane's
+                  four A registers (rows g, g+8 x 4-groups t, t+4 of the step); the low codes fill bits 0-15,
+                  the high codes bits 16-31, register r's magnitude at bit MAG_POS[r] and sign at SIGN_POS[r] of
+                  its half, so that 0-2 shifts and a lop3 put both codes of a register in bf16 fields
+    meta   128 B  4 B per lane: two 16-bit roles (the steps 2*i + t//2 for role i, i.e. selector t//2), each two
+                  bytes of 8-group nibbles that expand to one mma.sp metadata register. For m16n8k32 with 16-bit
+                  types the selector picks lanes 2*sel and 2*sel+1 of every quad, and lane 2*sel + h holds K
+                  columns 16h..16h+15 of rows g (bits 0-15) and g+8 (bits 16-31) (checked on an H200: the
+                  one-row-per-lane reading fails the GPU tests)
+    scales  64 B  8 B per row pair (g, g+8): per step s the scales of row g and row g+8, re-encoded from UE4M3
+                  to 5 exponent / 3 mantissa bits without subnormals (SCALE_BYTE), so that one integer
+                  multiply-add gives the bf16 bits of s * 2^119: (byte << 4) + 0x7600 (a zero scale, byte 0,
+                  zeroes its block's codes instead)
+
+Rows are padded to a multiple of 16 and columns to a multiple of 128 with zero codes, zero scales and a valid
+2:4 pattern. Bytes: exactly the packed 2.75 bits per weight (+ padding), plus the fp32 global scale per expert.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .p48_reference import WEIGHT_SUFFIXES
+from .p48_sparse24 import P48As24, p48_to_2to4
+
+RECORD_ROWS = 16
+RECORD_K = 128
+RECORD_BYTES = 704
+CODES_BYTES, META_BYTES, SCALE_BYTES = 512, 128, 64
+ALPHA_FOLD = 128.0  # the in-register decode yields e2m1 * s * 2^-7
+PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padded groups)
+TOKEN_BLOCKS = (16, 64)
+MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
+SIGN_POS = (9, 10, 15, 14)
+
+
+def _scale_byte_table() -> torch.Tensor:
+    """UE4M3 bits -> record scale byte: 8 (e + 10) + m for s = 2^e (1 + m/8), e in [-9, 8]; 0 for zero."""
+    out = torch.zeros(256, dtype=torch.uint8)
+    vals = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    for b in range(256):
+        v = float(vals[b])
+        if v > 0 and v == v and v != float("inf"):
+            m, e = math.frexp(v)  # v = m 2^e, m in [0.5, 1)
+            out[b] = 8 * (e - 1 + 10) + int(round((2 * m - 1) * 8))
+    return out
+
+
+SCALE_BYTE = _scale_byte_table()  # tokens staged per pass by the compiled variants (index = variant)
+
+
+@dataclass
+class P48MmaWeights:
+    """E p48 weights [E, M, K] in the sparse-tensor-core record layout; global_scale float32 [E]."""
+
+    records: torch.Tensor  # uint8 [E, MT, KR, 704]
+    global_scale: torch.Tensor  # float32 [E]
+    out_features: int
+    in_features: int
+
+    @property
+    def num_experts(self) -> int:
+        return self.records.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.records.numel() + self.global_scale.numel() * 4
+
+    def to(self, device) -> "P48MmaWeights":
+        return P48MmaWeights(self.records.to(device), self.global_scale.to(device), self.out_features, self.in_features)
+
+    @classmethod
+    def from_packed(cls, tensors: list[dict[str, torch.Tensor]] | dict[str, torch.Tensor], device=None,
+                    name: str = "") -> "P48MmaWeights":
+        """From per-expert release tensors ({suffix: [M, K/4] ...}) or one stacked dict ([E, M, K/4] ...); the
+        layout is built on `device` (default: where the tensors are)."""
+        if isinstance(tensors, dict):
+            st = {s: tensors[s] for s in WEIGHT_SUFFIXES if s in tensors}
+        else:
+            if not tensors:
+                raise ValueError(f"{name or 'p48 weights'}: no experts given")
+            missing = [s for s in WEIGHT_SUFFIXES if any(s not in t for t in tensors)]
+            if missing:
+                raise ValueError(f"{name or 'p48 weights'}: an expert lacks {', '.join(missing)}")
+            st = {s: torch.stack([t[s] for t in tensors]) for s in WEIGHT_SUFFIXES}
+        packed = st.get("weight_sparse_packed")
+        if packed is None or packed.dim() != 3:
+            raise ValueError(f"{name or 'p48 weights'}.weight_sparse_packed: expected [E, out, in/4]")
+        E = packed.shape[0]
+        g = st.get("weight_global_scale")
+        if g is None or g.dtype != torch.float32 or g.numel() != E:
+            raise ValueError(f"{name or 'p48 weights'}.weight_global_scale: expected float32 with one value per expert")
+        scales = st.get("weight_scale")
+        if scales is None or scales.dtype != torch.float8_e4m3fn or tuple(scales.shape) != (*packed.shape[:2], packed.shape[2] // 8):
+            raise ValueError(f"{name or 'p48 weights'}.weight_scale: expected float8_e4m3fn [E, out, in/32]")
+        dev = torch.device(device) if device is not None else packed.device
+        st = {k: v.to(dev) for k, v in st.items()}
+        try:
+            op = p48_to_2to4(st)
+        except ValueError as e:
+            raise ValueError(f"{name or 'p48 weights'}: {e}") from None
+        M, K = op.codes.shape[-2], op.in_features
+        return cls(build_records(op), g.reshape(E).float().to(dev), M, K)
+
+
+def stack_gate_up(gate: list[dict[str, torch.Tensor]], up: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Per expert, gate's rows then up's rows ([2I, H]); both must share the weight global scale (one epilogue
+    factor per expert)."""
+    out = []
+    for e, (a, b) in enumerate(zip(gate, up)):
+        ga, gb = a["weight_global_scale"].float().reshape(-1), b["weight_global_scale"].float().reshape(-1)
+        if not torch.equal(ga, gb):
+            raise ValueError(f"expert {e}: gate and up have different weight_global_scale ({float(ga[0])} vs "
+                             f"{float(gb[0])}); p48 serving needs the shared global scale the moesq pipeline writes")
+        out.append({s: (torch.cat([a[s], b[s]], 0) if s != "weight_global_scale" else a[s]) for s in WEIGHT_SUFFIXES})
+    return out
+
+
+# ------------------------------------------------------------------------------------------ layout
+
+
+def _pad(t: torch.Tensor, rows: int, cols: int, value: int) -> torch.Tensor:
+    *lead, M, C = t.shape
+    if (M, C) == (rows, cols):
+        return t
+    out = torch.full((*lead, rows, cols), value, dtype=t.dtype, device=t.device)
+    out[..., :M, :C] = t
+    return out
+
+
+def build_records(op: P48As24) -> torch.Tensor:
+    """The 2:4 operand (p48_sparse24.P48As24, stack [E, M, K]) -> records uint8 [E, MT, KR, 704]."""
+    codes, meta = op.codes, op.meta
+    if codes.dim() != 3:
+        raise ValueError(f"expected a stack of weights [E, M, K/4], got codes {tuple(codes.shape)}")
+    E, M, K = codes.shape[0], codes.shape[1], op.in_features
+    MT, KR = math.ceil(M / RECORD_ROWS), math.ceil(K / RECORD_K)
+    Mp, Kp = MT * RECORD_ROWS, KR * RECORD_K
+    sc8 = op.scales.contiguous().view(torch.uint8)
+    bad = ((sc8 & 0x80) != 0) | ((sc8 & 0x7F) == 0x7F)
+    if bool(bad.any()):
+        raise ValueError(f"weight_scale: {int(bad.sum())} block scales are negative or NaN (expected UE4M3)")
+    codes = codes.masked_fill((sc8 == 0).repeat_interleave(8, -1), 0)  # a zero scale's block decodes to zeros
+    codes = _pad(codes, Mp, Kp // 4, 0)
+    nib = _pad(meta & 0xF, Mp, Kp // 8, PAD_NIBBLE)  # one 2:4 nibble per permuted 8-group
+    sc = _pad(SCALE_BYTE.to(sc8.device)[sc8.long()], Mp, Kp // 32, 0)
+
+    # codes: [E, MT, (ra, g), KR, s, (rb, t)] -> [E, MT, KR, g, t, s, (rb, ra)]: register r = 2 rb + ra holds
+    # row g + 8 ra, 4-group t + 4 rb of step s
+    c = codes.reshape(E, MT, 2, 8, KR, 4, 2, 4).permute(0, 1, 4, 3, 7, 5, 6, 2).reshape(E, MT, KR, 8, 4, 4, 4)
+    c = c.to(torch.int32)
+    half = [torch.zeros(c.shape[:-1], dtype=torch.int32, device=c.device) for _ in range(2)]
+    for r in range(4):
+        for h, code in enumerate((c[..., r] & 0xF, c[..., r] >> 4)):
+            half[h] |= ((code & 7) << MAG_POS[r]) | ((code >> 3) << SIGN_POS[r])
+    word = half[0] | (half[1] << 16)  # [.., g, t, s]
+    codes_part = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+    codes_part = codes_part.reshape(E, MT, KR, CODES_BYTES)
+
+    # metadata: byte (s, row, j) = nibble of 8-group 2j | nibble of 8-group 2j+1 << 4, step s = 2 role + sel
+    n = nib.reshape(E, MT, 16, KR, 4, 4).permute(0, 1, 3, 4, 2, 5)  # [E, MT, KR, s, row, q]
+    pb = (n[..., 0::2] | (n[..., 1::2] << 4)).reshape(E, MT, KR, 2, 2, 2, 8, 2)  # [.., role, sel, row hi, g, j]
+    # lane (g, sel, h): rows g (byte 0) and g+8 (byte 1), the two 8-groups of column half h
+    meta_part = pb.permute(0, 1, 2, 6, 4, 7, 3, 5).reshape(E, MT, KR, META_BYTES)  # [.., g, sel, h=j, role, row hi]
+
+    # scales: [E, MT, (j, g), KR, s] -> [E, MT, KR, g, s, j]
+    scale_part = sc.reshape(E, MT, 2, 8, KR, 4).permute(0, 1, 4, 3, 5, 2).reshape(E, MT, KR, SCALE_BYTES)
+    return torch.cat([codes_part, meta_part, scale_part], -1).contiguous()
+
+
+def records_to_2to4(records: torch.Tensor, M: int, K: int, global_scale: torch.Tensor) -> P48As24:
+    """Inverse of build_records (cropped to [E, M, K]): for round-trip checks."""
+    E, MT, KR, _ = records.shape
+    codes_part, meta_part, scale_part = records.split([CODES_BYTES, META_BYTES, SCALE_BYTES], -1)
+    b = codes_part.reshape(E, MT, KR, 8, 4, 4, 4).to(torch.int32)  # [.., g, t, s, byte]
+    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    regs = []
+    for r in range(4):
+        lo, hi = (((word >> (16 * h + MAG_POS[r])) & 7) | (((word >> (16 * h + SIGN_POS[r])) & 1) << 3) for h in (0, 1))
+        regs.append(lo | (hi << 4))
+    c = torch.stack(regs, -1).to(torch.uint8).reshape(E, MT, KR, 8, 4, 4, 2, 2)  # [.., g, t, s, rb, ra]
+    codes = c.permute(0, 1, 7, 3, 2, 5, 6, 4).reshape(E, MT * 16, KR * 32)
+    pb = meta_part.reshape(E, MT, KR, 8, 2, 2, 2, 2).permute(0, 1, 2, 6, 4, 7, 3, 5)
+    pb = pb.reshape(E, MT, KR, 4, 16, 2)  # [.., s, row, j]
+    n = torch.stack([pb & 0xF, pb >> 4], -1).reshape(E, MT, KR, 4, 16, 4).permute(0, 1, 4, 2, 3, 5)
+    nib = n.reshape(E, MT * 16, KR * 16)
+    sc = scale_part.reshape(E, MT, KR, 8, 4, 2).permute(0, 1, 5, 3, 2, 4).reshape(E, MT * 16, KR * 4)
+    inverse = torch.zeros(256, dtype=torch.uint8)
+    inverse[SCALE_BYTE.long()] = torch.arange(256, dtype=torch.uint8)
+    inverse[0] = 0
+    sc = inverse.to(sc.device)[sc.long()]
+    return P48As24(codes[:, :M, : K // 4].contiguous(), (nib | (nib << 4))[:, :M, : K // 8].contiguous(),
+                   sc[:, :M, : K // 32].contiguous().view(torch.float8_e4m3fn), global_scale.reshape(E, 1))
+
+
+# ------------------------------------------------------------------------------------------ launcher
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    variant: int  # index into TOKEN_BLOCKS
+    split: int  # K slices (> 1: fp32 atomics into a zeroed output)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+ROWS_PER_CTA = 256  # 8 warps x 2 row tiles of 16 (both variants)
+
+
+def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, device: torch.device) -> MmaConfig:
+    """16 tokens per pass for decode-sized batches, else 64; split K only when too few CTAs have work."""
+    variant = 0 if rows_per_expert <= 16 else 1
+    ctas = max(1, active_experts) * math.ceil(M / ROWS_PER_CTA)
+    target = 2 * _num_sms(device)
+    split = 1
+    if ctas < target:
+        split = max(1, min(math.ceil(K / RECORD_K), math.ceil(target / ctas), 4))
+    return MmaConfig(variant, split)
+
+
+def load_native():
+    """The native module when it can run here (an sm_90 GPU and a build), else None."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        return None
+    from .native_build import NativeBuildError, load_extension
+
+    try:
+        mod = load_extension()
+    except NativeBuildError:
+        return None
+    return mod if hasattr(mod, "p48_gemm") else None
+
+
+def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor, counts: torch.Tensor,
+                      alpha: torch.Tensor, out: torch.Tensor, config: MmaConfig, native=None) -> torch.Tensor:
+    """Grouped GEMM over expert row segments (p48_triton.p48_gemm_rows's convention): for each expert e, rows
+    row_start[e] .. row_start[e]+counts[e] of x [R, K] (bf16) times w[e]^T, times alpha[e], into out [R, M]
+    (float32 and zero-initialised when config.split > 1). No host synchronisation."""
+    mod = native if native is not None else load_native()
+    if mod is None:
+        raise RuntimeError("the p48 sparse-tensor-core kernel needs an sm_90 GPU and the native module")
+    if x.shape[-1] != w.in_features or out.shape != (x.shape[0], w.out_features):
+        raise ValueError(f"x {tuple(x.shape)} / out {tuple(out.shape)} do not fit weights "
+                         f"[{w.out_features}, {w.in_features}]")
+    mod.p48_gemm(config.variant, w.records, x, row_start, counts, (alpha.float() * ALPHA_FOLD).contiguous(), out,
+                 w.out_features, w.in_features, config.split)
+    return out

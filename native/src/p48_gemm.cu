@@ -1,0 +1,392 @@
+// p48-nvfp4 grouped GEMM on Hopper's 2:4 sparse tensor cores (mma.sp m16n8k32, bf16 operands, fp32 accumulate).
+//
+// Paired 4:8 is 2:4 after permuting K inside every 8-group to [e0 e2 e4 e6 | e1 e3 e5 e7]. The weights are the
+// sparse A operand (16 output rows per MMA), the activations B (8 tokens per MMA). A persistent grid walks work
+// units (one expert, W*R row tiles of 16 rows, one K slice); per pass a CTA stages up to NB tokens x KC columns
+// of activations in shared memory (permuting K on the way) and every warp streams its row tiles' weight records through a private
+// cp.async ring (records are laid out at load time so that one record is one contiguous 704-byte copy and each
+// lane's share of it is contiguous: 16 B of codes, 4 B of metadata, 8 B of scales). Each weight record is
+// decoded once into bf16 fragments (E2M1 bits placed in bf16 fields, times the UE4M3 scale * 2^119 by a bf16x2
+// FMA: exact, the values are e2m1 * s * 2^-7) and used for every 8-token tile of the pass.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "moesq/p48_api.h"
+
+namespace moesq {
+void set_last_error(const char* fmt, ...);
+}
+
+namespace {
+
+constexpr int kRecBytes = MOESQ_P48_RECORD_BYTES;  // 512 codes + 128 metadata + 64 scales
+constexpr int kRecK = MOESQ_P48_RECORD_K;
+constexpr int kMetaOff = 512;
+constexpr int kScaleOff = 640;
+constexpr int kRecChunks = kRecBytes / 16;
+
+struct Params {
+  const uint8_t* records;
+  int E;
+  const uint16_t* x;
+  const int* row_start;
+  const int* counts;
+  const float* alpha;
+  void* out;
+  int M, K, MT, KR;
+  long long x_stride, out_stride;
+  int split;
+};
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// (x & mask) | y in one lop3 (0xEA = (a & b) | c).
+__device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t y) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(x), "r"(mask), "r"(y));
+  return d;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// One code word (8 E2M1 codes, per 16-bit half (low codes, high codes) register r's magnitude at bits
+// {0, 3, 6, 11}[r] and sign at {9, 10, 15, 14}[r]) -> A register r = bf16x2(lo, hi) of e2m1 * 2^-126 (bf16
+// fields: magnitude at bits 6..8, sign at 15; registers 0 and 2 need one shift or none), then times the row's
+// scale (registers 0, 2: row g; 1, 3: row g + 8). The fma keeps bf16 subnormals (no flush), so it is exact.
+__device__ __forceinline__ void decode_regs(uint32_t w, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
+  constexpr uint32_t kField = 0x81C081C0u, kMag = 0x01C001C0u, kSign = 0x80008000u;
+  a[0] = bf16x2_fma((w << 6) & kField, s_lo, kSign);
+  a[1] = bf16x2_fma(and_or(w << 3, kMag, (w << 5) & kSign), s_hi, kSign);
+  a[2] = bf16x2_fma(w & kField, s_lo, kSign);
+  a[3] = bf16x2_fma(and_or(w >> 5, kMag, (w << 1) & kSign), s_hi, kSign);
+}
+
+// A scale byte pair of the record layout (exponent-5 / mantissa-3 re-encoding of UE4M3 without subnormals,
+// see p48_mma.py) -> bf16x2 (s * 2^119, s * 2^119) for the byte selected by `sel` (prmt selector 0x4b4b).
+__device__ __forceinline__ uint32_t scale_pair(uint32_t word, uint32_t sel) {
+  return prmt(word, 0, sel) * 16u + 0x76007600u;
+}
+
+// Two compact metadata bytes (n_a | n_b << 4 each; bytes at bit 0 and 16 of x) -> one mma.sp metadata
+// register: every 8-group's 2:4 nibble repeated for its two 4-groups.
+__device__ __forceinline__ uint32_t expand_meta(uint32_t x) {
+  const uint32_t y = (x & 0x000F000Fu) | ((x << 4) & 0x0F000F00u);
+  return y | (y << 4);
+}
+
+template <int SEL>
+__device__ __forceinline__ void mma_sp(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[4], uint32_t e) {
+  asm volatile(
+      "mma.sp.sync.aligned.m16n8k32.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, {%0, %1, %2, %3}, %12, %13;\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), "n"(SEL));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&b)[4], const void* smem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
+               : "r"(s));
+}
+
+template <int NB_, int R_, int W_, int S_, int KC_>
+struct Variant {
+  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_;
+  static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
+  static constexpr int kXBytes = NB * XS * 2;
+  static constexpr int kSmem = kXBytes + W * S * R * kRecBytes;
+  static constexpr int kThreads = W * 32;
+  static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
+  static_assert(KC % kRecK == 0 && NB % 8 == 0, "bad variant");
+};
+
+// Stage activations rows [t0, t0 + ntok) x columns [k0, k0 + kw) into shared memory, K-permuted per 8-group;
+// columns >= K are zeros (the padded weight columns are zero, and 0 * garbage could be NaN). In rounds of at
+// most 8 16-byte loads per thread (registers).
+template <class V>
+__device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long row0, int ntok, int k0, int kw) {
+  constexpr int kRound = V::kXIters < 8 ? V::kXIters : 8;
+  const int groups = kw / 8;
+#pragma unroll
+  for (int j0 = 0; j0 < V::kXIters; j0 += kRound) {
+    uint4 v[kRound];
+#pragma unroll
+    for (int j = 0; j < kRound; ++j) {
+      const int idx = threadIdx.x + (j0 + j) * V::kThreads;
+      const int t = idx / groups, c = idx - t * groups;
+      v[j] = make_uint4(0, 0, 0, 0);
+      if (t < ntok && k0 + 8 * c < p.K)
+        v[j] = __ldg(reinterpret_cast<const uint4*>(p.x + (row0 + t) * p.x_stride + k0 + 8 * c));
+    }
+#pragma unroll
+    for (int j = 0; j < kRound; ++j) {
+      const int idx = threadIdx.x + (j0 + j) * V::kThreads;
+      const int t = idx / groups, c = idx - t * groups;
+      if (t < ntok) {
+        uint4 o;
+        o.x = prmt(v[j].x, v[j].y, 0x5410);  // e0 e2
+        o.y = prmt(v[j].z, v[j].w, 0x5410);  // e4 e6
+        o.z = prmt(v[j].x, v[j].y, 0x7632);  // e1 e3
+        o.w = prmt(v[j].z, v[j].w, 0x7632);  // e5 e7
+        *reinterpret_cast<uint4*>(xs + t * V::XS + 8 * c) = o;
+      }
+    }
+  }
+}
+
+// Walks the CTA's work units (expert, group of W*R row tiles, K slice; units blockIdx.x, + gridDim.x, ...)
+// record by record: for each unit, each token block of NB tokens, each 128-column record of the K slice.
+// Units of experts without tokens are skipped. The producer (cp.async ring) and the consumer (MMA) each keep
+// one cursor; the producer runs S - 1 records ahead, across unit boundaries, so the weight stream never drains.
+struct Cursor {
+  int u, e, rg, kr0, nkr, ntb, tb, kr;
+  bool valid;
+
+  template <int NB>
+  __device__ __forceinline__ void seek(const Params& p, int unit, int row_groups, int kr_per, int n_units) {
+    for (; unit < n_units; unit += gridDim.x) {
+      const int eu = unit / (row_groups * p.split), rem = unit - eu * (row_groups * p.split);
+      const int rgu = rem / p.split, z = rem - rgu * p.split;
+      const int cnt = __ldg(p.counts + eu);
+      const int k0 = z * kr_per, nk = min(p.KR, k0 + kr_per) - k0;
+      if (cnt > 0 && nk > 0) {
+        u = unit, e = eu, rg = rgu, kr0 = k0, nkr = nk, ntb = (cnt + NB - 1) / NB, tb = 0, kr = 0, valid = true;
+        return;
+      }
+    }
+    valid = false;
+  }
+  template <int NB>
+  __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units) {
+    if (++kr < nkr) return;
+    kr = 0;
+    if (++tb < ntb) return;
+    seek<NB>(p, u + gridDim.x, row_groups, kr_per, n_units);
+  }
+};
+
+template <class V, bool OUT_BF16, bool ATOMIC>
+__global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int NB = V::NB, R = V::R, W = V::W, S = V::S, KC = V::KC, NT = NB / 8;
+  constexpr int kRecPerChunk = KC / kRecK;
+  const int row_groups = (p.MT + W * R - 1) / (W * R);
+  const int kr_per = (p.KR + p.split - 1) / p.split;
+  const int n_units = p.E * row_groups * p.split;
+
+  uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  uint8_t* ring = smem + V::kXBytes + warp * (S * R * kRecBytes);
+
+  Cursor prod{}, cons{};
+  prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+  if (!prod.valid) return;
+  cons = prod;
+  int slot_p = 0, slot_c = 0;
+
+  auto issue = [&]() {
+    if (prod.valid) {
+      uint8_t* dst = ring + slot_p * (R * kRecBytes);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int rt = min(prod.rg * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
+        const uint8_t* src =
+            p.records + ((static_cast<long long>(prod.e) * p.MT + rt) * p.KR + prod.kr0 + prod.kr) * kRecBytes;
+#pragma unroll
+        for (int c = lane; c < kRecChunks; c += 32) cp_async16(dst + r * kRecBytes + 16 * c, src + 16 * c);
+      }
+      prod.next<NB>(p, row_groups, kr_per, n_units);
+    }
+    cp_async_commit();
+    slot_p = slot_p == S - 1 ? 0 : slot_p + 1;
+  };
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) issue();
+
+  float acc[R][NT][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
+
+  // ldmatrix row address of this lane: token (lane & 7) of an 8-token tile, 8 columns at (lane >> 3) * 8.
+  const uint16_t* xs_lane = xs + (lane & 7) * V::XS + (lane >> 3) * 8;
+
+  while (cons.valid) {
+    const int kr = cons.kr, tb = cons.tb;
+    const int cnt = __ldg(p.counts + cons.e);
+    const long long row0 = __ldg(p.row_start + cons.e);
+    const int ntok = min(NB, cnt - tb * NB);
+    if (kr % kRecPerChunk == 0) {
+      __syncthreads();  // every warp is done with the previous chunk
+      stage_x<V>(p, xs, row0 + tb * NB, ntok, (cons.kr0 + kr) * kRecK, min(KC, (cons.nkr - kr) * kRecK));
+      __syncthreads();
+    }
+    cp_async_wait<S - 2>();
+    __syncwarp();
+    issue();
+    const uint8_t* rec = ring + slot_c * (R * kRecBytes);
+    slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
+    uint4 codes[R];
+    uint32_t meta[R];
+    uint2 sc[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      codes[r] = *reinterpret_cast<const uint4*>(rec + r * kRecBytes + 16 * lane);
+      meta[r] = *reinterpret_cast<const uint32_t*>(rec + r * kRecBytes + kMetaOff + 4 * lane);
+      sc[r] = *reinterpret_cast<const uint2*>(rec + r * kRecBytes + kScaleOff + 8 * g);
+    }
+    const int ntiles = (ntok + 7) >> 3;
+    const uint16_t* xk = xs_lane + (kr % kRecPerChunk) * kRecK;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t a[R][4], em[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t w = s == 0 ? codes[r].x : s == 1 ? codes[r].y : s == 2 ? codes[r].z : codes[r].w;
+        const uint32_t sw = s < 2 ? sc[r].x : sc[r].y;
+        const uint32_t s_lo = scale_pair(sw, (s & 1) ? 0x4242 : 0x4040);  // row g
+        const uint32_t s_hi = scale_pair(sw, (s & 1) ? 0x4343 : 0x4141);  // row g + 8
+        decode_regs(w, s_lo, s_hi, a[r]);
+        em[r] = expand_meta(prmt(meta[r], 0, (s >> 1) ? 0x4342 : 0x4140));
+      }
+#pragma unroll
+      for (int n = 0; n < NT; ++n) {
+        if (n < ntiles) {
+          uint32_t b[4];
+          ldmatrix_x4(b, xk + n * 8 * V::XS + s * 32);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            if (s & 1)
+              mma_sp<1>(acc[r][n], a[r], b, em[r]);
+            else
+              mma_sp<0>(acc[r][n], a[r], b, em[r]);
+          }
+        }
+      }
+    }
+    if (kr == cons.nkr - 1) {  // end of a token block: write its outputs
+      const float alpha = __ldg(p.alpha + cons.e);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int rt = cons.rg * (W * R) + r * W + warp;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int m = rt * 16 + g + 8 * (i >> 1);
+            const int tok = n * 8 + 2 * t4 + (i & 1);
+            if (rt < p.MT && m < p.M && tok < ntok) {
+              const float v = acc[r][n][i] * alpha;
+              const long long off = (row0 + tb * NB + tok) * p.out_stride + m;
+              if (ATOMIC)
+                atomicAdd(reinterpret_cast<float*>(p.out) + off, v);
+              else if (OUT_BF16)
+                reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(v);
+              else
+                reinterpret_cast<float*>(p.out)[off] = v;
+            }
+            acc[r][n][i] = 0.f;
+          }
+        }
+      }
+    }
+    cons.next<NB>(p, row_groups, kr_per, n_units);
+  }
+  cp_async_wait<0>();
+}
+
+// The compiled variants: decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA) and larger
+// batches (64 tokens per pass, the weight decode amortised over 8 token tiles).
+using V16 = Variant<16, 2, 8, 6, 1024>;
+using V64 = Variant<64, 2, 8, 4, 512>;
+
+template <class V>
+int launch(const moesq_p48_args& a) {
+  Params p{static_cast<const uint8_t*>(a.records), a.E, static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
+           a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split};
+  auto kernel = a.split > 1 ? p48_mma_kernel<V, false, true>
+                : a.out_bf16 ? p48_mma_kernel<V, true, false>
+                             : p48_mma_kernel<V, false, false>;
+  const long long units = static_cast<long long>(a.E) * ((a.MT + V::W * V::R - 1) / (V::W * V::R)) * a.split;
+  int sms = 0, per_sm = 0;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, V::kSmem);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, V::kThreads, V::kSmem);
+  if (err == cudaSuccess) {
+    // Persistent: one wave of CTAs walks all units (experts without tokens are skipped on the device).
+    const int grid = static_cast<int>(units < 1LL * sms * per_sm ? units : 1LL * sms * per_sm);
+    kernel<<<grid > 0 ? grid : 1, V::kThreads, V::kSmem, static_cast<cudaStream_t>(a.stream)>>>(p);
+    err = cudaGetLastError();
+  }
+  if (err != cudaSuccess) {
+    moesq::set_last_error("p48 kernel launch failed: %s", cudaGetErrorString(err));
+    return 3;
+  }
+  return 0;
+}
+
+template <class V>
+void info(moesq_p48_variant_info* i) {
+  *i = moesq_p48_variant_info{V::NB, V::R, V::W, V::S, V::KC, V::kSmem};
+}
+
+}  // namespace
+
+extern "C" {
+
+int moesq_p48_num_variants(void) { return 2; }
+
+int moesq_p48_get_variant_info(int variant, moesq_p48_variant_info* i) {
+  if (i == nullptr || variant < 0 || variant > 1) {
+    moesq::set_last_error("p48 variant %d out of range [0, 2)", variant);
+    return 1;
+  }
+  variant == 0 ? info<V16>(i) : info<V64>(i);
+  return 0;
+}
+
+int moesq_p48_gemm(int variant, const moesq_p48_args* args) {
+  if (args == nullptr || variant < 0 || variant > 1) {
+    moesq::set_last_error("p48 variant %d out of range [0, 2) or null args", variant);
+    return 1;
+  }
+  const moesq_p48_args& a = *args;
+  if (a.E <= 0 || a.M <= 0 || a.K <= 0 || a.K % 32 || a.MT != (a.M + 15) / 16 || a.KR != (a.K + kRecK - 1) / kRecK ||
+      a.split < 1 || a.split > a.KR || (a.split > 1 && a.out_bf16)) {
+    moesq::set_last_error("p48 kernel: bad problem E=%d M=%d K=%d MT=%d KR=%d split=%d out_bf16=%d", a.E, a.M, a.K,
+                          a.MT, a.KR, a.split, a.out_bf16);
+    return 1;
+  }
+  if (cudaSetDevice(a.device) != cudaSuccess) {
+    moesq::set_last_error("cudaSetDevice(%d) failed", a.device);
+    return 2;
+  }
+  return variant == 0 ? launch<V16>(a) : launch<V64>(a);
+}
+
+}  // extern "C"

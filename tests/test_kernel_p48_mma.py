@@ -1,0 +1,250 @@
+"""p48-nvfp4 on the 2:4 sparse tensor cores (moesq_core.kernels.p48_mma, native/src/p48_gemm.cu): the record
+layout round-trips bit for bit, the kernel's register decode (emulated with the same integer operations on
+the CPU) gives the reference's values, and on an H200/H100 the kernel matches the CPU reference on awkward
+sizes with poisoned outputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moesq_core.bench.p48_bench import random_p48_tensors
+from moesq_core.kernels import p48_mma as pm
+from moesq_core.kernels import p48_reference as ref
+from moesq_core.kernels import p48_sparse24 as ps
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@settings(max_examples=20, deadline=None)
+@given(E=st.integers(1, 3), M=st.integers(1, 40), kb=st.integers(1, 9), seed=st.integers(0, 2**31 - 1))
+def test_records_round_trip_bit_exact(E, M, kb, seed):
+    K = 32 * kb
+    t = random_p48_tensors(E, M, K, torch.Generator().manual_seed(seed), "cpu")
+    w = pm.P48MmaWeights.from_packed(t)
+    assert w.records.shape == (E, -(-M // 16), -(-K // 128), pm.RECORD_BYTES)
+    if M % 16 == 0 and K % 128 == 0:  # no padding: exactly the packed bytes
+        assert w.records.numel() == sum(t[s].numel() * t[s].element_size() for s in ps.P48_SUFFIXES[:3])
+    back = pm.records_to_2to4(w.records, M, K, w.global_scale)
+    op = ps.p48_to_2to4(t)
+    for a, b in ((back.codes, op.codes), (back.meta, op.meta), (back.scales, op.scales)):
+        assert torch.equal(_u8(a), _u8(b))
+    released = ps.to_p48(back)
+    for s in ps.P48_SUFFIXES:
+        assert torch.equal(_u8(released[s]).reshape(-1), _u8(t[s]).reshape(-1)), s
+
+
+def _emulate_decode(records: torch.Tensor) -> torch.Tensor:
+    """The kernel's decode of every record, with its integer operations: float32 [E, MT*16, KR*128], the
+    values e2m1 * s * 2^-7 in permuted K order (the metadata placing each lane's two values per 4-group)."""
+    E, MT, KR, _ = records.shape
+    rec = records.to(torch.int64)
+    words = rec[..., :512].reshape(E, MT, KR, 32, 4, 4)
+    w = words[..., 0] | words[..., 1] << 8 | words[..., 2] << 16 | words[..., 3] << 24  # [.., lane, s]
+    sc = rec[..., 640:].reshape(E, MT, KR, 8, 4, 2)  # [.., g, s, row hi]
+    scale_bits = (sc << 4) + 0x7600  # the kernel's integer multiply-add: bf16 bits of s * 2^119
+    scale_bf16 = (scale_bits << 16).to(torch.int32).view(torch.float32)
+    meta = rec[..., 512:640].reshape(E, MT, KR, 32, 4)  # [.., lane, byte]
+    out = torch.zeros(E, MT * 16, KR * 128)
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for s in range(4):
+            ww = w[..., lane, s]
+            regs = [(ww << 6) & 0x81C081C0, ((ww << 3) & 0x01C001C0) | ((ww << 5) & 0x80008000),
+                    ww & 0x81C081C0, ((ww >> 5) & 0x01C001C0) | ((ww << 1) & 0x80008000)]
+            for r in range(4):
+                bits = regs[r] & 0xFFFFFFFF
+                halves = [bits & 0xFFFF, bits >> 16]
+                row_hi, grp = r & 1, t + 4 * (r >> 1)
+                vals = [((h << 16).to(torch.int32).view(torch.float32)) * scale_bf16[..., g, s, row_hi] for h in halves]
+                # metadata of this 4-group: from the supplying lane of step s (lane 2*sel + half holds rows g / g+8
+                # in bytes 0 / 1 of role s // 2; the 8-group's nibble is nibble (grp // 2) % 2 of the byte)
+                sel, half = s % 2, grp // 4
+                byte = meta[..., 4 * g + 2 * sel + half, 2 * (s // 2) + row_hi]
+                nib = (byte >> (4 * ((grp // 2) % 2))) & 0xF
+                i0, i1 = nib & 3, nib >> 2
+                row = g + 8 * row_hi
+                rows = torch.arange(MT) * 16 + row
+                for kr in range(KR):
+                    base = kr * 128 + s * 32 + 4 * grp
+                    for v, idx in zip(vals, (i0, i1)):
+                        col = base + idx[:, :, kr]  # [E, MT]
+                        out[torch.arange(E)[:, None], rows[None, :], col] = v[:, :, kr]
+    return out
+
+
+def test_register_decode_matches_reference_values():
+    E, M, K = 2, 24, 160
+    t = random_p48_tensors(E, M, K, torch.Generator().manual_seed(3), "cpu")
+    w = pm.P48MmaWeights.from_packed(t)
+    full = _emulate_decode(w.records)
+    want = ps.unscaled_weight(ps.p48_to_2to4(t)) / pm.ALPHA_FOLD
+    assert torch.equal(full[:, :M, :K], want)
+    assert not full[:, M:].any() and not full[:, :, K:].any()  # padding decodes to zeros
+
+
+def test_scale_encoding_is_exact_and_zero_scales_zero_their_block():
+    v = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    ok = (v > 0) & ~v.isnan()
+    bits = (pm.SCALE_BYTE.long() << 4) + 0x7600
+    got = (bits << 16).to(torch.int32).view(torch.float32)
+    assert torch.equal(got[ok], v[ok] * 2.0**119)
+    t = random_p48_tensors(1, 16, 128, torch.Generator().manual_seed(1), "cpu")
+    sc = t["weight_scale"].view(torch.uint8).clone()
+    sc[0, 3, 1] = 0
+    t["weight_scale"] = sc.view(torch.float8_e4m3fn)
+    full = _emulate_decode(pm.P48MmaWeights.from_packed(t).records)
+    want = ps.unscaled_weight(ps.p48_to_2to4(t)) / pm.ALPHA_FOLD
+    assert torch.equal(full, want) and not full[0, 3, 32:64].any()
+
+
+def test_from_packed_rejects_bad_input():
+    t = random_p48_tensors(2, 16, 64, torch.Generator().manual_seed(0), "cpu")
+    neg = t["weight_scale"].view(torch.uint8) | 0x80
+    with pytest.raises(ValueError, match="negative or NaN"):
+        pm.P48MmaWeights.from_packed(dict(t, weight_scale=neg.view(torch.float8_e4m3fn)))
+    bad = dict(t, weight_sparse_mask=t["weight_sparse_mask"] | 0xFF)
+    with pytest.raises(ValueError, match="exactly 2 pairs"):
+        pm.P48MmaWeights.from_packed(bad, name="gate")
+    with pytest.raises(ValueError, match="weight_global_scale"):
+        pm.P48MmaWeights.from_packed(dict(t, weight_global_scale=t["weight_global_scale"][:1]))
+    gate = [{s: v[e] for s, v in t.items()} for e in range(2)]
+    up = [dict(x, weight_global_scale=x["weight_global_scale"] * 2) for x in gate]
+    with pytest.raises(ValueError, match="different weight_global_scale"):
+        pm.stack_gate_up(gate, up)
+
+
+def test_pick_config_splits_only_small_grids():
+    cpu = torch.device("cpu")
+    assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(0, 1)
+    assert pm.pick_config(1536, 2048, 128, 128, cpu).variant == 1
+    assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
+
+
+# ------------------------------------------------------------------------------------------ GPU kernel
+
+
+def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed):
+    from moesq_core.kernels import p48_triton as pt
+
+    native = pm.load_native()
+    if native is None:
+        pytest.skip("needs the native module on an sm_90 GPU")
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(seed)
+    t = random_p48_tensors(E, M, K, gen, "cpu")
+    W = pm.P48MmaWeights.from_packed(t, dev)
+    dec = ref.decode_p48(t)
+    g_a = torch.rand(E, generator=gen) * 1000 + 100
+    dec.input_global_scale = g_a
+    C = max(max(counts), 1)
+    x = (torch.randn(E, C, K, generator=gen) * 3).to(torch.bfloat16)
+    cnt = torch.tensor(counts, dtype=torch.int32)
+    want = ref.p48_grouped_ref(x, cnt, dec, act_quant)
+    xr = x.reshape(E * C, K).to(dev)
+    row_start = (torch.arange(E, dtype=torch.int32) * C).to(dev)
+    if act_quant:
+        xr = pt.nvfp4_quantize_rows(xr, torch.arange(E, dtype=torch.int32, device=dev).repeat_interleave(C), g_a.to(dev))
+        alpha = 1.0 / (W.global_scale * g_a.to(dev))
+    else:
+        alpha = 1.0 / W.global_scale
+    if min(split, -(-K // pm.RECORD_K)) == 1:
+        out = torch.full((E * C, M), float("nan"), device=dev, dtype=out_dtype)  # poisoned
+    else:
+        out = torch.zeros(E * C, M, device=dev)
+    split = min(split, W.records.shape[2])
+    pm.p48_mma_gemm_rows(xr, W, row_start, cnt.to(dev), alpha, out, pm.MmaConfig(variant, split), native)
+    torch.cuda.synchronize()
+    got = out.float().reshape(E, C, M).cpu()
+    tol = 2e-5 if out.dtype == torch.float32 else 8e-3
+    for e in range(E):
+        n = counts[e]
+        if n:
+            assert not torch.isnan(got[e, :n]).any(), f"expert {e}: outputs left unwritten"
+            err = ((got[e, :n] - want[e, :n]).norm() / want[e, :n].norm()).item()
+            assert err < tol, f"expert {e}: relative error {err}"
+        if min(split, -(-K // pm.RECORD_K)) == 1:
+            assert torch.isnan(got[e, n:]).all(), f"expert {e}: rows past the count were written"
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("act_quant", [False, True])
+@pytest.mark.parametrize("split", [1, 3])
+@pytest.mark.parametrize("E,M,K,counts", [
+    (3, 72, 96, [19, 0, 3]),  # K < one record, M not a multiple of 16, an empty expert
+    (5, 200, 352, [1, 40, 17, 0, 130]),  # K not a multiple of 128, several token passes
+    (2, 1536, 2048, [16, 5]),  # the Qwen3-30B-A3B gate/up shape
+    (1, 48, 64, [1]),  # N = 1
+])
+def test_gpu_kernel_matches_reference(E, M, K, counts, act_quant, split, variant):
+    _gpu_case(E, M, K, counts, act_quant, split, variant, torch.float32, seed=E + M + K)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", [0, 1])
+def test_gpu_kernel_bf16_output(variant):
+    _gpu_case(4, 520, 1024, [9, 16, 0, 77], False, 1, variant, torch.bfloat16, seed=11)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_gpu_kernel_rejects_bad_arguments():
+    native = pm.load_native()
+    if native is None:
+        pytest.skip("needs the native module on an sm_90 GPU")
+    dev = torch.device("cuda")
+    t = random_p48_tensors(2, 32, 256, torch.Generator().manual_seed(0), "cpu")
+    W = pm.P48MmaWeights.from_packed(t, dev)
+    x = torch.zeros(4, 256, dtype=torch.bfloat16, device=dev)
+    rs, cnt = torch.zeros(2, dtype=torch.int32, device=dev), torch.ones(2, dtype=torch.int32, device=dev)
+    with pytest.raises(ValueError, match="float32"):
+        pm.p48_mma_gemm_rows(x, W, rs, cnt, W.global_scale, torch.zeros(4, 32, dtype=torch.bfloat16, device=dev),
+                             pm.MmaConfig(0, 2), native)
+    with pytest.raises(ValueError, match="x:"):
+        pm.p48_mma_gemm_rows(x.float(), W, rs, cnt, W.global_scale, torch.zeros(4, 32, device=dev),
+                             pm.MmaConfig(0, 1), native)
+
+
+def test_native_build_reuses_objects_of_unchanged_units(monkeypatch, tmp_path):
+    from moesq_core.kernels import native_build as nb
+
+    (tmp_path / "include").mkdir()
+    (tmp_path / "src").mkdir()
+    for name, text in (("include/a.h", "int a;"), ("src/one.cu", "1"), ("src/two.cu", "2"), ("src/v.def", "V")):
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(nb, "NATIVE_DIR", tmp_path)
+    one = ["nvcc", "-O3", "-c", str(tmp_path / "src/one.cu")]
+    two = ["nvcc", "-O3", "-c", str(tmp_path / "src/two.cu")]
+    d1, d2 = nb._unit_digest(one), nb._unit_digest(two)
+    (tmp_path / "src/two.cu").write_text("2 changed")
+    assert nb._unit_digest(one) == d1 and nb._unit_digest(two) != d2  # another unit's source: no recompile
+    (tmp_path / "include/a.h").write_text("int b;")
+    assert nb._unit_digest(one) != d1  # a header: every unit
+    assert nb._unit_digest([*one[:-1], "-DX", one[-1]]) != nb._unit_digest(one)  # flags
+
+
+def test_bench_targets_and_table_include_the_native_kernel():
+    from moesq_core.bench import p48_bench as pb
+
+    def row(N, us, tbps, vs8):
+        return {"shape": "Qwen3-30B-A3B gate/up", "G": 128, "N": N,
+                "methods": {"fp8_grouped_mm": {"us": us * vs8},
+                            "p48_mma_w4a16": {"us": us, "weight_TBps": tbps, "speedup_vs_fp8": vs8}}}
+
+    rows = [row(1, 50.0, 2.7, 3.0), row(16, 60.0, 2.4, 2.5), row(128, 100.0, 1.5, 1.1)]
+    t = pb.targets(rows, "p48_mma_w4a16")
+    assert t["N_le_16_TBps"] == {"min": 2.4, "max": 2.7, "target": 2.5, "met": False}
+    assert t["N_le_16_speedup_vs_fp8"]["met"] and t["N_128_speedup_vs_fp8"]["met"]
+    result = {"date": "d", "gpu": "H200", "sm_count": 132, "torch": "t", "cuda": "c", "triton": "3", "commit": "abc",
+              "repeats": 20, "token_pattern": "p", "methods": {"fp8_grouped_mm": "", "p48_mma_w4a16": ""},
+              "rows": rows, "targets_p48_mma_w4a16": t}
+    md = pb.markdown(result)
+    assert "| p48_mma_w4a16 TB/s | p48_mma_w4a16 vs fp8 |" in md
+    assert "| Qwen3-30B-A3B gate/up | 128 | 16 | – | 150.0 | 60.0 | 2.4 | 2.5 |" in md
+    assert "p48_mma_w4a16 N_le_16_TBps: min=2.4, max=2.7, target=2.5, met=False" in md
