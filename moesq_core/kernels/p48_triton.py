@@ -29,7 +29,7 @@ input global scale) in a pre-pass that writes the exact unscaled values e2m1*s_a
 is bit-identical to the CPU reference, moesq_core.kernels.p48_reference); the runtime fuses that pre-pass
 into the routing scatter and into the SwiGLU kernel. The GEMM numerics are those of p48_reference.
 
-Measured on an H200 (benchmarks/results/p48_kernel_bench.md): correct in both modes, but only 0.36-0.47 TB/s
+Measured on an H200 (benchmarks/results/p48_kernel_bench_h200_2026-12-01_8b05f4d.md): correct in both modes, but only 0.36-0.47 TB/s
 of packed bytes at N <= 16 tokens per expert (0.4-0.7x torch's fp8 grouped GEMM): the per-K-step chain of
 loads, table gathers, expansion, layout conversion and MMA is latency bound in this Triton formulation. The
 sparse-tensor-core kernel (moesq_core.kernels.p48_mma, paired 4:8 as 2:4 after a K permutation) is 3.6-5.3x
