@@ -3,10 +3,10 @@ of obr) against the exact Cholesky per row (`solve="exact"`).
 
 Tolerance: CG stops a row once its last few steps lowered the row's objective f by at most CG_TOL·f; those
 decreases estimate the A-norm error left, which is exactly the objective's excess over the optimum. So the
-relative output error of CG over the exact optimum is about 1 + CG_TOL (1e-5; measured ≤ 1 + 4e-6 on the shared
-models' experts). The tests allow 1 + 1e-3: two orders of magnitude for fp32 round-off and for the estimate being
-a lower bound, yet far below anything the quantization after it could absorb (its error is ~10-100× larger).
-"""
+relative output error of CG over the exact optimum is about 1 + CG_TOL (1e-6; measured ≤ 1 + 3e-6 on the shared
+models' experts and on Qwen3-30B-A3B-shaped ones, ≤ 1 + 3e-5 at a tolerance of 1e-5). The tests allow 1 + 1e-3:
+margin for fp32 round-off and for the estimate being a lower bound, yet far below anything the quantization after
+it could absorb (its error is ~10-100× larger)."""
 from __future__ import annotations
 
 import pytest
@@ -179,11 +179,12 @@ def test_cg_equals_exact_on_the_micro_model_hessians(micro_block, phase, support
                          ids=lambda v: v[0] + "".join(f"-{k}={x}" for k, x in v[1].items()))
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_methods_with_cg_match_the_exact_solve_on_the_micro_model(micro_block, fmt_name, variant):
-    """The whole method, every format, CG against the exact solve. The least squares agree to ~1e-5, but the
+    """The whole method, every format, CG against the exact solve. The least squares agree to ~1e-6, but the
     rounding after them turns any tiny difference into a few flipped codes (those on a rounding boundary), and
     GPTQ's sweep pushes each flip's error onto the columns right of it: per projection the errors move by up to
-    ~3 % either way (measured), as for any round-off-level change (cf. the GPU factorisation tests). Over the
-    block they cancel: the total error agrees to 5e-4 (measured ≤ 3.3e-4), and ≥ 97 % of the codes are equal."""
+    ~1.3 % either way (measured), as for any round-off-level change (cf. the GPU factorisation tests). Over the
+    block they cancel: the total error agrees to 5e-4 (measured ≤ 3.1e-4), and ≥ 98 % of the codes are equal
+    (measured ≥ 99.3 %)."""
     name, opts = variant
     fmt = get_format(fmt_name)
     exact = get_method(name, solve="exact", **opts).compress_block(micro_block, fmt)
@@ -195,8 +196,8 @@ def test_methods_with_cg_match_the_exact_solve_on_the_micro_model(micro_block, f
             assert torch.equal(qa.mask, qb.mask)
             same += int((qa.codes == qb.codes).sum())
             total += qa.codes.numel()
-            assert b.info["rel_err"][p] == pytest.approx(a.info["rel_err"][p], rel=0.05)
-    assert same / total > 0.97
+            assert b.info["rel_err"][p] == pytest.approx(a.info["rel_err"][p], rel=0.03)
+    assert same / total > 0.98
     err = {k: sum(r.info["rel_err"][p] for r in out for p in PROJECTIONS) for k, out in (("exact", exact), ("cg", cg))}
     assert err["cg"] == pytest.approx(err["exact"], rel=5e-4), err
 
