@@ -142,8 +142,9 @@ def render_methods() -> str:
 
 
 # -- GPU speed ---------------------------------------------------------------------------------------------
-E2E_FILE = "e2e_decode_h200_2026-12-01_a73d532.json"
-SOLVER_FILE = "solvers_h200_2026-12-01_c93092a.json"
+E2E_FILE = "e2e_decode_h200_2026-12-01_f98a79e.json"
+SOLVER_FILE = "solvers_h200_2026-12-01_f98a79e.json"
+SOLVER_KIMI_FILE = "solvers_h200_2026-12-01_5147589.json"  # Kimi-K2 chunk, CG tolerance 1e-5
 REFINE_FILE = "refine_h200_2026-12-01_75a3a44.json"
 S24_FILE = "s24_fp8_kernel_bench.json"
 P48_FILE = "p48_kernel_bench_h200_2026-12-01_8b05f4d.json"
@@ -154,7 +155,8 @@ def render_decode() -> str:
     by = {(r["variant"], r["batch"]): r for r in d["runs"]}
     batches = sorted({b for _, b in by})
     names = {"bf16": "bf16 (torch grouped GEMM)", "fp8": "fp8 (torch scaled grouped GEMM)",
-             "s24_w8a8": "**s24-fp8** (`S24HopperExperts`, W8A8)", "p48_w4a16": "p48-nvfp4 (`P48HopperExperts`, W4A16)"}
+             "s24_w8a8": "**s24-fp8** (`S24HopperExperts`, W8A8)", "p48_w4a16": "**p48-nvfp4** (`P48HopperExperts`, sparse-tensor-core kernel, W4A16)",
+             "p48_w4a4": "p48-nvfp4 (`P48HopperExperts`, sparse-tensor-core kernel, W4A4)"}
     rows = []
     for v in dict.fromkeys(v for v, _ in by):
         cells = [f"{by[v, b]['tokens_per_s'] / by['bf16', b]['tokens_per_s']:.2f}×" for b in batches]
@@ -200,11 +202,13 @@ def render_compression() -> str:
             continue
         rows.append([f"{names.get(m, m)} ({r['format']}), one Qwen3-30B-A3B block", f"{r['batched_block_s']:.2f} s measured",
                      f"{r['per_expert_block_s_extrapolated']:.0f} s", link(SOLVER_FILE.replace(".json", ".md"))])
-    k = d["results"].get("sgptq_kimi_k2")
-    if k:
-        rows.append(["sgptq (default: with refit), one Kimi-K2 block (384 experts of 7168 × 2048)",
-                     f"≈ {k['block_s_extrapolated']:.0f} s (one chunk of {k['experts_timed']} experts timed, extrapolated)",
-                     "—", link(SOLVER_FILE.replace(".json", ".md"))])
+    kimi = load(SOLVER_KIMI_FILE)["results"]
+    for m in ("sgptq", "obr", "gptq"):
+        k = kimi.get(f"{m}_kimi_k2")
+        if k:
+            rows.append([f"{names.get(m, m)}, one Kimi-K2 block (384 experts of 7168 × 2048)",
+                         f"≈ {k['block_s_extrapolated']:.0f} s (one chunk of {k['experts_timed']} experts timed, extrapolated; "
+                         f"CG tolerance 1e-5)", "—", link(SOLVER_KIMI_FILE.replace(".json", ".md"))])
     v = load(REFINE_FILE)["variants"]
     c, e = v["compile"], v["eager"]
     rows.append(["refine at the paper's budget, one Qwen3-30B-A3B block",
