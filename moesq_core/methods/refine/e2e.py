@@ -1,0 +1,229 @@
+"""End-to-end tuning after block-wise refinement (RefineConfig.e2e_steps): every expert's sparsity pattern
+stays fixed and the latent values of all experts of all blocks are tuned at once so that the compressed
+model's next-token distribution matches the reference model's, KL(p_ref ‖ p_compressed) on the final logits
+over the calibration sequences, like EfficientQAT's end-to-end phase.
+
+Why: block-wise refinement fits each block's output to the dense block's on the compressed prefix; the
+errors of the blocks still add up, and on a small calibration set the per-block objective overfits (its
+validation loss stops falling after the first epoch). The end-to-end loss sees the model's output instead.
+
+Mechanics, as in block-wise refinement: a latent fp32 copy V of every expert weight, initialised from the
+block-wise result (dequantized), straight-through quantization in the forward pass (block scales from the
+masked values, per expert the input's global scales, gate and up sharing one), activations quantized with
+the stage's static calibrated scales (as served) and straight-through. The reference distribution comes from
+the dense model's final hidden states, computed once (logits = lm_head of them, recomputed per step: the
+vocabulary-sized logits are never stored). Validation: the KL on the calibration's validation sequences,
+before tuning and after every pass over the training sequences; the best ships (the input unchanged when
+nothing validates better).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...formats import Format, QuantizedWeight
+from ...formats.quantizers import input_global_scales
+from ..base import PROJECTIONS, CompressedExpert
+
+log = logging.getLogger(__name__)
+
+
+class TunableExperts(nn.Module):
+    """An experts module with the fused-experts call signature (`forward(hidden [T, H], top_k_index [T, k],
+    top_k_weights [T, k])`) whose weights are fake-quantized latent values under fixed masks: what
+    MoesqExperts serves for the same QuantizedWeights, differentiable in the values (straight-through)."""
+
+    def __init__(self, fmt: Format, weights: list[dict[str, QuantizedWeight]], act_quant: bool,
+                 act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor, device=None):
+        super().__init__()
+        self.fmt, self.act_quant, self.num_experts = fmt, act_quant, len(weights)
+        self.V = nn.ParameterDict()
+        for p in PROJECTIONS:
+            qws = [w[p] for w in weights]
+            self.V[p] = nn.Parameter(torch.stack([q.dequantize().float() for q in qws]).to(device))
+            self.register_buffer(f"mask_{p}", torch.stack([q.mask.bool() for q in qws]).to(device))
+            # per expert the input's global scale (gate and up share one): fixed, so the tuned weights keep it
+            self.register_buffer(f"g_{p}", torch.stack([q.global_scale.float().reshape(()) for q in qws])
+                                 .reshape(-1, 1, 1).to(device))
+        self.register_buffer("act_global_in", input_global_scales(act_amax_in)[0].float().to(device))
+        self.register_buffer("act_global_mid", input_global_scales(act_amax_mid)[0].float().to(device))
+
+    def mask(self, p: str) -> torch.Tensor:
+        return getattr(self, f"mask_{p}")
+
+    def global_scale(self, p: str) -> torch.Tensor:
+        return getattr(self, f"g_{p}")
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The quantize-dequantized weights [E, O, K] of the current values (straight-through in V)."""
+        return {p: self.fmt.fake_quant_weight(self.V[p], self.mask(p), self.global_scale(p), ste=True)
+                for p in PROJECTIONS}
+
+    def _act(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        if not self.act_quant:
+            return x
+        # as MoesqExperts: a calibrated static scale where the quantizer takes one (0: dynamic)
+        static = self.fmt.act.uses_global_scale and float(g) > 0
+        return self.fmt.quant_act(x, g if static else None, ste=True)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        W = self.weights()
+        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tok = order // top_k_index.shape[1]
+        wts = top_k_weights.reshape(-1)[order].float()
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                idx = tok[start:start + n]
+                x = self._act(hidden_states[idx].float(), self.act_global_in[e])
+                h = F.silu(F.linear(x, W["gate"][e])) * F.linear(x, W["up"][e])
+                h = self._act(h, self.act_global_mid[e])
+                out = out.index_add(0, idx, F.linear(h, W["down"][e]) * wts[start:start + n, None])
+            start += n
+        return out.to(hidden_states.dtype)
+
+    @torch.no_grad()
+    def export(self, infos: list[dict]) -> list[CompressedExpert]:
+        """fmt.quantize of the current values under the fixed masks and global scales: exactly the weights
+        the forward pass used."""
+        out = []
+        for e, info in enumerate(infos):
+            q = {p: self.fmt.quantize(self.V[p][e].detach().cpu(), self.mask(p)[e].cpu(),
+                                      self.global_scale(p)[e].cpu()) for p in PROJECTIONS}
+            out.append(CompressedExpert(q["gate"], q["up"], q["down"], info=info))
+        return out
+
+
+@dataclass
+class E2EResult:
+    blocks: dict[int, list[CompressedExpert]]  # layer index -> the experts to ship (the input where unchanged)
+    summary: dict  # JSON-ready: steps, validation KL per pass, the shipped pass
+
+
+def _batches(n: int, size: int):
+    return [(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+class EndToEndTuner:
+    """Tunes the installed TunableExperts of every MoE block of `model` against reference final hidden
+    states. `blocks`: layer index -> (MoEBlock, CompressedExperts, amax_in, amax_mid) of the stage."""
+
+    def __init__(self, model: nn.Module, blocks: dict, fmt: Format, act_quant: bool, cfg, device):
+        self.model, self.blocks, self.fmt, self.cfg, self.device = model, blocks, fmt, cfg, device
+        self.act_quant = act_quant
+        self.modules: dict[int, TunableExperts] = {}
+
+    @torch.no_grad()
+    def _reference_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The dense model's final (normed) hidden states of `tokens`, on the CPU in fp32."""
+        out = []
+        for a, b in _batches(len(tokens), self.cfg.e2e_batch_size):
+            h = self.model.model(input_ids=tokens[a:b].to(self.device), use_cache=False).last_hidden_state
+            out.append(h.float().cpu())
+        return torch.cat(out)
+
+    def _kl(self, tokens: torch.Tensor, ref_h: torch.Tensor) -> torch.Tensor:
+        """Mean over tokens of KL(p_ref ‖ p_model), p = softmax of the final logits (fp32)."""
+        head = self.model.lm_head
+        h = self.model.model(input_ids=tokens.to(self.device), use_cache=False).last_hidden_state
+        logp = F.log_softmax(head(h).float(), dim=-1)
+        with torch.no_grad():
+            ref = F.log_softmax(head(ref_h.to(self.device, h.dtype)).float(), dim=-1)
+        return F.kl_div(logp.reshape(-1, logp.shape[-1]), ref.reshape(-1, ref.shape[-1]), log_target=True,
+                        reduction="batchmean")
+
+    @torch.no_grad()
+    def _validate(self, tokens: torch.Tensor, ref_h: torch.Tensor) -> float:
+        total, n = 0.0, 0
+        for a, b in _batches(len(tokens), self.cfg.e2e_batch_size):
+            k = b - a
+            total += float(self._kl(tokens[a:b], ref_h[a:b])) * k
+            n += k
+        return total / max(n, 1)
+
+    def _snapshot(self) -> dict[int, dict[str, torch.Tensor]]:
+        return {li: {p: m.V[p].detach().clone() for p in PROJECTIONS} for li, m in self.modules.items()}
+
+    def run(self, train: torch.Tensor, val: torch.Tensor, progress=None) -> E2EResult:
+        cfg = self.cfg
+        for b, *_ in self.blocks.values():
+            b.restore_dense()
+        ref_train, ref_val = self._reference_states(train), self._reference_states(val)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        for li, (b, results, amax_in, amax_mid) in self.blocks.items():
+            m = TunableExperts(self.fmt, [r.weights() for r in results], self.act_quant, amax_in, amax_mid, self.device)
+            self.modules[li] = m
+            b.mlp.experts = m  # every block at once (not set_experts: a lazily opened model would release them)
+        try:
+            return self._train(train, val, ref_train, ref_val, progress)
+        finally:
+            for b, *_ in self.blocks.values():
+                b.restore_dense()
+
+    def _train(self, train, val, ref_train, ref_val, progress) -> E2EResult:
+        cfg = self.cfg
+        params = [m.V[p] for m in self.modules.values() for p in PROJECTIONS]
+        opt = torch.optim.Adam(params, lr=cfg.e2e_lr)
+        batches = _batches(len(train), cfg.e2e_batch_size)
+        val_kl = [self._validate(val, ref_val)]  # "pass 0": the block-wise result
+        best, best_pass, best_state = val_kl[0], 0, None
+        gen = torch.Generator().manual_seed(cfg.seed)
+        step, pass_no, train_kl = 0, 0, []
+        task = progress.task("refine: end-to-end tuning", cfg.e2e_steps) if progress is not None else None
+        ctx = task if task is not None else _Null()
+        with ctx as t:
+            while step < cfg.e2e_steps:
+                perm = torch.randperm(len(train), generator=gen)
+                pass_no += 1
+                acc, k = 0.0, 0
+                for a, b in batches:
+                    if step >= cfg.e2e_steps:
+                        break
+                    lr = cfg.e2e_lr * 0.5 * (1 + math.cos(math.pi * step / cfg.e2e_steps))  # cosine to 0
+                    for g in opt.param_groups:
+                        g["lr"] = lr
+                    idx = perm[a:b]
+                    loss = self._kl(train[idx], ref_train[idx])
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    acc, k, step = acc + float(loss.detach()), k + 1, step + 1
+                    if t is not None:
+                        t.advance()
+                train_kl.append(acc / max(k, 1))
+                v = self._validate(val, ref_val)
+                val_kl.append(v)
+                log.info("refine end-to-end: pass %d, %d steps, train KL %.4g, val KL %.4g", pass_no, step,
+                         train_kl[-1], v)
+                if v < best:
+                    best, best_pass, best_state = v, pass_no, self._snapshot()
+        summary = {"steps": step, "passes": pass_no, "val_kl": val_kl, "train_kl": train_kl, "best_pass": best_pass}
+        out = {}
+        for li, (b, results, amax_in, amax_mid) in self.blocks.items():
+            if best_state is None:
+                out[li] = results
+                continue
+            m = self.modules[li]
+            with torch.no_grad():
+                for p in PROJECTIONS:
+                    m.V[p].copy_(best_state[li][p])
+            infos = [{**(r.info or {}), "e2e": {"best_pass": best_pass}} for r in results]
+            out[li] = m.export(infos)
+        return E2EResult(out, summary)
+
+
+class _Null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
