@@ -28,30 +28,34 @@ from torch import nn
 
 from ...formats import Format, QuantizedWeight
 from ...formats.quantizers import input_global_scales
+from ...runtime.experts import MoesqExperts
 from ..base import PROJECTIONS, CompressedExpert
 
 log = logging.getLogger(__name__)
 
 
-class TunableExperts(nn.Module):
-    """An experts module with the fused-experts call signature (`forward(hidden [T, H], top_k_index [T, k],
-    top_k_weights [T, k])`) whose weights are fake-quantized latent values under fixed masks: what
-    MoesqExperts serves for the same QuantizedWeights, differentiable in the values (straight-through)."""
+class TunableExperts(MoesqExperts):
+    """MoesqExperts (what serving computes for the same QuantizedWeights, activation quantizers with the
+    stage's static scales) whose weights are fake-quantized latent values V under fixed masks, differentiable
+    in V (straight-through, weights and activations)."""
+
+    ste = True
 
     def __init__(self, fmt: Format, weights: list[dict[str, QuantizedWeight]], act_quant: bool,
                  act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor, device=None):
-        super().__init__()
-        self.fmt, self.act_quant, self.num_experts = fmt, act_quant, len(weights)
+        E = len(weights)
+        # no dequantized copies: the weights come from V at every forward (expert_linears)
+        super().__init__(fmt, torch.empty(E, 0, 0), torch.empty(E, 0, 0), act_quant,
+                         input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
         self.V = nn.ParameterDict()
         for p in PROJECTIONS:
             qws = [w[p] for w in weights]
-            self.V[p] = nn.Parameter(torch.stack([q.dequantize().float() for q in qws]).to(device))
-            self.register_buffer(f"mask_{p}", torch.stack([q.mask.bool() for q in qws]).to(device))
+            self.V[p] = nn.Parameter(torch.stack([q.dequantize().float() for q in qws]))
+            self.register_buffer(f"mask_{p}", torch.stack([q.mask.bool() for q in qws]))
             # per expert the input's global scale (gate and up share one): fixed, so the tuned weights keep it
-            self.register_buffer(f"g_{p}", torch.stack([q.global_scale.float().reshape(()) for q in qws])
-                                 .reshape(-1, 1, 1).to(device))
-        self.register_buffer("act_global_in", input_global_scales(act_amax_in)[0].float().to(device))
-        self.register_buffer("act_global_mid", input_global_scales(act_amax_mid)[0].float().to(device))
+            self.register_buffer(f"g_{p}", torch.stack([q.global_scale.float().reshape(()) for q in qws]).reshape(-1, 1, 1))
+        self._w: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.to(device)
 
     def mask(self, p: str) -> torch.Tensor:
         return getattr(self, f"mask_{p}")
@@ -64,31 +68,16 @@ class TunableExperts(nn.Module):
         return {p: self.fmt.fake_quant_weight(self.V[p], self.mask(p), self.global_scale(p), ste=True)
                 for p in PROJECTIONS}
 
-    def _act(self, x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        if not self.act_quant:
-            return x
-        # as MoesqExperts: a calibrated static scale where the quantizer takes one (0: dynamic)
-        static = self.fmt.act.uses_global_scale and float(g) > 0
-        return self.fmt.quant_act(x, g if static else None, ste=True)
+    def expert_linears(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._w[0][e], self._w[1][e]
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        W = self.weights()
-        out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tok = order // top_k_index.shape[1]
-        wts = top_k_weights.reshape(-1)[order].float()
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                idx = tok[start:start + n]
-                x = self._act(hidden_states[idx].float(), self.act_global_in[e])
-                h = F.silu(F.linear(x, W["gate"][e])) * F.linear(x, W["up"][e])
-                h = self._act(h, self.act_global_mid[e])
-                out = out.index_add(0, idx, F.linear(h, W["down"][e]) * wts[start:start + n, None])
-            start += n
-        return out.to(hidden_states.dtype)
+        W = self.weights()  # once per forward, for all experts
+        self._w = (torch.cat([W["gate"], W["up"]], dim=1), W["down"])
+        try:
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        finally:
+            self._w = None
 
     @torch.no_grad()
     def export(self, infos: list[dict]) -> list[CompressedExpert]:
