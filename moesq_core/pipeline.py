@@ -271,15 +271,14 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
         calib = load_calibration(workdir)
         note(progress, f"{stage} schedule: {refine_schedule(workdir, rcfg)}")
         act_quant = m["config"]["act_quant"]
-        finalize = None
-        if rcfg.e2e_steps > 0:
-            def finalize(model, adapter, workdir, progress):
-                return tune_end_to_end(workdir, stage, model, adapter, calib, fmt, act_quant, rcfg, progress)
+
+        def end_to_end(model, adapter, workdir, progress):
+            return tune_end_to_end(workdir, stage, model, adapter, calib, fmt, act_quant, rcfg, progress)
         spec = StageSpec(
             name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=identity,
             compress_split="train", val_split="val", act_quant=act_quant, batch_size=batch_size,
             cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True),
-            finalize=finalize)
+            finalize=end_to_end if rcfg.e2e_steps > 0 else None)
         return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
 
 

@@ -29,6 +29,7 @@ from torch import nn
 from ...formats import Format, QuantizedWeight
 from ...formats.quantizers import input_global_scales
 from ...runtime.experts import MoesqExperts
+from ...progress import NullProgress
 from ..base import PROJECTIONS, CompressedExpert
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ class EndToEndTuner:
         return {li: {p: m.V[p].detach().clone() for p in PROJECTIONS} for li, m in self.modules.items()}
 
     def run(self, train: torch.Tensor, val: torch.Tensor, progress=None) -> E2EResult:
-        cfg = self.cfg
+        """Tune on the sequences `train` [n, seq], validate on `val`; the model's experts end up dense."""
         for b, *_ in self.blocks.values():
             b.restore_dense()
         ref_train, ref_val = self._reference_states(train), self._reference_states(val)
@@ -167,9 +168,7 @@ class EndToEndTuner:
         best, best_pass, best_state = val_kl[0], 0, None
         gen = torch.Generator().manual_seed(cfg.seed)
         step, pass_no, train_kl = 0, 0, []
-        task = progress.task("refine: end-to-end tuning", cfg.e2e_steps) if progress is not None else None
-        ctx = task if task is not None else _Null()
-        with ctx as t:
+        with (progress or NullProgress()).task("refine: end-to-end tuning", cfg.e2e_steps) as t:
             while step < cfg.e2e_steps:
                 perm = torch.randperm(len(train), generator=gen)
                 pass_no += 1
@@ -186,8 +185,7 @@ class EndToEndTuner:
                     loss.backward()
                     opt.step()
                     acc, k, step = acc + float(loss.detach()), k + 1, step + 1
-                    if t is not None:
-                        t.advance()
+                    t.advance()
                 train_kl.append(acc / max(k, 1))
                 v = self._validate(val, ref_val)
                 val_kl.append(v)
@@ -209,10 +207,3 @@ class EndToEndTuner:
             out[li] = m.export(infos)
         return E2EResult(out, summary)
 
-
-class _Null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
