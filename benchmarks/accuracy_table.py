@@ -104,7 +104,6 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-quarter-paper-lr": ("p48-nvfp4", "refine", "sgptq", {**QUARTER, "lr_budget_steps": None}),
     "refine-paper": ("p48-nvfp4", "refine", "sgptq", PAPER),
     "refine-refit-quarter": ("p48-nvfp4", "refine", "sgptq-refit", QUARTER),
-    "refine-e2e": ("p48-nvfp4", "refine", "sgptq", E2E),
     "refine-refit-e2e": ("p48-nvfp4", "refine", "sgptq-refit", E2E),
     "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
     "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
@@ -135,8 +134,8 @@ DESCRIPTION = {
     "refine-quarter-paper-lr": "paired 4:8 NVFP4, refine at 1/4 of the paper's budget with the paper's raw lrs",
     "refine-paper": "paired 4:8 NVFP4, refine (default) at the paper's budget (10 × 128 steps)",
     "refine-refit-quarter": "paired 4:8 NVFP4, refine from SGPTQ-refit at 1/4 of the paper's budget",
-    "refine-e2e": "paired 4:8 NVFP4, refine (default) + end-to-end tuning of the values (64 steps × 4 sequences, KL)",
-    "refine-refit-e2e": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit + end-to-end tuning (64 × 4, KL)",
+    "refine-refit-e2e": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit + end-to-end tuning of the values "
+                        "(64 steps × 4 sequences, KL to the reference's logits)",
     "release-faithful": "paired 4:8 NVFP4, release-faithful (fp32 SGPTQ scales, paper lrs, bf16 logits, last epoch, "
                         "separate gate/up globals)",
     "release-faithful-paper": "paired 4:8 NVFP4, release-faithful at the paper's budget (10 × 128 steps)",
@@ -156,7 +155,7 @@ GROUPS = {
     "paper-budget": ["refine-quarter", "refine-quarter-paper-lr", "refine-refit-quarter", "refine-paper",
                      "release-faithful-paper"],
     "fp8": ["s24-sgptq", "s24-refine"],
-    "e2e": ["refine-e2e", "refine-refit-e2e"],
+    "e2e": ["refine-refit-e2e"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
 
