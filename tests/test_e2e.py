@@ -134,3 +134,13 @@ def test_bad_end_to_end_options_are_refused():
     for kw, name in (({"e2e_steps": -1}, "e2e_steps"), ({"e2e_lr": 0.0}, "e2e_lr"), ({"e2e_batch_size": 0}, "e2e_batch_size")):
         with pytest.raises(ValueError, match=name):
             RefineConfig(**kw)
+
+
+def test_e2e_recipe_is_micro_quick_with_the_end_to_end_step():
+    from moesq_core import CompressConfig
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    quick = CompressConfig.from_file(recipes / "micro-quick.yaml").to_dict()
+    e2e = CompressConfig.from_file(recipes / "micro-quick-e2e.yaml").to_dict()
+    assert e2e["refine"]["e2e_steps"] > 0
+    assert {k: v for k, v in e2e.items() if k != "refine"} == {k: v for k, v in quick.items() if k != "refine"}
