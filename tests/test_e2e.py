@@ -144,3 +144,11 @@ def test_e2e_recipe_is_micro_quick_with_the_end_to_end_step():
     e2e = CompressConfig.from_file(recipes / "micro-quick-e2e.yaml").to_dict()
     assert e2e["refine"]["e2e_steps"] > 0
     assert {k: v for k, v in e2e.items() if k != "refine"} == {k: v for k, v in quick.items() if k != "refine"}
+
+
+def test_stage_identity_without_the_end_to_end_step_is_unchanged():
+    from moesq_core.config import MethodConfig, refine_identity
+
+    plain = refine_identity(RefineConfig(e2e_lr=5e-4), MethodConfig("rtn"))["refine"]
+    assert not any(k.startswith("e2e_") for k in plain)  # a stage recorded before the e2e options matches
+    assert refine_identity(RCFG, MethodConfig("rtn"))["refine"]["e2e_steps"] == RCFG.e2e_steps
