@@ -248,6 +248,16 @@ def patterns_changed(wd: WorkDir, stage: str) -> float | None:
     return changed / total if total else None
 
 
+def command_line(args: list[str]) -> str:
+    """The invocation as recorded in the tables: an absolute scratch --workdir-root becomes its last part (the
+    committed results hold no machine paths)."""
+    out = list(args)
+    for i, a in enumerate(out[:-1]):
+        if a == "--workdir-root" and Path(out[i + 1]).is_absolute():
+            out[i + 1] = Path(out[i + 1]).name
+    return " ".join(["python", "benchmarks/accuracy_table.py", *out])
+
+
 def blockwise_ppl(wd: WorkDir, stage: str, eval_text, args, cache) -> float:
     """Perplexity of a stage's block-wise result before its end-to-end tuning (the blocks it keeps under
     "blockwise"), evaluated as a scratch stage `<stage>-blockwise` of the (scratch) work dir: the before/after
@@ -417,7 +427,7 @@ def main(argv=None):
         rows: dict = old.get("rows", {}) if same_protocol else {}
         meta = {
             "model": model, "model_path": rel(MODELS[model]), "acts": acts,
-            "command": " ".join(["python", "benchmarks/accuracy_table.py", *(argv if argv is not None else sys.argv[1:])]),
+            "command": command_line(argv if argv is not None else sys.argv[1:]),
             "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "device": args.device,
             "eval": {"file": rel(eval_text), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},
