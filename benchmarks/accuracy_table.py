@@ -16,9 +16,10 @@ artifact checksums). The shared models are read from `../shared` next to the che
 packaged micro model with the packaged calibration and evaluation samples.
 
 Rows (`--rows`, comma-separated names or the groups `all`, `core`, `ablations`, `budget`, `paper-budget`,
-`fp8`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8 magnitude, Wanda, JSQ, OBR,
+`fp8`, `e2e`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8 magnitude, Wanda, JSQ, OBR,
 SGPTQ (export-exact scales, fp32 scales, refit); refinement (default, other seeds, the paper's raw rates,
-values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps); the release-faithful
+values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps, with end-to-end tuning
+after the last block); the release-faithful
 configuration (recipes/release-faithful.yaml, minus the serving-time activation scale); s24-fp8 SGPTQ / refine.
 Every compressed row is run weights-only ("wo") and/or with the format's activation quantizer ("wa": W4A4 for
 NVFP4, W8A8 for FP8), each in its own work dir (a work dir holds one activation setting). Refinement rows
@@ -71,6 +72,7 @@ def texts(model: str) -> tuple[Path, Path]:
 DEVICE = "cpu"  # where stages run (--device); evaluation is always fp32 on the CPU
 PAPER = {"epochs": 10, "steps_per_epoch": 128}  # the paper's 1,280 steps per block
 QUARTER = {"epochs": 10, "steps_per_epoch": 32}  # a quarter of it
+E2E = {"e2e_steps": 64, "e2e_batch_size": 4}  # end-to-end tuning after the last block (lr: RefineConfig's)
 RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False}
 
 # name -> (format, kind, method, options); kind: reference | init | refine. For refine rows `method` is the
@@ -102,6 +104,7 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-quarter-paper-lr": ("p48-nvfp4", "refine", "sgptq", {**QUARTER, "lr_budget_steps": None}),
     "refine-paper": ("p48-nvfp4", "refine", "sgptq", PAPER),
     "refine-refit-quarter": ("p48-nvfp4", "refine", "sgptq-refit", QUARTER),
+    "refine-refit-e2e": ("p48-nvfp4", "refine", "sgptq-refit", E2E),
     "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
     "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
     "s24-sgptq": ("s24-fp8", "init", "sgptq", {}),
@@ -131,6 +134,8 @@ DESCRIPTION = {
     "refine-quarter-paper-lr": "paired 4:8 NVFP4, refine at 1/4 of the paper's budget with the paper's raw lrs",
     "refine-paper": "paired 4:8 NVFP4, refine (default) at the paper's budget (10 × 128 steps)",
     "refine-refit-quarter": "paired 4:8 NVFP4, refine from SGPTQ-refit at 1/4 of the paper's budget",
+    "refine-refit-e2e": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit + end-to-end tuning of the values "
+                        "(64 steps × 4 sequences, KL to the reference's logits)",
     "release-faithful": "paired 4:8 NVFP4, release-faithful (fp32 SGPTQ scales, paper lrs, bf16 logits, last epoch, "
                         "separate gate/up globals)",
     "release-faithful-paper": "paired 4:8 NVFP4, release-faithful at the paper's budget (10 × 128 steps)",
@@ -150,6 +155,7 @@ GROUPS = {
     "paper-budget": ["refine-quarter", "refine-quarter-paper-lr", "refine-refit-quarter", "refine-paper",
                      "release-faithful-paper"],
     "fp8": ["s24-sgptq", "s24-refine"],
+    "e2e": ["refine-refit-e2e"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
 
@@ -235,11 +241,48 @@ def patterns_changed(wd: WorkDir, stage: str) -> float | None:
     from moesq_core.engine import load_block
 
     changed = total = 0
-    for f in sorted((wd.root / "stages" / stage).glob("*.safetensors")):
-        for ce in load_block(f)[0]:
+    for rec in wd.stage(stage)["blocks"].values():  # the stage's blocks (end-to-end tuning keeps the patterns)
+        for ce in load_block(wd.root / rec["file"])[0]:
             r = ce.info.get("refine", {})
             changed, total = changed + r.get("groups_changed", 0), total + r.get("groups", 0)
     return changed / total if total else None
+
+
+def command_line(args: list[str]) -> str:
+    """The invocation as recorded in the tables: an absolute scratch --workdir-root becomes its last part (the
+    committed results hold no machine paths)."""
+    out = list(args)
+    for i, a in enumerate(out[:-1]):
+        if a == "--workdir-root" and Path(out[i + 1]).is_absolute():
+            out[i + 1] = Path(out[i + 1]).name
+    return " ".join(["python", "benchmarks/accuracy_table.py", *out])
+
+
+def blockwise_ppl(wd: WorkDir, stage: str, eval_text, args, cache) -> float:
+    """Perplexity of a stage's block-wise result before its end-to-end tuning (the blocks it keeps under
+    "blockwise"), evaluated as a scratch stage `<stage>-blockwise` of the (scratch) work dir: the before/after
+    pair of one run."""
+    bw = f"{stage}-blockwise"
+    with wd.locked():
+        m = wd.load()
+        st = m["stages"][stage]
+        m["stages"][bw] = {**{k: v for k, v in st.items() if k not in ("e2e", "blockwise")}, "blocks": st["blockwise"]}
+        wd.save(m)
+    return ppl_for_targets([EvalTarget(bw, "stage", str(wd.root), bw)], eval_text, max_tokens=args.ppl_tokens,
+                           window=args.window, cache=cache)[0]["ppl"]
+
+
+def same_refine(old: dict | None, new: dict) -> bool:
+    """The same refinement protocol: equal configs, where a table written before the end-to-end options
+    existed (no e2e_* keys) counts as having them at their defaults (none), and `compile` is not compared (it
+    changes the speed on CUDA only; CPU runs are eager whatever it says)."""
+    from moesq_core.methods.refine import RefineConfig
+
+    if old is None:
+        return False
+    default = asdict(RefineConfig())
+    old = {**{k: default[k] for k in new if k.startswith("e2e_")}, **old, "compile": new.get("compile")}
+    return old == new
 
 
 def rel(path) -> str:
@@ -296,6 +339,18 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
     lines += ["", "Stage seconds: the work dir manifest's `stage_seconds` (compression incl. routing of the calibration "
               "states; for refine rows excluding the shared SGPTQ init).", ""]
     lines.append("Missing rows: " + (", ".join(missing) if missing else "none") + ".")
+    e2e = [(name, act, c) for name in meta["rows_requested"] for act, c in (rows.get(name) or {}).items()
+           if isinstance(c, dict) and c.get("e2e")]
+    if e2e:
+        lines += ["", "End-to-end tuning (rows `*-e2e`): the same run's block-wise result before it, and the KL to the "
+                  "reference on the validation sequences before / after (the shipped pass):", ""]
+        for name, act, c in e2e:
+            r = c["e2e"]
+            bw = c.get("blockwise")
+            lines.append(f"- {name} ({act}): ppl {fmt_ppl(bw)} → {fmt_ppl(c['ppl'])}"
+                         + (f" ({c['ppl'] / bw:.3f}×)" if bw else "")
+                         + f"; val KL {r['val_kl'][0]:.4f} → {r['val_kl'][r['best_pass']]:.4f} (pass {r['best_pass']} of "
+                         f"{r['passes']}, {r['steps']} steps)")
     if meta.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
@@ -368,11 +423,11 @@ def main(argv=None):
         old = json.loads(out_json.read_text()) if out_json.is_file() else {}
         same_protocol = (old.get("eval", {}).get("tokens") == args.ppl_tokens
                          and old.get("calibration", {}).get("config") == calib.to_dict()
-                         and old.get("refine") == full_refine)
+                         and same_refine(old.get("refine"), full_refine))
         rows: dict = old.get("rows", {}) if same_protocol else {}
         meta = {
             "model": model, "model_path": rel(MODELS[model]), "acts": acts,
-            "command": " ".join(["python", "benchmarks/accuracy_table.py", *(argv if argv is not None else sys.argv[1:])]),
+            "command": command_line(argv if argv is not None else sys.argv[1:]),
             "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "device": args.device,
             "eval": {"file": rel(eval_text), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},
@@ -386,7 +441,7 @@ def main(argv=None):
             if other.get("model") != model:
                 continue
             if not (other["eval"]["tokens"] == args.ppl_tokens and other["calibration"]["config"] == calib.to_dict()
-                    and other["refine"] == full_refine):
+                    and same_refine(other["refine"], full_refine)):
                 raise SystemExit(f"{src}: different protocol (eval tokens, calibration or refine config); not merged")
             for name, r in other["rows"].items():
                 if name == "reference":
@@ -433,7 +488,10 @@ def main(argv=None):
                         "init": method if kind == "refine" else None, "options": opts,
                         "patterns_changed": patterns_changed(wd, name) if kind == "refine" else None,
                         "stage_seconds": summ.get("stage_seconds"), "compress_seconds": summ.get("compress_seconds"),
+                        "e2e": st.get("e2e"),
                         "wall_seconds_this_run": round(t_stage, 1), "eval_seconds": round(time.perf_counter() - t1, 1)}
+                if st.get("e2e") and st.get("blockwise"):
+                    cell["blockwise"] = blockwise_ppl(wd, name, eval_text, args, cache)
                 rows.setdefault(row, {})[act] = cell
                 log.info("%s %s (%s): ppl %.3f (stage %s s)", model, row, act, res["ppl"], summ.get("stage_seconds"))
                 write_outputs(args.out, stem, meta, rows)

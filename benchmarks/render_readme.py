@@ -52,7 +52,10 @@ def render_run() -> str:
         if r["kind"] in labels:
             label = labels[r["kind"]]
         elif r["stage"] == "refine":
-            label = f"refine ({refine.get('epochs')} epochs × {refine.get('steps_per_epoch')} steps, init in the loop)"
+            label = f"refine ({refine.get('epochs')} epochs × {refine.get('steps_per_epoch')} steps, init in the loop"
+            if refine.get("e2e_steps"):
+                label += f"; then {refine['e2e_steps']} end-to-end steps × {refine.get('e2e_batch_size')} sequences"
+            label += ")"
         else:
             label = r["stage"].removeprefix("init-") + " (one-shot baseline)"
         rows.append([label, f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}"])

@@ -476,6 +476,9 @@ def refine(
     values_only: Annotated[bool, typer.Option(help="Ablation: keep the init's support, learn values only.")] = False,
     support_only: Annotated[bool, typer.Option(help="Ablation: learn the support only, values stay.")] = False,
     refine_seed: Annotated[Optional[int], typer.Option(min=0, help=f"Seed of the Gumbel noise and the init of A (default {_default(_REFINE, 'seed')}).")] = None,
+    e2e_steps: Annotated[Optional[int], typer.Option(min=0, help=f"Adam steps of end-to-end tuning after the last block (default {_default(_REFINE, 'e2e_steps')}: none; see End-to-end).")] = None,
+    e2e_lr: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Its learning rate (default {_default(_REFINE, 'e2e_lr')}, cosine to 0).")] = None,
+    e2e_batch_size: Annotated[Optional[int], typer.Option(min=1, help=f"Calibration sequences per end-to-end step (default {_default(_REFINE, 'e2e_batch_size')}).")] = None,
     stage: Annotated[str, typer.Option(callback=_stage_name, help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
     init: Annotated[str, typer.Option(callback=_check_method, help="One-shot init method, run per block inside refinement's block loop.")] = "sgptq",
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
@@ -497,6 +500,13 @@ def refine(
     10 for the logits, 100 for the values), so a short run travels as far as the paper's. The resulting
     schedule (epochs × steps, rows per step, effective learning rates) is printed before training, with a
     warning when no pattern can change.
+
+    [bold]End-to-end[/]: --e2e-steps N adds a step after the last block: the patterns stay, and the values of
+    every expert of every block are tuned together against the reference model's next-token distribution
+    (KL on the final logits) over the training and one-shot calibration sequences (--e2e-batch-size per
+    step); the best of
+    the validation checks (before, and after each pass) ships. It rewrites the stage's blocks in one step
+    (resumable) and holds every expert's values and Adam moments at once (16 bytes per expert weight).
 
     [bold]Several GPUs[/]: --nproc N (or `torchrun --nproc-per-node N $(which moesq) refine ...`) shards each
     block's experts over N processes. Every expert draws its own random numbers (seeded by --refine-seed, the
@@ -526,7 +536,7 @@ def refine(
     options = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows,
                    micro_batch_rows=micro_batch_rows, chunk_gb=chunk_gb, lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power,
                    train_support=False if values_only else None, train_values=False if support_only else None,
-                   seed=refine_seed)
+                   seed=refine_seed, e2e_steps=e2e_steps, e2e_lr=e2e_lr, e2e_batch_size=e2e_batch_size)
     rcfg = _as_usage_error(RefineConfig, **{k: v for k, v in options.items() if v is not None})
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,

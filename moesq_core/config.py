@@ -106,8 +106,12 @@ class MethodConfig:
 
 def refine_identity(rcfg, init: MethodConfig) -> dict:
     """The manifest identity of a refinement stage: its (in-loop) init method's normalised config and the full
-    RefineConfig."""
-    return {"method": "refine", "init": init.to_dict(), "refine": jsonable(asdict(rcfg))}
+    RefineConfig — without the end-to-end options when there is no end-to-end step (they change nothing then,
+    and stages recorded before they existed keep their identity)."""
+    refine = jsonable(asdict(rcfg))
+    if not rcfg.e2e_steps:
+        refine = {k: v for k, v in refine.items() if not k.startswith("e2e_")}
+    return {"method": "refine", "init": init.to_dict(), "refine": refine}
 
 
 @dataclass

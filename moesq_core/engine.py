@@ -119,6 +119,10 @@ class StageSpec:
     cache_limit_bytes: int = 4 << 30
     # What lowers this stage's memory (option names), for the out-of-memory message.
     memory_options: tuple[str, ...] = ("--batch-size", "--cache-gb")
+    # A step after the last block (refinement's end-to-end tuning): finalize(model, adapter, workdir, progress)
+    # runs on the main process once every block is saved, before the stage is marked done; it returns a
+    # summary and may rewrite the stage's blocks (WorkDir.replace_blocks).
+    finalize: Callable | None = None
 
 
 class StageOutOfMemoryError(RuntimeError):
@@ -314,7 +318,7 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
         return _run_stage(model, adapter, calib, spec, workdir, progress, redo_from, where)
     except torch.OutOfMemoryError as e:
         li = where["layer"]
-        at = ("while embedding the calibration set" if li is None
+        at = where.get("at") or ("while embedding the calibration set" if li is None
               else f"in block {li} (layer {li})" if where["moe"] else f"in layer {li}")
         cause = (str(e).splitlines() or [""])[0][:200]
         raise StageOutOfMemoryError(
@@ -399,8 +403,15 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     stores[s] = new
     for s in stores.values():
         s.close()
-    summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2),
-               "stage_seconds": round(time.perf_counter() - t_stage, 2), "world_size": world}
+    summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2)}
+    if spec.finalize is not None:
+        where["at"] = "in the step after the last block"
+        if is_main:
+            t0 = time.perf_counter()
+            summary["finalize"] = {**spec.finalize(model, adapter, workdir, progress),
+                                   "seconds": round(time.perf_counter() - t0, 2)}
+        distributed.barrier(f"{spec.name}: finalized")
+    summary.update(stage_seconds=round(time.perf_counter() - t_stage, 2), world_size=world)
     log.info("%s: done, %s", spec.name, summary)
     if is_main:
         workdir.finish_stage(spec.name, summary)

@@ -270,11 +270,43 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
         model, adapter, m = _load_for_stage(workdir, device)
         calib = load_calibration(workdir)
         note(progress, f"{stage} schedule: {refine_schedule(workdir, rcfg)}")
+        act_quant = m["config"]["act_quant"]
+
+        def end_to_end(model, adapter, workdir, progress):
+            return tune_end_to_end(workdir, stage, model, adapter, calib, fmt, act_quant, rcfg, progress)
         spec = StageSpec(
             name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=identity,
-            compress_split="train", val_split="val", act_quant=m["config"]["act_quant"], batch_size=batch_size,
-            cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True))
+            compress_split="train", val_split="val", act_quant=act_quant, batch_size=batch_size,
+            cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True),
+            finalize=end_to_end if rcfg.e2e_steps > 0 else None)
         return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+
+
+def tune_end_to_end(workdir: WorkDir, stage: str, model, adapter, calib: dict[str, torch.Tensor], fmt,
+                    act_quant: bool, rcfg, progress=None) -> dict:
+    """Refinement's end-to-end step (RefineConfig.e2e_steps) on a stage whose blocks are all saved: tunes the
+    values of every block's experts together (methods/refine/e2e.py) on the training and one-shot splits,
+    validating on the validation split, then writes the tuned blocks next to the block-wise ones and switches
+    the stage to them in one manifest write (an interrupted run leaves the block-wise stage as it was and
+    tunes again on resume). Done once: a stage that records it returns its record."""
+    from .engine import load_block, save_block
+    from .methods.refine.e2e import EndToEndTuner
+
+    st = workdir.stage(stage)
+    if "e2e" in st:
+        return st["e2e"]
+    device = next(model.parameters()).device
+    blocks = {b.layer_index: (b, *load_block(workdir.verified_block(stage, b.layer_index)))
+              for b in adapter.blocks(model)}
+    train = torch.cat([calib["train"], calib["init"]])
+    result = EndToEndTuner(model, blocks, fmt, act_quant, rcfg, device).run(train, calib["val"], progress)
+    paths = {}
+    if result.summary["best_pass"] > 0:
+        for li, (_, _, amax_in, amax_mid) in blocks.items():
+            paths[li] = workdir.stage_dir(stage) / f"block_{li:03d}.e2e.safetensors"
+            save_block(paths[li], result.blocks[li], amax_in, amax_mid)
+    workdir.replace_blocks(stage, paths, result.summary)
+    return result.summary
 
 
 # -- what the stage commands run ------------------------------------------------------------------------------

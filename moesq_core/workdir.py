@@ -410,12 +410,33 @@ class WorkDir:
             )
         return path
 
+    def replace_blocks(self, stage: str, paths: dict[int, Path], record: dict) -> None:
+        """Make `paths` (layer -> artifact, already written) a stage's blocks in one manifest write, keeping
+        the blocks they replace under "blockwise" (end-to-end tuning rewrites every block of a stage after its
+        block loop; a later --redo-from needs the block-wise prefix back). `record` goes to the stage's "e2e"."""
+        m = self.load()
+        st = m["stages"][stage]
+        new = {str(li): {**st["blocks"][str(li)], "file": str(p.relative_to(self.root)), "sha256": sha256_file(p)}
+               for li, p in paths.items()}
+        st["blockwise"] = dict(st["blocks"])
+        st["blocks"] = {**st["blocks"], **new}
+        st["e2e"] = record
+        self.save(m)
+
     def drop_blocks_from(self, stage: str, block: int) -> None:
-        """Forget blocks >= block of a stage (their files are removed) so they are recomputed."""
+        """Forget blocks >= block of a stage (their files are removed) so they are recomputed. A stage whose
+        blocks end-to-end tuning rewrote gets its block-wise blocks back first (the tuned files are removed)."""
         m = self.load()
         st = m["stages"].get(stage)
         if st is None:
             return
+        if "e2e" in st:
+            kept = st.pop("blockwise", st["blocks"])
+            for k, rec in st["blocks"].items():
+                if rec["file"] != kept.get(k, {}).get("file"):
+                    (self.root / rec["file"]).unlink(missing_ok=True)
+            st["blocks"] = kept
+            del st["e2e"]
         for k in [k for k in st["blocks"] if int(k) >= block]:
             p = self.root / st["blocks"].pop(k)["file"]
             p.unlink(missing_ok=True)

@@ -63,15 +63,22 @@ class MoesqExperts(nn.Module):
             return None
         return g
 
+    ste = False  # straight-through activation quantizers (TunableExperts trains through them)
+
+    def expert_linears(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) weights."""
+        return self.gate_up_proj[e], self.down_proj[e]
+
     def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate_up, down = self.expert_linears(e)
         x = x.float()
         if self.act_quant:
-            x = self.fmt.quant_act(x, self._global(self.act_global_in[e]))
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            x = self.fmt.quant_act(x, self._global(self.act_global_in[e]), ste=self.ste)
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         h = F.silu(gate) * up
         if self.act_quant:
-            h = self.fmt.quant_act(h, self._global(self.act_global_mid[e]))
-        return F.linear(h, self.down_proj[e])
+            h = self.fmt.quant_act(h, self._global(self.act_global_mid[e]), ste=self.ste)
+        return F.linear(h, down)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)

@@ -91,6 +91,14 @@ class RefineConfig:
     one, or the init, validated better), shared_gate_up_global False (gate and up train with their own
     global scales; export then quantizes each with its own and re-quantizes both under one shared scale, as
     the release's serving merge does).
+
+    End-to-end tuning (`e2e_steps` > 0, see e2e.py): after the last block, the patterns stay fixed and the
+    values of every expert of every block are tuned together (Adam at `e2e_lr`, cosine to 0, batches of
+    `e2e_batch_size` calibration sequences) to match the reference model's next-token distribution, KL on
+    the final logits, over every calibration sequence but the validation ones (refinement's and the
+    one-shot methods' splits). It validates before and after each pass over them and ships the best (the
+    block-wise result unchanged when nothing validates better). It holds the whole model's expert latents and
+    Adam moments (16 bytes per expert weight) at once.
     """
 
     epochs: int = 10
@@ -126,6 +134,9 @@ class RefineConfig:
     compile: bool | str = "auto"  # torch.compile the relaxation/quantization and the micro-batch forward+loss; auto = on CUDA
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
     chunk_gb: float | None = None  # memory for one chunk of a block's experts (None: 85 % of the free GPU memory; no chunking on CPU)
+    e2e_steps: int = 0  # end-to-end tuning after the last block (0: none); see e2e.py
+    e2e_lr: float = 1e-3  # its Adam learning rate (cosine to 0)
+    e2e_batch_size: int = 8  # calibration sequences per end-to-end step
 
     def __post_init__(self):
         if self.epochs < 0:
@@ -162,6 +173,10 @@ class RefineConfig:
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}{' or auto' if name == 'compute_dtype' else ''}, got {v!r}")
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"compile must be true, false or auto (on CUDA only), got {self.compile!r}")
+        if self.e2e_steps < 0 or self.e2e_batch_size < 1:
+            raise ValueError(f"e2e_steps must be >= 0 and e2e_batch_size >= 1, got {self.e2e_steps} and {self.e2e_batch_size}")
+        if not self.e2e_lr > 0:
+            raise ValueError(f"e2e_lr must be positive, got {self.e2e_lr}")
         if self.ship not in SHIP:
             raise ValueError(f"ship must be one of {SHIP}, got {self.ship!r}")
         if self.chunk_gb is not None and not self.chunk_gb > 0:

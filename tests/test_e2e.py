@@ -1,0 +1,154 @@
+"""Refinement's end-to-end step (RefineConfig.e2e_steps): the tunable experts compute what the exported
+weights serve, the step lowers the validation KL against the reference model, and the stage it rewrites is
+resumable: an interrupted run, and a --redo-from after it, end with the same bytes as one uninterrupted run."""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from moesq_core.formats import get_format
+from moesq_core.methods.base import PROJECTIONS
+from moesq_core.methods.refine import RefineConfig
+from moesq_core.methods.refine.e2e import EndToEndTuner, TunableExperts
+from moesq_core.runtime.experts import MoesqExperts
+
+from conftest import CALIB
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+RUN = {"calib_source": str(CALIB), "seq_len": 32, "n_train": 4, "n_val": 2, "n_init": 4}
+RCFG = RefineConfig(epochs=1, steps_per_epoch=2, e2e_steps=6, e2e_lr=3e-3, e2e_batch_size=4)
+
+
+def _random_block(fmt, E=3, I=64, H=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(E):
+        w = {p: torch.randn(*s, generator=g) * 0.05 for p, s in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
+        gs = fmt.global_scale(w["gate"], w["up"])
+        out.append({p: fmt.quantize(w[p], None, gs if p != "down" else None) for p in PROJECTIONS})
+    return out
+
+
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_tunable_experts_compute_what_the_export_serves(act_quant):
+    fmt = get_format("p48-nvfp4")
+    weights = _random_block(fmt)
+    amax_in, amax_mid = torch.tensor([3.0, 2.5, 4.0]), torch.tensor([1.0, 0.5, 2.0])
+    m = TunableExperts(fmt, weights, act_quant, amax_in, amax_mid)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 96, generator=g)
+    idx = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(40)])
+    wts = torch.rand(40, 2, generator=g)
+    # the values move (as tuning moves them); the masks stay
+    with torch.no_grad():
+        for p in PROJECTIONS:
+            m.V[p].add_(torch.randn(m.V[p].shape, generator=g) * 0.01)
+    y = m(x, idx, wts)
+    y.square().sum().backward()
+    assert all(m.V[p].grad is not None and m.V[p].grad.abs().sum() > 0 for p in PROJECTIONS)
+    exported = m.export([{} for _ in weights])
+    for ce, w in zip(exported, weights):
+        for p in PROJECTIONS:
+            assert torch.equal(ce.weights()[p].mask, w[p].mask)  # the pattern is fixed
+            assert torch.equal(ce.weights()[p].global_scale, w[p].global_scale)
+    served = MoesqExperts.from_quantized(fmt, [ce.weights() for ce in exported], act_quant, amax_in, amax_mid)
+    torch.testing.assert_close(served(x, idx, wts), y.detach(), rtol=0, atol=1e-6)
+
+
+def _artifacts(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted((root / "stages").rglob("*.safetensors"))}
+
+
+def _refine(wd, micro_path, **kw):
+    from moesq_core.pipeline import run_refine
+
+    return run_refine(wd, RCFG, micro_path, RUN, device="cpu", batch_size=4, **kw)
+
+
+@pytest.fixture(scope="module")
+def tuned(micro_path, tmp_path_factory):
+    """A work dir whose refine stage ran with the end-to-end step, uninterrupted."""
+    wd = tmp_path_factory.mktemp("e2e") / "wd"
+    _refine(wd, micro_path)
+    return wd
+
+
+def test_end_to_end_lowers_the_validation_kl(tuned):
+    from moesq_core.workdir import WorkDir
+
+    st = WorkDir(tuned).stage("refine")
+    rec = st["e2e"]
+    assert st["done"] and rec["steps"] == RCFG.e2e_steps
+    assert rec["best_pass"] > 0 and min(rec["val_kl"][1:]) < rec["val_kl"][0]
+    assert rec["val_kl"][rec["best_pass"]] == min(rec["val_kl"])
+    # the stage's blocks are the tuned ones; the block-wise ones are kept for --redo-from
+    assert all(b["file"].endswith(".e2e.safetensors") for b in st["blocks"].values())
+    assert all(not b["file"].endswith(".e2e.safetensors") for b in st["blockwise"].values())
+    # the patterns stay the block-wise result's
+    from moesq_core.engine import load_block
+
+    for li, rec in st["blocks"].items():
+        tuned_experts = load_block(tuned / rec["file"])[0]
+        blockwise = load_block(tuned / st["blockwise"][li]["file"])[0]
+        for a, b in zip(tuned_experts, blockwise):
+            for p in PROJECTIONS:
+                assert torch.equal(a.weights()[p].mask, b.weights()[p].mask)
+        assert any(not torch.equal(a.weights()[p].codes, b.weights()[p].codes)
+                   for a, b in zip(tuned_experts, blockwise) for p in PROJECTIONS)
+
+
+def test_interrupted_end_to_end_resumes_to_the_same_bytes_and_redo_from_restores_the_prefix(
+        tuned, micro_path, tmp_path, monkeypatch):
+    from moesq_core.workdir import WorkDir
+
+    wd = tmp_path / "wd"
+
+    def interrupted(self, *a, **k):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as mp:
+        mp.setattr(EndToEndTuner, "_train", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            _refine(wd, micro_path)
+    st = WorkDir(wd).stage("refine")
+    assert not st["done"] and "e2e" not in st and len(st["blocks"]) == 4  # the block-wise stage as it was
+    assert not any(p.name.endswith(".e2e.safetensors") for p in (wd / "stages").rglob("*"))
+    summary = _refine(wd, micro_path)
+    assert summary["computed_now"] == 0  # the blocks were loaded, only the end-to-end step ran again
+    assert _artifacts(wd) == _artifacts(tuned)
+    assert WorkDir(wd).stage("refine")["blocks"] == WorkDir(tuned).stage("refine")["blocks"]
+
+    # --redo-from on a tuned stage: the block-wise prefix comes back, the rest and the end-to-end step rerun
+    summary = _refine(wd, micro_path, redo_from=3)
+    assert summary["computed_now"] == 1
+    assert _artifacts(wd) == _artifacts(tuned)
+    assert WorkDir(wd).stage("refine")["blocks"] == WorkDir(tuned).stage("refine")["blocks"]
+
+
+def test_bad_end_to_end_options_are_refused():
+    for kw, name in (({"e2e_steps": -1}, "e2e_steps"), ({"e2e_lr": 0.0}, "e2e_lr"), ({"e2e_batch_size": 0}, "e2e_batch_size")):
+        with pytest.raises(ValueError, match=name):
+            RefineConfig(**kw)
+
+
+def test_e2e_recipe_is_micro_quick_with_the_end_to_end_step():
+    from moesq_core import CompressConfig
+
+    recipes = Path(__file__).resolve().parents[1] / "recipes"
+    quick = CompressConfig.from_file(recipes / "micro-quick.yaml").to_dict()
+    e2e = CompressConfig.from_file(recipes / "micro-quick-e2e.yaml").to_dict()
+    assert e2e["refine"]["e2e_steps"] > 0
+    assert {k: v for k, v in e2e.items() if k != "refine"} == {k: v for k, v in quick.items() if k != "refine"}
+
+
+def test_stage_identity_without_the_end_to_end_step_is_unchanged():
+    from moesq_core.config import MethodConfig, refine_identity
+
+    plain = refine_identity(RefineConfig(e2e_lr=5e-4), MethodConfig("rtn"))["refine"]
+    assert not any(k.startswith("e2e_") for k in plain)  # a stage recorded before the e2e options matches
+    assert refine_identity(RCFG, MethodConfig("rtn"))["refine"]["e2e_steps"] == RCFG.e2e_steps
