@@ -106,17 +106,36 @@ def render_budget_embedded() -> str:
 BUDGET_TINY = [
     ("sgptq", "SGPTQ"), ("sgptq-refit", "SGPTQ-refit"), ("refine-paper-lr", "refine, the paper's rates as given"),
     ("refine", "refine from SGPTQ, budget rule"), ("refine-refit", "**refine from SGPTQ-refit (default)**"),
+    ("refine-refit-e2e", "refine from SGPTQ-refit + end-to-end step (`--e2e-steps 64 --e2e-batch-size 4`)"),
+]
+BUDGET_MICRO = [
+    ("sgptq-refit", "SGPTQ-refit (the default SGPTQ)"),
+    ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
+    ("refine-refit-e2e", "refine from SGPTQ-refit + end-to-end step (`--e2e-steps 64 --e2e-batch-size 4`)"),
 ]
 
 
-def render_budget_tiny() -> str:
-    f = "accuracy_tiny_budget.json"
+def _render_budget(f: str, spec: list[tuple[str, str]]) -> str:
+    """Rows of a budget table; an end-to-end row also shows its block-wise result from the same run."""
     d = load(f)
     ref = d["rows"]["reference"]["ppl"]
-    rows = [[label, f"{_acc_row(d, row)['ppl']:.2f}", f"{_acc_row(d, row)['ppl'] / ref:.3f}",
-             pct(_acc_row(d, row).get("patterns_changed"))] for row, label in BUDGET_TINY]
+    rows = []
+    for row, label in spec:
+        r = _acc_row(d, row)
+        rows.append([label, f"{r['ppl']:.2f}", f"{r['ppl'] / ref:.3f}", pct(r.get("patterns_changed"))])
+        if "blockwise" in r:
+            rows.append(["&nbsp;&nbsp;the same run before its end-to-end step", f"{r['blockwise']:.2f}",
+                         f"{r['blockwise'] / ref:.3f}", ""])
     return table(["configuration", "perplexity", "× reference", "patterns changed"], rows) + (
         f"\n\nReference {ref:.2f}. From {link(f.replace('.json', '.md'))}.")
+
+
+def render_budget_tiny() -> str:
+    return _render_budget("accuracy_tiny_budget.json", BUDGET_TINY)
+
+
+def render_budget_micro() -> str:
+    return _render_budget("accuracy_micro_budget.json", BUDGET_MICRO)
 
 
 METHODS = [
@@ -234,7 +253,7 @@ def render_workdir() -> str:
 
 
 TABLES = {"run": render_run, "workdir": render_workdir, "accuracy-budget-embedded": render_budget_embedded,
-          "accuracy-budget-tiny": render_budget_tiny, "accuracy-methods": render_methods,
+          "accuracy-budget-tiny": render_budget_tiny, "accuracy-budget-micro": render_budget_micro, "accuracy-methods": render_methods,
           "decode": render_decode, "kernels": render_kernels, "compression": render_compression}
 
 
