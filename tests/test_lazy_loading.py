@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from moesq_core import pipeline
+from moesq_core.bench.synthetic_model import qwen3_moe_config, write_random_qwen3_moe
 from moesq_core.calibration import CalibConfig
 from moesq_core.models import load_model
 from moesq_core.models.lazy import LazyExperts, ReleasedExperts
@@ -156,51 +157,10 @@ def test_lazy_loading_refuses_a_checkpoint_with_missing_experts(micro_path, tmp_
 
 # -- host memory bound ----------------------------------------------------------------------------------------
 def write_synthetic_qwen3_moe(out: Path, layers: int, hidden: int, experts: int, inter: int, seed: int = 0) -> int:
-    """A random Qwen3-MoE checkpoint with per-expert tensors (as released Qwen checkpoints store them), one
-    shard per decoder layer, written shard by shard so the whole model is never in memory. Returns its
-    weight bytes. The tokenizer is the embedded micro model's."""
-    out.mkdir(parents=True)
-    cfg = json.loads((MICRO / "config.json").read_text())
-    heads, head_dim, vocab = 1, 32, cfg["vocab_size"]
-    cfg.update(hidden_size=hidden, num_hidden_layers=layers, num_local_experts=experts, num_experts=experts,
-               moe_intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=1, head_dim=head_dim,
-               intermediate_size=inter)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy2(MICRO / f, out / f)
-    g = torch.Generator().manual_seed(seed)
-
-    def rnd(*shape, std=0.05):
-        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
-
-    total, weight_map = 0, {}
-    shards = layers + 1
-    for i in range(shards):
-        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-        if i == layers:
-            sd = {"model.embed_tokens.weight": rnd(vocab, hidden), "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
-        else:
-            p = f"model.layers.{i}."
-            sd = {p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-                  p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
-                  p + "self_attn.q_proj.weight": rnd(heads * head_dim, hidden),
-                  p + "self_attn.k_proj.weight": rnd(head_dim, hidden),
-                  p + "self_attn.v_proj.weight": rnd(head_dim, hidden),
-                  p + "self_attn.o_proj.weight": rnd(hidden, heads * head_dim),
-                  p + "self_attn.q_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
-                  p + "self_attn.k_norm.weight": torch.ones(head_dim, dtype=torch.bfloat16),
-                  p + "mlp.gate.weight": rnd(experts, hidden, std=0.5)}
-            for e in range(experts):
-                q = f"{p}mlp.experts.{e}."
-                sd.update({q + "gate_proj.weight": rnd(inter, hidden), q + "up_proj.weight": rnd(inter, hidden),
-                           q + "down_proj.weight": rnd(hidden, inter)})
-        save_file(sd, str(out / name), metadata={"format": "pt"})
-        for k, t in sd.items():
-            weight_map[k] = name
-            total += t.numel() * t.element_size()
-        del sd
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    return total
+    """A random Qwen3-MoE checkpoint with per-expert tensors, one shard per decoder layer, never whole in memory."""
+    cfg = qwen3_moe_config(hidden_size=hidden, num_hidden_layers=layers, num_experts=experts, moe_intermediate_size=inter,
+                           intermediate_size=inter, num_attention_heads=1, num_key_value_heads=1, head_dim=32)
+    return write_random_qwen3_moe(out, cfg, seed=seed)
 
 
 # Runs in a fresh process: the baseline is taken after the imports (torch and transformers alone take a few

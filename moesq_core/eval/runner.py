@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..workdir import WorkDir, sha256_file, write_json_atomic
+from ..workdir import WorkDir, sha256_file, weight_files_sha256, write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def target_identity(t: EvalTarget) -> str:
     if t.kind == "stage":
         ident += json.dumps(WorkDir(t.path).stage(t.stage)["blocks"], sort_keys=True)
     elif t.kind == "packed":
-        ident += "".join(sha256_file(f) for f in sorted(Path(t.path).glob("*.safetensors")))
+        ident += "".join(weight_files_sha256(sorted(Path(t.path).glob("*.safetensors"))))
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
