@@ -147,7 +147,7 @@ def test_compressed_prefix_is_seen_by_later_blocks(micro, tmp_path):
     dense_store = StateStore(1 << 30, None)
     for h in store:
         dense_store.append(layer0(h, **kw[h.shape[0]]))
-    xs, _ = gather_experts(adapter.blocks(model)[1], dense_store, kw)
+    xs, _, _ = gather_experts(adapter.blocks(model)[1], dense_store, kw)
     dense_amax = torch.stack([torch.cat(x).abs().amax() for x in xs])
     assert not torch.allclose(dense_amax, amax_in)
 

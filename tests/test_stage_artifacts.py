@@ -36,7 +36,7 @@ def block0_experts(micro_calibrated):
     for split in ("train", "val"):
         stores[split] = StateStore(1 << 30, None)
         kw.update(capture_layer_inputs(model, calib[split], 4, stores[split]))
-    (xs, ws), (xv, wv) = (gather_experts(block, stores[s], kw) for s in ("train", "val"))
+    (xs, ws, _), (xv, wv, _) = (gather_experts(block, stores[s], kw) for s in ("train", "val"))
     H = block.dense_experts.gate_up_proj.shape[-1]
     cat = lambda parts, width: torch.cat(parts) if parts else torch.zeros(0, width)  # noqa: E731
     experts = []
@@ -158,3 +158,36 @@ def test_older_layout_is_recomputed_never_misread(micro_calibrated, tmp_path):
     assert run_stage(model, adapter, calib, _rtn_spec("p48-nvfp4"), old)["computed_now"] == 4
     assert _checksums(old, "init-rtn") == _checksums(fresh, "init-rtn")
     assert old.stage("init-rtn")["layout"] == LAYOUT
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_block_work_on_the_gpu_gives_the_cpu_bytes(block0_experts, fmt_name, tmp_path):
+    """The engine packs blocks, computes activation ranges and dequantizes installed experts where the model
+    is: on a GPU the artifact's bytes and the installed weights must equal the CPU's."""
+    from moesq_core.engine import expert_activation_amax
+    from moesq_core.runtime.experts import MoesqExperts
+
+    fmt = get_format(fmt_name)
+    results = _method("sgptq").compress_block(block0_experts, fmt)
+    amax_in, amax_mid = torch.rand(len(results)), torch.rand(len(results))
+    save_block(tmp_path / "cpu.safetensors", results, amax_in, amax_mid)
+    save_block(tmp_path / "gpu.safetensors", results, amax_in, amax_mid, device="cuda")
+    assert (tmp_path / "gpu.safetensors").read_bytes() == (tmp_path / "cpu.safetensors").read_bytes()
+    ref = MoesqExperts.from_quantized(fmt, [r.weights() for r in results], True, amax_in, amax_mid)
+    gpu = MoesqExperts.from_quantized(fmt, [{p: w.to("cuda") for p, w in r.weights().items()} for r in results],
+                                      True, amax_in, amax_mid)
+    assert torch.equal(gpu.gate_up_proj.cpu(), ref.gate_up_proj) and torch.equal(gpu.down_proj.cpu(), ref.down_proj)
+    for r, ex in zip(results, block0_experts):
+        if len(ex.x) == 0:
+            continue
+        cpu_in, cpu_mid = expert_activation_amax(fmt, r, ex.x, True)
+        gpu_in, gpu_mid = expert_activation_amax(fmt, _on_device(r, "cuda"), ex.x.cuda(), True)
+        assert gpu_in == cpu_in
+        assert gpu_mid == pytest.approx(float(cpu_mid), rel=1e-5)  # a matmul: accumulation order may differ
+
+
+def _on_device(r, device):
+    from moesq_core.methods.base import CompressedExpert
+
+    return CompressedExpert(*(qw.to(device) for qw in (r.gate, r.up, r.down)), info=r.info)
