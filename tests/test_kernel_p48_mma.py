@@ -286,6 +286,9 @@ def test_bench_targets_and_table_include_the_native_kernel():
     assert "| p48_mma_w4a16 TB/s | p48_mma_w4a16 vs fp8 |" in md
     assert "| Qwen3-30B-A3B gate/up | 128 | 16 | – | 150.0 | 60.0 | 2.4 | 2.5 |" in md
     assert "p48_mma_w4a16 N_le_16_TBps: min=2.4, max=2.7, target=2.5, met=False" in md
+    fused = {**result, "methods": {**result["methods"], "p48_mma_w4a4_fused": ""}}
+    assert "| p48_mma_w4a4_fused TB/s | p48_mma_w4a4_fused vs fp8 |" in pb.markdown(fused)
+    assert "p48_mma_w4a4_fused" in pb.MMA_METHODS and "p48_mma_w4a4" in pb.MMA_METHODS  # the pre-pass path stays
 
 
 # ------------------------------------------------------------------------------------------ moesq verify --kernel
