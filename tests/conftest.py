@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -248,3 +250,28 @@ class P48GroupedCase:
                 assert err < tol, f"expert {e}: relative error {err}"
             if poisoned:
                 assert torch.isnan(got[e, n:]).all(), f"expert {e}: rows past the count were written"
+
+
+def run_triton_interpreted(script: str) -> str:
+    """Run a Python script with TRITON_INTERPRET=1 (Triton kernels on the CPU) in a fresh process at the repo
+    root, with tests/ importable; returns its stdout (the test fails with the tail of stderr)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def assert_experts_module_rejects_bad_inputs(from_packed, packed, *args) -> None:
+    """An experts module built by from_packed(packed, *args) (hidden size 64) refuses hidden states of the wrong
+    width and routes of mismatched shapes; from_packed refuses an expert without its down projection."""
+    mod = from_packed(packed, *args)
+    with pytest.raises(ValueError, match="hidden_states"):
+        mod(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
+    with pytest.raises(ValueError, match="top_k_index"):
+        mod(torch.randn(4, 64), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 3))
+    bad = [dict(t) for t in packed]
+    bad[1] = {"gate": bad[1]["gate"], "up": bad[1]["up"]}
+    with pytest.raises(ValueError, match="missing projection"):
+        from_packed(bad, *args)

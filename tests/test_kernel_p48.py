@@ -3,18 +3,14 @@ expansion (run through a small PTX interpreter on the CPU), the plain-Triton ker
 interpreter, and the GPU kernel vs the CPU reference on awkward sizes with poisoned outputs."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import P48GroupedCase
+from conftest import P48GroupedCase, run_triton_interpreted
 from moesq_core.formats import get_format
 from moesq_core.formats.quantizers import NVFP4ActQuantizer
 from moesq_core.kernels import p48_reference as ref
@@ -22,7 +18,6 @@ from moesq_core.kernels import p48_triton as pt
 from moesq_core.packing import pack, unpack
 
 FMT = get_format("p48-nvfp4")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def packed_weight(out: int, inn: int, seed: int, scale: float = 0.05, global_scale=None) -> dict[str, torch.Tensor]:
@@ -249,12 +244,7 @@ print("WORST", worst)
 
 @pytest.mark.slow
 def test_plain_triton_kernel_under_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    res = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    worst = float(res.stdout.split("WORST")[1])
+    worst = float(run_triton_interpreted(_INTERP_SCRIPT).split("WORST")[1])
     assert worst < 1e-6
 
 

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from conftest import P48GroupedCase
 from moesq_core.bench.p48_bench import random_p48_tensors
 from moesq_core.kernels import p48_mma as pm
-from moesq_core.kernels import p48_reference as ref
 from moesq_core.kernels import p48_sparse24 as ps
 
 

@@ -3,15 +3,13 @@ micro model with the same dequantized weights (CPU), the fast path under the Tri
 the fast path in the micro model (logits, CUDA-graph replay)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_graph_replays, rel, routing
+from conftest import (assert_experts_module_rejects_bad_inputs, assert_graph_replays, rel, routing,
+                      run_triton_interpreted)
 from moesq_core.formats import get_format
 from moesq_core.packing import pack, unpack
 from moesq_core.runtime.experts import MoesqExperts
@@ -83,15 +81,7 @@ def test_reference_path_matches_moesq_experts(act_quant):
 
 def test_rejects_bad_inputs():
     packed, _, _ = random_experts(E=3)
-    mod = P48HopperExperts.from_packed(packed, False, "cpu")
-    with pytest.raises(ValueError, match="hidden_states"):
-        mod(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
-    with pytest.raises(ValueError, match="top_k_index"):
-        mod(torch.randn(4, 64), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 3))
-    bad = [dict(t) for t in packed]
-    bad[1] = {"gate": bad[1]["gate"], "up": bad[1]["up"]}
-    with pytest.raises(ValueError, match="missing projection"):
-        P48HopperExperts.from_packed(bad, False, "cpu")
+    assert_experts_module_rejects_bad_inputs(P48HopperExperts.from_packed, packed, False, "cpu")
 
 
 def _load_micro(device="cpu", dtype=torch.float32):
@@ -165,11 +155,7 @@ print("WORST", worst)
 
 @pytest.mark.slow
 def test_fast_path_under_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
-    res = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
+    run_triton_interpreted(_INTERP_SCRIPT)
 
 
 # ------------------------------------------------------------------------------------------ GPU

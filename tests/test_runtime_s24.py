@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_graph_replays, rel, routing
+from conftest import assert_experts_module_rejects_bad_inputs, assert_graph_replays, rel, routing
 from moesq_core.formats import get_format
 from moesq_core.packing import pack, unpack
 from moesq_core.runtime import s24_hopper
@@ -113,15 +113,7 @@ def test_rejects_bad_inputs():
     packed, _ = random_experts(E=3)
     with pytest.raises(ValueError, match="W8A8"):
         S24HopperExperts.from_packed(packed, False, "cpu")
-    mod = S24HopperExperts.from_packed(packed, True, "cpu")
-    with pytest.raises(ValueError, match="hidden_states"):
-        mod(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
-    with pytest.raises(ValueError, match="top_k_index"):
-        mod(torch.randn(4, 64), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 3))
-    bad = [dict(t) for t in packed]
-    bad[1] = {"gate": bad[1]["gate"], "up": bad[1]["up"]}
-    with pytest.raises(ValueError, match="missing projection"):
-        S24HopperExperts.from_packed(bad, True, "cpu")
+    assert_experts_module_rejects_bad_inputs(S24HopperExperts.from_packed, packed, True, "cpu")
     bad = [{p: dict(d) for p, d in t.items()} for t in packed]
     del bad[2]["down"]["weight_scale"]
     with pytest.raises(ValueError, match="weight_scale"):
