@@ -172,6 +172,7 @@ __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long
                                         float g) {
   constexpr int kMaxRound = QUANT && V::NB > 16 ? 4 : 8;  // the 64-token variant spills with 8 under QUANT
   constexpr int kRound = V::kXIters < kMaxRound ? V::kXIters : kMaxRound;
+  static_assert(V::kXIters % kRound == 0, "staging rounds must cover the chunk exactly");
   const int groups = kw / 8;
 #pragma unroll
   for (int j0 = 0; j0 < V::kXIters; j0 += kRound) {
