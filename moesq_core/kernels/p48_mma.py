@@ -268,8 +268,19 @@ def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor
     if x.shape[-1] != w.in_features or out.shape != (x.shape[0], w.out_features):
         raise ValueError(f"x {tuple(x.shape)} / out {tuple(out.shape)} do not fit weights "
                          f"[{w.out_features}, {w.in_features}]")
-    if act_global is not None:
-        act_global = act_global.float().contiguous()
-    mod.p48_gemm(config.variant, w.records, x, row_start, counts, (alpha.float() * ALPHA_FOLD).contiguous(), out,
-                 w.out_features, w.in_features, config.split, act_global)
+    args = (config.variant, w.records, x, row_start, counts, (alpha.float() * ALPHA_FOLD).contiguous(), out,
+            w.out_features, w.in_features, config.split)
+    if act_global is None:  # W4A16 (or a pre-quantized x): the call every build of the module takes
+        mod.p48_gemm(*args)
+    else:
+        if not quantizes_activations(mod):
+            raise RuntimeError("this build of the native module cannot quantize activations in the p48 kernel: "
+                               "rebuild it (python -m moesq_core.kernels.native_build) or quantize x first")
+        mod.p48_gemm(*args, act_global.float().contiguous())
     return out
+
+
+def quantizes_activations(native) -> bool:
+    """Whether the native module's p48 kernel takes `act_global` (W4A4 quantization in the kernel); a module
+    built from older sources (e.g. $MOESQ_NATIVE_EXT) does not."""
+    return "act_global" in (getattr(getattr(native, "p48_gemm", None), "__doc__", None) or "")

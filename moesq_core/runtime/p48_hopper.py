@@ -153,7 +153,7 @@ class P48HopperExperts(nn.Module):
         g_in = self.g_in
         # bf16 rows quantized by the GEMM give exactly the operands of the pre-pass (p48_mma.p48_mma_gemm_rows)
         in_kernel = (aq and not quant_in and self.quant_in_kernel and self.kernel == "sparse-mma"
-                     and xs.dtype == torch.bfloat16)
+                     and xs.dtype == torch.bfloat16 and pm.quantizes_activations(self._native))
         if aq and not quant_in:
             g_in = pt.dynamic_group_global(xs, row_expert, self.g_in)
             if not in_kernel:
