@@ -632,7 +632,10 @@ def _known_ppl(workdir: Path, stage: str) -> dict | None:
 @_guard
 def verify(
     path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack`.")],
-    kernel: Annotated[bool, typer.Option(help="Also run every packed s24-fp8 expert through the Hopper kernel.")] = False,
+    kernel: Annotated[bool, typer.Option(help="Also run every packed expert through its GPU kernel against the CPU "
+                                              "reference: s24-fp8 (CUTLASS sparse FP8, Hopper) and p48-nvfp4 (the "
+                                              "sparse-tensor-core kernel on Hopper, else Triton; W4A16, and W4A4 "
+                                              "when the dir has input global scales). Needs a CUDA GPU.")] = False,
     show: Annotated[int, typer.Option(help="Rows of the per-tensor table to print (0 = all).")] = 12,
     checksums_only: Annotated[bool, typer.Option(help="Only check the files against moesq_pack.json (fast).")] = False,
     json_out: JsonOpt = None,
@@ -677,11 +680,14 @@ def verify(
             from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
         except ImportError as e:
             _fail(f"the native kernel check is not available in this build ({e})")
-        results = kernel_check_packed_dir(path)
+        info: dict = {}
+        with RichProgress(quiet) as p:
+            results = kernel_check_packed_dir(path, progress=p, info=info)
         bad = [r for r in results if not r[2]]
         doc["kernel"] = [{"expert": r[0], "max_abs_err": r[1], "ok": bool(r[2])} for r in results]
         doc["ok"] = not bad
-        console.print(f"kernel check: {len(results) - len(bad)}/{len(results)} experts match the reference")
+        how = f" (p48-nvfp4 on the {info['p48_kernel']} kernel)" if "p48_kernel" in info else ""
+        console.print(f"kernel check{how}: {len(results) - len(bad)}/{len(results)} expert linears match the reference")
         if bad:
             _write_json(json_out, doc)
             _fail(f"kernel mismatch on {bad[0][0]} (max abs err {bad[0][1]:.3g})")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,136 @@ def packs(stages, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("packs")
     return {fmt: (wd, root / fmt, export_packed(wd, "init-rtn", root / fmt)) for fmt, wd in stages.items()}
+
+
+# -- helpers shared by the kernel and runtime tests ---------------------------------------------------------------
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative Frobenius error of a against b."""
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def routing(T: int, E: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random top-k routes (k distinct experts per token) and softmax weights."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.softmax(torch.randn(T, k, generator=g), -1)
+    return idx, w
+
+
+def assert_graph_replays(fast, ref, xs, routes, tol: float, eager_tol: float = 0.0) -> torch.Tensor:
+    """Capture one forward of the experts module `fast` in a CUDA graph (warmed up on a side stream first, so
+    kernels compile outside the capture), then for each x and (top_k_index, top_k_weights) write them into
+    the captured buffers and replay: every replay must match an eager call on the same buffers (bit for bit,
+    or within eager_tol relative error) and the CPU module `ref` on the bf16-rounded inputs within tol.
+    Returns the last replay's output (float32, CPU)."""
+    x_buf = xs[0].to(torch.bfloat16).cuda()
+    idx_buf, w_buf = routes[0][0].cuda(), routes[0][1].cuda()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fast(x_buf, idx_buf, w_buf)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_buf = fast(x_buf, idx_buf, w_buf)
+    got = None
+    for x, (idx, w) in zip(xs, routes):
+        x_buf.copy_(x.to(torch.bfloat16))
+        idx_buf.copy_(idx)
+        w_buf.copy_(w)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = ref(x.to(torch.bfloat16).float(), idx, w)
+        eager = fast(x_buf, idx_buf, w_buf).float().cpu()
+        got = out_buf.float().cpu()
+        assert torch.equal(got, eager) or rel(got, eager) <= eager_tol, rel(got, eager)
+        assert rel(got, want) < tol, rel(got, want)
+    return got
+
+
+class P48GroupedCase:
+    """One capacity-batched p48-nvfp4 grouped GEMM on the GPU against p48_reference: E experts' release
+    tensors, tokens per expert `counts` (capacity C = the largest, at least 1), bf16 activations x [E*C, K]
+    (expert e's rows start at e*C), per-expert activation global scales, and the reference output
+    want [E, C, M] (float32, CPU). `spread` > 0 multiplies every 32-column block of x by exp(N(0, spread)),
+    so the NVFP4 block scales of W4A4 cover the UE4M3 range, subnormal scales and the 448 clamp included."""
+
+    def __init__(self, tensors: list[dict[str, torch.Tensor]], counts: list[int], act_quant: bool,
+                 gen: torch.Generator, spread: float = 0.0):
+        from moesq_core.kernels import p48_reference as ref
+
+        E = len(tensors)
+        M, K = tensors[0]["weight_sparse_packed"].shape[0], tensors[0]["weight_sparse_packed"].shape[1] * 4
+        dec = ref.decode_p48({s: torch.stack([t[s] for t in tensors]) for s in ref.WEIGHT_SUFFIXES})
+        g_a = torch.rand(E, generator=gen) * 1000 + 100
+        dec.input_global_scale = g_a
+        C = max(max(counts), 1)
+        x = torch.randn(E, C, K, generator=gen) * 3
+        if spread:
+            x = x * torch.exp(torch.randn(E, C, K // 32, 1, generator=gen) * spread).expand(-1, -1, -1, 32).reshape(E, C, K)
+        x = x.to(torch.bfloat16)
+        cnt = torch.tensor(counts, dtype=torch.int32)
+        self.E, self.M, self.K, self.C, self.counts_list, self.act_quant = E, M, K, C, list(counts), act_quant
+        self.want = ref.p48_grouped_ref(x, cnt, dec, act_quant)
+        dev = torch.device("cuda")
+        self.x = x.reshape(E * C, K).to(dev)
+        self.row_start = (torch.arange(E, dtype=torch.int32) * C).to(dev)
+        self.counts = cnt.to(dev)
+        self.act_global = g_a.to(dev)
+
+    def gemm_input(self) -> torch.Tensor:
+        """What a GEMM without in-kernel quantization reads: x, or in W4A4 the NVFP4 pre-pass of x."""
+        from moesq_core.kernels import p48_triton as pt
+
+        if not self.act_quant:
+            return self.x
+        groups = torch.arange(self.E, dtype=torch.int32, device=self.x.device).repeat_interleave(self.C)
+        return pt.nvfp4_quantize_rows(self.x, groups, self.act_global)
+
+    def alpha(self, weight_global: torch.Tensor) -> torch.Tensor:
+        return 1.0 / (weight_global * self.act_global) if self.act_quant else 1.0 / weight_global
+
+    def output(self, poisoned: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """NaN-filled (every valid row must be written, no other) or zeros (split-K atomics)."""
+        fill = float("nan") if poisoned else 0.0
+        return torch.full((self.E * self.C, self.M), fill, dtype=dtype, device=self.x.device)
+
+    def check(self, out: torch.Tensor, tol: float, poisoned: bool) -> None:
+        """Each expert's valid rows within relative error tol of the reference; with a poisoned output the rows
+        past each count untouched."""
+        torch.cuda.synchronize()
+        got = out.float().reshape(self.E, self.C, self.M).cpu()
+        for e, n in enumerate(self.counts_list):
+            if n:
+                assert not torch.isnan(got[e, :n]).any(), f"expert {e}: rows left unwritten"
+                err = rel(got[e, :n], self.want[e, :n])
+                assert err < tol, f"expert {e}: relative error {err}"
+            if poisoned:
+                assert torch.isnan(got[e, n:]).all(), f"expert {e}: rows past the count were written"
+
+
+def run_triton_interpreted(script: str) -> str:
+    """Run a Python script with TRITON_INTERPRET=1 (Triton kernels on the CPU) in a fresh process at the repo
+    root, with tests/ importable; returns its stdout (the test fails with the tail of stderr)."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def assert_experts_module_rejects_bad_inputs(from_packed, packed, *args) -> None:
+    """An experts module built by from_packed(packed, *args) (hidden size 64) refuses hidden states of the wrong
+    width and routes of mismatched shapes; from_packed refuses an expert without its down projection."""
+    mod = from_packed(packed, *args)
+    with pytest.raises(ValueError, match="hidden_states"):
+        mod(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
+    with pytest.raises(ValueError, match="top_k_index"):
+        mod(torch.randn(4, 64), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 3))
+    bad = [dict(t) for t in packed]
+    bad[1] = {"gate": bad[1]["gate"], "up": bad[1]["up"]}
+    with pytest.raises(ValueError, match="missing projection"):
+        from_packed(bad, *args)

@@ -3,17 +3,14 @@ expansion (run through a small PTX interpreter on the CPU), the plain-Triton ker
 interpreter, and the GPU kernel vs the CPU reference on awkward sizes with poisoned outputs."""
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import P48GroupedCase, run_triton_interpreted
 from moesq_core.formats import get_format
 from moesq_core.formats.quantizers import NVFP4ActQuantizer
 from moesq_core.kernels import p48_reference as ref
@@ -21,7 +18,6 @@ from moesq_core.kernels import p48_triton as pt
 from moesq_core.packing import pack, unpack
 
 FMT = get_format("p48-nvfp4")
-REPO = Path(__file__).resolve().parents[1]
 
 
 def packed_weight(out: int, inn: int, seed: int, scale: float = 0.05, global_scale=None) -> dict[str, torch.Tensor]:
@@ -248,12 +244,7 @@ print("WORST", worst)
 
 @pytest.mark.slow
 def test_plain_triton_kernel_under_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    res = subprocess.run([sys.executable, "-c", _INTERP_SCRIPT], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
-    worst = float(res.stdout.split("WORST")[1])
+    worst = float(run_triton_interpreted(_INTERP_SCRIPT).split("WORST")[1])
     assert worst < 1e-6
 
 
@@ -263,39 +254,13 @@ def test_plain_triton_kernel_under_interpreter():
 def _gpu_case(E, M, K, counts, act_quant, split, use_asm, seed):
     dev = torch.device("cuda")
     ws = [packed_weight(M, K, seed * 31 + s) for s in range(E)]
-    g_a = torch.rand(E) * 1000 + 100
-    for w, g in zip(ws, g_a):
-        w["input_global_scale"] = g.reshape(1)
+    case = P48GroupedCase(ws, counts, act_quant, torch.Generator().manual_seed(seed))
     W = pt.P48GemmWeights.from_packed(ws, dev)
-    dec = ref.decode_p48(stacked(ws))
-    C = max(counts)
-    x = (torch.randn(E, C, K) * 3).to(torch.bfloat16)
-    cnt = torch.tensor(counts, dtype=torch.int32)
-    want = ref.p48_grouped_ref(x, cnt, dec, act_quant)
-    xr = x.reshape(E * C, K).to(dev)
-    row_start = (torch.arange(E, dtype=torch.int32) * C).to(dev)
-    if act_quant:
-        xr = pt.nvfp4_quantize_rows(xr, torch.arange(E, dtype=torch.int32, device=dev).repeat_interleave(C), g_a.to(dev))
-        alpha = 1.0 / (W.global_scale * g_a.to(dev))
-    else:
-        alpha = 1.0 / W.global_scale
-    cfg = pt.pick_config(M, K, E, C, dev)
+    cfg = pt.pick_config(M, K, E, case.C, dev)
     cfg = pt.GemmConfig(cfg.BM, cfg.BN, cfg.BK, split, cfg.num_warps, cfg.num_stages)
-    if split == 1:
-        out = torch.full((E * C, M), float("nan"), device=dev)  # poisoned: every valid row must be written
-    else:
-        out = torch.zeros(E * C, M, device=dev)
-    pt.p48_gemm_rows(xr, W, row_start, cnt.to(dev), alpha, out, cfg, use_asm)
-    torch.cuda.synchronize()
-    got = out.reshape(E, C, M).cpu()
-    for e in range(E):
-        n = counts[e]
-        if n:
-            assert not torch.isnan(got[e, :n]).any(), f"expert {e}: rows left unwritten"
-            err = ((got[e, :n] - want[e, :n]).norm() / want[e, :n].norm()).item()
-            assert err < 2e-6, f"expert {e}: relative error {err}"
-        if split == 1:
-            assert torch.isnan(got[e, n:]).all(), f"expert {e}: rows past the count were written"
+    out = case.output(poisoned=split == 1)
+    pt.p48_gemm_rows(case.gemm_input(), W, case.row_start, case.counts, case.alpha(W.global_scale), out, cfg, use_asm)
+    case.check(out, 2e-6, poisoned=split == 1)
 
 
 @pytest.mark.gpu

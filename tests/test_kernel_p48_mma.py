@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import P48GroupedCase
 from moesq_core.bench.p48_bench import random_p48_tensors
 from moesq_core.kernels import p48_mma as pm
-from moesq_core.kernels import p48_reference as ref
 from moesq_core.kernels import p48_sparse24 as ps
 
 
@@ -127,47 +127,41 @@ def test_pick_config_splits_only_small_grids():
 # ------------------------------------------------------------------------------------------ GPU kernel
 
 
-def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed):
-    from moesq_core.kernels import p48_triton as pt
-
+def _native_or_skip():
     native = pm.load_native()
     if native is None:
         pytest.skip("needs the native module on an sm_90 GPU")
+    return native
+
+
+def _unstack(t: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    return [{s: v[e] for s, v in t.items()} for e in range(t["weight_sparse_packed"].shape[0])]
+
+
+def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed, spread=0.0):
+    """The kernel (NVFP4 pre-pass in W4A4) against p48_reference; in W4A4 also the in-kernel quantization,
+    which must give the pre-pass path's outputs bit for bit (up to the order of split-K's atomic adds)."""
+    native = _native_or_skip()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(seed)
     t = random_p48_tensors(E, M, K, gen, "cpu")
+    case = P48GroupedCase(_unstack(t), counts, act_quant, gen, spread)
     W = pm.P48MmaWeights.from_packed(t, dev)
-    dec = ref.decode_p48(t)
-    g_a = torch.rand(E, generator=gen) * 1000 + 100
-    dec.input_global_scale = g_a
-    C = max(max(counts), 1)
-    x = (torch.randn(E, C, K, generator=gen) * 3).to(torch.bfloat16)
-    cnt = torch.tensor(counts, dtype=torch.int32)
-    want = ref.p48_grouped_ref(x, cnt, dec, act_quant)
-    xr = x.reshape(E * C, K).to(dev)
-    row_start = (torch.arange(E, dtype=torch.int32) * C).to(dev)
-    if act_quant:
-        xr = pt.nvfp4_quantize_rows(xr, torch.arange(E, dtype=torch.int32, device=dev).repeat_interleave(C), g_a.to(dev))
-        alpha = 1.0 / (W.global_scale * g_a.to(dev))
-    else:
-        alpha = 1.0 / W.global_scale
-    if min(split, -(-K // pm.RECORD_K)) == 1:
-        out = torch.full((E * C, M), float("nan"), device=dev, dtype=out_dtype)  # poisoned
-    else:
-        out = torch.zeros(E * C, M, device=dev)
     split = min(split, W.records.shape[2])
-    pm.p48_mma_gemm_rows(xr, W, row_start, cnt.to(dev), alpha, out, pm.MmaConfig(variant, split), native)
-    torch.cuda.synchronize()
-    got = out.float().reshape(E, C, M).cpu()
-    tol = 2e-5 if out.dtype == torch.float32 else 8e-3
-    for e in range(E):
-        n = counts[e]
-        if n:
-            assert not torch.isnan(got[e, :n]).any(), f"expert {e}: outputs left unwritten"
-            err = ((got[e, :n] - want[e, :n]).norm() / want[e, :n].norm()).item()
-            assert err < tol, f"expert {e}: relative error {err}"
-        if min(split, -(-K // pm.RECORD_K)) == 1:
-            assert torch.isnan(got[e, n:]).all(), f"expert {e}: rows past the count were written"
+    cfg, alpha, poisoned = pm.MmaConfig(variant, split), case.alpha(W.global_scale), split == 1
+    out = case.output(poisoned, out_dtype)
+    pm.p48_mma_gemm_rows(case.gemm_input(), W, case.row_start, case.counts, alpha, out, cfg, native)
+    tol = 2e-5 if out_dtype == torch.float32 else 8e-3
+    case.check(out, tol, poisoned)
+    if act_quant:
+        fused = case.output(poisoned, out_dtype)
+        pm.p48_mma_gemm_rows(case.x, W, case.row_start, case.counts, alpha, fused, cfg, native,
+                             act_global=case.act_global)
+        case.check(fused, tol, poisoned)
+        if poisoned:
+            torch.testing.assert_close(fused, out, rtol=0, atol=0, equal_nan=True)
+        else:
+            torch.testing.assert_close(fused, out, rtol=1e-6, atol=1e-6 * float(out.abs().max()))
 
 
 @pytest.mark.gpu
@@ -194,10 +188,50 @@ def test_gpu_kernel_bf16_output(variant):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
+@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("split,out_dtype", [(1, torch.float32), (1, torch.bfloat16), (2, torch.float32)])
+@pytest.mark.parametrize("E,M,K,counts", [
+    (4, 40, 224, [0, 33, 1, 16]),  # K not a multiple of 128, an empty expert, N = 1, several 16-token passes
+    (2, 1536, 2048, [16, 3]),  # the Qwen3-30B-A3B gate/up shape
+    (1, 16, 32, [1]),  # one 32-column block
+])
+def test_gpu_in_kernel_activation_quant_equals_prepass(E, M, K, counts, split, variant, out_dtype):
+    """Activations spread over the whole NVFP4 scale range (subnormal UE4M3 scales, the 448 clamp)."""
+    _gpu_case(E, M, K, counts, True, split, variant, out_dtype, seed=7 * E + K, spread=4.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_gpu_in_kernel_activation_quant_zero_rows_and_cuda_graph():
+    """All-zero and single-nonzero blocks quantize like the pre-pass; the W4A4 launch replays in a CUDA graph."""
+    native = _native_or_skip()
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(5)
+    t = random_p48_tensors(3, 48, 256, gen, "cpu")
+    W = pm.P48MmaWeights.from_packed(t, dev)
+    case = P48GroupedCase(_unstack(t), [5, 2, 9], True, gen, spread=2.0)
+    x = case.x.view(3, case.C, 256)
+    x[0, 1] = 0  # an all-zero token
+    x[2, 3, 32:64] = 0
+    x[2, 3, 40] = -1e-3  # one nonzero value in a block
+    cfg, alpha = pm.MmaConfig(0, 1), case.alpha(W.global_scale)
+    want = case.output(True)
+    pm.p48_mma_gemm_rows(case.gemm_input(), W, case.row_start, case.counts, alpha, want, cfg, native)
+    out = case.output(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pm.p48_mma_gemm_rows(case.x, W, case.row_start, case.counts, alpha, out, cfg, native,
+                             act_global=case.act_global)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+    assert not out.view(3, case.C, 48)[0, 1].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
 def test_gpu_kernel_rejects_bad_arguments():
-    native = pm.load_native()
-    if native is None:
-        pytest.skip("needs the native module on an sm_90 GPU")
+    native = _native_or_skip()
     dev = torch.device("cuda")
     t = random_p48_tensors(2, 32, 256, torch.Generator().manual_seed(0), "cpu")
     W = pm.P48MmaWeights.from_packed(t, dev)
@@ -209,6 +243,9 @@ def test_gpu_kernel_rejects_bad_arguments():
     with pytest.raises(ValueError, match="x:"):
         pm.p48_mma_gemm_rows(x.float(), W, rs, cnt, W.global_scale, torch.zeros(4, 32, device=dev),
                              pm.MmaConfig(0, 1), native)
+    with pytest.raises(ValueError, match="act_global"):
+        pm.p48_mma_gemm_rows(x, W, rs, cnt, W.global_scale, torch.zeros(4, 32, device=dev), pm.MmaConfig(0, 1),
+                             native, act_global=torch.ones(3, device=dev))
 
 
 def test_native_build_reuses_objects_of_unchanged_units(monkeypatch, tmp_path):
@@ -248,3 +285,80 @@ def test_bench_targets_and_table_include_the_native_kernel():
     assert "| p48_mma_w4a16 TB/s | p48_mma_w4a16 vs fp8 |" in md
     assert "| Qwen3-30B-A3B gate/up | 128 | 16 | – | 150.0 | 60.0 | 2.4 | 2.5 |" in md
     assert "p48_mma_w4a16 N_le_16_TBps: min=2.4, max=2.7, target=2.5, met=False" in md
+    fused = {**result, "methods": {**result["methods"], "p48_mma_w4a4_fused": ""}}
+    assert "| p48_mma_w4a4_fused TB/s | p48_mma_w4a4_fused vs fp8 |" in pb.markdown(fused)
+    assert "p48_mma_w4a4_fused" in pb.MMA_METHODS and "p48_mma_w4a4" in pb.MMA_METHODS  # the pre-pass path stays
+
+
+# ------------------------------------------------------------------------------------------ moesq verify --kernel
+
+
+def test_kernel_check_of_p48_dir_without_gpu_says_why(packs, monkeypatch):
+    from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="kernel check of .* impossible: no CUDA GPU"):
+        kernel_check_packed_dir(packs["p48-nvfp4"][1])
+
+
+def test_verify_kernel_cli_without_gpu_is_one_clear_line(packs):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from test_cli import moesq
+
+    r = moesq("verify", packs["p48-nvfp4"][1], "--kernel", "--quiet", check=False)
+    assert r.returncode == 1
+    assert "kernel check of" in r.stderr and "no CUDA GPU" in r.stderr and "Traceback" not in r.stderr
+
+
+def _p48_linears(packed_dir) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(packed_dir / "model.safetensors"), framework="pt") as f:
+        return {k.rsplit(".", 1)[0] for k in f.keys() if k.endswith(".weight_sparse_packed")}
+
+
+def _check_embedded_model(packed_dir, kernel: str):
+    from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+
+    info: dict = {}
+    res = kernel_check_packed_dir(packed_dir, info=info)
+    assert info["p48_kernel"] == kernel
+    names = _p48_linears(packed_dir)
+    # every packed expert linear, in W4A16 and (the pack carries input global scales) W4A4
+    assert {n for n, _, _ in res} == names | {f"{n} (W4A4)" for n in names}
+    assert all(ok for _, _, ok in res), [r for r in res if not r[2]][:5]
+    return res
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_gpu_kernel_check_embedded_model_on_sparse_tensor_cores(packs):
+    _native_or_skip()
+    _check_embedded_model(packs["p48-nvfp4"][1], "sparse-mma")
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_check_embedded_model_on_triton(packs, monkeypatch):
+    monkeypatch.setattr(pm, "load_native", lambda: None)  # as on a machine without the native build
+    _check_embedded_model(packs["p48-nvfp4"][1], "triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_gpu_kernel_check_flags_a_wrong_output(packs, monkeypatch):
+    """One output of one expert off by 1 %: the check names that tensor (and no other)."""
+    _native_or_skip()
+    real = pm.p48_mma_gemm_rows
+
+    def off_by_a_little(x, w, row_start, counts, alpha, out, config, native=None, act_global=None):
+        real(x, w, row_start, counts, alpha, out, config, native, act_global)
+        out[0, 3] *= 1.01  # expert 0's first row (it has tokens in every grouped call)
+        return out
+
+    monkeypatch.setattr(pm, "p48_mma_gemm_rows", off_by_a_little)
+    from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+
+    res = kernel_check_packed_dir(packs["p48-nvfp4"][1])
+    bad = [n for n, _, ok in res if not ok]
+    assert bad and all(".experts.0." in n for n in bad), bad

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_experts_module_rejects_bad_inputs, assert_graph_replays, rel, routing
 from moesq_core.formats import get_format
 from moesq_core.packing import pack, unpack
 from moesq_core.runtime import s24_hopper
@@ -33,17 +34,6 @@ def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor):
 def random_experts(E=6, H=64, I=96, seed=0):
     g = torch.Generator().manual_seed(seed)
     return quantize_experts(torch.randn(E, 2 * I, H, generator=g) * 0.08, torch.randn(E, H, I, generator=g) * 0.08)
-
-
-def routing(T, E, k, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    w = torch.softmax(torch.randn(T, k, generator=g), -1)
-    return idx, w
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 # ------------------------------------------------------------------------------------------------ CPU
@@ -123,15 +113,7 @@ def test_rejects_bad_inputs():
     packed, _ = random_experts(E=3)
     with pytest.raises(ValueError, match="W8A8"):
         S24HopperExperts.from_packed(packed, False, "cpu")
-    mod = S24HopperExperts.from_packed(packed, True, "cpu")
-    with pytest.raises(ValueError, match="hidden_states"):
-        mod(torch.randn(4, 32), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 2))
-    with pytest.raises(ValueError, match="top_k_index"):
-        mod(torch.randn(4, 64), torch.zeros(4, 2, dtype=torch.long), torch.ones(4, 3))
-    bad = [dict(t) for t in packed]
-    bad[1] = {"gate": bad[1]["gate"], "up": bad[1]["up"]}
-    with pytest.raises(ValueError, match="missing projection"):
-        S24HopperExperts.from_packed(bad, True, "cpu")
+    assert_experts_module_rejects_bad_inputs(S24HopperExperts.from_packed, packed, True, "cpu")
     bad = [{p: dict(d) for p, d in t.items()} for t in packed]
     del bad[2]["down"]["weight_scale"]
     with pytest.raises(ValueError, match="weight_scale"):
@@ -198,7 +180,10 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph():
     outs = {}
     for fused in (False, True):  # the torch-op routing, then the fused Triton kernels (the default)
         fast.fused_routing = fused
-        outs[fused] = _graph_check(fast, ref, xs, routes)
+        # the fp8 tensor cores add with fewer bits than fp32 between promotions (s24_fp8.error_bound), so the
+        # bf16 GEMM outputs often differ from the float64 reference in the last bit and some SwiGLU outputs
+        # cross e4m3 boundaries: ~1-2 % here, against O(1) for a wrong row, expert or scale
+        outs[fused] = assert_graph_replays(fast, ref, xs, routes, tol=5e-2)
     # same GEMMs, same e4m3 codes (scales may differ in the last bit, sigmoid by an ulp): nearly equal
     assert rel(outs[True], outs[False]) < 1e-3, rel(outs[True], outs[False])
     # a prefill-sized eager call (capacity from the counts) against the reference
@@ -207,34 +192,6 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph():
     idx, w = routing(T2, E, 2, seed=9)
     got = fast(x.cuda(), idx.cuda(), w.cuda()).float().cpu()
     assert rel(got, ref(x, idx, w)) < 5e-2
-
-
-def _graph_check(fast, ref, xs, routes):
-    x_buf = xs[0].to(torch.bfloat16).cuda()
-    idx_buf, w_buf = routes[0][0].cuda(), routes[0][1].cuda()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fast(x_buf, idx_buf, w_buf)  # autotunes the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_buf = fast(x_buf, idx_buf, w_buf)
-    for x, (idx, w) in zip(xs, routes):
-        x_buf.copy_(x.to(torch.bfloat16))
-        idx_buf.copy_(idx)
-        w_buf.copy_(w)
-        graph.replay()
-        torch.cuda.synchronize()
-        want = ref(x.to(torch.bfloat16).float(), idx, w)
-        eager = fast(x_buf, idx_buf, w_buf).float().cpu()
-        got = out_buf.float().cpu()
-        assert torch.equal(got, eager)
-        # the fp8 tensor cores add with fewer bits than fp32 between promotions (s24_fp8.error_bound), so the
-        # bf16 GEMM outputs often differ from the float64 reference in the last bit and some SwiGLU outputs
-        # cross e4m3 boundaries: ~1-2 % here, against O(1) for a wrong row, expert or scale
-        assert rel(got, want) < 5e-2, (fast.fused_routing, rel(got, want))
-    return got
 
 
 @pytest.mark.gpu

@@ -17,6 +17,8 @@ Methods timed in one process on the same token counts:
   p48_mma_w4a16    the native sparse-tensor-core kernel (moesq_core.kernels.p48_mma), same activations; skipped
                    (with the reason in the row) where the native module cannot run
   p48_mma_w4a4     the same NVFP4 quantization pre-pass + the native kernel
+  p48_mma_w4a4_fused  the native kernel quantizing the bf16 activations to NVFP4 while staging them (no pre-pass;
+                   the same operands as p48_mma_w4a4, bit for bit)
 p48 weights are random valid packed tensors (every kept byte, pattern and scale drawn uniformly), built on
 the GPU; each shape's first copy is checked against p48_reference on two experts before it is timed.
 Achieved bandwidth counts the packed weight bytes (2.75 bits/weight) over the median time.
@@ -41,8 +43,9 @@ P48_METHODS = {
     "p48_w4a16_plain": "the p48 GEMM with the plain-Triton weight expansion (N <= 16 only)",
     "p48_mma_w4a16": "moesq p48 CUDA grouped GEMM on the 2:4 sparse tensor cores (mma.sp bf16), bf16 activations",
     "p48_mma_w4a4": "NVFP4 activation quantization + the p48 sparse-tensor-core GEMM",
+    "p48_mma_w4a4_fused": "the p48 sparse-tensor-core GEMM quantizing activations to NVFP4 in its staging",
 }
-MMA_METHODS = ("p48_mma_w4a16", "p48_mma_w4a4")
+MMA_METHODS = ("p48_mma_w4a16", "p48_mma_w4a4", "p48_mma_w4a4_fused")
 # The issue's targets for the p48 kernel (packed bytes at N <= 16, speedups over torch's fp8 grouped GEMM).
 TARGET_TBPS, TARGET_SPEEDUP_SMALL, TARGET_SPEEDUP_128 = 2.5, 2.0, 1.0
 BASELINE_NAMES = ("bf16_grouped_mm", "fp8_grouped_mm")
@@ -108,15 +111,24 @@ class P48Bench:
     def weight_bytes(self) -> int:
         return self.copies[0].nbytes
 
-    def gemm(self, x, w, alpha, use_asm: bool):
+    def gemm(self, x, w, alpha, use_asm: bool, act_global=None):
         if self.native is None:
             self.pt.p48_gemm_rows(x, w, self.row_start, self.counts, alpha, self.out, self.config, use_asm)
         else:
-            self.pm.p48_mma_gemm_rows(x, w, self.row_start, self.counts, alpha, self.out, self.config, self.native)
+            self.pm.p48_mma_gemm_rows(x, w, self.row_start, self.counts, alpha, self.out, self.config, self.native,
+                                      act_global)
 
-    def call(self, w, act_quant: bool, use_asm: bool):
+    def call(self, w, act_quant: bool, use_asm: bool, fused: bool = False):
+        """The timed closure; fused (native only): W4A4 with the quantization inside the kernel."""
         pt, cfg, out = self.pt, self.config, self.out
-        if act_quant:
+        if fused:
+            alpha = (1.0 / (w.global_scale * self.g_act)).contiguous()
+
+            def run():
+                if cfg.split > 1:
+                    out.zero_()
+                self.gemm(self.xr, w, alpha, use_asm, self.g_act)
+        elif act_quant:
             alpha = (1.0 / (w.global_scale * self.g_act)).contiguous()
 
             def run():
@@ -133,11 +145,11 @@ class P48Bench:
                 self.gemm(self.xr, w, alpha, use_asm)
         return run
 
-    def verify(self, act_quant: bool, use_asm: bool) -> float:
+    def verify(self, act_quant: bool, use_asm: bool, fused: bool = False) -> float:
         """Relative error of copy 0 on experts 0 and 1 against p48_reference (CPU)."""
         from ..kernels import p48_reference as ref
 
-        self.call(self.copies[0], act_quant, use_asm)()
+        self.call(self.copies[0], act_quant, use_asm, fused)()
         if self.out.is_cuda:
             torch.cuda.synchronize()
         if self.dec is None:
@@ -171,20 +183,21 @@ def _bench_kernel(row: dict, ours: P48Bench, methods: tuple[str, ...], N: int, r
     ours.add_copy()
     row[config_key] = ours.config.__dict__
     for label in methods:
-        act_quant = label.endswith("w4a4")
+        fused = label == "p48_mma_w4a4_fused"
+        act_quant = label.endswith("w4a4") or fused
         use_asm = label != "p48_w4a16_plain"
         if label == "p48_w4a16_plain" and N > 16:
             continue
         rec: dict = {}
         try:
-            err = ours.verify(act_quant, use_asm)
+            err = ours.verify(act_quant, use_asm, fused)
             rec["verify_rel_err"] = err
             if not err < 1e-2:  # the timed GEMM stores bf16 (rounding ~3e-3); exactness is tested in fp32
                 rec["error"] = f"verification against p48_reference failed: relative error {err:.3g}"
             else:
                 while len(ours.copies) < copies_for(ours.weight_bytes):
                     ours.add_copy()
-                t = graph_time([ours.call(w, act_quant, use_asm) for w in ours.copies], repeats)
+                t = graph_time([ours.call(w, act_quant, use_asm, fused) for w in ours.copies], repeats)
                 rec.update(_record(t, prob, ours.weight_bytes))
         except Exception as e:
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
@@ -292,7 +305,7 @@ def bench_p48(shapes, G, N, out_dir: Path, repeats: int = 50, log=print,
             result["rows"].append(row)
             f = row["methods"].get("fp8_grouped_mm", {})
             parts = []
-            for label in ("p48_w4a16", "p48_mma_w4a16"):
+            for label in ("p48_w4a16", "p48_mma_w4a16", "p48_mma_w4a4_fused"):
                 p = row["methods"].get(label)
                 if p is not None:
                     parts.append(f"{label} {p.get('us', float('nan')):8.1f} us {p.get('weight_TBps', float('nan')):5.2f} "

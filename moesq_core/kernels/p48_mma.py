@@ -5,6 +5,8 @@ Paired 4:8 is 2:4 after the K permutation of moesq_core.kernels.p48_sparse24 (in
 operand (decoded in registers: E2M1 x UE4M3 is exact in bf16) and the activations as B; it permutes the
 activations' K while staging them, so callers pass x in natural order (the calling convention of
 p48_triton.p48_gemm_rows: rows of x, per-expert start rows and counts on the device, alpha per expert).
+In W4A4 it can also quantize the activations to NVFP4 while staging them (`act_global`), instead of a separate
+p48_triton.nvfp4_quantize_rows pass, with bit-identical operands.
 
 Weight layout (`P48MmaWeights.records`, uint8 [E, MT, KR, 704], built once at load time from the 2:4 operand
 of p48_sparse24.p48_to_2to4): one record holds 16 output rows x 128 (permuted) input columns, the unit one warp
@@ -250,16 +252,35 @@ def load_native():
 
 
 def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor, counts: torch.Tensor,
-                      alpha: torch.Tensor, out: torch.Tensor, config: MmaConfig, native=None) -> torch.Tensor:
+                      alpha: torch.Tensor, out: torch.Tensor, config: MmaConfig, native=None,
+                      act_global: torch.Tensor | None = None) -> torch.Tensor:
     """Grouped GEMM over expert row segments (p48_triton.p48_gemm_rows's convention): for each expert e, rows
     row_start[e] .. row_start[e]+counts[e] of x [R, K] (bf16) times w[e]^T, times alpha[e], into out [R, M]
-    (float32 and zero-initialised when config.split > 1). No host synchronisation."""
+    (float32 and zero-initialised when config.split > 1). No host synchronisation.
+
+    act_global (float32 [E], every value > 0): W4A4 with the NVFP4 activation quantization inside the kernel:
+    it quantizes each staged row of x with act_global[e] exactly as p48_triton.nvfp4_quantize_rows does, so the
+    result equals that pre-pass followed by this GEMM bit for bit (x must hold the bf16 activations the
+    pre-pass would read; alpha stays 1/(g_w * g_a))."""
     mod = native if native is not None else load_native()
     if mod is None:
         raise RuntimeError("the p48 sparse-tensor-core kernel needs an sm_90 GPU and the native module")
     if x.shape[-1] != w.in_features or out.shape != (x.shape[0], w.out_features):
         raise ValueError(f"x {tuple(x.shape)} / out {tuple(out.shape)} do not fit weights "
                          f"[{w.out_features}, {w.in_features}]")
-    mod.p48_gemm(config.variant, w.records, x, row_start, counts, (alpha.float() * ALPHA_FOLD).contiguous(), out,
-                 w.out_features, w.in_features, config.split)
+    args = (config.variant, w.records, x, row_start, counts, (alpha.float() * ALPHA_FOLD).contiguous(), out,
+            w.out_features, w.in_features, config.split)
+    if act_global is None:  # W4A16 (or a pre-quantized x): the call every build of the module takes
+        mod.p48_gemm(*args)
+    else:
+        if not quantizes_activations(mod):
+            raise RuntimeError("this build of the native module cannot quantize activations in the p48 kernel: "
+                               "rebuild it (python -m moesq_core.kernels.native_build) or quantize x first")
+        mod.p48_gemm(*args, act_global.float().contiguous())
     return out
+
+
+def quantizes_activations(native) -> bool:
+    """Whether the native module's p48 kernel takes `act_global` (W4A4 quantization in the kernel); a module
+    built from older sources (e.g. $MOESQ_NATIVE_EXT) does not."""
+    return "act_global" in (getattr(getattr(native, "p48_gemm", None), "__doc__", None) or "")

@@ -17,7 +17,10 @@ On a CUDA device one forward is seven launches and no host synchronisation, so i
 
 An expert whose input_global_scale is 0 (no calibration data reached it) is quantized with the dynamic scale
 of its rows in this call (as the reference MoesqExperts does); that takes an extra amax pass, chosen at load
-time. With `reference=True` (the default off CUDA) the module runs moesq_core.kernels.p48_reference instead,
+time. The gate/up GEMM on the sparse tensor cores then quantizes its bf16 input itself (the kernel's
+in-staging NVFP4 quantization, the same operands bit for bit) instead of a separate quantization pass; with
+static scales the routing scatter already quantizes for free, and the SwiGLU output of a dynamic expert is
+float32, which the kernel does not read, so those keep their producer-side quantization. With `reference=True` (the default off CUDA) the module runs moesq_core.kernels.p48_reference instead,
 which defines the numerics the GPU path reproduces up to fp32 summation order.
 """
 from __future__ import annotations
@@ -55,6 +58,7 @@ class P48HopperExperts(nn.Module):
         self.gate_up: pt.P48GemmWeights | pm.P48MmaWeights | None = None
         self.down: pt.P48GemmWeights | pm.P48MmaWeights | None = None
         self.use_asm: bool | None = None  # None = the kernel default (inline PTX expansion on CUDA)
+        self.quant_in_kernel = True  # W4A4, dynamic input scales, sparse-mma: the GEMM quantizes (False: pre-pass)
         self.kernel = "reference" if reference else "triton"  # or "sparse-mma" (native, sm_90)
         self._native = None
 
@@ -147,13 +151,17 @@ class P48HopperExperts(nn.Module):
         pt._route_scatter_kernel[(R,)](hidden, flat, offsets, cursor, slot_row, row_expert, xs, self.g_in,
                                        H, hidden.stride(0), xs.stride(0), TOPK=k, NBLK=8, QUANT=quant_in, num_warps=4)
         g_in = self.g_in
+        # bf16 rows quantized by the GEMM give exactly the operands of the pre-pass (p48_mma.p48_mma_gemm_rows)
+        in_kernel = (aq and not quant_in and self.quant_in_kernel and self.kernel == "sparse-mma"
+                     and xs.dtype == torch.bfloat16 and pm.quantizes_activations(self._native))
         if aq and not quant_in:
             g_in = pt.dynamic_group_global(xs, row_expert, self.g_in)
-            xs = pt.nvfp4_quantize_rows(xs, row_expert, g_in)
+            if not in_kernel:
+                xs = pt.nvfp4_quantize_rows(xs, row_expert, g_in)
         active = min(E, R)
         per = R / active
         alpha = 1.0 / (self.gate_up.global_scale * g_in) if aq else 1.0 / self.gate_up.global_scale
-        y1 = self._gemm(xs, self.gate_up, offsets, counts, alpha, active, per)
+        y1 = self._gemm(xs, self.gate_up, offsets, counts, alpha, active, per, g_in if in_kernel else None)
         quant_mid = aq and self.static_mid
         z = torch.empty(R, I, dtype=torch.bfloat16 if (not aq or quant_mid) else torch.float32, device=dev)
         BR = 8
@@ -172,14 +180,15 @@ class P48HopperExperts(nn.Module):
         return out
 
     def _gemm(self, x: torch.Tensor, w, offsets: torch.Tensor, counts: torch.Tensor, alpha: torch.Tensor,
-              active: int, per: float) -> torch.Tensor:
-        """One grouped GEMM over the experts' row segments of x -> float32 [R, out]."""
+              active: int, per: float, act_global: torch.Tensor | None = None) -> torch.Tensor:
+        """One grouped GEMM over the experts' row segments of x -> float32 [R, out]; act_global (sparse-mma
+        only): the kernel quantizes x to NVFP4 with these per-expert global scales."""
         R, K = x.shape
         M = w.out_features
         if self.kernel == "sparse-mma":
             cfg = pm.pick_config(M, K, active, per, x.device)
             y = (torch.zeros if cfg.split > 1 else torch.empty)(R, M, dtype=torch.float32, device=x.device)
-            return pm.p48_mma_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self._native)
+            return pm.p48_mma_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self._native, act_global)
         cfg = pt.pick_config(M, K, active, per, x.device)
         y = (torch.zeros if cfg.split > 1 else torch.empty)(R, M, dtype=torch.float32, device=x.device)
         return pt.p48_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self.use_asm)

@@ -98,9 +98,10 @@ void compress(const at::Tensor& dense, at::Tensor& values, at::Tensor& meta) {
 
 // out[row_start[e] + n, m] (=|+=) alpha[e] * sum_k W_e[m, k] x[row_start[e] + n, k] for n < counts[e]: the p48
 // grouped GEMM on the 2:4 sparse tensor cores (records: moesq_core.kernels.p48_mma.P48MmaWeights).
+// With act_global (float32 [E]) the kernel fake-quantizes x to NVFP4 while staging it (W4A4).
 void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, const at::Tensor& row_start,
               const at::Tensor& counts, const at::Tensor& alpha, at::Tensor& out, int64_t M, int64_t K,
-              int64_t split) {
+              int64_t split, const std::optional<at::Tensor>& act_global) {
   TORCH_CHECK_VALUE(records.is_cuda(), "records must be on a CUDA device, got ", records.device());
   TORCH_CHECK_VALUE(records.dim() == 4 && x.dim() == 2 && out.dim() == 2,
                     "records [E, MT, KR, 704], x [rows, K] and out [rows, M] expected");
@@ -122,6 +123,7 @@ void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, c
   check_tensor("row_start", row_start, {at::kInt}, {E}, dev);
   check_tensor("counts", counts, {at::kInt}, {E}, dev);
   check_tensor("alpha", alpha, {at::kFloat}, {E}, dev);
+  if (act_global) check_tensor("act_global", *act_global, {at::kFloat}, {E}, dev);
   const c10::cuda::CUDAGuard guard(dev);
   moesq_p48_args a{};
   a.records = records.data_ptr();
@@ -129,6 +131,7 @@ void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, c
   a.row_start = row_start.data_ptr<int>();
   a.counts = counts.data_ptr<int>();
   a.alpha = alpha.data_ptr<float>();
+  a.act_global = act_global ? act_global->data_ptr<float>() : nullptr;
   a.out = out.data_ptr();
   a.E = int(E);
   a.M = int(M);
@@ -200,7 +203,9 @@ PYBIND11_MODULE(_moesq_native, m) {
         "Raise unless the CUDA device can run the kernels (compute capability 9.0).");
   m.def("p48_gemm", &p48_gemm, py::arg("variant"), py::arg("records"), py::arg("x"), py::arg("row_start"),
         py::arg("counts"), py::arg("alpha"), py::arg("out"), py::arg("M"), py::arg("K"), py::arg("split") = 1,
-        "p48-nvfp4 grouped GEMM on the 2:4 sparse tensor cores; see moesq_core.kernels.p48_mma.");
+        py::arg("act_global") = py::none(),
+        "p48-nvfp4 grouped GEMM on the 2:4 sparse tensor cores (act_global: NVFP4 activations quantized in the "
+        "kernel, W4A4); see moesq_core.kernels.p48_mma.");
   m.def("p48_variants", &p48_variants, "The compiled p48 kernel variants (tokens per pass, warps, stages, ...).");
   m.def("s24_variants", &variants, "The compiled kernel variants (index, name, tile shape, schedule, ...).");
 }

@@ -8,6 +8,9 @@
 // lane's share of it is contiguous: 16 B of codes, 4 B of metadata, 8 B of scales). Each weight record is
 // decoded once into bf16 fragments (E2M1 bits placed in bf16 fields, times the UE4M3 scale * 2^119 by a bf16x2
 // FMA: exact, the values are e2m1 * s * 2^-7) and used for every 8-token tile of the pass.
+// W4A4 (act_global given): the staging also fake-quantizes the activations to NVFP4 (32-column blocks, the
+// expert's static global scale), writing the exact unscaled values e2m1 * s_a that a separate quantization
+// pass would have written, so the MMAs see the same bf16 operands bit for bit.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -38,6 +41,7 @@ struct Params {
   int M, K, MT, KR;
   long long x_stride, out_stride;
   int split;
+  const float* act_global;  // W4A4: per-expert activation global scale (> 0); unused in W4A16
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -110,6 +114,43 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&b)[4], const void* smem) 
                : "r"(s));
 }
 
+// x in [2^-9, 448] -> the nearest UE4M3 value, ties to even (as torch's float8_e4m3fn cast of the clamped
+// scale): 3 mantissa bits from 2^-6 up, multiples of 2^-9 below.
+__device__ __forceinline__ float round_ue4m3(float x) {
+  if (x < 0.015625f) return rintf(x * 512.f) * 0.001953125f;
+  const uint32_t b = __float_as_uint(x);
+  return __uint_as_float((b + 0x7FFFFu + ((b >> 20) & 1u)) & 0xFFF00000u);
+}
+
+// Eight bf16 activations (one uint4; lanes 4q..4q+3 hold the 32-column block) -> their NVFP4 unscaled values
+// e2m1(c) * s (bf16, exact) under global scale g, with the float32 operations of the reference quantizer in
+// its order: s = e4m3(clamp(amax / 6 * g, 2^-9, 448)), c = e2m1((x * g) / s) (IEEE division, ties of the
+// E2M1 grid to the even code, no -0). Every lane of the warp must call it (the block amax is shuffled).
+__device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
+  uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  float f[8];
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f[i] = __uint_as_float((i & 1) ? (w[i >> 1] & 0xFFFF0000u) : (w[i >> 1] << 16));
+    amax = fmaxf(amax, fabsf(f[i]));
+  }
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+  const float s = round_ue4m3(fminf(fmaxf(__fmul_rn(__fdiv_rn(amax, 6.f), g), 0.001953125f), 448.f));
+  uint32_t o[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float t = __fdiv_rn(__fmul_rn(f[i], g), s);
+    const float a = fabsf(t);
+    const int mag = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.f);
+    const float m = mag < 4 ? 0.5f * mag : mag == 7 ? 6.f : float(mag - 2);
+    const float q = __fmul_rn((t < 0.f && mag > 0) ? -m : m, s);  // exact: <= 6 significant bits
+    o[i >> 1] |= (i & 1) ? (__float_as_uint(q) & 0xFFFF0000u) : (__float_as_uint(q) >> 16);
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 template <int NB_, int R_, int W_, int S_, int KC_>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_;
@@ -123,10 +164,15 @@ struct Variant {
 
 // Stage activations rows [t0, t0 + ntok) x columns [k0, k0 + kw) into shared memory, K-permuted per 8-group;
 // columns >= K are zeros (the padded weight columns are zero, and 0 * garbage could be NaN). In rounds of at
-// most 8 16-byte loads per thread (registers).
-template <class V>
-__device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long row0, int ntok, int k0, int kw) {
-  constexpr int kRound = V::kXIters < 8 ? V::kXIters : 8;
+// most 8 16-byte loads per thread (registers). QUANT: NVFP4-quantized with global scale g on the way; a
+// 32-column block is the four consecutive lanes with c = 4q..4q+3 of one token (kw is a multiple of 128 and
+// the thread count of 32, so the four share t).
+template <class V, bool QUANT>
+__device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long row0, int ntok, int k0, int kw,
+                                        float g) {
+  constexpr int kMaxRound = QUANT && V::NB > 16 ? 4 : 8;  // the 64-token variant spills with 8 under QUANT
+  constexpr int kRound = V::kXIters < kMaxRound ? V::kXIters : kMaxRound;
+  static_assert(V::kXIters % kRound == 0, "staging rounds must cover the chunk exactly");
   const int groups = kw / 8;
 #pragma unroll
   for (int j0 = 0; j0 < V::kXIters; j0 += kRound) {
@@ -138,6 +184,10 @@ __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long
       v[j] = make_uint4(0, 0, 0, 0);
       if (t < ntok && k0 + 8 * c < p.K)
         v[j] = __ldg(reinterpret_cast<const uint4*>(p.x + (row0 + t) * p.x_stride + k0 + 8 * c));
+    }
+    if constexpr (QUANT) {
+#pragma unroll
+      for (int j = 0; j < kRound; ++j) v[j] = nvfp4_block_values(v[j], g);
     }
 #pragma unroll
     for (int j = 0; j < kRound; ++j) {
@@ -186,7 +236,7 @@ struct Cursor {
   }
 };
 
-template <class V, bool OUT_BF16, bool ATOMIC>
+template <class V, bool OUT_BF16, bool ATOMIC, bool QUANT>
 __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int NB = V::NB, R = V::R, W = V::W, S = V::S, KC = V::KC, NT = NB / 8;
@@ -243,7 +293,8 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
       __syncthreads();  // every warp is done with the previous chunk
-      stage_x<V>(p, xs, row0 + tb * NB, ntok, (cons.kr0 + kr) * kRecK, min(KC, (cons.nkr - kr) * kRecK));
+      stage_x<V, QUANT>(p, xs, row0 + tb * NB, ntok, (cons.kr0 + kr) * kRecK, min(KC, (cons.nkr - kr) * kRecK),
+                        QUANT ? __ldg(p.act_global + cons.e) : 0.f);
       __syncthreads();
     }
     cp_async_wait<S - 2>();
@@ -325,13 +376,18 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
 using V16 = Variant<16, 2, 8, 6, 1024>;
 using V64 = Variant<64, 2, 8, 4, 512>;
 
+template <class V, bool QUANT>
+auto pick_kernel(const moesq_p48_args& a) {
+  return a.split > 1 ? p48_mma_kernel<V, false, true, QUANT>
+         : a.out_bf16 ? p48_mma_kernel<V, true, false, QUANT>
+                      : p48_mma_kernel<V, false, false, QUANT>;
+}
+
 template <class V>
 int launch(const moesq_p48_args& a) {
   Params p{static_cast<const uint8_t*>(a.records), a.E, static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
-           a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split};
-  auto kernel = a.split > 1 ? p48_mma_kernel<V, false, true>
-                : a.out_bf16 ? p48_mma_kernel<V, true, false>
-                             : p48_mma_kernel<V, false, false>;
+           a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global};
+  auto kernel = a.act_global != nullptr ? pick_kernel<V, true>(a) : pick_kernel<V, false>(a);
   const long long units = static_cast<long long>(a.E) * ((a.MT + V::W * V::R - 1) / (V::W * V::R)) * a.split;
   int sms = 0, per_sm = 0;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, V::kSmem);

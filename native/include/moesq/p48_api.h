@@ -12,6 +12,9 @@
  *                                      kernel applies the paired-4:8 -> 2:4 K permutation while staging
  *     row_start, counts int32 [E]      read on the device (CUDA-graph safe)
  *     alpha   float32 [E]              epilogue factor, including the 2^7 of the in-register decode
+ *     act_global float32 [E] or NULL   W4A4: the kernel quantizes x to NVFP4 while staging it (32-column
+ *                                      blocks, UE4M3 block scales under act_global[e] > 0), giving exactly
+ *                                      the operands a separate quantization pass would; NULL: x as given
  *     out     float32 or bfloat16 [rows, M] (row stride out_stride); with split > 1 it must be float32 and
  *                                      zero-initialised (K slices accumulate with fp32 atomics)
  * Requirements: K % 32 == 0, x rows 16-byte aligned. Functions return 0 on success, else an error code
@@ -33,6 +36,7 @@ typedef struct {
   const int* row_start;
   const int* counts;
   const float* alpha;
+  const float* act_global; /* NULL: W4A16; else per-expert NVFP4 activation global scales (W4A4) */
   void* out;
   int E, M, K, MT, KR;
   long long x_stride, out_stride;
