@@ -241,7 +241,7 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
 def scaling(args, root: Path, deadline: float | None) -> dict:
     model, log = root / "model", root / "commands.log"
     cfg = model_config(args)
-    state = State(root, {"mode": "scaling", "config": cfg, "nproc": args.nproc, "device": args.device,
+    state = State(root, {"mode": "scaling", "config": cfg, "nproc": args.nproc, "device": args.device, "stages": args.stages,
                          "epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch, "n_train": args.n_train})
     generate(state, model, cfg, args.device)
     out = {}
@@ -251,6 +251,8 @@ def scaling(args, root: Path, deadline: float | None) -> dict:
         common = ["-m", str(model), "-w", str(wd), "--device", args.device, *(["--nproc", str(n)] if n > 1 else []),
                   *(["--n-train", str(args.n_train)] if args.n_train else []), "--quiet"]
         for stage, extra in (("init-sgptq", []), ("refine", refine_args(args))):
+            if stage not in args.stages:
+                continue
             rec = run_step(state, f"{stage} n{n}", moesq(stage, *common, *extra, "--json", str(res / f"{stage}.json")),
                            log, deadline, res / f"{stage}.json")
             manifest = json.loads((wd / "manifest.json").read_text())
@@ -277,7 +279,8 @@ def header(args, cfg: dict) -> dict:
             {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size",
                                  "num_experts_per_tok", "vocab_size")},
             "tokenizer": "the embedded micro model's (random weights: perplexities are not meaningful)",
-            "options": {k: getattr(args, k) for k in ("nproc", "device", "epochs", "steps_per_epoch", "n_train", "ppl_tokens")}}
+            "options": {k: getattr(args, k) for k in ("nproc", "device", "epochs", "steps_per_epoch", "n_train", "ppl_tokens",
+                                                      *(("stages",) if args.scaling else ()))}}
 
 
 def markdown(doc: dict) -> str:
@@ -327,6 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's, 48)")
     ap.add_argument("--small", action="store_true", help="a narrow model of the same architecture (smoke runs)")
     ap.add_argument("--scaling", action="store_true", help="1 vs --nproc processes on init-sgptq and refine")
+    ap.add_argument("--stages", type=lambda v: v.split(","), default=["init-sgptq", "refine"],
+                    help="scaling: the stages to time, comma-separated (default init-sgptq,refine)")
     ap.add_argument("--nproc", type=int, default=1, help="expert-parallel processes (one per GPU)")
     ap.add_argument("--device", default="cuda", help="cuda or cpu")
     ap.add_argument("--epochs", type=int, default=1, help="refine epochs (reduced budget)")

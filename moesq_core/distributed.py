@@ -155,6 +155,30 @@ def all_gather_object(obj, what: str) -> list:
     return out
 
 
+def all_gather_tensors(tensors: list[torch.Tensor], device, what: str) -> list[list[torch.Tensor]]:
+    """[tensors of rank 0, tensors of rank 1, ...] for ranks holding tensors of the same shapes and dtypes: raw
+    bytes through the collective (on `device`, the rank's GPU with NCCL), no pickling; [tensors] alone."""
+    import torch
+
+    dist = active()
+    if dist is None:
+        return [tensors]
+    flat = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    sizes = [f.numel() for f in flat]
+    buf = torch.cat(flat).to(device) if flat else torch.zeros(0, dtype=torch.uint8, device=device)
+    out = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
+    with _collective(what):
+        dist.all_gather(out, buf)
+    gathered = []
+    for b in out:
+        parts, start = [], 0
+        for t, n in zip(tensors, sizes):
+            parts.append(b[start : start + n].clone().view(t.dtype).reshape(t.shape))  # clone: aligned storage
+            start += n
+        gathered.append(parts)
+    return gathered
+
+
 def main_first(fn, *args, **kwargs):
     """Run fn on rank 0 first, then on the other ranks (which then find its writes done, e.g. the work dir
     calibrated, and only check them). If it fails on rank 0, the others raise RankZeroFailed without running

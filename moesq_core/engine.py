@@ -464,6 +464,8 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     H = block.dense_experts.gate_up_proj.shape[-1]
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     mine = [e for e in range(E) if e % world == rank]
+    if not mine:
+        raise ValueError(f"{world} processes for the {E} experts of layer {block.layer_index}: use at most {E} (--nproc)")
     # Each rank gathers the routed rows of its own experts only, and keeps them on the model's device.
     xs, ws, counts = gather_experts(block, stores[spec.compress_split], kwargs_by_bs, mine)
     xv, wv, val_counts = gather_experts(block, stores[spec.val_split], kwargs_by_bs, mine) if spec.val_split else (None, None, None)
@@ -484,17 +486,47 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     amax_mine = [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant) for r, d in zip(results_mine, data)]
     del data, xs, ws
     for r in results_mine:
+        r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
+    by_e = {e: (r, a) for e, r, a in zip(mine, results_mine, amax_mine)}
+    if dist:
+        by_e = _gather_results(by_e, E, world, spec.name, block.layer_index)
+    for r, _ in by_e.values():
         for qw in r.weights().values():
             for name in ("codes", "scales", "global_scale", "mask"):
                 setattr(qw, name, getattr(qw, name).cpu())
-        r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
-    mine_out = list(zip(mine, results_mine, amax_mine))
-    if dist:  # objects holding CPU tensors (with NCCL they travel through this rank's GPU)
-        gathered = distributed.all_gather_object(mine_out, f"{spec.name}: gathering block {block.layer_index}")
-        by_e = {e: (r, a) for part in gathered for e, r, a in part}
-    else:
-        by_e = {e: (r, a) for e, r, a in mine_out}
     results = [by_e[e][0] for e in range(E)]
     amax_in = torch.stack([by_e[e][1][0] for e in range(E)])
     amax_mid = torch.stack([by_e[e][1][1] for e in range(E)])
     return results, *fill_missing_amax(amax_in, amax_mid)
+
+
+_QW_FIELDS = ("codes", "scales", "global_scale", "mask")
+
+
+def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int) -> dict:
+    """Every rank's compressed experts and activation ranges on every rank. The weights travel as raw tensors
+    (expert e sits on rank e % world; ranks holding fewer experts pad with a copy of their first), the small
+    per-expert info as objects: pickling a full-width block's weights through the collective cost seconds."""
+    from .methods.base import CompressedExpert
+
+    mine = sorted(by_e)
+    per = -(-E // world)
+    order = mine + [mine[0]] * (per - len(mine))  # the same tensor shapes on every rank
+    tensors = []
+    for e in order:
+        r, (a_in, a_mid) = by_e[e]
+        tensors += [getattr(r.weights()[p], f) for p in PROJECTIONS for f in _QW_FIELDS]
+        tensors.append(torch.stack([a_in, a_mid]).to(r.gate.codes.device))
+    device = next(iter(by_e.values()))[0].gate.codes.device
+    parts = distributed.all_gather_tensors(tensors, device, f"{stage}: gathering block {layer}")
+    infos = distributed.all_gather_object([(e, by_e[e][0].info, by_e[e][0].gate.format) for e in mine],
+                                          f"{stage}: gathering block {layer} (info)")
+    out = {}
+    step = len(PROJECTIONS) * len(_QW_FIELDS) + 1
+    for rank, (flat, info) in enumerate(zip(parts, infos)):
+        for i, (e, inf, fmt) in enumerate(info):
+            chunk = flat[i * step : (i + 1) * step]
+            qws = [QuantizedWeight(fmt, *chunk[j * len(_QW_FIELDS) : (j + 1) * len(_QW_FIELDS)])
+                   for j in range(len(PROJECTIONS))]
+            out[e] = (CompressedExpert(*qws, None, inf), (chunk[-1][0].cpu(), chunk[-1][1].cpu()))
+    return out

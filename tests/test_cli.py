@@ -18,6 +18,8 @@ import torch
 from conftest import CALIB, EVAL
 
 MOESQ = shutil.which("moesq") or str(Path(sys.executable).parent / "moesq")
+# where the package runs from a source tree without its console script (a GPU machine), the module form
+MOESQ_CMD = [MOESQ] if Path(MOESQ).exists() else [sys.executable, "-m", "moesq_cli"]
 # the shared data when it is there (CI), else the embedded samples (a user's clone)
 SMALL = ["--seq-len", "64", "--n-train", "8", "--n-val", "4", "--n-init", "8", "--calib", str(CALIB)]
 # offline, a wide terminal, and the weight-hash cache in a temp dir instead of the user's home
@@ -26,7 +28,7 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120",
 
 
 def moesq(*args, check=True, timeout=900):
-    r = subprocess.run([MOESQ, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout)
+    r = subprocess.run([*MOESQ_CMD, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout)
     if check and r.returncode != 0:
         raise AssertionError(f"moesq {' '.join(map(str, args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r
