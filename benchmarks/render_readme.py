@@ -238,9 +238,26 @@ def render_compression() -> str:
                  f"measured, the budget extrapolated)",
                  f"— (eager step {e['step_s_median']:.3f} s: ≈ {e['paper_budget_extrapolated']['gpu_min_per_block']:.1f} GPU-min)",
                  link(REFINE_FILE.replace(".json", ".md"))])
+    for stage, f in (("init-sgptq", SCALING_INIT_FILE), ("refine", SCALING_REFINE_FILE)):
+        d = load(f)
+        r = d["scaling"][stage]
+        n = d["header"]["options"]["nproc"]
+
+        def steady(x):  # blocks after the first (its time includes compilation and warm-up)
+            later = x["block_seconds"][1:]
+            return sum(later) / len(later)
+
+        what = "8 Lion steps, the in-loop SGPTQ init included" if stage == "refine" else "SGPTQ with refit"
+        rows.append([f"`moesq {stage}` through the CLI ({what}), per Qwen3-30B-A3B block after the first "
+                     f"(lazily opened {d['header']['model_shape']['num_hidden_layers']}-layer model, routing, writing)",
+                     f"1 H200: {steady(r['1']):.1f} s; {n} H200s (expert parallel): {steady(r[str(n)]):.1f} s "
+                     f"({r['speedup_per_block_after_first']:.2f}×, commit {d['header']['commit']})", "—",
+                     link(f.replace(".json", ".md"))])
     return table(["work", "batched (moesq)", "per-expert path (extrapolated)", "file"], rows)
 
 
+SCALING_INIT_FILE = "real_size_scaling_h200x2_2026-12-01_8aed194.json"
+SCALING_REFINE_FILE = "real_size_scaling_h200x2_2026-12-01_db264ec.json"
 WORKDIR_FILE = "workdir_bytes.json"
 
 

@@ -1,0 +1,81 @@
+"""benchmarks/real_size_run.py: the real-size run's driver (every moesq command on one work dir, measured,
+resumable) on a narrow model of the same architecture, on the CPU."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "real_size_run.py"
+SMOKE = ["--layers", "2", "--small", "--device", "cpu", "--n-train", "4", "--ppl-tokens", "1024"]
+
+
+def run(*args, check=True, timeout=1200):
+    r = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
+                       timeout=timeout, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    if check and r.returncode != 0:
+        raise AssertionError(f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def test_results_hold_no_machine_paths(tmp_path):
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from real_size_run import relative
+    finally:
+        sys.path.pop(0)
+    root = tmp_path / "root"
+    doc = {"path": str(root / "work" / "packed"), "file": "/somewhere/else/eval.txt", "n": 3,
+           "rows": [{"workdir": str(root / "work")}], "label": "packed:packed"}
+    assert relative(doc, root) == {"path": "work/packed", "file": "eval.txt", "n": 3, "rows": [{"workdir": "work"}],
+                                   "label": "packed:packed"}
+
+
+@pytest.mark.slow
+def test_pipeline_runs_every_command_resumes_after_a_deadline_and_writes_results(tmp_path):
+    root, out = tmp_path / "run", tmp_path / "out"
+    # stopped almost at once: exit 3 and a line saying how to resume, nothing recorded as done past the stop
+    r = run("--root", root, *SMOKE, "--deadline-s", "3", "--out", out, check=False)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "run the same command again to resume" in r.stdout
+    state = json.loads((root / "real_size_state.json").read_text())
+    assert state["steps"]["generate"]["done"]
+    assert not all(s["done"] for s in state["steps"].values()) and not out.exists()
+    # the same command (no deadline) finishes the run
+    r = run("--root", root, *SMOKE, "--out", out)
+    state = json.loads((root / "real_size_state.json").read_text())
+    assert [k for k, s in state["steps"].items() if s["done"]] == ["generate", "calibrate", "init-sgptq", "refine",
+                                                                  "pack", "verify", "eval"]
+    (js,) = out.glob("real_size_run_cpu_*.json")
+    doc = json.loads(js.read_text())
+    assert doc["steps"]["verify"]["result"]["ok"] is True
+    assert doc["steps"]["eval"]["result"]["ppl"][0]["tokens"] == 1024
+    assert doc["steps"]["refine"]["attempts"][-1]["peak_host_gib"] > 0
+    assert doc["sizes_bytes"]["packed"] > 0 and doc["sizes_bytes"]["model"] > doc["sizes_bytes"]["packed"]
+    text = js.read_text() + js.with_suffix(".md").read_text()
+    assert str(tmp_path) not in text  # relative paths only
+    assert "| verify |" in js.with_suffix(".md").read_text()
+    # a finished run is not redone; other options on the same root are refused
+    again = run("--root", root, *SMOKE)
+    assert "calibrate:" not in again.stdout
+    bad = run("--root", root, *SMOKE[:-2], "--ppl-tokens", "2048", check=False)
+    assert bad.returncode != 0 and "other options" in bad.stderr
+
+
+@pytest.mark.slow
+def test_scaling_reports_one_against_two_processes(tmp_path):
+    out = tmp_path / "out"
+    run("--root", tmp_path / "s", *SMOKE, "--scaling", "--stages", "init-sgptq", "--nproc", "2", "--out", out)
+    (js,) = out.glob("real_size_scaling_cpu_*.json")
+    doc = json.loads(js.read_text())
+    r = doc["scaling"]["init-sgptq"]
+    assert len(r["1"]["block_seconds"]) == 2 and len(r["2"]["block_seconds"]) == 2
+    assert r["speedup_per_block_after_first"] > 0
+    # both work dirs hold the same artifacts (expert parallel writes what one process writes)
+    a, b = (json.loads((tmp_path / "s" / f"work-n{n}" / "manifest.json").read_text())["stages"]["init-sgptq"]["blocks"]
+            for n in (1, 2))
+    assert {k: v["sha256"] for k, v in a.items()} == {k: v["sha256"] for k, v in b.items()}
