@@ -264,6 +264,10 @@ def scaling(args, root: Path, deadline: float | None) -> dict:
                                            "peak_gpu_gib": rec["attempts"][-1]["peak_gpu_gib"]}
     for stage, by_n in out.items():
         one, many = by_n[1], by_n[args.nproc]
+        # expert parallel must write what one process writes
+        shas = [{k: v["sha256"] for k, v in json.loads((root / f"work-n{n}" / "manifest.json").read_text())
+                 ["stages"][stage]["blocks"].items()} for n in (1, args.nproc)]
+        by_n["same_artifacts"] = shas[0] == shas[1]
         def steady(r):  # the first block's time includes compilation and warm-up
             later = r["block_seconds"][1:] or r["block_seconds"]
             return sum(later) / len(later)
@@ -294,12 +298,12 @@ def markdown(doc: dict) -> str:
     if "scaling" in doc:
         n = h["options"]["nproc"]
         lines += [f"| stage | 1 process: s/block | {n} processes: s/block | speedup per block (after the first) | "
-                  "speedup of the compute time |", "| --- | --- | --- | --- | --- |"]
+                  "speedup of the compute time | artifacts equal |", "| --- | --- | --- | --- | --- | --- |"]
         for stage, r in doc["scaling"].items():
             def blocks(k):
                 return ", ".join(f"{v:.1f}" for v in (r[str(k)] if str(k) in r else r[k])["block_seconds"])
             lines.append(f"| {stage} | {blocks(1)} | {blocks(n)} | **{r['speedup_per_block_after_first']:.2f}×** | "
-                         f"{r['speedup_compress_seconds']:.2f}× |")
+                         f"{r['speedup_compress_seconds']:.2f}× | {r.get('same_artifacts', '—')} |")
         return "\n".join(lines) + "\n"
     lines += ["| command | wall s | peak host GiB (all ranks) | peak GPU GiB (per GPU) | result |",
               "| --- | --- | --- | --- | --- |"]

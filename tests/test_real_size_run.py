@@ -74,7 +74,7 @@ def test_scaling_reports_one_against_two_processes(tmp_path):
     doc = json.loads(js.read_text())
     r = doc["scaling"]["init-sgptq"]
     assert len(r["1"]["block_seconds"]) == 2 and len(r["2"]["block_seconds"]) == 2
-    assert r["speedup_per_block_after_first"] > 0
+    assert r["speedup_per_block_after_first"] > 0 and r["same_artifacts"] is True
     # both work dirs hold the same artifacts (expert parallel writes what one process writes)
     a, b = (json.loads((tmp_path / "s" / f"work-n{n}" / "manifest.json").read_text())["stages"]["init-sgptq"]["blocks"]
             for n in (1, 2))
