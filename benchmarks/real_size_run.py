@@ -260,6 +260,7 @@ def scaling(args, root: Path, deadline: float | None) -> dict:
             secs = [blocks[k]["seconds"] for k in sorted(blocks, key=int)]
             out.setdefault(stage, {})[n] = {"block_seconds": secs, "compress_seconds": rec["result"]["compress_seconds"],
                                            "stage_seconds": rec["result"]["stage_seconds"],
+                                           "phase_seconds": rec["result"].get("phase_seconds"),
                                            "wall_s": sum(a["wall_s"] for a in rec["attempts"]),
                                            "peak_gpu_gib": rec["attempts"][-1]["peak_gpu_gib"]}
     for stage, by_n in out.items():
@@ -304,6 +305,14 @@ def markdown(doc: dict) -> str:
                 return ", ".join(f"{v:.1f}" for v in (r[str(k)] if str(k) in r else r[k])["block_seconds"])
             lines.append(f"| {stage} | {blocks(1)} | {blocks(n)} | **{r['speedup_per_block_after_first']:.2f}×** | "
                          f"{r['speedup_compress_seconds']:.2f}× | {r.get('same_artifacts', '—')} |")
+        for stage, r in doc["scaling"].items():
+            one, many = (r[str(k)] if str(k) in r else r[k] for k in (1, n))
+            if one.get("phase_seconds") and many.get("phase_seconds"):
+                phases = list(dict.fromkeys([*one["phase_seconds"], *many["phase_seconds"]]))
+                lines += ["", f"{stage}, seconds per phase summed over the blocks (rank 0; the device synchronised at "
+                          "each phase):", "", "| processes | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
+                lines += [f"| {k} | " + " | ".join(f"{x['phase_seconds'].get(p, 0):.1f}" for p in phases) + " |"
+                          for k, x in ((1, one), (n, many))]
         return "\n".join(lines) + "\n"
     lines += ["| command | wall s | peak host GiB (all ranks) | peak GPU GiB (per GPU) | result |",
               "| --- | --- | --- | --- | --- |"]

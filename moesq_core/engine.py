@@ -378,6 +378,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
             kwargs_by_bs.update(capture_layer_inputs(model, calib[s], spec.batch_size, stores[s]))
             t.advance()
     computed, seconds, t_stage = 0, 0.0, time.perf_counter()
+    clock = PhaseClock(device)
     todo = [li for li in blocks if str(li) not in workdir.stage(spec.name)["blocks"]]
     with progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
         for li, layer in enumerate(layers):
@@ -393,7 +394,8 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     skip(tblocks)  # a loaded block: done, but no measure of the time per block
                 else:
                     t0 = time.perf_counter()
-                    results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist)
+                    clock.mark("other")
+                    results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist, clock)
                     seconds += time.perf_counter() - t0
                     log.info("%s: layer %d, %d experts compressed in %.1f s (rank %d of %d)", spec.name, li,
                              len(results), time.perf_counter() - t0, rank, world)
@@ -408,12 +410,15 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                         workdir.record_block(spec.name, li, path, {"experts": len(results)},
                                              timings={"seconds": round(time.perf_counter() - t0, 2),
                                                       **({"experts": timings} if timings else {})})
+                    clock.mark("write")
                     distributed.barrier(f"{spec.name}: block {li} written")
+                    clock.mark("wait")
                     computed += 1
                     if computed == 1 and is_main:
                         _note_estimate(progress, spec.name, [b for b in todo if b > li], time.perf_counter() - t0)
                     tblocks.advance()
                 install_block(block, spec.fmt, results, amax_in, amax_mid, spec.act_quant, device)
+                clock.mark("install")
             if li < last_moe:
                 for s in splits:
                     new = StateStore(stores[s].limit, spill)
@@ -422,9 +427,11 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                             new.append(_layer_out(layer(hidden, **kwargs_by_bs[hidden.shape[0]])))
                     stores[s].close()
                     stores[s] = new
+                clock.mark("propagate")
     for s in stores.values():
         s.close()
-    summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2)}
+    summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2),
+               "phase_seconds": clock.rounded()}
     if spec.finalize is not None:
         where["at"] = "in the step after the last block"
         if is_main:
@@ -438,6 +445,24 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
         workdir.finish_stage(spec.name, summary)
     distributed.barrier(f"{spec.name}: finishing")
     return summary
+
+
+class PhaseClock:
+    """Seconds per phase of the block loop, summed over blocks. The device is synchronised at each mark, so GPU
+    work is charged to the phase that queued it (a few synchronisations per block)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.seconds, self.t = torch.device(device), {}, time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.t
+        self.t = now
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 2) for k, v in self.seconds.items()}
 
 
 def _duration(seconds: float) -> str:
@@ -459,7 +484,7 @@ def _note_estimate(progress, stage: str, remaining: list[int], seconds: float) -
                        f"{_duration(n * seconds)} remaining")
 
 
-def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, progress, dist):
+def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, progress, dist, clock: PhaseClock):
     E = block.num_experts
     H = block.dense_experts.gate_up_proj.shape[-1]
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
@@ -470,6 +495,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     xs, ws, counts = gather_experts(block, stores[spec.compress_split], kwargs_by_bs, mine)
     xv, wv, val_counts = gather_experts(block, stores[spec.val_split], kwargs_by_bs, mine) if spec.val_split else (None, None, None)
     rows = BlockRows(block.layer_index, counts, val_counts)
+    clock.mark("route")
     data = []
     for e in mine:
         w = block.expert_weights(e)
@@ -481,9 +507,12 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
             _cat(xv[e], H).to(dev) if spec.val_split else None,
             _cat(wv[e], 1).reshape(-1).to(dev) if spec.val_split else None, block=rows))
     method = spec.method_for_block(block.layer_index)
+    clock.mark("weights")
     with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(data)) as t:
         results_mine = method.compress_block(data, spec.fmt, t.advance)
+    clock.mark("compress")
     amax_mine = [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant) for r, d in zip(results_mine, data)]
+    clock.mark("ranges")
     del data, xs, ws
     for r in results_mine:
         r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
@@ -494,6 +523,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
         for qw in r.weights().values():
             for name in ("codes", "scales", "global_scale", "mask"):
                 setattr(qw, name, getattr(qw, name).cpu())
+    clock.mark("gather")
     results = [by_e[e][0] for e in range(E)]
     amax_in = torch.stack([by_e[e][1][0] for e in range(E)])
     amax_mid = torch.stack([by_e[e][1][1] for e in range(E)])
