@@ -55,8 +55,9 @@ def test_init_then_refine_with_default_budget_then_redo(wd):
     assert "stage refine: 4 blocks (4 computed now)" in r.stdout
     # the schedule is printed before training: 10 epochs (default) × steps derived from the data
     sched = next(line for line in r.stderr.splitlines() if line.startswith("refine schedule:"))
-    # 2 × 32 tokens × top-2 = 128 routed rows over 8 experts: 16 rows each, capped at 8 rows per step
-    assert "10 epochs × 2 steps" in sched and "routed rows per step" in sched, sched
+    # the block loop routes the training and one-shot sequences: (2 + 4) × 32 tokens × top-2 = 384 routed rows
+    # over 8 experts, 48 rows each, capped at 8 rows per step
+    assert "10 epochs × 6 steps" in sched and "from 6 training + one-shot sequences" in sched, sched
     assert _manifest(wd)["stages"]["refine"]["config"]["refine"]["steps_per_epoch"] is None
     # refinement ran its init inside the block loop with the options of the work dir's init-sgptq stage
     assert _manifest(wd)["stages"]["refine"]["config"]["init"] == _manifest(wd)["stages"]["init-sgptq"]["config"]
