@@ -71,6 +71,13 @@ def test_init_then_refine_with_default_budget_then_redo(wd):
     assert moesq("refine", "-w", wd, *FAST).stdout.count("(0 computed now)") == 1
 
 
+def test_refine_on_the_training_split_alone(wd):
+    r = moesq("refine", "-w", wd, "--stage", "refine-train", "--no-init-split-rows", *SHORT, *FAST)
+    sched = next(line for line in r.stderr.splitlines() if line.startswith("refine-train schedule:"))
+    assert "from 2 training sequences" in sched, sched
+    assert "init_split_rows" not in _manifest(wd)["stages"]["refine-train"]["config"]["refine"]
+
+
 def test_refine_then_init(micro_path, tmp_path):
     """The reverse order: refine from nothing calibrates and refines (its init runs inside its block loop, no
     init stage is written); init-sgptq afterwards is a baseline stage of its own and leaves refine as it is."""
