@@ -73,7 +73,8 @@ DEVICE = "cpu"  # where stages run (--device); evaluation is always fp32 on the 
 PAPER = {"epochs": 10, "steps_per_epoch": 128}  # the paper's 1,280 steps per block
 QUARTER = {"epochs": 10, "steps_per_epoch": 32}  # a quarter of it
 E2E = {"e2e_steps": 64, "e2e_batch_size": 4}  # end-to-end tuning after the last block (lr: RefineConfig's)
-E2E_LONG = {"e2e_steps": 128, "e2e_batch_size": 4}
+E2E_128 = {"e2e_steps": 128, "e2e_batch_size": 4}
+E2E_256 = {"e2e_steps": 256, "e2e_batch_size": 4}
 SPLIT = {"init_split_rows": True}  # RefineConfig's default; tables begun before it existed run with it off
 RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False}
 
@@ -108,7 +109,8 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-refit-quarter": ("p48-nvfp4", "refine", "sgptq-refit", QUARTER),
     "refine-refit-e2e": ("p48-nvfp4", "refine", "sgptq-refit", E2E),
     "refine-e2e": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E}),
-    "refine-e2e-long": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_LONG}),
+    "refine-e2e-128": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128}),
+    "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
     "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
     "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
     "s24-sgptq": ("s24-fp8", "init", "sgptq", {}),
@@ -142,8 +144,10 @@ DESCRIPTION = {
                         "(64 steps × 4 sequences, KL to the reference's logits)",
     "refine-e2e": "paired 4:8 NVFP4, refine (default: the block loop routes the training and one-shot sequences) "
                   "from SGPTQ-refit + end-to-end tuning (64 steps × 4 sequences)",
-    "refine-e2e-long": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
-                       "end-to-end tuning (128 steps × 4 sequences)",
+    "refine-e2e-128": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
+                      "end-to-end tuning (128 steps × 4 sequences)",
+    "refine-e2e-256": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
+                      "end-to-end tuning (256 steps × 4 sequences)",
     "release-faithful": "paired 4:8 NVFP4, release-faithful (fp32 SGPTQ scales, paper lrs, bf16 logits, last epoch, "
                         "separate gate/up globals)",
     "release-faithful-paper": "paired 4:8 NVFP4, release-faithful at the paper's budget (10 × 128 steps)",
@@ -163,7 +167,7 @@ GROUPS = {
     "paper-budget": ["refine-quarter", "refine-quarter-paper-lr", "refine-refit-quarter", "refine-paper",
                      "release-faithful-paper"],
     "fp8": ["s24-sgptq", "s24-refine"],
-    "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-long"],
+    "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
 
@@ -283,15 +287,15 @@ def blockwise_ppl(wd: WorkDir, stage: str, eval_text, args, cache) -> float:
 def same_refine(old: dict | None, new: dict) -> bool:
     """The same refinement protocol: equal configs, where a table written before the end-to-end options
     existed (no e2e_* keys) counts as having them at their defaults (none), one written before
-    `init_split_rows` existed as having it off (the training split alone), and `compile` is not compared (it
-    changes the speed on CUDA only; CPU runs are eager whatever it says)."""
+    `init_split_rows` existed as having it off (the training split alone), and `compile` and `chunk_gb` are
+    not compared (the speed on CUDA, the memory per chunk: CPU results are the same whatever they say)."""
     from moesq_core.methods.refine import RefineConfig
 
     if old is None:
         return False
     default = asdict(RefineConfig())
     old = {**{k: default[k] for k in new if k.startswith("e2e_")}, "init_split_rows": False, **old,
-           "compile": new.get("compile")}
+           **{k: new.get(k) for k in ("compile", "chunk_gb")}}
     return old == new
 
 
