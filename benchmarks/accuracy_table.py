@@ -76,7 +76,8 @@ E2E = {"e2e_steps": 64, "e2e_batch_size": 4}  # end-to-end tuning after the last
 E2E_128 = {"e2e_steps": 128, "e2e_batch_size": 4}
 E2E_256 = {"e2e_steps": 256, "e2e_batch_size": 4}
 SPLIT = {"init_split_rows": True}  # RefineConfig's default; tables begun before it existed run with it off
-RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False}
+RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False,
+           "init_split_rows": False}
 
 # name -> (format, kind, method, options); kind: reference | init | refine. For refine rows `method` is the
 # init row refinement starts from and `options` are RefineConfig fields over the command line's.
