@@ -109,6 +109,7 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-paper": ("p48-nvfp4", "refine", "sgptq", PAPER),
     "refine-refit-quarter": ("p48-nvfp4", "refine", "sgptq-refit", QUARTER),
     "refine-refit-e2e": ("p48-nvfp4", "refine", "sgptq-refit", E2E),
+    "refine-split": ("p48-nvfp4", "refine", "sgptq-refit", SPLIT),
     "refine-e2e": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E}),
     "refine-e2e-128": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128}),
     "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
@@ -143,6 +144,8 @@ DESCRIPTION = {
     "refine-refit-quarter": "paired 4:8 NVFP4, refine from SGPTQ-refit at 1/4 of the paper's budget",
     "refine-refit-e2e": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit + end-to-end tuning of the values "
                         "(64 steps × 4 sequences, KL to the reference's logits)",
+    "refine-split": "paired 4:8 NVFP4, refine (default: the block loop routes the training and one-shot sequences) "
+                    "from SGPTQ-refit",
     "refine-e2e": "paired 4:8 NVFP4, refine (default: the block loop routes the training and one-shot sequences) "
                   "from SGPTQ-refit + end-to-end tuning (64 steps × 4 sequences)",
     "refine-e2e-128": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
@@ -163,7 +166,7 @@ GROUPS = {
     "p48": [r for r in ROWS if not r.startswith("s24")],
     "core": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq", "sgptq-fp32scales", "refine"],
     "ablations": ["refine-p0", "refine-values", "refine-support"],
-    "budget": ["refine-paper-lr", "refine-values-first", "refine-logits-cap25", "refine-logits-cap100", "refine-seed1", "sgptq-refit", "refine-refit",
+    "budget": ["refine-split", "refine-paper-lr", "refine-values-first", "refine-logits-cap25", "refine-logits-cap100", "refine-seed1", "sgptq-refit", "refine-refit",
                "refine-refit-seed1", "refine-refit-values", "release-faithful"],
     "paper-budget": ["refine-quarter", "refine-quarter-paper-lr", "refine-refit-quarter", "refine-paper",
                      "release-faithful-paper"],
