@@ -327,7 +327,8 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
              f"{meta['eval']['window']}-token windows, fp32 on CPU, expert weights fake-quantized"
              + ("" if meta["eval"]["tokens"] == 65536 else " (REDUCED from the standard 65,536 tokens)"),
              f"- calibration ({meta['calibration']['source']}): {json.dumps(meta['calibration']['config'])} "
-             "— the same splits for every method (one-shot methods use `init`, refinement `train`/`val`)",
+             "— the same splits for every method (one-shot methods use `init`; refinement `train`/`val`, and with "
+             "`init_split_rows` `init` too)",
              f"- refinement (rows override some fields, see `options` in the JSON): {json.dumps(meta['refine'])}",
              f"- seeds: calibration split {meta['calibration']['config']['seed']}, refinement {meta['refine']['seed']} "
              "unless the row says otherwise", "",
