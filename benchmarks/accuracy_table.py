@@ -73,7 +73,11 @@ DEVICE = "cpu"  # where stages run (--device); evaluation is always fp32 on the 
 PAPER = {"epochs": 10, "steps_per_epoch": 128}  # the paper's 1,280 steps per block
 QUARTER = {"epochs": 10, "steps_per_epoch": 32}  # a quarter of it
 E2E = {"e2e_steps": 64, "e2e_batch_size": 4}  # end-to-end tuning after the last block (lr: RefineConfig's)
-RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False}
+E2E_128 = {"e2e_steps": 128, "e2e_batch_size": 4}
+E2E_256 = {"e2e_steps": 256, "e2e_batch_size": 4}
+SPLIT = {"init_split_rows": True}  # RefineConfig's default; tables begun before it existed run with it off
+RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False,
+           "init_split_rows": False}
 
 # name -> (format, kind, method, options); kind: reference | init | refine. For refine rows `method` is the
 # init row refinement starts from and `options` are RefineConfig fields over the command line's.
@@ -105,6 +109,10 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-paper": ("p48-nvfp4", "refine", "sgptq", PAPER),
     "refine-refit-quarter": ("p48-nvfp4", "refine", "sgptq-refit", QUARTER),
     "refine-refit-e2e": ("p48-nvfp4", "refine", "sgptq-refit", E2E),
+    "refine-split": ("p48-nvfp4", "refine", "sgptq-refit", SPLIT),
+    "refine-e2e": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E}),
+    "refine-e2e-128": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128}),
+    "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
     "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
     "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
     "s24-sgptq": ("s24-fp8", "init", "sgptq", {}),
@@ -136,6 +144,14 @@ DESCRIPTION = {
     "refine-refit-quarter": "paired 4:8 NVFP4, refine from SGPTQ-refit at 1/4 of the paper's budget",
     "refine-refit-e2e": "paired 4:8 NVFP4, refine (default) from SGPTQ-refit + end-to-end tuning of the values "
                         "(64 steps × 4 sequences, KL to the reference's logits)",
+    "refine-split": "paired 4:8 NVFP4, refine (default: the block loop routes the training and one-shot sequences) "
+                    "from SGPTQ-refit",
+    "refine-e2e": "paired 4:8 NVFP4, refine (default: the block loop routes the training and one-shot sequences) "
+                  "from SGPTQ-refit + end-to-end tuning (64 steps × 4 sequences)",
+    "refine-e2e-128": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
+                      "end-to-end tuning (128 steps × 4 sequences)",
+    "refine-e2e-256": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
+                      "end-to-end tuning (256 steps × 4 sequences)",
     "release-faithful": "paired 4:8 NVFP4, release-faithful (fp32 SGPTQ scales, paper lrs, bf16 logits, last epoch, "
                         "separate gate/up globals)",
     "release-faithful-paper": "paired 4:8 NVFP4, release-faithful at the paper's budget (10 × 128 steps)",
@@ -150,12 +166,12 @@ GROUPS = {
     "p48": [r for r in ROWS if not r.startswith("s24")],
     "core": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq", "sgptq-fp32scales", "refine"],
     "ablations": ["refine-p0", "refine-values", "refine-support"],
-    "budget": ["refine-paper-lr", "refine-values-first", "refine-logits-cap25", "refine-logits-cap100", "refine-seed1", "sgptq-refit", "refine-refit",
+    "budget": ["refine-split", "refine-paper-lr", "refine-values-first", "refine-logits-cap25", "refine-logits-cap100", "refine-seed1", "sgptq-refit", "refine-refit",
                "refine-refit-seed1", "refine-refit-values", "release-faithful"],
     "paper-budget": ["refine-quarter", "refine-quarter-paper-lr", "refine-refit-quarter", "refine-paper",
                      "release-faithful-paper"],
     "fp8": ["s24-sgptq", "s24-refine"],
-    "e2e": ["refine-refit-e2e"],
+    "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
 
@@ -274,14 +290,16 @@ def blockwise_ppl(wd: WorkDir, stage: str, eval_text, args, cache) -> float:
 
 def same_refine(old: dict | None, new: dict) -> bool:
     """The same refinement protocol: equal configs, where a table written before the end-to-end options
-    existed (no e2e_* keys) counts as having them at their defaults (none), and `compile` is not compared (it
-    changes the speed on CUDA only; CPU runs are eager whatever it says)."""
+    existed (no e2e_* keys) counts as having them at their defaults (none), one written before
+    `init_split_rows` existed as having it off (the training split alone), and `compile` and `chunk_gb` are
+    not compared (the speed on CUDA, the memory per chunk: CPU results are the same whatever they say)."""
     from moesq_core.methods.refine import RefineConfig
 
     if old is None:
         return False
     default = asdict(RefineConfig())
-    old = {**{k: default[k] for k in new if k.startswith("e2e_")}, **old, "compile": new.get("compile")}
+    old = {**{k: default[k] for k in new if k.startswith("e2e_")}, "init_split_rows": False, **old,
+           **{k: new.get(k) for k in ("compile", "chunk_gb")}}
     return old == new
 
 
@@ -309,7 +327,8 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
              f"{meta['eval']['window']}-token windows, fp32 on CPU, expert weights fake-quantized"
              + ("" if meta["eval"]["tokens"] == 65536 else " (REDUCED from the standard 65,536 tokens)"),
              f"- calibration ({meta['calibration']['source']}): {json.dumps(meta['calibration']['config'])} "
-             "— the same splits for every method (one-shot methods use `init`, refinement `train`/`val`)",
+             "— the same splits for every method (one-shot methods use `init`; refinement `train`/`val`, and with "
+             "`init_split_rows` `init` too)",
              f"- refinement (rows override some fields, see `options` in the JSON): {json.dumps(meta['refine'])}",
              f"- seeds: calibration split {meta['calibration']['config']['seed']}, refinement {meta['refine']['seed']} "
              "unless the row says otherwise", "",

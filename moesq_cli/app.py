@@ -476,6 +476,7 @@ def refine(
     values_only: Annotated[bool, typer.Option(help="Ablation: keep the init's support, learn values only.")] = False,
     support_only: Annotated[bool, typer.Option(help="Ablation: learn the support only, values stay.")] = False,
     refine_seed: Annotated[Optional[int], typer.Option(min=0, help=f"Seed of the Gumbel noise and the init of A (default {_default(_REFINE, 'seed')}).")] = None,
+    init_split_rows: Annotated[Optional[bool], typer.Option("--init-split-rows/--no-init-split-rows", help="Route the one-shot split's sequences (--n-init) through the block loop with the training ones, for the in-loop init and block-wise training (default: on; off: the training split alone).")] = None,
     e2e_steps: Annotated[Optional[int], typer.Option(min=0, help=f"Adam steps of end-to-end tuning after the last block (default {_default(_REFINE, 'e2e_steps')}: none; see End-to-end).")] = None,
     e2e_lr: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Its learning rate (default {_default(_REFINE, 'e2e_lr')}, cosine to 0).")] = None,
     e2e_batch_size: Annotated[Optional[int], typer.Option(min=1, help=f"Calibration sequences per end-to-end step (default {_default(_REFINE, 'e2e_batch_size')}).")] = None,
@@ -489,7 +490,8 @@ def refine(
     """Learn each expert's sparsity pattern jointly with its quantized values (the moesq algorithm).
 
     Gumbel-softmax over the format's patterns, a latent fp32 weight copy, straight-through quantization and a
-    router-weighted reconstruction loss, block by block on the compressed prefix. Each block starts from the
+    router-weighted reconstruction loss, block by block on the compressed prefix, over the routed rows of the
+    training and one-shot sequences (--no-init-split-rows: the training ones). Each block starts from the
     --init method run on that block inside the loop (with the options of the work dir's init-<init> stage if
     there is one, else its defaults); ships each block's best validation epoch.
 
@@ -536,7 +538,7 @@ def refine(
     options = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows,
                    micro_batch_rows=micro_batch_rows, chunk_gb=chunk_gb, lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power,
                    train_support=False if values_only else None, train_values=False if support_only else None,
-                   seed=refine_seed, e2e_steps=e2e_steps, e2e_lr=e2e_lr, e2e_batch_size=e2e_batch_size)
+                   seed=refine_seed, init_split_rows=init_split_rows, e2e_steps=e2e_steps, e2e_lr=e2e_lr, e2e_batch_size=e2e_batch_size)
     rcfg = _as_usage_error(RefineConfig, **{k: v for k, v in options.items() if v is not None})
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,

@@ -239,8 +239,10 @@ def refine_schedule(workdir: WorkDir, rcfg) -> str:
     cfg = read_config(Path(m["model"]["path"]))
     top_k = cfg.get("num_experts_per_tok") or 1
     n_exp = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 1
-    rows = cal["sequences"]["train"] * cal["seq_len"] * top_k
-    return (f"{rcfg.schedule(rows, n_exp)} (from {cal['sequences']['train']} training sequences × "
+    seqs = cal["sequences"]["train"] + (cal["sequences"]["init"] if rcfg.init_split_rows else 0)
+    rows = seqs * cal["seq_len"] * top_k
+    what = "training + one-shot" if rcfg.init_split_rows else "training"
+    return (f"{rcfg.schedule(rows, n_exp)} (from {seqs} {what} sequences × "
             f"{cal['seq_len']} tokens × top-{top_k} ≈ {rows:,} routed rows over {n_exp} experts per block)")
 
 
@@ -249,8 +251,8 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
            stage: str = "refine") -> dict:
     """The refinement stage (a RefineConfig, or a dict of its fields). As in Algorithm 1, each block's init is
     computed inside the block loop: the one-shot method `init` (a MethodConfig, or a method name with its
-    defaults) runs on the block's training tokens on the refined prefix, then refinement starts from it. Prints
-    (progress.note) its schedule before training."""
+    defaults) runs on the block's training tokens (and the one-shot split's: RefineConfig.init_split_rows) on
+    the refined prefix, then refinement starts from it. Prints (progress.note) its schedule before training."""
     from .methods.refine import RefineConfig, RefineMethod
 
     rcfg = config if isinstance(config, RefineConfig) else RefineConfig(**dict(config or {}))
@@ -274,9 +276,13 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
 
         def end_to_end(model, adapter, workdir, progress):
             return tune_end_to_end(workdir, stage, model, adapter, calib, fmt, act_quant, rcfg, progress)
+        split = "train"
+        if rcfg.init_split_rows:  # one split the block loop routes: the training and the one-shot sequences
+            split = "train+init"
+            calib = {**calib, split: torch.cat([calib["train"], calib["init"]])}
         spec = StageSpec(
             name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=identity,
-            compress_split="train", val_split="val", act_quant=act_quant, batch_size=batch_size,
+            compress_split=split, val_split="val", act_quant=act_quant, batch_size=batch_size,
             cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True),
             finalize=end_to_end if rcfg.e2e_steps > 0 else None)
         return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)

@@ -36,6 +36,7 @@ def test_shipped_recipes():
     assert paper.model == "Qwen/Qwen3-30B-A3B" and paper.calib.seq_len == 4096 and paper.init.options["percdamp"] == 0.01
     # 8,192 sequences × 4,096 tokens × top-8 over 128 experts: the paper's 128 steps per epoch
     assert paper.refine.schedule(8192 * 4096 * 8, 128).steps_per_epoch == 128
+    assert not paper.refine.init_split_rows  # the 512 one-shot sequences would make it 136
     assert CompressConfig.from_dict(quick.to_dict()).to_dict() == quick.to_dict()  # to_dict round-trips
 
 

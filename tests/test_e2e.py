@@ -144,6 +144,8 @@ def test_e2e_recipe_is_micro_quick_with_the_end_to_end_step():
     e2e = CompressConfig.from_file(recipes / "micro-quick-e2e.yaml").to_dict()
     assert e2e["refine"]["e2e_steps"] > 0
     assert {k: v for k, v in e2e.items() if k != "refine"} == {k: v for k, v in quick.items() if k != "refine"}
+    plain = lambda c: {k: v for k, v in c["refine"].items() if not k.startswith("e2e_")}  # noqa: E731
+    assert plain(e2e) == plain(quick)  # the same block-wise refinement
 
 
 def test_stage_identity_without_the_end_to_end_step_is_unchanged():
@@ -152,3 +154,27 @@ def test_stage_identity_without_the_end_to_end_step_is_unchanged():
     plain = refine_identity(RefineConfig(e2e_lr=5e-4), MethodConfig("rtn"))["refine"]
     assert not any(k.startswith("e2e_") for k in plain)  # a stage recorded before the e2e options matches
     assert refine_identity(RCFG, MethodConfig("rtn"))["refine"]["e2e_steps"] == RCFG.e2e_steps
+
+
+@pytest.mark.parametrize("with_init_split", [True, False])
+def test_block_loop_routes_the_one_shot_split_when_asked(micro_path, tmp_path, with_init_split):
+    """init_split_rows (the default): the in-loop init and block-wise training see the training and the one-shot
+    sequences' routed rows (every token reaches top-k experts); off, the training split's alone. The option is
+    part of the stage identity only when on (stages recorded before it existed ran with it off)."""
+    from moesq_core.config import MethodConfig, refine_identity
+    from moesq_core.engine import load_block
+    from moesq_core.pipeline import run_refine
+    from moesq_core.workdir import WorkDir
+
+    rcfg = RefineConfig(epochs=1, steps_per_epoch=2, init_split_rows=with_init_split)
+    assert RefineConfig().init_split_rows
+    run_refine(tmp_path / "wd", rcfg, micro_path, RUN, device="cpu", batch_size=4)
+    st = WorkDir(tmp_path / "wd").stage("refine")
+    top_k = 2  # the micro model's experts per token
+    seqs = RUN["n_train"] + (RUN["n_init"] if with_init_split else 0)
+    for rec in st["blocks"].values():
+        info = [ce.info["refine"] for ce in load_block(tmp_path / "wd" / rec["file"])[0]]
+        assert sum(i["n_train"] for i in info) == seqs * RUN["seq_len"] * top_k
+        assert sum(i["n_val"] for i in info) == RUN["n_val"] * RUN["seq_len"] * top_k  # held out either way
+    assert ("init_split_rows" in st["config"]["refine"]) == with_init_split
+    assert st["config"] == refine_identity(rcfg, MethodConfig("sgptq"))

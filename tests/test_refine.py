@@ -617,7 +617,8 @@ def test_release_faithful_recipe_names_real_options():
     init = get_method(r["init"]["method"], **r["init"]["options"])
     assert init.exact_scales is False
     cfg = RefineConfig(**r["refine"])
-    assert (cfg.logits_dtype, cfg.ship, cfg.shared_gate_up_global, cfg.lr_budget_steps) == ("bfloat16", "last", False, None)
+    assert (cfg.logits_dtype, cfg.ship, cfg.shared_gate_up_global, cfg.lr_budget_steps, cfg.init_split_rows) == \
+        ("bfloat16", "last", False, None, False)
 
 
 @pytest.mark.parametrize("with_val", [True, False], ids=["engine-val", "own-split"])

@@ -55,8 +55,9 @@ def test_init_then_refine_with_default_budget_then_redo(wd):
     assert "stage refine: 4 blocks (4 computed now)" in r.stdout
     # the schedule is printed before training: 10 epochs (default) × steps derived from the data
     sched = next(line for line in r.stderr.splitlines() if line.startswith("refine schedule:"))
-    # 2 × 32 tokens × top-2 = 128 routed rows over 8 experts: 16 rows each, capped at 8 rows per step
-    assert "10 epochs × 2 steps" in sched and "routed rows per step" in sched, sched
+    # the block loop routes the training and one-shot sequences: (2 + 4) × 32 tokens × top-2 = 384 routed rows
+    # over 8 experts, 48 rows each, capped at 8 rows per step
+    assert "10 epochs × 6 steps" in sched and "from 6 training + one-shot sequences" in sched, sched
     assert _manifest(wd)["stages"]["refine"]["config"]["refine"]["steps_per_epoch"] is None
     # refinement ran its init inside the block loop with the options of the work dir's init-sgptq stage
     assert _manifest(wd)["stages"]["refine"]["config"]["init"] == _manifest(wd)["stages"]["init-sgptq"]["config"]
@@ -68,6 +69,13 @@ def test_init_then_refine_with_default_budget_then_redo(wd):
     assert "(2 computed now)" in r.stdout
     assert _artifacts(wd) == before  # recomputed blocks are byte-identical
     assert moesq("refine", "-w", wd, *FAST).stdout.count("(0 computed now)") == 1
+
+
+def test_refine_on_the_training_split_alone(wd):
+    r = moesq("refine", "-w", wd, "--stage", "refine-train", "--no-init-split-rows", *SHORT, *FAST)
+    sched = next(line for line in r.stderr.splitlines() if line.startswith("refine-train schedule:"))
+    assert "from 2 training sequences" in sched, sched
+    assert "init_split_rows" not in _manifest(wd)["stages"]["refine-train"]["config"]["refine"]
 
 
 def test_refine_then_init(micro_path, tmp_path):
