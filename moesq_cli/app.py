@@ -688,7 +688,7 @@ def verify(
         bad = [r for r in results if not r[2]]
         doc["kernel"] = [{"expert": r[0], "max_abs_err": r[1], "ok": bool(r[2])} for r in results]
         doc["ok"] = not bad
-        how = f" (p48-nvfp4 on the {info['p48_kernel']} kernel)" if "p48_kernel" in info else ""
+        how = f" ({info['kernel']})" if "kernel" in info else ""
         console.print(f"kernel check{how}: {len(results) - len(bad)}/{len(results)} expert linears match the reference")
         if bad:
             _write_json(json_out, doc)

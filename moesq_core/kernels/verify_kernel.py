@@ -81,7 +81,8 @@ def kernel_check_packed_dir(path: str | Path, capacity: int = 16, seed: int = 0,
 
     Returns [(tensor name `<prefix>.mlp.experts.<e>.<proj>`, max |kernel - reference| over its valid rows, ok)]
     (p48 W4A4 rows are named `<tensor> (W4A4)`). `progress`: a moesq_core.progress.Progress (one unit per
-    projection). `info`, when given, receives {"p48_kernel": "sparse-mma" | "triton"} for p48 directories.
+    projection). `info`, when given, receives {"p48_kernel": "sparse-mma" | "triton", "kernel": a description}
+    for p48 directories.
     Raises RuntimeError when the GPU (or native build) the kernel needs is absent, ValueError when the
     directory holds no expert of a covered format. s24 experts the kernel cannot take (M % 8 or K % 32 != 0)
     come back with nan, False.
@@ -105,6 +106,7 @@ def kernel_check_packed_dir(path: str | Path, capacity: int = 16, seed: int = 0,
         raise RuntimeError(f"kernel check of {path} impossible: {e}") from e
     if info is not None and p48_kernel is not None:
         info["p48_kernel"] = p48_kernel[0]
+        info["kernel"] = f"p48-nvfp4 on the {p48_kernel[0]} kernel"  # what the CLI prints
     device = torch.device("cuda", torch.cuda.current_device())
     gen = torch.Generator().manual_seed(seed)
     results: list[tuple[str, float, bool]] = []
