@@ -199,8 +199,8 @@ def generate(state: State, model: Path, cfg: dict, device: str) -> None:
     print(f"generate: {size / GIB:.1f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
-def stage_args(args) -> list[str]:
-    return ["--device", args.device, *(["--nproc", str(args.nproc)] if args.nproc > 1 else []),
+def stage_args(args, nproc: int) -> list[str]:
+    return ["--device", args.device, *(["--nproc", str(nproc)] if nproc > 1 else []),
             *(["--n-train", str(args.n_train)] if args.n_train else [])]
 
 
@@ -221,8 +221,8 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
     steps = {
         "calibrate": moesq("calibrate", "-m", m, "-w", w, "--quiet", "--json", str(res / "calibrate.json"),
                            *(["--n-train", str(args.n_train)] if args.n_train else [])),
-        "init-sgptq": moesq("init-sgptq", "-m", m, "-w", w, *stage_args(args), "--quiet", "--json", str(res / "init-sgptq.json")),
-        "refine": moesq("refine", "-m", m, "-w", w, *stage_args(args), *refine_args(args), "--quiet",
+        "init-sgptq": moesq("init-sgptq", "-m", m, "-w", w, *stage_args(args, args.nproc), "--quiet", "--json", str(res / "init-sgptq.json")),
+        "refine": moesq("refine", "-m", m, "-w", w, *stage_args(args, args.nproc), *refine_args(args), "--quiet",
                         "--json", str(res / "refine.json")),
         "pack": moesq("pack", w, "--quiet", "--json", str(res / "pack.json")),
         "verify": moesq("verify", str(wd / "packed"), "--quiet", "--json", str(res / "verify.json")),
@@ -248,8 +248,7 @@ def scaling(args, root: Path, deadline: float | None) -> dict:
     for n in (1, args.nproc):
         wd, res = root / f"work-n{n}", root / f"results-n{n}"
         res.mkdir(parents=True, exist_ok=True)
-        common = ["-m", str(model), "-w", str(wd), "--device", args.device, *(["--nproc", str(n)] if n > 1 else []),
-                  *(["--n-train", str(args.n_train)] if args.n_train else []), "--quiet"]
+        common = ["-m", str(model), "-w", str(wd), *stage_args(args, n), "--quiet"]
         for stage, extra in (("init-sgptq", []), ("refine", refine_args(args))):
             if stage not in args.stages:
                 continue

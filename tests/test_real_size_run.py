@@ -3,6 +3,7 @@ resumable) on a narrow model of the same architecture, on the CPU."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ SMOKE = ["--layers", "2", "--small", "--device", "cpu", "--n-train", "4", "--ppl
 
 def run(*args, check=True, timeout=1200):
     r = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                       timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if check and r.returncode != 0:
         raise AssertionError(f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     return r
