@@ -17,6 +17,7 @@ validation and setup throughputs; the report says so.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -33,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch._dynamo  # noqa: E402,F401  (imported up front: torch.optim pulls it in on first use, ~5 s)
 from moesq_core.formats import get_format  # noqa: E402
+from moesq_core.kernels import relax_triton  # noqa: E402
 from moesq_core.methods.base import ExpertData  # noqa: E402
 from moesq_core.methods.refine import BlockRefiner, RefineConfig  # noqa: E402
 from moesq_core.methods.rtn import RTN  # noqa: E402
@@ -40,11 +42,16 @@ from moesq_core.methods.rtn import RTN  # noqa: E402
 # name -> (description, RefineConfig overrides of the base configuration)
 VARIANTS = {
     "eager": ("batched trainer, eager (the previous measurement's configuration)", {"compile": False}),
-    "compile": ("batched trainer, torch.compile of the relaxation, weight quantizer and micro-batch forward+loss "
-                "(compile=auto, the default on CUDA)",
+    "compile-unfused": ("as compile, but the relaxation through torch.compile and Lion's torch update (the previous "
+                        "default)", {"compile": True, "fused_kernels": False}),
+    "compile": ("batched trainer, torch.compile of the weight quantizer and micro-batch forward+loss, fused Triton "
+                "relaxation and Lion kernels (compile=auto, the default on CUDA)",
                 {"compile": True}),
     "compile-mb2x": ("as compile, micro-batches of twice the rows (524,288)", {"compile": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
+
+# bench-only switches (not RefineConfig fields)
+BENCH_KEYS = ("fused_kernels",)
 
 PAPER = dict(epochs=10, sequences=8192, seq_len=4096, batch_sequences=64, val_sequences=128)
 
@@ -175,8 +182,10 @@ def main(argv=None):
     rows_per_step_paper = PAPER["batch_sequences"] * PAPER["seq_len"] * a.topk
     variants = {}
     for n in names:
-        cfg = RefineConfig(**{**base, **VARIANTS[n][1]})
-        variants[n] = v = measure(experts, inits, fmt, cfg, a, dev)
+        over = VARIANTS[n][1]
+        cfg = RefineConfig(**{**base, **{k: x for k, x in over.items() if k not in BENCH_KEYS}})
+        with fused_kernels(over.get("fused_kernels", True)):
+            variants[n] = v = measure(experts, inits, fmt, cfg, a, dev)
         v["description"] = VARIANTS[n][0]
         v["config"] = {k: getattr(cfg, k) for k in ("compile", "micro_batch_rows", "compute_dtype", "cache_dtype")}
         # Extrapolation to the paper's budget from this variant's measured throughputs.
@@ -301,6 +310,20 @@ def main(argv=None):
     return res
 
 
+@contextlib.contextmanager
+def fused_kernels(on: bool):
+    """Off: the trainer takes its torch path for the relaxation and Lion (as before the fused kernels)."""
+    if on:
+        yield
+        return
+    saved = relax_triton.available
+    relax_triton.available = lambda device: False
+    try:
+        yield
+    finally:
+        relax_triton.available = saved
+
+
 def measure(experts, inits, fmt, cfg: RefineConfig, a, dev) -> dict:
     """Setup, validation, step and weight-side times of one trainer configuration on the block."""
     if dev.type == "cuda":
@@ -344,6 +367,11 @@ def measure(experts, inits, fmt, cfg: RefineConfig, a, dev) -> dict:
             sync(dev)
         key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
         prof_table = prof.key_averages().table(sort_by=key, row_limit=25)
+        del r
+        with profile(activities=acts) as prof:  # the per-block setup (split, dense targets, input quantization, init)
+            r = BlockRefiner(experts, inits, fmt, cfg)
+            sync(dev)
+        prof_table += "\n\nSetup (BlockRefiner construction):\n" + prof.key_averages().table(sort_by=key, row_limit=25)
     out = {"train_rows_per_step": n_train, "val_rows": n_val, "compute_dtype": compute_dtype_name(cfg, dev),
            "first_step_s": first, "step_s": step_times, "step_s_median": t_step, "rows_per_s": n_train / t_step,
            "weight_side_s_per_step": t_weight, "setup_s": t_setup, "setup_phases_s": dict(r.timings),

@@ -2,6 +2,7 @@
 
     python benchmarks/real_size_run.py --root DIR --nproc 2 --out benchmarks/results          # 48-layer Qwen3-30B-A3B shape (57 GiB)
     python benchmarks/real_size_run.py --root DIR --scaling --layers 3 --nproc 2 --out benchmarks/results
+    python benchmarks/real_size_run.py --root DIR --shape kimi-k2-block --out benchmarks/results  # one Kimi-K2 block
     python benchmarks/real_size_run.py --root DIR --layers 2 --small --device cpu --nproc 2   # a smoke run
 
 Pipeline mode writes the model under DIR (generated on the GPU when there is one; `moesq_core.bench.
@@ -40,7 +41,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from moesq_core.bench.harness import git_commit  # noqa: E402
-from moesq_core.bench.synthetic_model import QWEN3_30B_A3B, qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
+from moesq_core.bench.synthetic_model import SHAPES, qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
 from moesq_core.config import ASSETS  # noqa: E402
 
 GIB = 2 ** 30
@@ -182,7 +183,7 @@ def run_step(state: State, name: str, argv: list[str], log: Path, deadline: floa
 
 
 def model_config(args) -> dict:
-    over = {**QWEN3_30B_A3B, **(SMALL if args.small else {})}
+    over = {**SHAPES[args.shape], **(SMALL if args.small else {})}
     if args.layers:
         over["num_hidden_layers"] = args.layers
     return qwen3_moe_config(**over)
@@ -283,14 +284,14 @@ def header(args, cfg: dict) -> dict:
             {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size",
                                  "num_experts_per_tok", "vocab_size")},
             "tokenizer": "the embedded micro model's (random weights: perplexities are not meaningful)",
-            "options": {k: getattr(args, k) for k in ("nproc", "device", "epochs", "steps_per_epoch", "n_train", "ppl_tokens",
+            "options": {k: getattr(args, k) for k in ("shape", "nproc", "device", "epochs", "steps_per_epoch", "n_train", "ppl_tokens",
                                                       *(("stages",) if args.scaling else ()))}}
 
 
 def markdown(doc: dict) -> str:
     h = doc["header"]
     s = h["model_shape"]
-    lines = [f"# Real-size run — {'scaling' if 'scaling' in doc else 'pipeline'}: random Qwen3-MoE, "
+    lines = [f"# Real-size run — {'scaling' if 'scaling' in doc else 'pipeline'}: random Qwen3-MoE ({h['options'].get('shape', 'qwen3-30b-a3b')} shape), "
              f"{s['num_hidden_layers']} layers × {s['num_experts']} experts of {s['hidden_size']} × "
              f"{s['moe_intermediate_size']}, top-{s['num_experts_per_tok']}", "",
              f"{h['date'][:10]} · {', '.join(h['gpus']) or 'CPU'} · torch {h['torch']} · commit {h['commit']} · "
@@ -339,7 +340,9 @@ def markdown(doc: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", type=Path, required=True, help="directory for the model, work dirs and state")
-    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's, 48)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
+                    help="the model shape (kimi-k2-block: one Kimi-K2 MoE block)")
+    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's: 48, or 1 for kimi-k2-block)")
     ap.add_argument("--small", action="store_true", help="a narrow model of the same architecture (smoke runs)")
     ap.add_argument("--scaling", action="store_true", help="1 vs --nproc processes on init-sgptq and refine")
     ap.add_argument("--stages", type=lambda v: v.split(","), default=["init-sgptq", "refine"],
@@ -362,7 +365,7 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         gpu = "h200" if any("H200" in g for g in doc["header"]["gpus"]) else ("gpu" if doc["header"]["gpus"] else "cpu")
         n = len(doc["header"]["gpus"])
-        stem = (f"real_size_{'scaling' if args.scaling else 'run'}_{gpu}{f'x{n}' if n > 1 else ''}_"
+        stem = (f"real_size_{'scaling' if args.scaling else 'run'}_{'' if args.shape == 'qwen3-30b-a3b' else args.shape + '_'}{gpu}{f'x{n}' if n > 1 else ''}_"
                 f"{doc['header']['date'][:10]}_{doc['header']['commit']}")
         (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2))
         (args.out / f"{stem}.md").write_text(markdown(doc))

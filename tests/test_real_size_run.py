@@ -80,3 +80,19 @@ def test_scaling_reports_one_against_two_processes(tmp_path):
     a, b = (json.loads((tmp_path / "s" / f"work-n{n}" / "manifest.json").read_text())["stages"]["init-sgptq"]["blocks"]
             for n in (1, 2))
     assert {k: v["sha256"] for k, v in a.items()} == {k: v["sha256"] for k, v in b.items()}
+
+
+def test_kimi_k2_block_shape():
+    """--shape kimi-k2-block: one block of Kimi-K2's routed experts (384 of 7168 × 2048, top-8)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from real_size_run import main, model_config
+    finally:
+        sys.path.pop(0)
+    import argparse
+
+    cfg = model_config(argparse.Namespace(shape="kimi-k2-block", small=False, layers=0))
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts"],
+            cfg["num_experts_per_tok"], cfg["num_local_experts"]) == (1, 7168, 2048, 384, 8, 384)
+    with pytest.raises(SystemExit):
+        main(["--root", "unused", "--shape", "kimi-k3"])

@@ -32,7 +32,16 @@ QWEN3_30B_A3B = dict(
     initializer_range=0.02,
 )
 
-SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B}
+# A Kimi-K2 MoE block in the Qwen3-MoE architecture: moonshotai/Kimi-K2's routed experts (384 of 7168 × 2048,
+# top-8) and width; its attention (MLA), shared expert and 61 layers are not reproduced, and the vocabulary is
+# cut to 32,768 (the embedded tokenizer's ids are a prefix) so one block fits a single GPU machine's disk.
+KIMI_K2_BLOCK = dict(
+    QWEN3_30B_A3B, hidden_size=7168, num_hidden_layers=1, num_attention_heads=64, num_key_value_heads=8,
+    head_dim=128, intermediate_size=18432, moe_intermediate_size=2048, num_experts=384, num_experts_per_tok=8,
+    vocab_size=32768,
+)
+
+SHAPES = {"qwen3-30b-a3b": QWEN3_30B_A3B, "kimi-k2-block": KIMI_K2_BLOCK}
 
 
 def qwen3_moe_config(**overrides) -> dict:

@@ -25,9 +25,10 @@ def draw(sample, shape, generator: Generators, device, dtype=torch.float32) -> t
     if isinstance(generator, (list, tuple)):
         if len(generator) != shape[0]:
             raise ValueError(f"{len(generator)} generators for a leading axis of {shape[0]}")
-        if not generator:
-            return torch.empty(tuple(shape), device=device, dtype=dtype)
-        return torch.stack([sample(tuple(shape[1:]), generator=g, device=device, dtype=dtype) for g in generator])
+        out = torch.empty(tuple(shape), device=device, dtype=dtype)
+        for o, g in zip(out, generator):  # drawn in place: no per-expert copies to stack
+            sample(tuple(shape[1:]), generator=g, out=o)
+        return out
     return sample(tuple(shape), generator=generator, device=device, dtype=dtype)
 
 

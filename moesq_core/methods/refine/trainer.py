@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from ...formats import P48, Format, PatternSet
 from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData
+from ...kernels import relax_triton
 from . import objective, relaxation
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,8 @@ class RefineConfig:
     logits_dtype: str = "float32"  # dtype of the logits A ("bfloat16": the release's, where small steps vanish)
     ship: str = "best"  # "best": per expert the best-validating epoch (the init included); "last": the last epoch
     shared_gate_up_global: bool = True  # False: gate and up train with separate global scales (the release)
-    compile: bool | str = "auto"  # torch.compile the relaxation/quantization and the micro-batch forward+loss; auto = on CUDA
+    compile: bool | str = "auto"  # torch.compile the weight quantizer and the micro-batch forward+loss, and use the fused
+    # Triton relaxation and Lion kernels (where Triton is installed); auto = on CUDA
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
     chunk_gb: float | None = None  # memory for one chunk of a block's experts (None: 85 % of the free GPU memory; no chunking on CPU)
     init_split_rows: bool = True  # the block loop also routes the one-shot split's sequences (see above)
@@ -437,6 +439,10 @@ class BlockRefiner:
                 if qw.format != fmt.name:
                     raise ValueError(f"init for expert {ex.index} {p} is in format {qw.format!r}, refining {fmt.name!r}")
         self.cd = self._compute_dtype()
+        # auto: compiled on CUDA, where the fused kernels take a third off the step (measured in
+        # benchmarks/results/refine_h200_*); eager on CPU, the reference path, where compiling costs more than it saves
+        self.compiled = dev.type == "cuda" if config.compile == "auto" else bool(config.compile)
+        self.fused_relax = self.compiled and relax_triton.available(dev)
         self.cache_dtype = _DTYPES[config.cache_dtype]
         self.learn_support = config.train_support and self.ps.num_patterns > 1
         if not (self.learn_support or config.train_values):
@@ -627,10 +633,11 @@ class BlockRefiner:
 
     @torch.no_grad()
     def _dense_targets(self, X: torch.Tensor, all_idx: torch.Tensor) -> torch.Tensor:
-        """Y of every cached row, once per block (the release recomputed it every step), fp32."""
+        """Y of every cached row, once per block (the release recomputed it every step), in the compute dtype:
+        the matmul's own output dtype, so storing it that way loses nothing (bf16 on CUDA halves the row gathers)."""
         st = lambda p: torch.stack([getattr(ex, p).float() for ex in self.experts])
         Wg, Wu, Wd = st("gate"), st("up"), st("down")
-        Y = torch.zeros(X.shape[0], self.H, device=self.device)
+        Y = torch.zeros(X.shape[0], self.H, device=self.device, dtype=self.cd)
         mb = self._micro_batches(self.blk_ntr + self.blk_nva, all_idx.shape[1])
         next(mb)
         for act, a, b in mb:
@@ -639,7 +646,7 @@ class BlockRefiner:
             # the training forward's operand dtype (bf16 on CUDA: fp32 matmuls made this a third of the
             # setup; the target's rounding is far below the quantization error it is compared with)
             h = self.intermediate(x, self._sel(Wg, act), self._sel(Wu, act), self.cd)
-            y = torch.bmm(h.to(self.cd), self._sel(Wd, act).transpose(1, 2).to(self.cd)).float()
+            y = torch.bmm(h.to(self.cd), self._sel(Wd, act).transpose(1, 2).to(self.cd))
             self._note_amax(self.h_amax, act, h)
             Y.index_copy_(0, idx.reshape(-1), y.reshape(-1, self.H))  # padding rows write the sentinel's exact 0
         return Y
@@ -712,7 +719,9 @@ class BlockRefiner:
                            "base_lr": self.plan.lr_values, "name": "values"})
         from lion_pytorch import Lion  # imported here so formats/methods load without it
 
-        self.opt = Lion(groups, lr=groups[0]["lr"], betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+        # Lion's Triton kernel: one pass over parameter, gradient and momentum instead of ~8 (same update rule)
+        self.opt = Lion(groups, lr=groups[0]["lr"], betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+                        use_triton=self.fused_relax and self.device.type == "cuda")
         self._tick("init_params")
         # "Epoch 0" is the init itself: refinement ships an epoch only where it validates better than this.
         v0 = self.validate(init_weights)
@@ -741,6 +750,10 @@ class BlockRefiner:
         for p, pr in self.proj.items():
             if pr.A is not None and not joint:
                 soft[p] = pr.V * relaxation.hard_mask(pr.A.detach(), self.ps)
+            elif pr.A is not None and self.fused_relax:
+                # the same uniforms gumbel_noise draws; the kernel takes −log(−log U) itself
+                U = relaxation.draw(torch.rand, pr.A.shape, self.gens, self.device)
+                soft[p] = relax_triton.relaxed_weight(pr.A, pr.V, U, self.ps.pattern_matrix(), tau, gain)
             elif pr.A is not None:
                 G = relaxation.gumbel_noise(pr.A.shape, self.gens, self.device)
                 soft[p] = self._relax(pr.A, pr.V, G, tau, gain)
@@ -774,10 +787,7 @@ class BlockRefiner:
         """make() -> the function named `key`, compiled when `compile` says so. Compiled functions are kept per
         process and close over the format and compute dtype only (never the refiner), so later blocks reuse
         them instead of recompiling (and never hit dynamo's recompilation limit)."""
-        # auto: compiled on CUDA, where the fused elementwise kernels take a third off the step (measured in
-        # benchmarks/results/refine_h200_*); eager on CPU, the reference path, where compiling costs more than it saves
-        on = self.device.type == "cuda" if self.cfg.compile == "auto" else self.cfg.compile
-        if not on:
+        if not self.compiled:
             return make()
         k = (key, self.fmt.name, self.cd)
         if k not in _COMPILED:

@@ -1,0 +1,173 @@
+"""Fused Gumbel-softmax relaxation of sparsity patterns for refinement (Triton; forward and backward).
+
+Computes, per group of `group` weights with P pattern logits (moesq_core.methods.refine.relaxation is the
+reference and says what the terms mean):
+
+    G = −log(−log U)                      (U uniform noise, clamped as relaxation.gumbel_noise does)
+    π = softmax((gain·A + G) / τ)         over the P patterns
+    W̃ = (π · Pat) ⊙ V                     Pat the [P, group] 0/1 pattern matrix
+
+The composition of torch ops reads and writes [..., G, P] fp32 tensors several times per step and reduces
+over an axis of 6, which torch.compile maps poorly (7.6 ms per 151 M logits on an H200, ~0.2 TB/s). Here one
+program handles BLOCK groups with all P logits and `group` weights in registers: the forward reads A, U, V and
+writes W̃ once; the backward recomputes π from A and U (nothing [G, P]-sized is saved) and writes dA and dV.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # triton is optional: CPU-only installs use the torch composition
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    HAS_TRITON = False
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+if HAS_TRITON and INTERPRET:
+    from .p48_triton import _fix_interpreter_index
+
+    _fix_interpreter_index()
+
+
+def available(device: torch.device) -> bool:
+    """Whether the fused kernel can run for tensors on `device` (CUDA with Triton, or the interpreter)."""
+    return HAS_TRITON and (device.type == "cuda" or INTERPRET)
+
+
+if HAS_TRITON:
+    # groups per program x warps: tuned once per problem size (the kernels only write their outputs, so
+    # the tuning runs need no state restored)
+    _CONFIGS = [triton.Config({"BLOCK_G": b}, num_warps=w) for b, w in ((64, 4), (128, 4), (128, 8), (256, 8))]
+    if INTERPRET:
+        _CONFIGS = _CONFIGS[:1]
+
+    @triton.jit
+    def _probs(a_ptr, u_ptr, rows, rmask, gain, inv_tau, tiny, one_minus_eps,
+               P: tl.constexpr, PP: tl.constexpr, HAS_NOISE: tl.constexpr):
+        """π [BLOCK, PP] (zero on the padding patterns p >= P)."""
+        p = tl.arange(0, PP)
+        pm = p < P
+        m2 = rmask[:, None] & pm[None, :]
+        off = rows[:, None] * P + p[None, :]
+        logit = tl.load(a_ptr + off, mask=m2, other=0.0).to(tl.float32) * gain
+        if HAS_NOISE:
+            u = tl.load(u_ptr + off, mask=m2, other=0.5).to(tl.float32)
+            u = tl.minimum(tl.maximum(u, tiny), one_minus_eps)
+            logit += -tl.log(-tl.log(u))
+        x = tl.where(pm[None, :], logit * inv_tau, float("-inf"))
+        mx = tl.max(x, axis=1)
+        e = tl.exp(x - mx[:, None])
+        return e / tl.sum(e, axis=1)[:, None]
+
+    @triton.autotune(configs=_CONFIGS, key=["n_groups", "P", "GROUP", "HAS_NOISE"])
+    @triton.jit
+    def _relax_fwd_kernel(a_ptr, u_ptr, v_ptr, pat_ptr, out_ptr, n_groups, gain, inv_tau, tiny, one_minus_eps,
+                          P: tl.constexpr, PP: tl.constexpr, GROUP: tl.constexpr, HAS_NOISE: tl.constexpr,
+                          BLOCK_G: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+        rmask = rows < n_groups
+        pi = _probs(a_ptr, u_ptr, rows, rmask, gain, inv_tau, tiny, one_minus_eps, P, PP, HAS_NOISE)
+        j = tl.arange(0, GROUP)
+        pat = tl.load(pat_ptr + tl.arange(0, PP)[:, None] * GROUP + j[None, :])  # [PP, GROUP], padding rows 0
+        z = tl.sum(pi[:, :, None] * pat[None, :, :], axis=1)  # [BLOCK, GROUP] expected keep mask
+        voff = rows[:, None] * GROUP + j[None, :]
+        vm = rmask[:, None]
+        v = tl.load(v_ptr + voff, mask=vm, other=0.0).to(tl.float32)
+        tl.store(out_ptr + voff, (z * v).to(out_ptr.dtype.element_ty), mask=vm)
+
+    @triton.autotune(configs=_CONFIGS, key=["n_groups", "P", "GROUP", "HAS_NOISE", "NEED_DA", "NEED_DV"])
+    @triton.jit
+    def _relax_bwd_kernel(a_ptr, u_ptr, v_ptr, pat_ptr, dout_ptr, da_ptr, dv_ptr, n_groups, gain, inv_tau, tiny,
+                          one_minus_eps, P: tl.constexpr, PP: tl.constexpr, GROUP: tl.constexpr,
+                          HAS_NOISE: tl.constexpr, NEED_DA: tl.constexpr, NEED_DV: tl.constexpr,
+                          BLOCK_G: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+        rmask = rows < n_groups
+        pi = _probs(a_ptr, u_ptr, rows, rmask, gain, inv_tau, tiny, one_minus_eps, P, PP, HAS_NOISE)
+        j = tl.arange(0, GROUP)
+        pat = tl.load(pat_ptr + tl.arange(0, PP)[:, None] * GROUP + j[None, :])
+        voff = rows[:, None] * GROUP + j[None, :]
+        vm = rmask[:, None]
+        dout = tl.load(dout_ptr + voff, mask=vm, other=0.0).to(tl.float32)
+        if NEED_DV:
+            z = tl.sum(pi[:, :, None] * pat[None, :, :], axis=1)
+            tl.store(dv_ptr + voff, (dout * z).to(dv_ptr.dtype.element_ty), mask=vm)
+        if NEED_DA:
+            v = tl.load(v_ptr + voff, mask=vm, other=0.0).to(tl.float32)
+            dz = dout * v  # [BLOCK, GROUP]
+            dpi = tl.sum(dz[:, None, :] * pat[None, :, :], axis=2)  # [BLOCK, PP]
+            dx = pi * (dpi - tl.sum(pi * dpi, axis=1)[:, None])  # softmax Jacobian
+            p = tl.arange(0, PP)
+            m2 = rmask[:, None] & (p < P)[None, :]
+            tl.store(da_ptr + rows[:, None] * P + p[None, :], (dx * (gain * inv_tau)).to(da_ptr.dtype.element_ty),
+                     mask=m2)
+
+
+def _grid(n_groups: int):
+    return lambda meta: (triton.cdiv(n_groups, meta["BLOCK_G"]),)
+
+
+def _pattern_table(pattern_matrix: torch.Tensor, device) -> tuple[torch.Tensor, int]:
+    """[P, group] 0/1 -> fp32 [PP, group] on `device`, PP = P rounded up to a power of two (rows of zeros)."""
+    P, group = pattern_matrix.shape
+    PP = triton.next_power_of_2(P)
+    pat = torch.zeros(PP, group, dtype=torch.float32, device=device)
+    pat[:P] = pattern_matrix.to(device, torch.float32)
+    return pat, PP
+
+
+class _RelaxedWeight(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, A, V, U, pattern_matrix, tau: float, gain: float):
+        P, group = pattern_matrix.shape
+        n_groups = A.numel() // P
+        A_, V_ = A.contiguous(), V.contiguous()
+        U_ = None if U is None else U.contiguous()
+        pat, PP = _pattern_table(pattern_matrix, A.device)
+        out = torch.empty_like(V_)
+        fi = torch.finfo(torch.float32)
+        consts = (float(gain), 1.0 / float(tau), fi.tiny, 1.0 - fi.eps)
+        _relax_fwd_kernel[_grid(n_groups)](A_, A_ if U_ is None else U_, V_, pat, out, n_groups, *consts,
+                                           P=P, PP=PP, GROUP=group, HAS_NOISE=U_ is not None)
+        ctx.save_for_backward(A_, V_, U_, pat)
+        ctx.meta = (P, PP, group, n_groups, consts)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        A, V, U, pat = ctx.saved_tensors
+        P, PP, group, n_groups, consts = ctx.meta
+        need_da, need_dv = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if not (need_da or need_dv):
+            return None, None, None, None, None, None
+        dout = dout.contiguous()
+        dA = torch.empty_like(A) if need_da else None
+        dV = torch.empty_like(V) if need_dv else None
+        _relax_bwd_kernel[_grid(n_groups)](A, A if U is None else U, V, pat, dout, A if dA is None else dA,
+                                           V if dV is None else dV, n_groups, *consts, P=P, PP=PP, GROUP=group,
+                                           HAS_NOISE=U is not None, NEED_DA=need_da, NEED_DV=need_dv)
+        return dA, dV, None, None, None, None
+
+
+def relaxed_weight(A: torch.Tensor, V: torch.Tensor, U: torch.Tensor | None, pattern_matrix: torch.Tensor,
+                   tau: float, gain: float) -> torch.Tensor:
+    """(π(A, U) · Pat) ⊙ V with π = softmax((gain·A − log(−log U))/τ); A [..., G, P], U like A or None (no
+    noise), V [..., G·group]; differentiable in A and V. Needs `available(A.device)`."""
+    if not available(A.device):
+        raise RuntimeError(f"the fused relaxation kernel runs on CUDA with Triton (or under TRITON_INTERPRET=1), got {A.device}")
+    if tau <= 0:
+        raise ValueError(f"temperature must be positive, got {tau}")
+    P, group = pattern_matrix.shape
+    if A.shape[-1] != P or V.numel() != A.numel() // P * group:
+        raise ValueError(f"logits {tuple(A.shape)} and weights {tuple(V.shape)} do not match a [{P}, {group}] pattern set")
+    if U is not None and U.shape != A.shape:
+        raise ValueError(f"noise {tuple(U.shape)} does not match logits {tuple(A.shape)}")
+    return _RelaxedWeight.apply(A, V, U, pattern_matrix, float(tau), float(gain))
