@@ -496,24 +496,34 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     xv, wv, val_counts = gather_experts(block, stores[spec.val_split], kwargs_by_bs, mine) if spec.val_split else (None, None, None)
     rows = BlockRows(block.layer_index, counts, val_counts)
     clock.mark("route")
-    data = []
-    for e in mine:
-        w = block.expert_weights(e)
-        for proj, t in w.items():
-            spec.fmt.check_weight(t, f"layer {block.layer_index} expert {e} {proj}")
-        dev = w["gate"].device  # methods run where the model is
-        data.append(ExpertData(
-            e, w["gate"], w["up"], w["down"], _cat(xs[e], H).to(dev), _cat(ws[e], 1).reshape(-1).to(dev),
-            _cat(xv[e], H).to(dev) if spec.val_split else None,
-            _cat(wv[e], 1).reshape(-1).to(dev) if spec.val_split else None, block=rows))
     method = spec.method_for_block(block.layer_index)
-    clock.mark("weights")
-    with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(data)) as t:
-        results_mine = method.compress_block(data, spec.fmt, t.advance)
-    clock.mark("compress")
-    amax_mine = [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant) for r, d in zip(results_mine, data)]
-    clock.mark("ranges")
-    del data, xs, ws
+    I = block.dense_experts.down_proj.shape[-1]
+    results_mine, amax_mine = [], []
+    with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(mine)) as t:
+        # Experts whose dense fp32 weights fit the device together are compressed together; a larger block
+        # (Kimi-K2: 68 GB in fp32) goes chunk by chunk, which gives the same bytes: methods size everything from
+        # the whole block's row counts (ExpertData.block), exactly as under expert parallel.
+        n = weight_chunk_experts(len(mine), I, H, next(block.mlp.gate.parameters()).device)
+        for chunk in (mine[i:i + n] for i in range(0, len(mine), n)):
+            data = []
+            for e in chunk:
+                w = block.expert_weights(e)
+                for proj, tw in w.items():
+                    spec.fmt.check_weight(tw, f"layer {block.layer_index} expert {e} {proj}")
+                dev = w["gate"].device  # methods run where the model is
+                data.append(ExpertData(
+                    e, w["gate"], w["up"], w["down"], _cat(xs[e], H).to(dev), _cat(ws[e], 1).reshape(-1).to(dev),
+                    _cat(xv[e], H).to(dev) if spec.val_split else None,
+                    _cat(wv[e], 1).reshape(-1).to(dev) if spec.val_split else None, block=rows))
+                xs[e] = ws[e] = []
+            clock.mark("weights")
+            results = method.compress_block(data, spec.fmt, t.advance)
+            clock.mark("compress")
+            amax_mine += [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant) for r, d in zip(results, data)]
+            results_mine += results
+            clock.mark("ranges")
+            del data, results
+    del xs, ws
     for r in results_mine:
         r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
     by_e = {e: (r, a) for e, r, a in zip(mine, results_mine, amax_mine)}
@@ -531,6 +541,18 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
 
 
 _QW_FIELDS = ("codes", "scales", "global_scale", "mask")
+
+
+WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a block's dense fp32 expert weights at once
+
+
+def weight_chunk_experts(n: int, I: int, H: int, device: torch.device) -> int:
+    """How many of a block's n experts get their dense fp32 weights materialised at once: all of them on the
+    CPU; on a GPU as many as fit WEIGHTS_GPU_FRACTION of its free memory (the method needs the rest)."""
+    if device.type != "cuda":
+        return max(n, 1)
+    per_expert = 3 * I * H * 4
+    return max(1, min(n, int(torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION) // per_expert))
 
 
 def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int) -> dict:

@@ -267,3 +267,31 @@ def test_lock_is_exclusive_and_cleans_temp_files(tmp_path):
         with WorkDir(foreign).locked():
             pass
     assert [p.name for p in foreign.iterdir()] == ["data.txt"]
+
+
+def test_block_compressed_in_expert_chunks_gives_the_same_bytes(micro_path, tmp_path, monkeypatch, one_thread):
+    """A block whose dense fp32 experts do not fit the device at once is compressed chunk by chunk (a Kimi-K2
+    block is 68 GB in fp32): SGPTQ and refinement write the bytes of one pass over all experts."""
+    import moesq_core.engine as engine
+    from moesq_core.methods.refine import RefineConfig
+    from moesq_core.pipeline import MethodConfig, run_init, run_refine
+
+    run = {"calib_source": str(CALIB), "seq_len": 32, "n_train": 4, "n_val": 2, "n_init": 4}
+    rcfg = RefineConfig(epochs=2, steps_per_epoch=2, lr_logits=0.01)
+    sums = []
+    for name, chunk in (("whole", None), ("chunked", 3)):
+        if chunk is not None:
+            monkeypatch.setattr(engine, "weight_chunk_experts", lambda n, I, H, device: chunk)
+        wd = tmp_path / name
+        run_init(wd, MethodConfig("sgptq"), micro_path, run, device="cpu", batch_size=4)
+        run_refine(wd, rcfg, micro_path, run, device="cpu", batch_size=4)
+        w = WorkDir(wd)
+        sums.append({s: _checksums(w, s) for s in ("init-sgptq", "refine")})
+    assert sums[0] == sums[1] and len(sums[0]["refine"]) == 4
+
+
+def test_weight_chunks_hold_every_expert_on_the_cpu():
+    from moesq_core.engine import weight_chunk_experts
+
+    assert weight_chunk_experts(384, 2048, 7168, torch.device("cpu")) == 384
+    assert weight_chunk_experts(0, 8, 8, torch.device("cpu")) == 1

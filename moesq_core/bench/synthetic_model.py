@@ -134,6 +134,10 @@ def write_random_qwen3_moe(out: Path | str, cfg: dict, seed: int = 0, device: st
             task.advance()
         for f in pending:
             f.result()
+    if device.type == "cuda":
+        # the generator's freed blocks stay reserved in this process's cache otherwise (a Kimi-K2 layer: ~64 GiB),
+        # and the moesq commands that follow in other processes would run out of device memory
+        torch.cuda.empty_cache()
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (tmp / MARKER).write_text(json.dumps({**marker, "weight_bytes": total}, indent=2))
