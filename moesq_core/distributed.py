@@ -179,6 +179,14 @@ def all_gather_tensors(tensors: list[torch.Tensor], device, what: str) -> list[l
     return gathered
 
 
+def broadcast(t: "torch.Tensor", src: int, what: str) -> None:
+    """t (in place on every rank) = rank src's t; nothing without a process group."""
+    dist = active()
+    if dist is not None:
+        with _collective(what):
+            dist.broadcast(t, src)
+
+
 def main_first(fn, *args, **kwargs):
     """Run fn on rank 0 first, then on the other ranks (which then find its writes done, e.g. the work dir
     calibrated, and only check them). If it fails on rank 0, the others raise RankZeroFailed without running

@@ -5,9 +5,11 @@ inputs, so every block sees the error of the compressed prefix.
 
 Resumable: each finished block is an artifact recorded (with its checksum) in the work dir manifest; a
 re-run loads finished blocks, installs them and propagates, and compresses from the first unfinished one.
-Expert-parallel: under torch.distributed, rank r compresses experts e with e % world == r; every rank routes
+Expert-parallel: under torch.distributed, rank r compresses experts e with e % world == r; every rank holds
 the same (replicated) calibration states, so each owner sees all tokens routed to its experts, and the
-results are all-gathered so every rank installs the same block.
+results are all-gathered so every rank installs the same block. The decoder-layer passes over the states
+(attention up to the MoE input for routing, the whole layer for propagation) are split by batch: each rank
+computes every world-th batch and broadcasts it, so every rank ends with the tensors one process computes.
 """
 from __future__ import annotations
 
@@ -94,8 +96,17 @@ class StateStore:
         return torch.from_numpy(mm).view(c.dtype).reshape(c.shape).to(c.device)
 
     def __iter__(self):
-        for c in self.chunks:
-            yield self._read(c) if isinstance(c, SpilledChunk) else c
+        for i in range(len(self.chunks)):
+            yield self[i]
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        c = self.chunks[i]
+        return self._read(c) if isinstance(c, SpilledChunk) else c
+
+    def like(self, i: int) -> torch.Tensor:
+        """An uninitialised tensor of chunk i's shape, dtype and device (without reading a spilled chunk)."""
+        c = self.chunks[i]
+        return torch.empty(c.shape, dtype=c.dtype, device=c.device)
 
     def close(self) -> None:
         if self.spill_path is not None:
@@ -248,6 +259,33 @@ def capture_layer_inputs(model: nn.Module, tokens: torch.Tensor, batch_size: int
 
 
 @torch.no_grad()
+def map_batches(fn: Callable[[torch.Tensor], torch.Tensor], store: StateStore, what: str):
+    """fn(states) for each batch of `store`, in order; fn keeps the shape and dtype (a decoder-layer pass).
+    Under expert parallel each rank computes the batches i ≡ rank (mod world) and receives the others from
+    their owner: every rank gets the tensors one process computes, for 1/world of the work."""
+    dist = _dist()
+    if dist is None or dist.get_world_size() == 1:
+        for h in store:
+            yield fn(h)
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    own = StateStore(store.limit, store.spill_dir)  # this rank's results until their turn (spilled past the limit)
+    for i in range(rank, len(store), world):
+        h = store[i]
+        out = fn(h)
+        if out.shape != h.shape or out.dtype != h.dtype:
+            raise RuntimeError(f"{what}: a batch pass changed the states' shape or dtype")
+        own.append(out)
+    try:
+        for i in range(len(store)):
+            t = own[i // world].contiguous() if i % world == rank else store.like(i)
+            distributed.broadcast(t, i % world, f"{what}: batch {i}")
+            yield t
+    finally:
+        own.close()
+
+
+@torch.no_grad()
 def _moe_inputs(layer: nn.Module, mlp: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """Run a decoder layer up to its MoE block and return the block's input (post-attention-norm states)."""
     got = {}
@@ -272,7 +310,8 @@ def _layer_out(out):
 
 @torch.no_grad()
 def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
-                   experts: list[int] | None = None) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], tuple[int, ...]]:
+                   experts: list[int] | None = None, stage: str = "routing"
+                   ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], tuple[int, ...]]:
     """Per expert: the MoE-block inputs routed to it (fp32) and the router weights the block applies, on the
     device the states are on, for `experts` only (default all; the others' lists stay empty), and every
     expert's row count. Rows come in token order, as `(index == e).nonzero()` gives them, from one stable sort
@@ -282,8 +321,9 @@ def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
     xs: list[list[torch.Tensor]] = [[] for _ in range(E)]
     ws: list[list[torch.Tensor]] = [[] for _ in range(E)]
     total = [0] * E
-    for hidden in states:
-        x = _moe_inputs(block.layer, block.mlp, hidden, kwargs_by_bs[hidden.shape[0]])
+    moe_inputs = map_batches(lambda h: _moe_inputs(block.layer, block.mlp, h, kwargs_by_bs[h.shape[0]]), states,
+                             f"{stage}: routing layer {block.layer_index}")
+    for x in moe_inputs:
         x = x.reshape(-1, x.shape[-1])
         idx, wts = block.route(x)
         k = idx.shape[-1]
@@ -423,8 +463,9 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                 for s in splits:
                     new = StateStore(stores[s].limit, spill)
                     with torch.no_grad():  # an autograd graph kept across layers would grow with depth
-                        for hidden in stores[s]:
-                            new.append(_layer_out(layer(hidden, **kwargs_by_bs[hidden.shape[0]])))
+                        for out in map_batches(lambda h: _layer_out(layer(h, **kwargs_by_bs[h.shape[0]])), stores[s],
+                                               f"{spec.name}: propagating layer {li}"):
+                            new.append(out)
                     stores[s].close()
                     stores[s] = new
                 clock.mark("propagate")
@@ -492,8 +533,9 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     if not mine:
         raise ValueError(f"{world} processes for the {E} experts of layer {block.layer_index}: use at most {E} (--nproc)")
     # Each rank gathers the routed rows of its own experts only, and keeps them on the model's device.
-    xs, ws, counts = gather_experts(block, stores[spec.compress_split], kwargs_by_bs, mine)
-    xv, wv, val_counts = gather_experts(block, stores[spec.val_split], kwargs_by_bs, mine) if spec.val_split else (None, None, None)
+    xs, ws, counts = gather_experts(block, stores[spec.compress_split], kwargs_by_bs, mine, spec.name)
+    xv, wv, val_counts = (gather_experts(block, stores[spec.val_split], kwargs_by_bs, mine, spec.name) if spec.val_split
+                          else (None, None, None))
     rows = BlockRows(block.layer_index, counts, val_counts)
     clock.mark("route")
     method = spec.method_for_block(block.layer_index)

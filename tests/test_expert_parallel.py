@@ -16,10 +16,12 @@ import torch
 
 from test_cli import ENV, MOESQ, moesq
 
-SMALL = ["--seq-len", "32", "--n-train", "4", "--n-val", "2", "--n-init", "8"]
+# batches of 2 sequences: each rank runs the decoder-layer passes of every other batch (and broadcasts them)
+BATCHES = ["--batch-size", "2"]
+SMALL = ["--seq-len", "32", "--n-train", "4", "--n-val", "2", "--n-init", "8", *BATCHES]
 # a short refinement whose logits can move patterns (so the per-expert Gumbel noise matters)
 SHORT = ["--epochs", "3", "--steps-per-epoch", "4", "--lr-logits", "0.01"]
-REFINE = [*SHORT, "--device", "cpu"]
+REFINE = [*SHORT, "--device", "cpu", *BATCHES]
 # one process with one thread: CPU reductions depend on the thread count, and each rank of a 2-process run
 # on this 2-core machine gets one (compare like with like)
 ONE_THREAD = {**ENV, "OMP_NUM_THREADS": "1"}
@@ -132,7 +134,7 @@ def test_killed_rank_stops_the_run_and_it_resumes(single, micro_path, tmp_path):
 
     wd = tmp_path / "wd"
     shutil.copytree(single, wd)
-    slow = ["--epochs", "12", "--steps-per-epoch", "4", "--lr-logits", "0.01", "--device", "cpu", "--stage", "rk"]
+    slow = ["--epochs", "12", "--steps-per-epoch", "4", "--lr-logits", "0.01", "--device", "cpu", "--stage", "rk", *BATCHES]
     ref = subprocess.run([MOESQ, "refine", "-w", str(single), *slow, "-q"], env=ONE_THREAD, capture_output=True,
                          text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr
