@@ -46,7 +46,7 @@ CODES_BYTES, META_BYTES, SCALE_BYTES = 512, 128, 64
 ALPHA_FOLD = 128.0  # the in-register decode yields e2m1 * s * 2^-7
 PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padded groups)
 # Tokens per pass of each compiled kernel variant (index = MmaConfig.variant; native/src/p48_gemm.cu lists them).
-TOKEN_BLOCKS = (16, 64, 16, 16, 16)
+TOKEN_BLOCKS = (16, 64)
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 

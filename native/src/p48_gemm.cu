@@ -154,10 +154,10 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 
 // NB tokens per pass, R row tiles per warp, W warps, S ring stages per warp, KC activation columns per chunk,
 // RK consecutive K records per row tile and step (one contiguous copy; the per-step work of the producer,
-// the cursor and the loop is shared by RK records), MINB CTAs per SM the registers are budgeted for.
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, int MINB_ = 2>
+// the cursor and the loop is shared by RK records).
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1>
 struct Variant {
-  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, MINB = MINB_;
+  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kSmem = kXBytes + W * S * R * RK * kRecBytes;
@@ -247,7 +247,7 @@ struct Cursor {
 };
 
 template <class V, bool OUT_BF16, bool ATOMIC, bool QUANT>
-__global__ void __launch_bounds__(V::kThreads, V::MINB) p48_mma_kernel(Params p) {
+__global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int NB = V::NB, R = V::R, W = V::W, S = V::S, KC = V::KC, RK = V::RK, NT = NB / 8;
   constexpr int kRecPerChunk = KC / kRecK;
@@ -394,10 +394,7 @@ __global__ void __launch_bounds__(V::kThreads, V::MINB) p48_mma_kernel(Params p)
 // tile and step) and larger batches (64 tokens per pass, the weight decode amortised over 8 token tiles).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
-  X(1, Variant<64, 2, 8, 4, 512>)      \
-  X(2, Variant<16, 2, 8, 2, 512, 4>)  \
-  X(3, Variant<16, 1, 16, 6, 1024, 2, 1>) \
-  X(4, Variant<16, 1, 8, 5, 512, 2, 3>)
+  X(1, Variant<64, 2, 8, 4, 512>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
