@@ -127,6 +127,9 @@ def test_pick_config_splits_only_small_grids():
 # ------------------------------------------------------------------------------------------ GPU kernel
 
 
+VARIANTS = list(range(len(pm.TOKEN_BLOCKS)))
+
+
 def _native_or_skip():
     native = pm.load_native()
     if native is None:
@@ -166,7 +169,7 @@ def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed, sprea
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("act_quant", [False, True])
 @pytest.mark.parametrize("split", [1, 3])
 @pytest.mark.parametrize("E,M,K,counts", [
@@ -181,14 +184,14 @@ def test_gpu_kernel_matches_reference(E, M, K, counts, act_quant, split, variant
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_kernel_bf16_output(variant):
     _gpu_case(4, 520, 1024, [9, 16, 0, 77], False, 1, variant, torch.bfloat16, seed=11)
 
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [0, 1])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("split,out_dtype", [(1, torch.float32), (1, torch.bfloat16), (2, torch.float32)])
 @pytest.mark.parametrize("E,M,K,counts", [
     (4, 40, 224, [0, 33, 1, 16]),  # K not a multiple of 128, an empty expert, N = 1, several 16-token passes
@@ -198,6 +201,57 @@ def test_gpu_kernel_bf16_output(variant):
 def test_gpu_in_kernel_activation_quant_equals_prepass(E, M, K, counts, split, variant, out_dtype):
     """Activations spread over the whole NVFP4 scale range (subnormal UE4M3 scales, the 448 clamp)."""
     _gpu_case(E, M, K, counts, True, split, variant, out_dtype, seed=7 * E + K, spread=4.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_gpu_variants_agree_bit_for_bit_and_match_the_table():
+    """Every variant runs the same MMAs in the same K order per output: equal fp32 outputs (poisoned rows left
+    alone), whatever the tokens per pass and however the activations are staged."""
+    native = _native_or_skip()
+    assert [v["tokens_per_block"] for v in native.p48_variants()] == list(pm.TOKEN_BLOCKS)
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(21)
+    counts = [1, 0, 200, 64, 17, 129, 8]
+    t = random_p48_tensors(len(counts), 264, 608, gen, "cpu")
+    case = P48GroupedCase(_unstack(t), counts, False, gen)
+    W = pm.P48MmaWeights.from_packed(t, dev)
+    outs = []
+    for v in VARIANTS:
+        out = case.output(True)
+        pm.p48_mma_gemm_rows(case.x, W, case.row_start, case.counts, case.alpha(W.global_scale), out,
+                             pm.MmaConfig(v, 1), native)
+        case.check(out, 2e-5, True)
+        outs.append(out)
+    for v, out in zip(VARIANTS[1:], outs[1:]):
+        torch.testing.assert_close(out, outs[0], rtol=0, atol=0, equal_nan=True, msg=f"variant {v}")
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_kernel_ignores_x_past_k_and_stale_staging(variant):
+    """x is a view into wider rows whose extra columns are inf, and the previous launch left inf in shared
+    memory where this one stages its K padding: neither may reach the outputs (0 * inf = NaN)."""
+    native = _native_or_skip()
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(variant)
+    wide = random_p48_tensors(2, 64, 1024, gen, "cpu")
+    Ww = pm.P48MmaWeights.from_packed(wide, dev)
+    xw = torch.full((2 * 200, 1024), float("inf"), dtype=torch.bfloat16, device=dev)
+    rs, cnt = torch.tensor([0, 200], dtype=torch.int32, device=dev), torch.tensor([200, 200], dtype=torch.int32, device=dev)
+    pm.p48_mma_gemm_rows(xw, Ww, rs, cnt, Ww.global_scale, torch.zeros(400, 64, device=dev), pm.MmaConfig(variant, 1),
+                         native)
+    counts = [130, 7, 0, 1]
+    t = random_p48_tensors(len(counts), 40, 160, gen, "cpu")
+    case = P48GroupedCase(_unstack(t), counts, False, gen)
+    W = pm.P48MmaWeights.from_packed(t, dev)
+    x = torch.full((case.x.shape[0], 256), float("inf"), dtype=torch.bfloat16, device=dev)
+    x[:, :160] = case.x
+    out = case.output(True)
+    pm.p48_mma_gemm_rows(x[:, :160], W, case.row_start, case.counts, case.alpha(W.global_scale), out,
+                         pm.MmaConfig(variant, 1), native)
+    case.check(out, 2e-5, True)
 
 
 @pytest.mark.gpu

@@ -45,6 +45,7 @@ RECORD_BYTES = 704
 CODES_BYTES, META_BYTES, SCALE_BYTES = 512, 128, 64
 ALPHA_FOLD = 128.0  # the in-register decode yields e2m1 * s * 2^-7
 PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padded groups)
+# Tokens per pass of each compiled kernel variant (index = MmaConfig.variant; native/src/p48_gemm.cu lists them).
 TOKEN_BLOCKS = (16, 64)
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
@@ -62,7 +63,7 @@ def _scale_byte_table() -> torch.Tensor:
     return out
 
 
-SCALE_BYTE = _scale_byte_table()  # tokens staged per pass by the compiled variants (index = variant)
+SCALE_BYTE = _scale_byte_table()
 
 
 @dataclass
@@ -268,8 +269,10 @@ def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor
     if x.shape[-1] != w.in_features or out.shape != (x.shape[0], w.out_features):
         raise ValueError(f"x {tuple(x.shape)} / out {tuple(out.shape)} do not fit weights "
                          f"[{w.out_features}, {w.in_features}]")
-    args = (config.variant, w.records, x, row_start, counts, (alpha.float() * ALPHA_FOLD).contiguous(), out,
-            w.out_features, w.in_features, config.split)
+    alpha = alpha.float().contiguous()
+    if not _folds_alpha(mod):  # a module built from older sources wants the decode's 2^7 in alpha
+        alpha = alpha * ALPHA_FOLD
+    args = (config.variant, w.records, x, row_start, counts, alpha, out, w.out_features, w.in_features, config.split)
     if act_global is None:  # W4A16 (or a pre-quantized x): the call every build of the module takes
         mod.p48_gemm(*args)
     else:
@@ -278,6 +281,11 @@ def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor
                                "rebuild it (python -m moesq_core.kernels.native_build) or quantize x first")
         mod.p48_gemm(*args, act_global.float().contiguous())
     return out
+
+
+def _folds_alpha(native) -> bool:
+    """Whether the native module applies the decode's 2^7 itself (saves a launch per call); older builds do not."""
+    return "alpha as given" in (getattr(getattr(native, "p48_gemm", None), "__doc__", None) or "")
 
 
 def quantizes_activations(native) -> bool:

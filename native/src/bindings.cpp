@@ -204,8 +204,8 @@ PYBIND11_MODULE(_moesq_native, m) {
   m.def("p48_gemm", &p48_gemm, py::arg("variant"), py::arg("records"), py::arg("x"), py::arg("row_start"),
         py::arg("counts"), py::arg("alpha"), py::arg("out"), py::arg("M"), py::arg("K"), py::arg("split") = 1,
         py::arg("act_global") = py::none(),
-        "p48-nvfp4 grouped GEMM on the 2:4 sparse tensor cores (act_global: NVFP4 activations quantized in the "
-        "kernel, W4A4); see moesq_core.kernels.p48_mma.");
+        "p48-nvfp4 grouped GEMM on the 2:4 sparse tensor cores (alpha as given: the kernel applies the decode's "
+        "2^7; act_global: NVFP4 activations quantized in the kernel, W4A4); see moesq_core.kernels.p48_mma.");
   m.def("p48_variants", &p48_variants, "The compiled p48 kernel variants (tokens per pass, warps, stages, ...).");
   m.def("s24_variants", &variants, "The compiled kernel variants (index, name, tile shape, schedule, ...).");
 }

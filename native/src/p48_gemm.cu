@@ -29,6 +29,7 @@ constexpr int kRecK = MOESQ_P48_RECORD_K;
 constexpr int kMetaOff = 512;
 constexpr int kScaleOff = 640;
 constexpr int kRecChunks = kRecBytes / 16;
+constexpr float kAlphaFold = 128.f;  // the decode yields e2m1 * s * 2^-7 (exact: alpha * 2^7 rounds like alpha)
 
 struct Params {
   const uint8_t* records;
@@ -151,15 +152,18 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-template <int NB_, int R_, int W_, int S_, int KC_>
+// NB tokens per pass, R row tiles per warp, W warps, S ring stages per warp, KC activation columns per chunk,
+// RK consecutive K records per row tile and step (one contiguous copy; the per-step work of the producer,
+// the cursor and the loop is shared by RK records).
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1>
 struct Variant {
-  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_;
+  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
-  static constexpr int kSmem = kXBytes + W * S * R * kRecBytes;
+  static constexpr int kSmem = kXBytes + W * S * R * RK * kRecBytes;
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
-  static_assert(KC % kRecK == 0 && NB % 8 == 0, "bad variant");
+  static_assert(KC % (kRecK * RK) == 0 && NB % 8 == 0, "bad variant");
 };
 
 // Stage activations rows [t0, t0 + ntok) x columns [k0, k0 + kw) into shared memory, K-permuted per 8-group;
@@ -187,7 +191,12 @@ __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long
     }
     if constexpr (QUANT) {
 #pragma unroll
-      for (int j = 0; j < kRound; ++j) v[j] = nvfp4_block_values(v[j], g);
+      for (int j = 0; j < kRound; ++j) {
+        // a warp holds whole 32-column blocks (kw is a multiple of 128), so one whose rows are all past the
+        // tokens skips the work (the branch is warp-uniform: the block's amax shuffles stay complete)
+        const int t = (threadIdx.x + (j0 + j) * V::kThreads) / groups;
+        if (__any_sync(0xFFFFFFFFu, t < ntok)) v[j] = nvfp4_block_values(v[j], g);
+      }
     }
 #pragma unroll
     for (int j = 0; j < kRound; ++j) {
@@ -206,7 +215,8 @@ __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long
 }
 
 // Walks the CTA's work units (expert, group of W*R row tiles, K slice; units blockIdx.x, + gridDim.x, ...)
-// record by record: for each unit, each token block of NB tokens, each 128-column record of the K slice.
+// step by step: for each unit, each token block of NB tokens, each step of STEP 128-column records of the K slice
+// (the last step of a slice may hold fewer).
 // Units of experts without tokens are skipped. The producer (cp.async ring) and the consumer (MMA) each keep
 // one cursor; the producer runs S - 1 records ahead, across unit boundaries, so the weight stream never drains.
 struct Cursor {
@@ -227,9 +237,9 @@ struct Cursor {
     }
     valid = false;
   }
-  template <int NB>
+  template <int NB, int STEP>
   __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units) {
-    if (++kr < nkr) return;
+    if ((kr += STEP) < nkr) return;
     kr = 0;
     if (++tb < ntb) return;
     seek<NB>(p, u + gridDim.x, row_groups, kr_per, n_units);
@@ -239,7 +249,7 @@ struct Cursor {
 template <class V, bool OUT_BF16, bool ATOMIC, bool QUANT>
 __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
-  constexpr int NB = V::NB, R = V::R, W = V::W, S = V::S, KC = V::KC, NT = NB / 8;
+  constexpr int NB = V::NB, R = V::R, W = V::W, S = V::S, KC = V::KC, RK = V::RK, NT = NB / 8;
   constexpr int kRecPerChunk = KC / kRecK;
   const int row_groups = (p.MT + W * R - 1) / (W * R);
   const int kr_per = (p.KR + p.split - 1) / p.split;
@@ -248,7 +258,7 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
-  uint8_t* ring = smem + V::kXBytes + warp * (S * R * kRecBytes);
+  uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
 
   Cursor prod{}, cons{};
   prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
@@ -258,16 +268,18 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
 
   auto issue = [&]() {
     if (prod.valid) {
-      uint8_t* dst = ring + slot_p * (R * kRecBytes);
+      uint8_t* dst = ring + slot_p * (R * RK * kRecBytes);
+      const int chunks = min(RK, prod.nkr - prod.kr) * kRecChunks;  // the step's records are contiguous
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int rt = min(prod.rg * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
         const uint8_t* src =
             p.records + ((static_cast<long long>(prod.e) * p.MT + rt) * p.KR + prod.kr0 + prod.kr) * kRecBytes;
 #pragma unroll
-        for (int c = lane; c < kRecChunks; c += 32) cp_async16(dst + r * kRecBytes + 16 * c, src + 16 * c);
+        for (int c = lane; c < RK * kRecChunks; c += 32)
+          if (RK == 1 || c < chunks) cp_async16(dst + r * RK * kRecBytes + 16 * c, src + 16 * c);
       }
-      prod.next<NB>(p, row_groups, kr_per, n_units);
+      prod.next<NB, RK>(p, row_groups, kr_per, n_units);
     }
     cp_async_commit();
     slot_p = slot_p == S - 1 ? 0 : slot_p + 1;
@@ -300,48 +312,54 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
     cp_async_wait<S - 2>();
     __syncwarp();
     issue();
-    const uint8_t* rec = ring + slot_c * (R * kRecBytes);
+    const uint8_t* step_rec = ring + slot_c * (R * RK * kRecBytes);
     slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
-    uint4 codes[R];
-    uint32_t meta[R];
-    uint2 sc[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      codes[r] = *reinterpret_cast<const uint4*>(rec + r * kRecBytes + 16 * lane);
-      meta[r] = *reinterpret_cast<const uint32_t*>(rec + r * kRecBytes + kMetaOff + 4 * lane);
-      sc[r] = *reinterpret_cast<const uint2*>(rec + r * kRecBytes + kScaleOff + 8 * g);
-    }
+    const int nrec = min(RK, cons.nkr - kr);
     const int ntiles = (ntok + 7) >> 3;
-    const uint16_t* xk = xs_lane + (kr % kRecPerChunk) * kRecK;
 #pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      uint32_t a[R][4], em[R];
+    for (int j = 0; j < RK; ++j) {
+      if (RK > 1 && j >= nrec) break;
+      const uint8_t* rec = step_rec + j * kRecBytes;
+      uint4 codes[R];
+      uint32_t meta[R];
+      uint2 sc[R];
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const uint32_t w = s == 0 ? codes[r].x : s == 1 ? codes[r].y : s == 2 ? codes[r].z : codes[r].w;
-        const uint32_t sw = s < 2 ? sc[r].x : sc[r].y;
-        const uint32_t s_lo = scale_pair(sw, (s & 1) ? 0x4242 : 0x4040);  // row g
-        const uint32_t s_hi = scale_pair(sw, (s & 1) ? 0x4343 : 0x4141);  // row g + 8
-        decode_regs(w, s_lo, s_hi, a[r]);
-        em[r] = expand_meta(prmt(meta[r], 0, (s >> 1) ? 0x4342 : 0x4140));
+        codes[r] = *reinterpret_cast<const uint4*>(rec + r * RK * kRecBytes + 16 * lane);
+        meta[r] = *reinterpret_cast<const uint32_t*>(rec + r * RK * kRecBytes + kMetaOff + 4 * lane);
+        sc[r] = *reinterpret_cast<const uint2*>(rec + r * RK * kRecBytes + kScaleOff + 8 * g);
       }
+      const uint16_t* xk = xs_lane + (kr % kRecPerChunk + j) * kRecK;
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        if (n < ntiles) {
-          uint32_t b[4];
-          ldmatrix_x4(b, xk + n * 8 * V::XS + s * 32);
+      for (int s = 0; s < 4; ++s) {
+        uint32_t a[R][4], em[R];
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            if (s & 1)
-              mma_sp<1>(acc[r][n], a[r], b, em[r]);
-            else
-              mma_sp<0>(acc[r][n], a[r], b, em[r]);
+        for (int r = 0; r < R; ++r) {
+          const uint32_t w = s == 0 ? codes[r].x : s == 1 ? codes[r].y : s == 2 ? codes[r].z : codes[r].w;
+          const uint32_t sw = s < 2 ? sc[r].x : sc[r].y;
+          const uint32_t s_lo = scale_pair(sw, (s & 1) ? 0x4242 : 0x4040);  // row g
+          const uint32_t s_hi = scale_pair(sw, (s & 1) ? 0x4343 : 0x4141);  // row g + 8
+          decode_regs(w, s_lo, s_hi, a[r]);
+          em[r] = expand_meta(prmt(meta[r], 0, (s >> 1) ? 0x4342 : 0x4140));
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          if (n < ntiles) {
+            uint32_t b[4];
+            ldmatrix_x4(b, xk + n * 8 * V::XS + s * 32);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              if (s & 1)
+                mma_sp<1>(acc[r][n], a[r], b, em[r]);
+              else
+                mma_sp<0>(acc[r][n], a[r], b, em[r]);
+            }
           }
         }
       }
     }
-    if (kr == cons.nkr - 1) {  // end of a token block: write its outputs
-      const float alpha = __ldg(p.alpha + cons.e);
+    if (kr + RK >= cons.nkr) {  // end of a token block: write its outputs
+      const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int rt = cons.rg * (W * R) + r * W + warp;
@@ -366,15 +384,19 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
         }
       }
     }
-    cons.next<NB>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
 }
 
-// The compiled variants: decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA) and larger
-// batches (64 tokens per pass, the weight decode amortised over 8 token tiles).
-using V16 = Variant<16, 2, 8, 6, 1024>;
-using V64 = Variant<64, 2, 8, 4, 512>;
+// The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call):
+// decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per row
+// tile and step) and larger batches (64 tokens per pass, the weight decode amortised over 8 token tiles).
+#define MOESQ_P48_VARIANTS(X)         \
+  X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
+  X(1, Variant<64, 2, 8, 4, 512>)
+#define MOESQ_P48_COUNT(n, ...) +1
+constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
 template <class V, bool QUANT>
 auto pick_kernel(const moesq_p48_args& a) {
@@ -415,20 +437,27 @@ void info(moesq_p48_variant_info* i) {
 
 extern "C" {
 
-int moesq_p48_num_variants(void) { return 2; }
+int moesq_p48_num_variants(void) { return kNumVariants; }
 
 int moesq_p48_get_variant_info(int variant, moesq_p48_variant_info* i) {
-  if (i == nullptr || variant < 0 || variant > 1) {
-    moesq::set_last_error("p48 variant %d out of range [0, 2)", variant);
+  if (i == nullptr || variant < 0 || variant >= kNumVariants) {
+    moesq::set_last_error("p48 variant %d out of range [0, %d)", variant, kNumVariants);
     return 1;
   }
-  variant == 0 ? info<V16>(i) : info<V64>(i);
+  switch (variant) {
+#define MOESQ_P48_INFO(n, ...) \
+  case n:                      \
+    info<__VA_ARGS__>(i);      \
+    break;
+    MOESQ_P48_VARIANTS(MOESQ_P48_INFO)
+#undef MOESQ_P48_INFO
+  }
   return 0;
 }
 
 int moesq_p48_gemm(int variant, const moesq_p48_args* args) {
-  if (args == nullptr || variant < 0 || variant > 1) {
-    moesq::set_last_error("p48 variant %d out of range [0, 2) or null args", variant);
+  if (args == nullptr || variant < 0 || variant >= kNumVariants) {
+    moesq::set_last_error("p48 variant %d out of range [0, %d) or null args", variant, kNumVariants);
     return 1;
   }
   const moesq_p48_args& a = *args;
@@ -442,7 +471,14 @@ int moesq_p48_gemm(int variant, const moesq_p48_args* args) {
     moesq::set_last_error("cudaSetDevice(%d) failed", a.device);
     return 2;
   }
-  return variant == 0 ? launch<V16>(a) : launch<V64>(a);
+  switch (variant) {
+#define MOESQ_P48_LAUNCH(n, ...) \
+  case n:                        \
+    return launch<__VA_ARGS__>(a);
+    MOESQ_P48_VARIANTS(MOESQ_P48_LAUNCH)
+#undef MOESQ_P48_LAUNCH
+  }
+  return 1;
 }
 
 }  // extern "C"

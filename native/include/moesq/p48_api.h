@@ -11,7 +11,8 @@
  *     x       bfloat16 [rows, K]       activations in natural K order (row stride x_stride elements); the
  *                                      kernel applies the paired-4:8 -> 2:4 K permutation while staging
  *     row_start, counts int32 [E]      read on the device (CUDA-graph safe)
- *     alpha   float32 [E]              epilogue factor, including the 2^7 of the in-register decode
+ *     alpha   float32 [E]              epilogue factor (the kernel itself applies the 2^7 of its
+ *                                      in-register decode)
  *     act_global float32 [E] or NULL   W4A4: the kernel quantizes x to NVFP4 while staging it (32-column
  *                                      blocks, UE4M3 block scales under act_global[e] > 0), giving exactly
  *                                      the operands a separate quantization pass would; NULL: x as given
