@@ -7,6 +7,8 @@
     p48_reference  CPU reference of the p48-nvfp4 serving numerics (W4A16, W4A4 emulation)
     p48_triton     Triton grouped GEMM streaming the packed 2.75-bit p48 weights (Hopper)
     p48_sparse24   load-time re-layout of packed p48 weights into a 2:4 operand (K permuted in 8-groups)
+    relax_triton   fused Gumbel-softmax pattern relaxation (forward + backward) for refinement on the GPU
+    triton_support Triton where installed, and its interpreter on the CPU
 
 Nothing here needs a GPU at import time (Triton is imported when installed); GPU entry points raise RuntimeError with the reason
 (no CUDA, not sm_90, library not built) when they cannot run.

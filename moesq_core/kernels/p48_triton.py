@@ -49,39 +49,11 @@ import torch
 
 from .p48_reference import WEIGHT_SUFFIXES
 
-try:  # triton is optional: CPU-only installs use p48_reference
-    import triton
-    import triton.language as tl
+from .triton_support import HAS_TRITON, INTERPRET, tl, triton  # noqa: F401
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _fix_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns scalars into int with int(1-element array), which numpy >= 2.3 rejects;
-    patch its tensor __index__ to take the single element (only under TRITON_INTERPRET)."""
-    import triton.runtime.interpreter as interp
-
-    if getattr(interp, "_moesq_index_fix", False):
-        return
-    orig = interp._patch_lang_tensor
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patched
-    interp._moesq_index_fix = True
 SCALE_BLOCK = 32
 # K order inside each 16-column slice that the expansion emits (output j holds dense column PERM[j]).
 PERM = (0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15)
-if HAS_TRITON and INTERPRET:
-    _fix_interpreter_index()
 ALPHA_FOLD = 128.0
 
 

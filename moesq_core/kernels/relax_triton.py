@@ -14,25 +14,9 @@ writes W̃ once; the backward recomputes π from A and U (nothing [G, P]-sized i
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # triton is optional: CPU-only installs use the torch composition
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    HAS_TRITON = False
-
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-if HAS_TRITON and INTERPRET:
-    from .p48_triton import _fix_interpreter_index
-
-    _fix_interpreter_index()
+from .triton_support import HAS_TRITON, INTERPRET, tl, triton
 
 
 def available(device: torch.device) -> bool:
@@ -65,20 +49,26 @@ if HAS_TRITON:
         e = tl.exp(x - mx[:, None])
         return e / tl.sum(e, axis=1)[:, None]
 
+    @triton.jit
+    def _group_tile(a_ptr, u_ptr, pat_ptr, n_groups, gain, inv_tau, tiny, one_minus_eps, P: tl.constexpr,
+                    PP: tl.constexpr, GROUP: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK_G: tl.constexpr):
+        """This program's BLOCK_G groups: (rows, row mask, π [BLOCK, PP], the [PP, GROUP] pattern matrix
+        (padding rows 0), offsets and mask of their [BLOCK, GROUP] weights)."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+        rmask = rows < n_groups
+        pi = _probs(a_ptr, u_ptr, rows, rmask, gain, inv_tau, tiny, one_minus_eps, P, PP, HAS_NOISE)
+        j = tl.arange(0, GROUP)
+        pat = tl.load(pat_ptr + tl.arange(0, PP)[:, None] * GROUP + j[None, :])
+        return rows, rmask, pi, pat, rows[:, None] * GROUP + j[None, :], rmask[:, None]
+
     @triton.autotune(configs=_CONFIGS, key=["n_groups", "P", "GROUP", "HAS_NOISE"])
     @triton.jit
     def _relax_fwd_kernel(a_ptr, u_ptr, v_ptr, pat_ptr, out_ptr, n_groups, gain, inv_tau, tiny, one_minus_eps,
                           P: tl.constexpr, PP: tl.constexpr, GROUP: tl.constexpr, HAS_NOISE: tl.constexpr,
                           BLOCK_G: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid.to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
-        rmask = rows < n_groups
-        pi = _probs(a_ptr, u_ptr, rows, rmask, gain, inv_tau, tiny, one_minus_eps, P, PP, HAS_NOISE)
-        j = tl.arange(0, GROUP)
-        pat = tl.load(pat_ptr + tl.arange(0, PP)[:, None] * GROUP + j[None, :])  # [PP, GROUP], padding rows 0
+        rows, rmask, pi, pat, voff, vm = _group_tile(a_ptr, u_ptr, pat_ptr, n_groups, gain, inv_tau, tiny,
+                                                     one_minus_eps, P, PP, GROUP, HAS_NOISE, BLOCK_G)
         z = tl.sum(pi[:, :, None] * pat[None, :, :], axis=1)  # [BLOCK, GROUP] expected keep mask
-        voff = rows[:, None] * GROUP + j[None, :]
-        vm = rmask[:, None]
         v = tl.load(v_ptr + voff, mask=vm, other=0.0).to(tl.float32)
         tl.store(out_ptr + voff, (z * v).to(out_ptr.dtype.element_ty), mask=vm)
 
@@ -88,14 +78,8 @@ if HAS_TRITON:
                           one_minus_eps, P: tl.constexpr, PP: tl.constexpr, GROUP: tl.constexpr,
                           HAS_NOISE: tl.constexpr, NEED_DA: tl.constexpr, NEED_DV: tl.constexpr,
                           BLOCK_G: tl.constexpr):
-        pid = tl.program_id(0)
-        rows = pid.to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
-        rmask = rows < n_groups
-        pi = _probs(a_ptr, u_ptr, rows, rmask, gain, inv_tau, tiny, one_minus_eps, P, PP, HAS_NOISE)
-        j = tl.arange(0, GROUP)
-        pat = tl.load(pat_ptr + tl.arange(0, PP)[:, None] * GROUP + j[None, :])
-        voff = rows[:, None] * GROUP + j[None, :]
-        vm = rmask[:, None]
+        rows, rmask, pi, pat, voff, vm = _group_tile(a_ptr, u_ptr, pat_ptr, n_groups, gain, inv_tau, tiny,
+                                                     one_minus_eps, P, PP, GROUP, HAS_NOISE, BLOCK_G)
         dout = tl.load(dout_ptr + voff, mask=vm, other=0.0).to(tl.float32)
         if NEED_DV:
             z = tl.sum(pi[:, :, None] * pat[None, :, :], axis=1)

@@ -17,13 +17,7 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs: the experts module uses its torch path
-    HAS_TRITON = False
+from .triton_support import HAS_TRITON, tl, triton  # CPU-only installs: the experts module uses its torch path
 
 E4M3_MAX = 448.0
 
