@@ -17,8 +17,9 @@ On a CUDA device one forward is seven launches and no host synchronisation, so i
 
 An expert whose input_global_scale is 0 (no calibration data reached it) is quantized with the dynamic scale
 of its rows in this call (as the reference MoesqExperts does); that takes an extra amax pass, chosen at load
-time. The gate/up GEMM on the sparse tensor cores then quantizes its bf16 input itself (the kernel's
-in-staging NVFP4 quantization, the same operands bit for bit) instead of a separate quantization pass; with
+time. At decode sizes (≤ IN_KERNEL_QUANT_MAX_ROWS rows per expert on average) the gate/up GEMM on the sparse
+tensor cores then quantizes its bf16 input itself (the kernel's in-staging NVFP4 quantization, the same operands
+bit for bit) instead of a separate quantization pass, which is faster above that; with
 static scales the routing scatter already quantizes for free, and the SwiGLU output of a dynamic expert is
 float32, which the kernel does not read, so those keep their producer-side quantization. With `reference=True` (the default off CUDA) the module runs moesq_core.kernels.p48_reference instead,
 which defines the numerics the GPU path reproduces up to fp32 summation order.
@@ -34,6 +35,7 @@ from ..kernels import p48_triton as pt
 from ..naming import PROJECTIONS
 
 PROJ_KEYS = PROJECTIONS
+IN_KERNEL_QUANT_MAX_ROWS = 4  # mean rows per active expert up to which the GEMM quantizes its input itself
 
 
 def _global_scales(packed: list[dict[str, dict[str, torch.Tensor]]], proj: str) -> torch.Tensor:
@@ -151,15 +153,17 @@ class P48HopperExperts(nn.Module):
         pt._route_scatter_kernel[(R,)](hidden, flat, offsets, cursor, slot_row, row_expert, xs, self.g_in,
                                        H, hidden.stride(0), xs.stride(0), TOPK=k, NBLK=8, QUANT=quant_in, num_warps=4)
         g_in = self.g_in
-        # bf16 rows quantized by the GEMM give exactly the operands of the pre-pass (p48_mma.p48_mma_gemm_rows)
+        active = min(E, R)
+        per = R / active
+        # bf16 rows quantized by the GEMM give exactly the operands of the pre-pass (p48_mma.p48_mma_gemm_rows);
+        # it pays at decode sizes only (H200: faster at 1 row per expert, slower from 16; p48_kernel_bench_*)
         in_kernel = (aq and not quant_in and self.quant_in_kernel and self.kernel == "sparse-mma"
-                     and xs.dtype == torch.bfloat16 and pm.quantizes_activations(self._native))
+                     and xs.dtype == torch.bfloat16 and pm.quantizes_activations(self._native)
+                     and per <= IN_KERNEL_QUANT_MAX_ROWS)
         if aq and not quant_in:
             g_in = pt.dynamic_group_global(xs, row_expert, self.g_in)
             if not in_kernel:
                 xs = pt.nvfp4_quantize_rows(xs, row_expert, g_in)
-        active = min(E, R)
-        per = R / active
         alpha = 1.0 / (self.gate_up.global_scale * g_in) if aq else 1.0 / self.gate_up.global_scale
         y1 = self._gemm(xs, self.gate_up, offsets, counts, alpha, active, per, g_in if in_kernel else None)
         quant_mid = aq and self.static_mid
