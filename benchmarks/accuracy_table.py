@@ -279,11 +279,11 @@ def patterns_changed(wd: WorkDir, stage: str) -> float | None:
 
 
 def command_line(args: list[str]) -> str:
-    """The invocation as recorded in the tables: an absolute scratch --workdir-root becomes its last part (the
-    committed results hold no machine paths)."""
+    """The invocation as recorded in the tables: an absolute --workdir-root, --out or --shared becomes its last
+    part (the committed results hold no machine paths)."""
     out = list(args)
     for i, a in enumerate(out[:-1]):
-        if a == "--workdir-root" and Path(out[i + 1]).is_absolute():
+        if a in ("--workdir-root", "--out", "--shared") and Path(out[i + 1]).is_absolute():
             out[i + 1] = Path(out[i + 1]).name
     return " ".join(["python", "benchmarks/accuracy_table.py", *out])
 
