@@ -472,7 +472,8 @@ def main(argv=None):
             "calibration": {"source": rel(calib_text), "config": calib.to_dict()},
             "refine": full_refine,
             "rows_requested": list(dict.fromkeys([*(old.get("rows_requested", []) if same_protocol else []), *rows_req])),
-            "notes": args.note,
+            # a table's notes describe its rows: kept when a later run of the same protocol adds rows
+            "notes": list(dict.fromkeys([*(old.get("notes", []) if same_protocol else []), *args.note])),
         }
         for src in args.merge:
             other = json.loads(src.read_text())

@@ -1,5 +1,6 @@
 """benchmarks/accuracy_table.py: the rows run what their names say, and the recorded command holds no machine path."""
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,14 @@ def test_shared_folder_is_an_option(table, tmp_path):
         assert table.model_path("embedded") == table.pipeline.DEFAULT_MODEL  # the packaged model, whatever --shared says
     finally:
         table.SHARED = old
+
+
+def test_a_rerun_of_the_same_protocol_keeps_the_notes(table, tmp_path):
+    args = ["--models", "embedded", "--acts", "wa", "--rows", "reference", "--out", str(tmp_path),
+            "--workdir-root", str(tmp_path / "w"), "--no-run"]
+    table.main(args + ["--note", "first run"])
+    table.main(args + ["--note", "second run"])
+    doc = json.loads((tmp_path / "accuracy_embedded.json").read_text())
+    assert doc["notes"] == ["first run", "second run"]
+    table.main(args[:-1] + ["--seq-len", "128", "--no-run", "--note", "another protocol"])
+    assert json.loads((tmp_path / "accuracy_embedded.json").read_text())["notes"] == ["another protocol"]
