@@ -95,7 +95,7 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "obr": ("p48-nvfp4", "init", "obr", {}),
     "sgptq": ("p48-nvfp4", "init", "sgptq", {}),
     "sgptq-paper": ("p48-nvfp4", "init", "sgptq", {"refit": False}),
-    # the release's SGPTQ: no refit (moesq's registry default) either
+    # the release's SGPTQ: fp32 scales, and no refit (which moesq's registry turns on by default)
     "sgptq-fp32scales": ("p48-nvfp4", "init", "sgptq", {"exact_scales": False, "refit": False}),
     "sgptq-refit": ("p48-nvfp4", "init", "sgptq", {"refit": True}),
     "refine": ("p48-nvfp4", "refine", "sgptq", {}),
