@@ -16,7 +16,7 @@ artifact checksums). The shared models are read from `../shared` next to the che
 packaged micro model with the packaged calibration and evaluation samples.
 
 Rows (`--rows`, comma-separated names or the groups `all`, `core`, `ablations`, `budget`, `paper-budget`,
-`fp8`, `e2e`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8 magnitude, Wanda, JSQ, OBR,
+`fp8`, `e2e`, `gpu`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8 magnitude, Wanda, JSQ, OBR,
 SGPTQ (export-exact scales, fp32 scales, refit); refinement (default, other seeds, the paper's raw rates,
 values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps, with end-to-end tuning
 after the last block); the release-faithful
@@ -56,20 +56,24 @@ from moesq_core.workdir import WorkDir  # noqa: E402
 log = logging.getLogger("accuracy_table")
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"  # the shared models and texts sit next to the checkout (as the tests expect)
-MODELS = {"micro": SHARED / "models/micro-qwen3-moe", "tiny": SHARED / "models/tiny-qwen3-moe",
-          "embedded": pipeline.DEFAULT_MODEL}
-CALIB = SHARED / "data/calib-docs.txt.xz"
-EVAL = SHARED / "data/eval-docs.txt.xz"
-# `moesq run` calibrates on and evaluates with the embedded samples; the shared models use the shared texts
-TEXTS = {"embedded": (pipeline.DEFAULT_CALIB, pipeline.DEFAULT_EVAL)}
+SHARED = REPO.parent / "shared"  # the shared models and texts sit next to the checkout (as the tests expect; --shared)
+MODELS = {"micro": "models/micro-qwen3-moe", "tiny": "models/tiny-qwen3-moe"}
+CALIB = "data/calib-docs.txt.xz"
+EVAL = "data/eval-docs.txt.xz"
+
+
+def model_path(model: str) -> Path:
+    return pipeline.DEFAULT_MODEL if model == "embedded" else SHARED / MODELS[model]
 
 
 def texts(model: str) -> tuple[Path, Path]:
-    return TEXTS.get(model, (CALIB, EVAL))
+    """(calibration, evaluation) text: `moesq run`'s embedded samples for the embedded model, else the shared ones."""
+    if model == "embedded":
+        return pipeline.DEFAULT_CALIB, pipeline.DEFAULT_EVAL
+    return SHARED / CALIB, SHARED / EVAL
 
 
-DEVICE = "cpu"  # where stages run (--device); evaluation is always fp32 on the CPU
+DEVICE = "cpu"  # where stages run (--device); evaluation is fp32 on --eval-device (default the CPU)
 PAPER = {"epochs": 10, "steps_per_epoch": 128}  # the paper's 1,280 steps per block
 QUARTER = {"epochs": 10, "steps_per_epoch": 32}  # a quarter of it
 E2E = {"e2e_steps": 64, "e2e_batch_size": 4}  # end-to-end tuning after the last block (lr: RefineConfig's)
@@ -90,7 +94,9 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "jsq": ("p48-nvfp4", "init", "jsq", {}),
     "obr": ("p48-nvfp4", "init", "obr", {}),
     "sgptq": ("p48-nvfp4", "init", "sgptq", {}),
-    "sgptq-fp32scales": ("p48-nvfp4", "init", "sgptq", {"exact_scales": False}),
+    "sgptq-paper": ("p48-nvfp4", "init", "sgptq", {"refit": False}),
+    # the release's SGPTQ: fp32 scales, and no refit (which moesq's registry turns on by default)
+    "sgptq-fp32scales": ("p48-nvfp4", "init", "sgptq", {"exact_scales": False, "refit": False}),
     "sgptq-refit": ("p48-nvfp4", "init", "sgptq", {"refit": True}),
     "refine": ("p48-nvfp4", "refine", "sgptq", {}),
     "refine-seed1": ("p48-nvfp4", "refine", "sgptq", {"seed": 1}),
@@ -111,6 +117,7 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-refit-e2e": ("p48-nvfp4", "refine", "sgptq-refit", E2E),
     "refine-split": ("p48-nvfp4", "refine", "sgptq-refit", SPLIT),
     "refine-e2e": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E}),
+    "refine-e2e-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E, "seed": 1}),
     "refine-e2e-128": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128}),
     "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
     "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
@@ -126,7 +133,8 @@ DESCRIPTION = {
     "wanda": "paired 4:8 NVFP4, Wanda + RTN",
     "jsq": "paired 4:8 NVFP4, JSQ",
     "obr": "paired 4:8 NVFP4, OBR (no rotation)",
-    "sgptq": "paired 4:8 NVFP4, SGPTQ (export-exact E4M3 scales)",
+    "sgptq": "paired 4:8 NVFP4, SGPTQ as moesq runs it (its registry default: refit; export-exact E4M3 scales)",
+    "sgptq-paper": "paired 4:8 NVFP4, SGPTQ as in the paper (no refit; export-exact E4M3 scales)",
     "sgptq-fp32scales": "paired 4:8 NVFP4, SGPTQ (fp32 scales, projected after; the release)",
     "sgptq-refit": "paired 4:8 NVFP4, SGPTQ-refit (SparseGPT support, masked least squares, GPTQ)",
     "refine": "paired 4:8 NVFP4, moesq refine (default: p=2, support+values, lr budget rule)",
@@ -148,6 +156,7 @@ DESCRIPTION = {
                     "from SGPTQ-refit",
     "refine-e2e": "paired 4:8 NVFP4, refine (default: the block loop routes the training and one-shot sequences) "
                   "from SGPTQ-refit + end-to-end tuning (64 steps × 4 sequences)",
+    "refine-e2e-seed1": "paired 4:8 NVFP4, refine-e2e with refine seed 1",
     "refine-e2e-128": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
                       "end-to-end tuning (128 steps × 4 sequences)",
     "refine-e2e-256": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
@@ -171,6 +180,11 @@ GROUPS = {
     "paper-budget": ["refine-quarter", "refine-quarter-paper-lr", "refine-refit-quarter", "refine-paper",
                      "release-faithful-paper"],
     "fp8": ["s24-sgptq", "s24-refine"],
+    # the rows of one table at a larger calibration set on the GPU: baselines, moesq's default refinement (two
+    # seeds) with its ablations and the end-to-end step, the release-faithful configuration, ¼ and 1× the budget
+    "gpu": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq-paper", "sgptq", "release-faithful",
+            "refine", "refine-seed1", "refine-p0", "refine-values", "refine-support", "refine-e2e",
+            "refine-e2e-seed1", "refine-quarter", "refine-paper"],
     "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
@@ -215,7 +229,7 @@ def workdir_for(root: Path, model: str, fmt: str, act: bool, calib: CalibConfig)
     wd = WorkDir(root / model / f"{fmt}-{'wa' if act else 'wo'}")
     if not (wd.root / "manifest.json").is_file() or "calibration" not in wd.load():
         cfg = pipeline.RunConfig(format=fmt, act_quant=act, calib=calib, calib_source=str(texts(model)[0]))
-        pipeline.calibrate(wd, MODELS[model], cfg)
+        pipeline.calibrate(wd, model_path(model), cfg)
     return wd
 
 
@@ -265,11 +279,11 @@ def patterns_changed(wd: WorkDir, stage: str) -> float | None:
 
 
 def command_line(args: list[str]) -> str:
-    """The invocation as recorded in the tables: an absolute scratch --workdir-root becomes its last part (the
-    committed results hold no machine paths)."""
+    """The invocation as recorded in the tables: an absolute --workdir-root, --out or --shared becomes its last
+    part (the committed results hold no machine paths)."""
     out = list(args)
     for i, a in enumerate(out[:-1]):
-        if a == "--workdir-root" and Path(out[i + 1]).is_absolute():
+        if a in ("--workdir-root", "--out", "--shared") and Path(out[i + 1]).is_absolute():
             out[i + 1] = Path(out[i + 1]).name
     return " ".join(["python", "benchmarks/accuracy_table.py", *out])
 
@@ -285,7 +299,7 @@ def blockwise_ppl(wd: WorkDir, stage: str, eval_text, args, cache) -> float:
         m["stages"][bw] = {**{k: v for k, v in st.items() if k not in ("e2e", "blockwise")}, "blocks": st["blockwise"]}
         wd.save(m)
     return ppl_for_targets([EvalTarget(bw, "stage", str(wd.root), bw)], eval_text, max_tokens=args.ppl_tokens,
-                           window=args.window, cache=cache)[0]["ppl"]
+                           window=args.window, device=args.eval_device, cache=cache)[0]["ppl"]
 
 
 def same_refine(old: dict | None, new: dict) -> bool:
@@ -324,7 +338,7 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}  date: {meta['date']}",
              f"- machine: {meta['machine']}",
              f"- evaluation: {meta['eval']['file']}, first {meta['eval']['tokens']} tokens, "
-             f"{meta['eval']['window']}-token windows, fp32 on CPU, expert weights fake-quantized"
+             f"{meta['eval']['window']}-token windows, fp32 on {meta['eval']['device'].upper()}, expert weights fake-quantized"
              + ("" if meta["eval"]["tokens"] == 65536 else " (REDUCED from the standard 65,536 tokens)"),
              f"- calibration ({meta['calibration']['source']}): {json.dumps(meta['calibration']['config'])} "
              "— the same splits for every method (one-shot methods use `init`; refinement `train`/`val`, and with "
@@ -400,6 +414,9 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="device the compression stages run on (cpu, cuda); "
                                                     "refinement on CUDA computes its matmuls in bf16")
+    ap.add_argument("--eval-device", default="cpu", help="device of the fp32 perplexity evaluation (cpu, cuda)")
+    ap.add_argument("--shared", type=Path, default=None,
+                    help="folder holding models/{micro,tiny}-qwen3-moe and data/ (default: ../shared next to the checkout)")
     ap.add_argument("--merge", action="append", default=[], type=Path, metavar="JSON",
                     help="accuracy_<model>.json of another run of this script (e.g. rows run in parallel under another "
                          "--workdir-root) whose rows are merged in; it must use the same protocol (repeatable)")
@@ -408,8 +425,10 @@ def main(argv=None):
                          "adds row names to the list of requested rows (so missing ones are reported)")
     ap.add_argument("--note", action="append", default=[], help="a note written into the table (repeatable)")
     args = ap.parse_args(argv)
-    global DEVICE
+    global DEVICE, SHARED
     DEVICE = args.device
+    if args.shared is not None:
+        SHARED = args.shared.resolve()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -431,8 +450,8 @@ def main(argv=None):
     root.mkdir(parents=True, exist_ok=True)
 
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
-        if model not in MODELS:
-            raise SystemExit(f"unknown model {model!r}; choose from {', '.join(MODELS)}")
+        if model not in (*MODELS, "embedded"):
+            raise SystemExit(f"unknown model {model!r}; choose from {', '.join(MODELS)}, embedded")
         # one result cache per model: concurrent runs for different models must not overwrite each other's
         (root / model).mkdir(parents=True, exist_ok=True)
         cache = ResultCache(root / model / "ppl_cache.json")
@@ -445,15 +464,16 @@ def main(argv=None):
                          and same_refine(old.get("refine"), full_refine))
         rows: dict = old.get("rows", {}) if same_protocol else {}
         meta = {
-            "model": model, "model_path": rel(MODELS[model]), "acts": acts,
+            "model": model, "model_path": rel(model_path(model)), "acts": acts,
             "command": command_line(argv if argv is not None else sys.argv[1:]),
             "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "device": args.device,
-            "eval": {"file": rel(eval_text), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": "cpu"},
+            "eval": {"file": rel(eval_text), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": args.eval_device},
             "calibration": {"source": rel(calib_text), "config": calib.to_dict()},
             "refine": full_refine,
             "rows_requested": list(dict.fromkeys([*(old.get("rows_requested", []) if same_protocol else []), *rows_req])),
-            "notes": args.note,
+            # a table's notes describe its rows: kept when a later run of the same protocol adds rows
+            "notes": list(dict.fromkeys([*(old.get("notes", []) if same_protocol else []), *args.note])),
         }
         for src in args.merge:
             other = json.loads(src.read_text())
@@ -480,8 +500,9 @@ def main(argv=None):
             fmt, kind, method, opts = ROWS[row]
             if row == "reference":
                 t0 = time.perf_counter()
-                res = ppl_for_targets([EvalTarget("reference", "reference", str(MODELS[model]))], eval_text,
-                                      max_tokens=args.ppl_tokens, window=args.window, cache=cache)[0]
+                res = ppl_for_targets([EvalTarget("reference", "reference", str(model_path(model)))], eval_text,
+                                      max_tokens=args.ppl_tokens, window=args.window, device=args.eval_device,
+                                      cache=cache)[0]
                 rows["reference"] = {"ppl": res["ppl"], "tokens": res["tokens"], "eval_seconds": round(time.perf_counter() - t0, 1)}
                 log.info("%s reference: ppl %.3f", model, res["ppl"])
                 write_outputs(args.out, stem, meta, rows)
@@ -500,7 +521,8 @@ def main(argv=None):
                 name = stage_name(row)
                 t1 = time.perf_counter()
                 res = ppl_for_targets([EvalTarget(f"{row}:{act}", "stage", str(wd.root), name)], eval_text,
-                                      max_tokens=args.ppl_tokens, window=args.window, cache=cache)[0]
+                                      max_tokens=args.ppl_tokens, window=args.window, device=args.eval_device,
+                                      cache=cache)[0]
                 summ = st.get("summary", {})
                 cell = {"ppl": res["ppl"], "tokens": res["tokens"], "stage": name,
                         "format": fmt, "act_quant": act == "wa", "method": "refine" if kind == "refine" else method,
