@@ -171,6 +171,39 @@ def render_methods() -> str:
         "\n\nFrom " + " and ".join(link(f.replace(".json", ".md")) for f in files) + ".")
 
 
+GPU_TABLES = ["accuracy_micro_gpu512.json", "accuracy_tiny_gpu512.json"]
+GPU_ROWS = [
+    ("reference", "reference"), ("dense-rtn", "dense NVFP4 RTN (4.5 bits)"), ("magnitude", "magnitude + RTN"),
+    ("wanda", "Wanda"), ("jsq", "JSQ"), ("obr", "OBR (no rotation)"), ("sgptq-paper", "SGPTQ (the paper's, no refit)"),
+    ("sgptq", "SGPTQ-refit (moesq's default init)"), ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
+    ("refine", "**moesq refine** (default)"), ("refine-seed1", "&nbsp;&nbsp;seed 1"),
+    ("refine-p0", "&nbsp;&nbsp;ablation: uniform loss"), ("refine-values", "&nbsp;&nbsp;ablation: values only"),
+    ("refine-support", "&nbsp;&nbsp;ablation: support only"),
+]
+
+
+def render_accuracy_gpu() -> str:
+    ds = [load(f) for f in GPU_TABLES]
+    rows = []
+    for row, label in GPU_ROWS:
+        cells = []
+        for d in ds:
+            if row not in d["rows"]:
+                cells += ["not run", ""]
+                continue
+            r = _acc_row(d, row)
+            cells += [f"{r['ppl']:.2f} ({r['ppl'] / d['rows']['reference']['ppl']:.3f}×)", pct(r.get("patterns_changed"))]
+        rows.append([label, *cells])
+    c = ds[0]["calibration"]["config"]
+    return table(["W4A4", "micro: perplexity (× reference)", "patterns changed", "tiny: perplexity (× reference)",
+                  "patterns changed"], rows) + (
+        f"\n\nNVIDIA H200 (commit {ds[0]['commit'].split()[0]}); calibration {c['n_train']} training + {c['n_init']} one-shot + {c['n_val']} validation "
+        f"sequences of {c['seq_len']} tokens; refinement {ds[0]['refine']['epochs']} × {ds[0]['refine']['steps_per_epoch']} "
+        "steps per block; the same evaluation text for every row. Partial: the end-to-end, ¼ and 1× paper-budget "
+        "rows were not run (device time). From " + " and ".join(link(f.replace(".json", ".md")) for f in GPU_TABLES)
+        + f", read in {link('accuracy_gpu512_reading.md')}.")
+
+
 # -- GPU speed ---------------------------------------------------------------------------------------------
 E2E_FILE = "e2e_decode_h200_2026-12-01_f98a79e.json"
 SOLVER_FILE = "solvers_h200_2026-12-01_f98a79e.json"
@@ -285,6 +318,7 @@ def render_workdir() -> str:
 
 TABLES = {"run": render_run, "workdir": render_workdir, "accuracy-budget-embedded": render_budget_embedded,
           "accuracy-budget-tiny": render_budget_tiny, "accuracy-budget-micro": render_budget_micro, "accuracy-methods": render_methods,
+          "accuracy-gpu": render_accuracy_gpu,
           "decode": render_decode, "kernels": render_kernels, "compression": render_compression}
 
 
