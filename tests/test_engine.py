@@ -169,12 +169,15 @@ root = {root!r}
 if dist.get_rank() == 0:
     _new_wd(root, path)
 dist.barrier()
-run_stage(model, adapter, calib, _spec(), WorkDir(root))
+run_stage(model, adapter, calib, _spec(cache_limit_bytes={cache_limit}), WorkDir(root))
 dist.destroy_process_group()
 """
 
 
-def test_expert_parallel_equals_single_process(micro, tmp_path):
+@pytest.mark.parametrize("cache_limit,port", [(4 << 30, 29533), (1, 29534)])
+def test_expert_parallel_equals_single_process(micro, tmp_path, cache_limit, port):
+    """2 ranks = 1 process; with cache_limit 1 every calibration state (and each rank's share of a layer pass
+    awaiting its broadcast) goes through the spill file."""
     model, tok, adapter, path, calib = micro
     single = _new_wd(tmp_path / "single", path)
     threads = torch.get_num_threads()
@@ -184,8 +187,9 @@ def test_expert_parallel_equals_single_process(micro, tmp_path):
     finally:
         torch.set_num_threads(threads)
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(repo=str(REPO), tests=str(REPO / "tests"), root=str(tmp_path / "ep")))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533", "WORLD_SIZE": "2"}
+    script.write_text(WORKER.format(repo=str(REPO), tests=str(REPO / "tests"), root=str(tmp_path / "ep"),
+                                    cache_limit=cache_limit))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     outs = [p.communicate(timeout=600)[0].decode() for p in procs]
