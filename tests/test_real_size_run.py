@@ -96,3 +96,17 @@ def test_kimi_k2_block_shape():
             cfg["num_experts_per_tok"], cfg["num_local_experts"]) == (1, 7168, 2048, 384, 8, 384)
     with pytest.raises(SystemExit):
         main(["--root", "unused", "--shape", "kimi-k3"])
+
+
+@pytest.mark.slow
+def test_kimi_block_pipeline_without_the_separate_init(tmp_path):
+    """--shape kimi-k2-block --skip-init (narrowed with --small): refine computes the SGPTQ init itself, then
+    pack, verify and eval run on its stage."""
+    out = tmp_path / "out"
+    run("--root", tmp_path / "k", "--shape", "kimi-k2-block", "--skip-init", *SMOKE[2:], "--out", out)
+    (js,) = out.glob("real_size_run_kimi-k2-block_cpu_*.json")
+    doc = json.loads(js.read_text())
+    assert list(doc["steps"]) == ["generate", "calibrate", "refine", "pack", "verify", "eval"]
+    assert doc["header"]["model_shape"]["num_hidden_layers"] == 1 and doc["header"]["options"]["skip_init"]
+    assert doc["steps"]["verify"]["result"]["ok"] is True
+    assert "stage init-sgptq" not in doc["sizes_bytes"] and doc["sizes_bytes"]["stage refine"] > 0
