@@ -99,13 +99,21 @@ def _grid(n_groups: int):
     return lambda meta: (triton.cdiv(n_groups, meta["BLOCK_G"]),)
 
 
+_TABLES: dict = {}  # (pattern rows, device) -> its table on that device
+
+
 def _pattern_table(pattern_matrix: torch.Tensor, device) -> tuple[torch.Tensor, int]:
-    """[P, group] 0/1 -> fp32 [PP, group] on `device`, PP = P rounded up to a power of two (rows of zeros)."""
-    P, group = pattern_matrix.shape
-    PP = triton.next_power_of_2(P)
-    pat = torch.zeros(PP, group, dtype=torch.float32, device=device)
-    pat[:P] = pattern_matrix.to(device, torch.float32)
-    return pat, PP
+    """[P, group] 0/1 -> fp32 [PP, group] on `device`, PP = P rounded up to a power of two (rows of zeros).
+    Built once per pattern set and device: a fresh copy per call would be a host-to-device transfer (and a
+    wait for the queue) in every refinement step."""
+    key = (tuple(map(tuple, pattern_matrix.cpu().tolist())), str(device))
+    if key not in _TABLES:
+        P, group = pattern_matrix.shape
+        PP = triton.next_power_of_2(P)
+        pat = torch.zeros(PP, group, dtype=torch.float32, device=device)
+        pat[:P] = pattern_matrix.to(device, torch.float32)
+        _TABLES[key] = pat, PP
+    return _TABLES[key]
 
 
 class _RelaxedWeight(torch.autograd.Function):
