@@ -3,7 +3,8 @@
 A Qwen3-30B-A3B-shaped block: 128 experts, hidden 2048, expert inner 768, random weights and correlated random
 tokens (~`--tokens-per-expert` routed rows per expert, a skewed load). In one process:
 - the batched path (the default of `compress_block`) on the whole block, timed end to end (Hessians, damping,
-  factorisations, the sweeps, export, error report);
+  factorisations, the sweeps, export, error report), and on CUDA again with `cuda_graphs=False` (every op of
+  the column sweep launched from Python: the baseline of the graph replay) with the two compared code by code;
 - the per-expert reference path (`batched=False`) timed on `--baseline-experts` experts spread over the load
   range and EXTRAPOLATED to the block (mean seconds per expert × experts; labelled as such), and its results
   compared with the batched ones for those experts (code agreement, relative errors);
@@ -235,6 +236,11 @@ def main():
             row = {"format": fmt.name, "batched_block_s": sec, "batched_peak_gib": peak, "mean_rel_err": mean_rel_err(out),
                    "kept_set_cg": solve_log.take()}
             bat_picks = [out[e] for e in picks]
+            if dev.type == "cuda":  # the same batched path launching every op of the sweep (no CUDA graphs)
+                launched, row["batched_launched_s"], _ = timed(
+                    lambda: get_method(name, cuda_graphs=False).compress_block(block, fmt))
+                row["graphed_vs_launched"] = agreement(launched, out)
+                del launched
             del out
             if solves_kept_sets(name):  # the iterative kept-set solve against the exact one, on the same experts
                 exact = get_method(name, solve="exact").compress_block([block[e] for e in picks], fmt)
@@ -297,13 +303,16 @@ def write_markdown(res: dict, path: Path):
           f"weights, {sh['routed_rows']:,} routed rows ({sh['rows_per_expert_min']:,}–{sh['rows_per_expert_max']:,} per "
           f"expert). Batched: the whole block through `compress_block` (default path), measured. Per-expert: "
           f"`batched=False` on a few experts, **extrapolated** ×{sh['experts']}.", "",
-          "| method | format | batched, s per block (measured) | per-expert, s per block (extrapolated) | speed-up | "
-          "peak GiB | codes equal on timed experts |", "|---|---|---|---|---|---|---|"]
+          "| method | format | batched, s per block (measured) | batched without CUDA graphs, s (codes equal) | "
+          "per-expert, s per block (extrapolated) | speed-up | peak GiB | codes equal on timed experts |",
+          "|---|---|---|---|---|---|---|---|"]
     for name, r in res["results"].items():
         if name.endswith("_kimi_k2"):
             continue
         a = r["batched_vs_per_expert_on_timed_experts"]
-        md.append(f"| {name} | {r['format']} | **{r['batched_block_s']:.2f}** | {r['per_expert_block_s_extrapolated']:,.1f} "
+        gl = r.get("graphed_vs_launched")
+        launched = f"{r['batched_launched_s']:.2f} ({100 * gl['code_agreement']:.3f} %)" if gl else "—"
+        md.append(f"| {name} | {r['format']} | **{r['batched_block_s']:.2f}** | {launched} | {r['per_expert_block_s_extrapolated']:,.1f} "
                   f"(from {len(r['per_expert_timed'])} experts) | {r['speedup_vs_extrapolated_per_expert']:,.1f}× | "
                   f"{r['batched_peak_gib']:.1f} | {100 * a['code_agreement']:.3f} % (rel. err ratio "
                   f"{a['rel_err_ratio_min']:.4f}–{a['rel_err_ratio_max']:.4f}) |")

@@ -214,6 +214,43 @@ def test_batched_sweep_equals_per_expert_sweep(fmt_name, exact):
         assert torch.equal(ref.codes, got.codes[1, :R])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("fmt_name", FORMATS)
+def test_graphed_sweep_equals_launched_sweep_on_cuda(fmt_name, exact, monkeypatch, caplog):
+    """On CUDA the lazy blocks after the second are CUDA graph replays: bitwise the numbers of launching every
+    op (4 full blocks and a partial one; free and fixed supports, given scales, plain SparseGPT)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    replays = []
+    real_replay = torch.cuda.CUDAGraph.replay
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or real_replay(self))
+    fmt = get_format(fmt_name)
+    g = torch.Generator().manual_seed(11)
+    E, R, C = 3, 16, 144
+    Us, Ws = [], []
+    for e in range(E):
+        X = torch.randn(600, C, generator=g) @ (torch.randn(C, C, generator=g) / C**0.5 + 0.3 * torch.eye(C))
+        Hf, Wf = fix_dead(hessian(X), 0.05 * torch.randn(2 * R, C, generator=g))
+        Us.append(damped_factor(Hf).hinv_chol)
+        Ws.append(Wf)
+    U, W = torch.stack(Us).cuda(), torch.stack(Ws).cuda()
+    gs = fmt.weight.global_scales(W)
+    runs = {}
+    for graphs in (False, True):
+        solver = SGPTQSolver(fmt, blocksize=32, exact_scales=exact, cuda_graphs=graphs)
+        free = solver.solve_batched(W, U, gs, row_groups=2)
+        runs[graphs] = (free, solver.solve_batched(W, U, gs, mask=free.mask, row_groups=2),
+                        solver.solve_batched(W, U, gs, mask=free.mask, scales=free.scales, row_groups=2),
+                        SGPTQSolver(fmt, blocksize=32, quantize=False, cuda_graphs=graphs).solve_batched(W, U, row_groups=2))
+    assert len(replays) >= 4 * 3  # 4 sweeps (FP8's pre-passes add more), each replays full blocks 2-4
+    assert "capture failed" not in caplog.text
+    for launched, graphed in zip(*runs.values()):
+        for name in ("values", "mask", "latent", "codes", "scales", "global_scale", "pinned"):
+            a, b = getattr(launched, name), getattr(graphed, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+
+
 def test_batched_sweep_refuses_bad_input():
     fmt = get_format("p48-nvfp4")
     solver = SGPTQSolver(fmt)

@@ -70,6 +70,7 @@ class OBR:
     solve: str = "cg"  # the kept-set least squares of steps 2-3: "cg" (iterative) | "exact" (Cholesky per row)
     batched: bool = True  # all experts of a block at once (False: the per-expert reference, one at a time)
     chunk_gb: float | None = None  # memory for one chunk of experts (None: half the free GPU memory; 4 GiB on CPU)
+    cuda_graphs: bool = True  # the batched GPTQ sweep on CUDA replays each lazy block as a CUDA graph (same numbers)
 
     def __post_init__(self):
         if self.second_stage not in ("gptq", "rtn"):
@@ -170,7 +171,7 @@ class OBR:
             codes, scales = rtn(Wc)
             return codes, scales, Wc
         per_row = fmt.scale_block == 0
-        solver = SGPTQSolver(fmt, self.blocksize, exact_scales=self.exact_scales)
+        solver = SGPTQSolver(fmt, self.blocksize, exact_scales=self.exact_scales, cuda_graphs=self.cuda_graphs)
         res = solver.solve_batched(Wc[..., s:], fac.hinv_chol[:, s:, s:], g, mask=mask[..., s:],
                                    scales=scales0 if per_row else None, row_groups=row_groups)
         sb = fmt.scale_block

@@ -38,6 +38,7 @@ computes each expert's numbers exactly; `batched=False` runs the per-expert refe
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,6 +60,8 @@ from .hessian import (
     relative_error,
 )
 from .rtn import check_expert, fallback_no_tokens
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,6 +142,43 @@ class _ColumnCodec:
         return (values[c.long()][..., None] * s / g)[..., 0]
 
 
+
+class _BlockReplay:
+    """Runs `sweep(n)` for one lazy block of the batched sweep. With `graphs` (CUDA), full blocks of n_full
+    columns after the first are one CUDA graph replay: the first runs eagerly on a side stream (the warm-up a
+    capture needs: lazily built tables, library workspaces), the second is captured, every later one replays it.
+    Replays run the very kernels of the eager sweep, so the numbers are the same. A capture that fails (an op
+    that cannot be captured) falls back to launching the ops, with one warning."""
+
+    def __init__(self, sweep, n_full: int, graphs: bool, device: torch.device):
+        self.sweep, self.n_full, self.graphs, self.device = sweep, n_full, graphs, device
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.warmed = False
+
+    def __call__(self, n: int) -> None:
+        if not self.graphs or n != self.n_full:
+            self.sweep(n)
+        elif not self.warmed:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.sweep(n)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.warmed = True
+        else:
+            if self.graph is None:
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.device(self.device), torch.cuda.graph(graph):
+                        self.sweep(n)  # recorded, not run: the block's buffers are untouched if this fails
+                except RuntimeError as exc:
+                    log.warning("column sweep: CUDA graph capture failed (%s); launching the ops instead", exc)
+                    self.graphs = False
+                    self.sweep(n)
+                    return
+                self.graph = graph
+            self.graph.replay()
+
 @dataclass
 class SGPTQSolver:
     """The column sweep for one projection. quantize=False turns it into plain SparseGPT (and, on a dense
@@ -156,6 +196,7 @@ class SGPTQSolver:
     exact_scales: bool = True
     quantize: bool = True
     pin_block_max: bool = True  # only meaningful with exact_scales
+    cuda_graphs: bool = True  # solve_batched on CUDA: replay one lazy block's launches as a CUDA graph
 
     def __post_init__(self):
         grp, sb = self.fmt.patterns.group, self.fmt.scale_block
@@ -326,21 +367,13 @@ class SGPTQSolver:
         pinned = torch.zeros(E, R, dtype=torch.long, device=dev)
         P = pat.pattern_matrix(dev)  # kept on the device once (best_index/mask_from_index would copy per call)
         Pb = pat.patterns.to(dev)
-        chosen = 0
+        row_scale = fmt.scale_block == 0  # one scale per row (FP8): every lazy block reads the same S column
 
         def best_mask(sal: torch.Tensor) -> torch.Tensor:  # = pat.best_mask
             idx = (sal.reshape(*sal.shape[:-1], -1, pat.group).float() @ P.T).argmax(-1)
             return Pb[idx].reshape(*idx.shape[:-1], idx.shape[-1] * pat.group)
 
-        def choose(vals: torch.Tensor, c0: int) -> torch.Tensor:
-            sal = vals ** 2 / dU[:, None, c0:c0 + vals.shape[-1]] ** 2
-            if pin:
-                at = torch.arange(vals.shape[-1], device=dev) == (pin_col - c0)[..., None]
-                big = sal.sum(-1).reshape(E, row_groups, -1).amax(-1) * 2 + 1  # per projection, as in `solve`
-                sal = torch.where(at, big[..., None].expand(E, row_groups, R // row_groups).reshape(E, R, 1), sal)
-            return best_mask(sal)
-
-        if find_scales and fmt.scale_block == 0:
+        if find_scales and row_scale:
             pre = replace(self, quantize=False, mask_block=mb).solve_batched(W, U, g, mask=M if fixed else None,
                                                                              row_groups=row_groups)
             blk = pre.values
@@ -351,48 +384,84 @@ class SGPTQSolver:
             find_scales = False
             del pre, blk
 
-        for i1 in range(0, C, self.blocksize):
-            i2 = min(i1 + self.blocksize, C)
-            W1 = W[..., i1:i2].clone()
-            U1 = U[:, i1:i2, i1:i2]
-            d = dU[:, i1:i2]
-            Err1 = torch.zeros_like(W1)
-            for i in range(i2 - i1):
-                col = i1 + i
-                if select and col % mb == 0:
-                    j = min(i + mb, i2 - i1)
-                    M[..., col:i1 + j] = choose(W1[..., i:j], col)
-                    chosen = i1 + j
-                if find_scales and col % sb == 0:
+        # One lazy block's state, in buffers of fixed address that the block's sweep alone reads and writes
+        # (columns numbered from the block's first): on CUDA the ~40 small ops per column are recorded once as
+        # a CUDA graph and replayed for every full block, because launching them, not the GPU, bounds the sweep.
+        n0 = min(self.blocksize, C)
+        W1, V1, Q1, Err1 = (torch.empty(E, R, n0, device=dev) for _ in range(4))
+        U1 = torch.empty(E, n0, n0, device=dev)
+        d1 = torch.empty(E, n0, device=dev)
+        M1 = torch.empty(E, R, n0, dtype=torch.bool, device=dev)
+        K1 = torch.empty(E, R, n0, dtype=torch.uint8, device=dev) if self.quantize else None
+        S1 = (S if row_scale else torch.empty(E, R, n0 // sb, device=dev)) if self.quantize else None
+        pin1 = torch.empty(E, R, dtype=torch.long, device=dev)
+
+        def choose(vals: torch.Tensor, c0: int) -> torch.Tensor:
+            sal = vals ** 2 / d1[:, None, c0:c0 + vals.shape[-1]] ** 2
+            if pin:
+                at = torch.arange(vals.shape[-1], device=dev) == (pin1 - c0)[..., None]
+                big = sal.sum(-1).reshape(E, row_groups, -1).amax(-1) * 2 + 1  # per projection, as in `solve`
+                sal = torch.where(at, big[..., None].expand(E, row_groups, R // row_groups).reshape(E, R, 1), sal)
+            return best_mask(sal)
+
+        def sweep_block(n: int) -> None:
+            """Columns 0..n-1 of the loaded block. A block starts at a multiple of blocksize, itself a multiple of
+            mask_block and of the scale block, so local column numbers take the same group and scale steps."""
+            chosen = 0  # supports of columns < chosen are final
+            for i in range(n):
+                if select and i % mb == 0:
+                    j = min(i + mb, n)
+                    M1[..., i:j] = choose(W1[..., i:j], i)
+                    chosen = j
+                if find_scales and i % sb == 0:
                     cur = W1[..., i:i + sb]
-                    if select and chosen < col + sb:
-                        M[..., chosen:col + sb] = choose(cur[..., chosen - col:], chosen)  # provisional
-                    blk = cur * M[..., col:col + sb]
-                    S[..., col // sb] = codec.block_scale(blk, gb)[..., 0]
+                    if select and chosen < i + sb:
+                        M1[..., chosen:i + sb] = choose(cur[..., chosen - i:], chosen)  # provisional
+                    blk = cur * M1[..., i:i + sb]
+                    S1[..., i // sb] = codec.block_scale(blk, gb)[..., 0]
                     if pin:
                         amax, arg = blk.abs().max(-1)
-                        pin_col = torch.where(amax > 0, arg + col, torch.full_like(arg, -1))
+                        pin1.copy_(torch.where(amax > 0, arg + i, torch.full_like(arg, -1)))
                 w = W1[..., i]
-                V[..., col] = w
-                m = M[..., col]
+                V1[..., i] = w
+                m = M1[..., i]
                 if self.quantize:
-                    s = S[..., col // sb: col // sb + 1]
+                    k = 0 if row_scale else i // sb
+                    s = S1[..., k:k + 1]
                     c = codec.encode(w, s, gb)
                     if pin:
-                        at = pin_col == col
+                        at = pin1 == i
                         top = torch.where(w >= 0, codec.top_codes[0], codec.top_codes[1]).to(torch.uint8)
-                        pinned += at & (c != top)
+                        pinned.add_(at & (c != top))
                         c = torch.where(at, top, c)
                     c = c * m
-                    codes[..., col] = c
+                    K1[..., i] = c
                     q = codec.decode(c, s, gb) * m
                 else:
                     q = w * m
-                Q[..., col] = q
-                err = (w - q) / d[:, i, None]
-                W1[..., i:] -= err[..., None] * U1[:, i, None, i:]
+                Q1[..., i] = q
+                err = (w - q) / d1[:, i, None]
+                W1[..., i:n] -= err[..., None] * U1[:, i, None, i:n]
                 Err1[..., i] = err
-            W[..., i2:] -= Err1 @ U[:, i1:i2, i2:]
+
+        run = _BlockReplay(sweep_block, n0, self.cuda_graphs and dev.type == "cuda" and C // n0 >= 3, dev)
+        for i1 in range(0, C, n0):
+            i2 = min(i1 + n0, C)
+            n = i2 - i1
+            W1[..., :n] = W[..., i1:i2]
+            U1[:, :n, :n] = U[:, i1:i2, i1:i2]
+            d1[:, :n] = dU[:, i1:i2]
+            M1[..., :n] = M[..., i1:i2]
+            if self.quantize and not row_scale:
+                S1[..., :n // sb] = S[..., i1 // sb:i2 // sb]
+            pin1.copy_(pin_col - i1)  # FP8's pins from the pre-pass (NVFP4 sets its own per scale block)
+            run(n)
+            V[..., i1:i2], Q[..., i1:i2], M[..., i1:i2] = V1[..., :n], Q1[..., :n], M1[..., :n]
+            if self.quantize:
+                codes[..., i1:i2] = K1[..., :n]
+                if not row_scale:
+                    S[..., i1 // sb:i2 // sb] = S1[..., :n // sb]
+            W[..., i2:] -= Err1[..., :n] @ U[:, i1:i2, i2:]
 
         if self.quantize and not self.exact_scales and codec.q.rounds_scales:
             S = fmt.weight.round_scales(S)
@@ -419,12 +488,14 @@ class SGPTQ:
     dense_only: bool = False
     batched: bool = True  # all experts of a block at once (False: the per-expert reference, one at a time)
     chunk_gb: float | None = None  # memory for one chunk of experts (None: half the free GPU memory; 4 GiB on CPU)
+    cuda_graphs: bool = True  # the batched sweep on CUDA replays each lazy block as a CUDA graph (same numbers)
 
     def __post_init__(self):
         check_solve(self.solve)
 
     def _solver(self, fmt: Format) -> SGPTQSolver:
-        return SGPTQSolver(fmt, self.blocksize, self.mask_block, self.exact_scales, True, self.pin_block_max)
+        return SGPTQSolver(fmt, self.blocksize, self.mask_block, self.exact_scales, True, self.pin_block_max,
+                           self.cuda_graphs)
 
     def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
         check_expert(ex, fmt)

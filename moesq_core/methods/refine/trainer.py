@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ...formats import P48, Format, PatternSet
 from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData
-from ...kernels import relax_triton
+from ...kernels import relax_triton, rows_add_triton
 from . import objective, relaxation
 
 log = logging.getLogger(__name__)
@@ -882,7 +882,7 @@ class BlockRefiner:
                 if act is None:
                     gacc[p].add_(gr)  # fp32 += the compute-dtype gradient, promoted inside the one kernel
                 else:
-                    gacc[p].index_add_(0, act, gr.float())
+                    rows_add_triton.add_rows_(gacc[p], act, gr)
             num = num.index_add(0, act, n) if act is not None else num + n
         self.h_amax = torch.where(step_amax > 0, step_amax, self.h_amax)
         torch.autograd.backward([Wq[p] for p in PROJECTIONS], [gacc[p] for p in PROJECTIONS])

@@ -1,0 +1,45 @@
+"""acc[idx[i]] += src[i] over the leading dimension, for distinct indices (Triton, with the torch fallback).
+
+Refinement adds each micro-batch's weight gradients ([k, out, in], compute dtype) into the block's fp32
+accumulator ([E, out, in]) for the k experts the micro-batch holds. torch's `index_add_` runs a generic
+kernel at ~0.6 TB/s on an H200 (26 ms of a 0.26 s step on a Qwen3-30B-A3B block) after a separate cast of
+the gradient to fp32; this kernel reads the gradient in its own dtype and adds it in one coalesced pass.
+With distinct indices every element gets exactly one fp32 addition, so it equals `index_add_` bitwise.
+"""
+from __future__ import annotations
+
+import torch
+
+from .triton_support import HAS_TRITON, INTERPRET, tl, triton
+
+BLOCK = 4096
+
+
+def available(device: torch.device) -> bool:
+    return HAS_TRITON and (device.type == "cuda" or INTERPRET)
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _rows_add(acc_ptr, src_ptr, idx_ptr, row_len, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        off = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = off < row_len
+        dst = tl.load(idx_ptr + i).to(tl.int64)
+        s = tl.load(src_ptr + i * row_len + off, mask=m, other=0.0).to(tl.float32)
+        a = tl.load(acc_ptr + dst * row_len + off, mask=m, other=0.0)
+        tl.store(acc_ptr + dst * row_len + off, a + s, mask=m)
+
+
+def add_rows_(acc: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """acc[idx[i]] += src[i] in place (acc fp32 [E, ...], src [len(idx), ...] any float dtype, idx distinct)."""
+    if acc.dtype != torch.float32 or src.shape[1:] != acc.shape[1:] or idx.shape != src.shape[:1]:
+        raise ValueError(f"add_rows_: acc {tuple(acc.shape)} {acc.dtype}, idx {tuple(idx.shape)}, src {tuple(src.shape)}")
+    if not (available(acc.device) and acc.is_contiguous()):
+        return acc.index_add_(0, idx, src.to(acc.dtype))
+    src = src.contiguous()
+    row_len = acc[0].numel() if acc.shape[0] else 0
+    if idx.numel() and row_len:
+        _rows_add[(idx.numel(), triton.cdiv(row_len, BLOCK))](acc, src, idx, row_len, BLOCK=BLOCK)
+    return acc
