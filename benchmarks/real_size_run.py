@@ -3,6 +3,7 @@
     python benchmarks/real_size_run.py --root DIR --nproc 2 --out benchmarks/results          # 48-layer Qwen3-30B-A3B shape (57 GiB)
     python benchmarks/real_size_run.py --root DIR --scaling --layers 3 --nproc 2 --out benchmarks/results
     python benchmarks/real_size_run.py --root DIR --shape kimi-k2-block --skip-init --out benchmarks/results  # one Kimi-K2 block
+    python benchmarks/real_size_run.py --root DIR --shape kimi-k2-block --no-refit --out benchmarks/results   # the same, paper SGPTQ stage
     python benchmarks/real_size_run.py --root DIR --layers 2 --small --device cpu --nproc 2   # a smoke run
 
 Pipeline mode writes the model under DIR (generated on the GPU when there is one; `moesq_core.bench.
@@ -215,7 +216,7 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
     log = root / "commands.log"
     cfg = model_config(args)
     state = State(root, {"mode": "pipeline", "config": cfg, "nproc": args.nproc, "device": args.device,
-                         "skip_init": args.skip_init,
+                         "skip_init": args.skip_init, "no_refit": args.no_refit,
                          "epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch, "n_train": args.n_train,
                          "ppl_tokens": args.ppl_tokens})
     generate(state, model, cfg, args.device)
@@ -223,7 +224,8 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
     steps = {
         "calibrate": moesq("calibrate", "-m", m, "-w", w, "--quiet", "--json", str(res / "calibrate.json"),
                            *(["--n-train", str(args.n_train)] if args.n_train else [])),
-        "init-sgptq": moesq("init-sgptq", "-m", m, "-w", w, *stage_args(args, args.nproc), "--quiet", "--json", str(res / "init-sgptq.json")),
+        "init-sgptq": moesq("init-sgptq", "-m", m, "-w", w, *stage_args(args, args.nproc), *(["--no-refit"] if args.no_refit else []),
+                            "--quiet", "--json", str(res / "init-sgptq.json")),
         "refine": moesq("refine", "-m", m, "-w", w, *stage_args(args, args.nproc), *refine_args(args), "--quiet",
                         "--json", str(res / "refine.json")),
         "pack": moesq("pack", w, "--quiet", "--json", str(res / "pack.json")),
@@ -287,7 +289,7 @@ def header(args, cfg: dict) -> dict:
             {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size",
                                  "num_experts_per_tok", "vocab_size")},
             "tokenizer": "the embedded micro model's (random weights: perplexities are not meaningful)",
-            "options": {k: getattr(args, k) for k in ("shape", "skip_init", "nproc", "device", "epochs", "steps_per_epoch", "n_train", "ppl_tokens",
+            "options": {k: getattr(args, k) for k in ("shape", "skip_init", "no_refit", "nproc", "device", "epochs", "steps_per_epoch", "n_train", "ppl_tokens",
                                                       *(("stages",) if args.scaling else ()))}}
 
 
@@ -354,6 +356,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda or cpu")
     ap.add_argument("--skip-init", action="store_true",
                     help="pipeline: leave out the separate init-sgptq command (refine runs SGPTQ per block itself)")
+    ap.add_argument("--no-refit", action="store_true",
+                    help="init-sgptq --no-refit (the paper's SGPTQ); refine's in-loop init takes the stage's options")
     ap.add_argument("--epochs", type=int, default=1, help="refine epochs (reduced budget)")
     ap.add_argument("--steps-per-epoch", type=int, default=8, help="refine steps per epoch (reduced budget)")
     ap.add_argument("--n-train", type=int, default=0, help="calibration training sequences (default: moesq's)")
@@ -361,6 +365,8 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline-s", type=float, default=None, help="stop (resumably) after this many seconds")
     ap.add_argument("--out", type=Path, default=None, help="results directory (JSON + Markdown)")
     args = ap.parse_args(argv)
+    if args.no_refit and (args.skip_init or args.scaling):
+        ap.error("--no-refit sets the init-sgptq stage's options: it needs that stage (not --skip-init or --scaling)")
     deadline = time.time() + args.deadline_s if args.deadline_s else None
     args.root.mkdir(parents=True, exist_ok=True)
     cfg = model_config(args)

@@ -193,10 +193,11 @@ def check_location(root: Path) -> None:
 _HELD: dict[str, list] = {}  # real path -> [lock fd, depth]: the locks this process holds (re-entrant)
 
 
-# Config fields that bound memory, not what is computed (chunks of experts give the same bytes; micro-batches
-# change only the float summation order): a stage resumes or counts as done whatever they were, so the
-# out-of-memory advice "lower it and re-run" works on a half-finished stage.
-RESOURCE_OPTIONS = frozenset({"micro_batch_rows", "chunk_gb"})
+# Config fields that bound memory or pick how the same numbers are computed, not what is computed (chunks of
+# experts give the same bytes; micro-batches change only the float summation order; CUDA graphs replay the
+# same kernels): a stage resumes or counts as done whatever they were, so the out-of-memory advice "lower it
+# and re-run" works on a half-finished stage, and stages recorded before such an option existed still match.
+RESOURCE_OPTIONS = frozenset({"micro_batch_rows", "chunk_gb", "cuda_graphs"})
 
 
 def _diff(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -96,6 +96,9 @@ def test_kimi_k2_block_shape():
             cfg["num_experts_per_tok"], cfg["num_local_experts"]) == (1, 7168, 2048, 384, 8, 384)
     with pytest.raises(SystemExit):
         main(["--root", "unused", "--shape", "kimi-k3"])
+    for extra in ("--skip-init", "--scaling"):  # --no-refit sets the options of an init-sgptq stage those lack
+        with pytest.raises(SystemExit):
+            main(["--root", "unused", "--no-refit", extra])
 
 
 @pytest.mark.slow
@@ -110,3 +113,17 @@ def test_kimi_block_pipeline_without_the_separate_init(tmp_path):
     assert doc["header"]["model_shape"]["num_hidden_layers"] == 1 and doc["header"]["options"]["skip_init"]
     assert doc["steps"]["verify"]["result"]["ok"] is True
     assert "stage init-sgptq" not in doc["sizes_bytes"] and doc["sizes_bytes"]["stage refine"] > 0
+
+
+@pytest.mark.slow
+def test_kimi_block_pipeline_with_the_papers_sgptq_stage(tmp_path):
+    """--no-refit: the init-sgptq stage is the paper's SGPTQ, and refine's in-loop init takes that stage's options."""
+    out = tmp_path / "out"
+    run("--root", tmp_path / "k", "--shape", "kimi-k2-block", "--no-refit", *SMOKE[2:], "--out", out)
+    (js,) = out.glob("real_size_run_kimi-k2-block_cpu_*.json")
+    doc = json.loads(js.read_text())
+    assert list(doc["steps"]) == ["generate", "calibrate", "init-sgptq", "refine", "pack", "verify", "eval"]
+    assert doc["header"]["options"]["no_refit"] and doc["steps"]["verify"]["result"]["ok"] is True
+    stages = json.loads((tmp_path / "k" / "work" / "manifest.json").read_text())["stages"]
+    assert stages["init-sgptq"]["config"]["options"]["refit"] is False
+    assert stages["refine"]["config"]["init"]["options"]["refit"] is False
