@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import multiprocessing
 import os
 import shutil
 import signal
@@ -195,7 +196,12 @@ def generate(state: State, model: Path, cfg: dict, device: str) -> None:
     if rec["done"]:
         return
     t0 = time.perf_counter()
-    size = write_random_qwen3_moe(model, cfg, seed=0, device="cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
+    gen_device = "cuda" if device != "cpu" and torch.cuda.is_available() else "cpu"
+    # In a child process: the GPU memory the generator touched is this driver's for as long as it lives, and
+    # every moesq command after it needs the whole GPU.
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        size = pool.apply(write_random_qwen3_moe, (model, cfg), {"seed": 0, "device": gen_device})
     rec.update(done=True, model_bytes=size, attempts=[{"rc": 0, "wall_s": round(time.perf_counter() - t0, 2)}])
     state.save()
     print(f"generate: {size / GIB:.1f} GiB in {time.perf_counter() - t0:.1f} s", flush=True)

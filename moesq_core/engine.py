@@ -562,19 +562,18 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
             results = method.compress_block(data, spec.fmt, t.advance)
             clock.mark("compress")
             amax_mine += [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant) for r, d in zip(results, data)]
+            for r in results:  # to the host chunk by chunk: a Kimi-K2 block's codes and masks alone are 34 GB
+                r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
+                _results_to_cpu(r)
             results_mine += results
             clock.mark("ranges")
             del data, results
     del xs, ws
-    for r in results_mine:
-        r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
     by_e = {e: (r, a) for e, r, a in zip(mine, results_mine, amax_mine)}
     if dist:
-        by_e = _gather_results(by_e, E, world, spec.name, block.layer_index)
+        by_e = _gather_results(by_e, E, world, spec.name, block.layer_index, next(block.mlp.gate.parameters()).device)
     for r, _ in by_e.values():
-        for qw in r.weights().values():
-            for name in ("codes", "scales", "global_scale", "mask"):
-                setattr(qw, name, getattr(qw, name).cpu())
+        _results_to_cpu(r)  # the other ranks' arrive on this rank's device
     clock.mark("gather")
     results = [by_e[e][0] for e in range(E)]
     amax_in = torch.stack([by_e[e][1][0] for e in range(E)])
@@ -585,19 +584,27 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
 _QW_FIELDS = ("codes", "scales", "global_scale", "mask")
 
 
-WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a block's dense fp32 expert weights at once
+def _results_to_cpu(r) -> None:
+    for qw in r.weights().values():
+        for name in _QW_FIELDS:
+            setattr(qw, name, getattr(qw, name).cpu())
+
+
+WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a chunk's dense fp32 weights and its results
+RESULT_BYTES_PER_WEIGHT = 6  # a method's result on the device until the chunk ends: codes, mask, fp32 latent
 
 
 def weight_chunk_experts(n: int, I: int, H: int, device: torch.device) -> int:
     """How many of a block's n experts get their dense fp32 weights materialised at once: all of them on the
-    CPU; on a GPU as many as fit WEIGHTS_GPU_FRACTION of its free memory (the method needs the rest)."""
+    CPU; on a GPU as many as fit WEIGHTS_GPU_FRACTION of its free memory with their results (the method's
+    working memory takes the rest)."""
     if device.type != "cuda":
         return max(n, 1)
-    per_expert = 3 * I * H * 4
+    per_expert = 3 * I * H * (4 + RESULT_BYTES_PER_WEIGHT)
     return max(1, min(n, int(torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION) // per_expert))
 
 
-def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int) -> dict:
+def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int, device: torch.device) -> dict:
     """Every rank's compressed experts and activation ranges on every rank. The weights travel as raw tensors
     (expert e sits on rank e % world; ranks holding fewer experts pad with a copy of their first), the small
     per-expert info as objects: pickling a full-width block's weights through the collective cost seconds."""
@@ -611,7 +618,6 @@ def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int) -> d
         r, (a_in, a_mid) = by_e[e]
         tensors += [getattr(r.weights()[p], f) for p in PROJECTIONS for f in _QW_FIELDS]
         tensors.append(torch.stack([a_in, a_mid]).to(r.gate.codes.device))
-    device = next(iter(by_e.values()))[0].gate.codes.device
     parts = distributed.all_gather_tensors(tensors, device, f"{stage}: gathering block {layer}")
     infos = distributed.all_gather_object([(e, by_e[e][0].info, by_e[e][0].gate.format) for e in mine],
                                           f"{stage}: gathering block {layer} (info)")

@@ -68,10 +68,12 @@ def compress_batched(experts: list[ExpertData], fmt: Format, method_name: str,
     if len(devices) > 1:
         raise ValueError(f"the experts of one block must be on one device, got {sorted(map(str, devices))}")
     I, H = first.gate.shape
-    budget = memory_budget(first.gate.device, chunk_gb)
-    per_chunk = experts_per_chunk or max(1, budget // solver_bytes_per_expert(I, H))
-    for s in range(0, len(active), per_chunk):
-        idx = active[s:s + per_chunk]
+    s = 0
+    while s < len(active):
+        # sized before every chunk: the finished chunks' results hold device memory the next one cannot use
+        budget = memory_budget(first.gate.device, chunk_gb)
+        idx = active[s:s + (experts_per_chunk or max(1, budget // solver_bytes_per_expert(I, H)))]
+        s += len(idx)
         try:
             chunk_out = solve_chunk([experts[i] for i in idx], budget)
         except torch.OutOfMemoryError as exc:
