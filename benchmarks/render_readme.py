@@ -300,9 +300,19 @@ def render_compression() -> str:
                      f"1 H200: {steady(r['1']):.1f} s; {n} H200s (expert parallel): {steady(r[str(n)]):.1f} s "
                      f"({r['speedup_per_block_after_first']:.2f}×, commit {d['header']['commit']})", "—",
                      link(f.replace(".json", ".md"))])
+    k = load(REAL_KIMI_FILE)
+    st, ph = k["steps"], k["init_sgptq_phase_seconds"]
+    peak = lambda s: f"peak host {st[s]['attempts'][-1]['peak_host_gib']:.1f} GiB, GPU {st[s]['attempts'][-1]['peak_gpu_gib'][0]:.1f} GiB"  # noqa: E731
+    rows.append(["`moesq init-sgptq` then `moesq refine` (8 Lion steps) through the CLI, one Kimi-K2 block (384 experts "
+                 "of 7168 × 2048; the paper's SGPTQ, `--no-refit`)",
+                 f"init-sgptq {st['init-sgptq']['attempts'][-1]['wall_s']:.0f} s (solver {ph['compress']:.0f} s; "
+                 f"{peak('init-sgptq')}); refine compressed the block in {k['refine_block_compressed_s']:.0f} s "
+                 f"({peak('refine')}) and was stopped while writing it (commit {k['commit']})", "—",
+                 link(REAL_KIMI_FILE.replace(".json", ".md"))])
     return table(["work", "batched (moesq)", "per-expert path (extrapolated)", "file"], rows)
 
 
+REAL_KIMI_FILE = "real_size_kimi_h200_2026-12-01_171ed46.json"
 SCALING_INIT_FILE = "real_size_scaling_h200x2_2026-12-01_8aed194.json"
 SCALING_REFINE_FILE = "real_size_scaling_h200x2_2026-12-01_db264ec.json"
 WORKDIR_FILE = "workdir_bytes.json"
