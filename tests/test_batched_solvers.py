@@ -431,6 +431,25 @@ def test_batched_on_cuda_matches_the_cpu_reference(name):
             assert b.info["rel_err"][p] == pytest.approx(r.info["rel_err"][p], rel=0.1)
 
 
+def test_expert_chunks_are_sized_from_the_memory_free_before_each(monkeypatch):
+    """Without chunk_gb the budget is read again before every chunk (the finished chunks' results hold memory the
+    next one cannot use); the chunks change size with it and the results stay those of one pass."""
+    from moesq_core.methods import batching
+
+    experts = make_block(E=5, seed=3)
+    fmt = get_format("p48-nvfp4")
+    one_pass = get_method("sgptq").compress_block(experts, fmt)
+    per_expert = batching.solver_bytes_per_expert(32, 64)
+    budgets = iter([3 * per_expert, per_expert, 2 * per_expert, 5 * per_expert])
+    monkeypatch.setattr(batching, "memory_budget", lambda device, chunk_gb: next(budgets))
+    sizes = []
+    real = get_method("sgptq")._compress_chunk
+    method = get_method("sgptq")
+    monkeypatch.setattr(method, "_compress_chunk", lambda chunk, f, budget: sizes.append(len(chunk)) or real(chunk, f, budget))
+    assert_same(one_pass, method.compress_block(experts, fmt), "chunks sized per chunk")
+    assert sizes == [3, 1, 1]
+
+
 def test_out_of_memory_names_the_option_that_lowers_it():
     from moesq_core.methods.batching import compress_batched
 
