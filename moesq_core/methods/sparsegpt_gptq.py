@@ -142,7 +142,6 @@ class _ColumnCodec:
         return (values[c.long()][..., None] * s / g)[..., 0]
 
 
-
 class _BlockReplay:
     """Runs `sweep(n)` for one lazy block of the batched sweep. With `graphs` (CUDA), full blocks of n_full
     columns after the first are one CUDA graph replay: the first runs eagerly on a side stream (the warm-up a
@@ -178,6 +177,7 @@ class _BlockReplay:
                     return
                 self.graph = graph
             self.graph.replay()
+
 
 @dataclass
 class SGPTQSolver:
