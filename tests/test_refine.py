@@ -587,6 +587,11 @@ def test_release_faithful_options():
         r.train_epoch()
         big = sum(int(((r.proj[p].A != A0[p]) & (A0[p].float().abs() >= 0.0625)).sum()) for p in PROJECTIONS)
         assert big == 0 if big_moved == 0 else big > 0, (dtype, big)
+    # the cached inputs are never kept wider than the compute dtype (they are only read as matmul operands)
+    for compute, cache, kept in (("bfloat16", "float32", torch.bfloat16), ("float32", "float32", torch.float32),
+                                 ("float32", "bfloat16", torch.bfloat16)):
+        cfg = RefineConfig(epochs=1, steps_per_epoch=1, micro_batch_rows=512, compute_dtype=compute, cache_dtype=cache)
+        assert BlockRefiner(ex, inits, fmt, cfg).Xq.dtype == kept, (compute, cache)
     # separate gate/up global scales in training; the export still shares one (re-quantized, as served)
     sep = RefineMethod(RTN(report_errors=False), RefineConfig(**FAST, shared_gate_up_global=False)).compress_block(ex, fmt)
     _check_export(sep, inits, fmt)
