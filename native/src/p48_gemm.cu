@@ -587,7 +587,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         store_x<V, QUANT>(xs + xbuf * V::kXBuf, xch, 0, xv);
         fence_async_smem();
         __syncthreads();
-        stg.next<NB, kRecPerChunk>(p, row_groups, kr_per, n_units);
+        if (stg.valid) stg.next<NB, kRecPerChunk>(p, row_groups, kr_per, n_units);
         if (stg.valid) {
           xch = chunk_at<V, QUANT>(p, stg);
           load_x<V>(p, xch, 0, xv);  // in flight while this chunk is computed
