@@ -335,6 +335,17 @@ __device__ __forceinline__ uint32_t decode_step(const uint4& codes, uint32_t met
   return expand_meta(prmt(meta, 0, (s >> 1) ? 0x4342 : 0x4140));
 }
 
+// One output element: plain bf16 or fp32 store, or an fp32 atomic add (split K).
+template <bool OUT_BF16, bool ATOMIC>
+__device__ __forceinline__ void store_out(const Params& p, long long off, float v) {
+  if (ATOMIC)
+    atomicAdd(reinterpret_cast<float*>(p.out) + off, v);
+  else if (OUT_BF16)
+    reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(v);
+  else
+    reinterpret_cast<float*>(p.out)[off] = v;
+}
+
 // The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (one
 // commit group per step, empty once the cursor is past the last unit) and advance the cursor and the slot.
 template <class V>
@@ -455,14 +466,7 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
             const int m = rt * 16 + g + 8 * (i >> 1);
             const int tok = n * 8 + 2 * t4 + (i & 1);
             if (rt < p.MT && m < p.M && tok < ntok) {
-              const float v = acc[r][n][i] * alpha;
-              const long long off = (row0 + tb * NB + tok) * p.out_stride + m;
-              if (ATOMIC)
-                atomicAdd(reinterpret_cast<float*>(p.out) + off, v);
-              else if (OUT_BF16)
-                reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(v);
-              else
-                reinterpret_cast<float*>(p.out)[off] = v;
+              store_out<OUT_BF16, ATOMIC>(p, (row0 + tb * NB + tok) * p.out_stride + m, acc[r][n][i] * alpha);
             }
             acc[r][n][i] = 0.f;
           }
@@ -563,14 +567,7 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_wgmma_kernel(Params p) {
           const int m = rt * 16 + g + 8 * (i >> 1);
           const int tok = n * 8 + 2 * t4 + (i & 1);
           if (rt < p.MT && m < p.M && tok < ntok) {
-            const float v = acc[4 * n + i] * alpha;
-            const long long off = (row0 + tb * NB + tok) * p.out_stride + m;
-            if (ATOMIC)
-              atomicAdd(reinterpret_cast<float*>(p.out) + off, v);
-            else if (OUT_BF16)
-              reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(v);
-            else
-              reinterpret_cast<float*>(p.out)[off] = v;
+            store_out<OUT_BF16, ATOMIC>(p, (row0 + tb * NB + tok) * p.out_stride + m, acc[4 * n + i] * alpha);
           }
           acc[4 * n + i] = 0.f;
         }
