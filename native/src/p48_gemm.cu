@@ -1,4 +1,5 @@
-// p48-nvfp4 grouped GEMM on Hopper's 2:4 sparse tensor cores (mma.sp m16n8k32, bf16 operands, fp32 accumulate).
+// p48-nvfp4 grouped GEMM on Hopper's 2:4 sparse tensor cores (mma.sp m16n8k32 per warp, or wgmma.sp m64nNk32 per
+// warpgroup; bf16 operands, fp32 accumulate).
 //
 // Paired 4:8 is 2:4 after permuting K inside every 8-group to [e0 e2 e4 e6 | e1 e3 e5 e7]. The weights are the
 // sparse A operand (16 output rows per MMA), the activations B (8 tokens per MMA). A persistent grid walks work
@@ -108,6 +109,57 @@ __device__ __forceinline__ void mma_sp(float (&c)[4], const uint32_t (&a)[4], co
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "r"(b[2]), "r"(b[3]), "r"(e), "n"(SEL));
 }
 
+// Warpgroup MMA (wgmma.sp, sm_90a): D[64 x N] += A[64 x 32] (2:4 sparse, bf16 from registers: warp w of the
+// warpgroup holds rows 16w..16w+15 in the fragment and metadata layout of mma.sp m16n8k32) x B[32 x N] (shared
+// memory, K-major, 128-byte swizzle, through a descriptor). Scale-d is 1: the accumulators are zeroed by hand.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Pins the accumulators at a fence or wait (the compiler must not move their reads or writes across it).
+template <int N>
+__device__ __forceinline__ void acc_fence(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+// Generic-proxy shared-memory writes (the staged activations) become visible to wgmma's async proxy.
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+#define MOESQ_D8(i)                                                                                       \
+  "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
+      "+f"(d[i + 7])
+template <int SEL>
+__device__ __forceinline__ void wgmma_sp(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %39, 0;\n"
+      "wgmma.mma_async.sp.sync.aligned.m64n64k32.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, %37, %38, p, 1, 1, 0;\n}\n"
+      : MOESQ_D8(0), MOESQ_D8(8), MOESQ_D8(16), MOESQ_D8(24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
+}
+template <int SEL>
+__device__ __forceinline__ void wgmma_sp(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %71, 0;\n"
+      "wgmma.mma_async.sp.sync.aligned.m64n128k32.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, %69, %70, p, 1, 1, 0;\n}\n"
+      : MOESQ_D8(0), MOESQ_D8(8), MOESQ_D8(16), MOESQ_D8(24), MOESQ_D8(32), MOESQ_D8(40), MOESQ_D8(48), MOESQ_D8(56)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
+}
+#undef MOESQ_D8
+
+// Descriptor bits of the B operand (wgmma's K-major 128-byte swizzle): layout type 1 at bit 62, 1024 bytes
+// between 8-row groups (bits 32-45, in 16-byte units), leading offset 1 (unused by swizzled K-major layouts).
+constexpr uint64_t kDescSw128 = (1ull << 62) | (uint64_t(1024 >> 4) << 32) | (1ull << 16);
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&b)[4], const void* smem) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -163,7 +215,23 @@ struct Variant {
   static constexpr int kSmem = kXBytes + W * S * R * RK * kRecBytes;
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
+  static constexpr bool SWZ = false;
   static_assert(KC % (kRecK * RK) == 0 && NB % 8 == 0, "bad variant");
+};
+
+// Warpgroup variants (wgmma.sp m64nNBk32): WG warpgroups, each warp streams one row tile (the 16 rows it holds in
+// the warpgroup's 64-row A operand), the activations are B in shared memory (wgmma's swizzled layout), so each
+// decoded weight fragment serves all NB tokens of a pass in one instruction.
+template <int NB_, int WG_, int S_, int KC_, int RK_ = 1>
+struct WgVariant {
+  static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
+  static constexpr int XS = KC;
+  static constexpr int kXBytes = NB * KC * 2 + 1024;  // + alignment slack: the swizzle needs a 1024-byte base
+  static constexpr int kSmem = kXBytes + W * S * RK * kRecBytes;
+  static constexpr int kThreads = W * 32;
+  static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
+  static constexpr bool SWZ = true;
+  static_assert(KC % (kRecK * RK) == 0 && KC % 64 == 0 && NB % 16 == 0 && NB <= 256, "bad variant");
 };
 
 // Stage activations rows [t0, t0 + ntok) x columns [k0, k0 + kw) into shared memory, K-permuted per 8-group;
@@ -171,10 +239,13 @@ struct Variant {
 // most 8 16-byte loads per thread (registers). QUANT: NVFP4-quantized with global scale g on the way; a
 // 32-column block is the four consecutive lanes with c = 4q..4q+3 of one token (kw is a multiple of 128 and
 // the thread count of 32, so the four share t).
+// V::SWZ (warpgroup variants): the B operand layout of wgmma (K-major, 128-byte swizzle): 64-column K blocks of
+// NB rows x 128 B each, the 16-byte chunk c of row t at chunk c ^ (t & 7); else rows of V::XS elements.
 template <class V, bool QUANT>
 __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long row0, int ntok, int k0, int kw,
                                         float g) {
-  constexpr int kMaxRound = QUANT && V::NB > 16 ? 4 : 8;  // the 64-token variant spills with 8 under QUANT
+  // 8 loads in flight, 4 where 8 spill (the 64-token variant under QUANT, the 128-token warpgroup variant)
+  constexpr int kMaxRound = (QUANT && V::NB > 16) || V::NB > 64 ? 4 : 8;
   constexpr int kRound = V::kXIters < kMaxRound ? V::kXIters : kMaxRound;
   static_assert(V::kXIters % kRound == 0, "staging rounds must cover the chunk exactly");
   const int groups = kw / 8;
@@ -208,7 +279,8 @@ __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long
         o.y = prmt(v[j].z, v[j].w, 0x5410);  // e4 e6
         o.z = prmt(v[j].x, v[j].y, 0x7632);  // e1 e3
         o.w = prmt(v[j].z, v[j].w, 0x7632);  // e5 e7
-        *reinterpret_cast<uint4*>(xs + t * V::XS + 8 * c) = o;
+        uint16_t* dst = V::SWZ ? xs + (c >> 3) * (V::NB * 64) + t * 64 + 8 * ((c & 7) ^ (t & 7)) : xs + t * V::XS + 8 * c;
+        *reinterpret_cast<uint4*>(dst) = o;
       }
     }
   }
@@ -246,6 +318,58 @@ struct Cursor {
   }
 };
 
+// The lane's share of a record in the ring: its 16 B of codes, 4 B of metadata and its row pair's 8 B of scales.
+__device__ __forceinline__ void load_lane_share(const uint8_t* rec, int lane, uint4& codes, uint32_t& meta, uint2& sc) {
+  codes = *reinterpret_cast<const uint4*>(rec + 16 * lane);
+  meta = *reinterpret_cast<const uint32_t*>(rec + kMetaOff + 4 * lane);
+  sc = *reinterpret_cast<const uint2*>(rec + kScaleOff + 8 * (lane >> 2));
+}
+
+// MMA step s (32 columns) of a record: the four A registers and the metadata register.
+__device__ __forceinline__ uint32_t decode_step(const uint4& codes, uint32_t meta, uint2 sc, int s, uint32_t (&a)[4]) {
+  const uint32_t w = s == 0 ? codes.x : s == 1 ? codes.y : s == 2 ? codes.z : codes.w;
+  const uint32_t sw = s < 2 ? sc.x : sc.y;
+  const uint32_t s_lo = scale_pair(sw, (s & 1) ? 0x4242 : 0x4040);  // row g
+  const uint32_t s_hi = scale_pair(sw, (s & 1) ? 0x4343 : 0x4141);  // row g + 8
+  decode_regs(w, s_lo, s_hi, a);
+  return expand_meta(prmt(meta, 0, (s >> 1) ? 0x4342 : 0x4140));
+}
+
+// One output element: plain bf16 or fp32 store, or an fp32 atomic add (split K).
+template <bool OUT_BF16, bool ATOMIC>
+__device__ __forceinline__ void store_out(const Params& p, long long off, float v) {
+  if (ATOMIC)
+    atomicAdd(reinterpret_cast<float*>(p.out) + off, v);
+  else if (OUT_BF16)
+    reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(v);
+  else
+    reinterpret_cast<float*>(p.out)[off] = v;
+}
+
+// The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (one
+// commit group per step, empty once the cursor is past the last unit) and advance the cursor and the slot.
+template <class V>
+__device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, int& slot, Cursor& prod, int warp, int lane,
+                                           int row_groups, int kr_per, int n_units) {
+  constexpr int R = V::R, W = V::W, RK = V::RK;
+  if (prod.valid) {
+    uint8_t* dst = ring + slot * (R * RK * kRecBytes);
+    const int chunks = min(RK, prod.nkr - prod.kr) * kRecChunks;  // the step's records are contiguous
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int rt = min(prod.rg * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
+      const uint8_t* src =
+          p.records + ((static_cast<long long>(prod.e) * p.MT + rt) * p.KR + prod.kr0 + prod.kr) * kRecBytes;
+#pragma unroll
+      for (int c = lane; c < RK * kRecChunks; c += 32)
+        if (RK == 1 || c < chunks) cp_async16(dst + r * RK * kRecBytes + 16 * c, src + 16 * c);
+    }
+    prod.next<V::NB, RK>(p, row_groups, kr_per, n_units);
+  }
+  cp_async_commit();
+  slot = slot == V::S - 1 ? 0 : slot + 1;
+}
+
 template <class V, bool OUT_BF16, bool ATOMIC, bool QUANT>
 __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -266,24 +390,7 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
   cons = prod;
   int slot_p = 0, slot_c = 0;
 
-  auto issue = [&]() {
-    if (prod.valid) {
-      uint8_t* dst = ring + slot_p * (R * RK * kRecBytes);
-      const int chunks = min(RK, prod.nkr - prod.kr) * kRecChunks;  // the step's records are contiguous
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int rt = min(prod.rg * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
-        const uint8_t* src =
-            p.records + ((static_cast<long long>(prod.e) * p.MT + rt) * p.KR + prod.kr0 + prod.kr) * kRecBytes;
-#pragma unroll
-        for (int c = lane; c < RK * kRecChunks; c += 32)
-          if (RK == 1 || c < chunks) cp_async16(dst + r * RK * kRecBytes + 16 * c, src + 16 * c);
-      }
-      prod.next<NB, RK>(p, row_groups, kr_per, n_units);
-    }
-    cp_async_commit();
-    slot_p = slot_p == S - 1 ? 0 : slot_p + 1;
-  };
+  auto issue = [&]() { issue_step<V>(p, ring, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -324,24 +431,13 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
       uint32_t meta[R];
       uint2 sc[R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        codes[r] = *reinterpret_cast<const uint4*>(rec + r * RK * kRecBytes + 16 * lane);
-        meta[r] = *reinterpret_cast<const uint32_t*>(rec + r * RK * kRecBytes + kMetaOff + 4 * lane);
-        sc[r] = *reinterpret_cast<const uint2*>(rec + r * RK * kRecBytes + kScaleOff + 8 * g);
-      }
+      for (int r = 0; r < R; ++r) load_lane_share(rec + r * RK * kRecBytes, lane, codes[r], meta[r], sc[r]);
       const uint16_t* xk = xs_lane + (kr % kRecPerChunk + j) * kRecK;
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         uint32_t a[R][4], em[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint32_t w = s == 0 ? codes[r].x : s == 1 ? codes[r].y : s == 2 ? codes[r].z : codes[r].w;
-          const uint32_t sw = s < 2 ? sc[r].x : sc[r].y;
-          const uint32_t s_lo = scale_pair(sw, (s & 1) ? 0x4242 : 0x4040);  // row g
-          const uint32_t s_hi = scale_pair(sw, (s & 1) ? 0x4343 : 0x4141);  // row g + 8
-          decode_regs(w, s_lo, s_hi, a[r]);
-          em[r] = expand_meta(prmt(meta[r], 0, (s >> 1) ? 0x4342 : 0x4140));
-        }
+        for (int r = 0; r < R; ++r) em[r] = decode_step(codes[r], meta[r], sc[r], s, a[r]);
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
           if (n < ntiles) {
@@ -370,14 +466,7 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
             const int m = rt * 16 + g + 8 * (i >> 1);
             const int tok = n * 8 + 2 * t4 + (i & 1);
             if (rt < p.MT && m < p.M && tok < ntok) {
-              const float v = acc[r][n][i] * alpha;
-              const long long off = (row0 + tb * NB + tok) * p.out_stride + m;
-              if (ATOMIC)
-                atomicAdd(reinterpret_cast<float*>(p.out) + off, v);
-              else if (OUT_BF16)
-                reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(v);
-              else
-                reinterpret_cast<float*>(p.out)[off] = v;
+              store_out<OUT_BF16, ATOMIC>(p, (row0 + tb * NB + tok) * p.out_stride + m, acc[r][n][i] * alpha);
             }
             acc[r][n][i] = 0.f;
           }
@@ -389,20 +478,129 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
   cp_async_wait<0>();
 }
 
+// The warpgroup kernel (WgVariant): the same units, cursors and weight ring as p48_mma_kernel with one row tile per
+// warp; per MMA step each warp decodes its 16 rows into A registers (double-buffered: one wgmma stays in flight
+// while the next step is decoded) and the warpgroup issues one wgmma.sp over all NB staged tokens.
+template <class V, bool OUT_BF16, bool ATOMIC, bool QUANT>
+__global__ void __launch_bounds__(V::kThreads, 2) p48_wgmma_kernel(Params p) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr int NB = V::NB, W = V::W, S = V::S, KC = V::KC, RK = V::RK, ND = NB / 2;
+  constexpr int kRecPerChunk = KC / kRecK;
+  const int row_groups = (p.MT + W - 1) / W;
+  const int kr_per = (p.KR + p.split - 1) / p.split;
+  const int n_units = p.E * row_groups * p.split;
+
+  const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t pad = (1024u - (smem_addr & 1023u)) & 1023u;
+  uint16_t* xs = reinterpret_cast<uint16_t*>(smem + pad);
+  const uint32_t xs_addr = smem_addr + pad;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t4 = lane & 3;
+  uint8_t* ring = smem + V::kXBytes + warp * (S * RK * kRecBytes);
+
+  Cursor prod{}, cons{};
+  prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+  if (!prod.valid) return;
+  cons = prod;
+  int slot_p = 0, slot_c = 0;
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) issue_step<V>(p, ring, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
+
+  float acc[ND];
+#pragma unroll
+  for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+
+  while (cons.valid) {
+    const int kr = cons.kr, tb = cons.tb;
+    const int cnt = __ldg(p.counts + cons.e);
+    const long long row0 = __ldg(p.row_start + cons.e);
+    const int ntok = min(NB, cnt - tb * NB);
+    if (kr % kRecPerChunk == 0) {
+      wgmma_wait<0>();  // no wgmma reads the previous chunk any more
+      acc_fence(acc);
+      __syncthreads();
+      stage_x<V, QUANT>(p, xs, row0 + tb * NB, ntok, (cons.kr0 + kr) * kRecK, min(KC, (cons.nkr - kr) * kRecK),
+                        QUANT ? __ldg(p.act_global + cons.e) : 0.f);
+      fence_async_smem();
+      __syncthreads();
+    }
+    cp_async_wait<S - 2>();
+    __syncwarp();
+    issue_step<V>(p, ring, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
+    const uint8_t* step_rec = ring + slot_c * (RK * kRecBytes);
+    slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
+    const int nrec = min(RK, cons.nkr - kr);
+#pragma unroll
+    for (int j = 0; j < RK; ++j) {
+      if (RK > 1 && j >= nrec) break;
+      uint4 codes;
+      uint32_t meta;
+      uint2 sc;
+      load_lane_share(step_rec + j * kRecBytes, lane, codes, meta, sc);
+      const int col0 = (kr % kRecPerChunk + j) * kRecK;  // the record's first column in the staged chunk
+      uint32_t a[2][4], em[2];
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        em[s & 1] = decode_step(codes, meta, sc, s, a[s & 1]);
+        const int col = col0 + 32 * s;
+        const uint32_t b_addr = xs_addr + (col >> 6) * (NB * 128) + (col & 32) * 2;
+        wgmma_fence();
+        acc_fence(acc);
+        if (s & 1)
+          wgmma_sp<1>(acc, a[1], kDescSw128 | ((b_addr >> 4) & 0x3FFFu), em[1]);
+        else
+          wgmma_sp<0>(acc, a[0], kDescSw128 | ((b_addr >> 4) & 0x3FFFu), em[0]);
+        wgmma_commit();
+        wgmma_wait<1>();  // the wgmma of step s - 1 is done: its A registers may be decoded into again
+        acc_fence(acc);
+      }
+    }
+    if (kr + RK >= cons.nkr) {  // end of a token block: write its outputs
+      wgmma_wait<0>();
+      acc_fence(acc);
+      const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
+      const int rt = cons.rg * W + warp;
+#pragma unroll
+      for (int n = 0; n < NB / 8; ++n) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int m = rt * 16 + g + 8 * (i >> 1);
+          const int tok = n * 8 + 2 * t4 + (i & 1);
+          if (rt < p.MT && m < p.M && tok < ntok) {
+            store_out<OUT_BF16, ATOMIC>(p, (row0 + tb * NB + tok) * p.out_stride + m, acc[4 * n + i] * alpha);
+          }
+          acc[4 * n + i] = 0.f;
+        }
+      }
+    }
+    cons.next<NB, RK>(p, row_groups, kr_per, n_units);
+  }
+  wgmma_wait<0>();
+  cp_async_wait<0>();
+}
+
 // The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call):
 // decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per row
-// tile and step) and larger batches (64 tokens per pass, the weight decode amortised over 8 token tiles).
+// tile and step) and larger batches (64 tokens per pass, the weight decode amortised over 8 token tiles); 2, 3:
+// the warpgroup path (64 / 128 tokens per pass; slower than 1 on an H200 on most shapes, not picked).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
-  X(1, Variant<64, 2, 8, 4, 512>)
+  X(1, Variant<64, 2, 8, 4, 512>)      \
+  X(2, WgVariant<64, 2, 4, 512>)       \
+  X(3, WgVariant<128, 2, 4, 256>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
 template <class V, bool QUANT>
 auto pick_kernel(const moesq_p48_args& a) {
-  return a.split > 1 ? p48_mma_kernel<V, false, true, QUANT>
-         : a.out_bf16 ? p48_mma_kernel<V, true, false, QUANT>
-                      : p48_mma_kernel<V, false, false, QUANT>;
+  if constexpr (V::SWZ)
+    return a.split > 1 ? p48_wgmma_kernel<V, false, true, QUANT>
+           : a.out_bf16 ? p48_wgmma_kernel<V, true, false, QUANT>
+                        : p48_wgmma_kernel<V, false, false, QUANT>;
+  else
+    return a.split > 1 ? p48_mma_kernel<V, false, true, QUANT>
+           : a.out_bf16 ? p48_mma_kernel<V, true, false, QUANT>
+                        : p48_mma_kernel<V, false, false, QUANT>;
 }
 
 template <class V>
