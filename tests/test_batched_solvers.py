@@ -177,20 +177,25 @@ def test_masked_optimum_batched_equals_per_expert():
 # ---------------------------------------------------------------- the sweep
 
 
+def sweep_problem(E: int, R: int, C: int, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U [E, C, C], W [E, 2R, C]): each expert's chol(H⁻¹) from correlated tokens, and two stacked projections."""
+    g = torch.Generator().manual_seed(seed)
+    Us, Ws = [], []
+    for e in range(E):
+        X = torch.randn(tokens, C, generator=g) @ (torch.randn(C, C, generator=g) / C**0.5 + 0.3 * torch.eye(C))
+        Hf, Wf = fix_dead(hessian(X), 0.05 * torch.randn(2 * R, C, generator=g))
+        Us.append(damped_factor(Hf).hinv_chol)
+        Ws.append(Wf)
+    return torch.stack(Us), torch.stack(Ws)
+
+
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_batched_sweep_equals_per_expert_sweep(fmt_name, exact):
     """solve_batched on [E, 2R, C] (two stacked projections) = solve on each expert's each projection."""
     fmt = get_format(fmt_name)
-    g = torch.Generator().manual_seed(5)
-    E, R, C = 3, 16, 128
-    Us, Ws = [], []
-    for e in range(E):
-        X = torch.randn(400, C, generator=g) @ (torch.randn(C, C, generator=g) / C**0.5 + 0.3 * torch.eye(C))
-        Hf, Wf = fix_dead(hessian(X), 0.05 * torch.randn(2 * R, C, generator=g))
-        Us.append(damped_factor(Hf).hinv_chol)
-        Ws.append(Wf)
-    U, W = torch.stack(Us), torch.stack(Ws)
+    E, R = 3, 16
+    U, W = sweep_problem(E, R, C=128, tokens=400, seed=5)
     solver = SGPTQSolver(fmt, blocksize=64, exact_scales=exact)
     gs = fmt.weight.global_scales(W)
     bat = solver.solve_batched(W, U, gs, row_groups=2)
@@ -226,15 +231,7 @@ def test_graphed_sweep_equals_launched_sweep_on_cuda(fmt_name, exact, monkeypatc
     real_replay = torch.cuda.CUDAGraph.replay
     monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda self: replays.append(1) or real_replay(self))
     fmt = get_format(fmt_name)
-    g = torch.Generator().manual_seed(11)
-    E, R, C = 3, 16, 224  # blocks of 64: 3 full, then 32 columns
-    Us, Ws = [], []
-    for e in range(E):
-        X = torch.randn(600, C, generator=g) @ (torch.randn(C, C, generator=g) / C**0.5 + 0.3 * torch.eye(C))
-        Hf, Wf = fix_dead(hessian(X), 0.05 * torch.randn(2 * R, C, generator=g))
-        Us.append(damped_factor(Hf).hinv_chol)
-        Ws.append(Wf)
-    U, W = torch.stack(Us).cuda(), torch.stack(Ws).cuda()
+    U, W = (t.cuda() for t in sweep_problem(E=3, R=16, C=224, tokens=600, seed=11))  # blocks of 64: 3 full, then 32
     gs = fmt.weight.global_scales(W)
     runs = {}
     for graphs in (False, True):
