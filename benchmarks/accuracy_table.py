@@ -186,7 +186,7 @@ GROUPS = {
     # seeds) with its ablations and the end-to-end step, the release-faithful configuration, ¼ and 1× the budget
     "gpu": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq-paper", "sgptq", "release-faithful",
             "refine", "refine-seed1", "refine-p0", "refine-values", "refine-support", "refine-e2e",
-            "refine-e2e-seed1", "refine-quarter", "refine-paper"],
+            "refine-e2e-seed1", "refine-e2e-128", "refine-e2e-128-seed1", "refine-quarter", "refine-paper"],
     "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
