@@ -119,6 +119,7 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-e2e": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E}),
     "refine-e2e-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E, "seed": 1}),
     "refine-e2e-128": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128}),
+    "refine-e2e-128-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128, "seed": 1}),
     "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
     "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
     "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
@@ -159,6 +160,7 @@ DESCRIPTION = {
     "refine-e2e-seed1": "paired 4:8 NVFP4, refine-e2e with refine seed 1",
     "refine-e2e-128": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
                       "end-to-end tuning (128 steps × 4 sequences)",
+    "refine-e2e-128-seed1": "paired 4:8 NVFP4, refine-e2e-128 with refine seed 1",
     "refine-e2e-256": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
                       "end-to-end tuning (256 steps × 4 sequences)",
     "release-faithful": "paired 4:8 NVFP4, release-faithful (fp32 SGPTQ scales, paper lrs, bf16 logits, last epoch, "
@@ -184,7 +186,7 @@ GROUPS = {
     # seeds) with its ablations and the end-to-end step, the release-faithful configuration, ¼ and 1× the budget
     "gpu": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq-paper", "sgptq", "release-faithful",
             "refine", "refine-seed1", "refine-p0", "refine-values", "refine-support", "refine-e2e",
-            "refine-e2e-seed1", "refine-quarter", "refine-paper"],
+            "refine-e2e-seed1", "refine-e2e-128", "refine-e2e-128-seed1", "refine-quarter", "refine-paper"],
     "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}

@@ -179,6 +179,10 @@ GPU_ROWS = [
     ("refine", "**moesq refine** (default)"), ("refine-seed1", "&nbsp;&nbsp;seed 1"),
     ("refine-p0", "&nbsp;&nbsp;ablation: uniform loss"), ("refine-values", "&nbsp;&nbsp;ablation: values only"),
     ("refine-support", "&nbsp;&nbsp;ablation: support only"),
+    ("refine-quarter", "&nbsp;&nbsp;¼ of the paper's budget (320 steps)"),
+    ("refine-paper", "&nbsp;&nbsp;the paper's budget (1,280 steps)"),
+    ("refine-e2e", "**moesq refine + 64 end-to-end steps**"), ("refine-e2e-seed1", "&nbsp;&nbsp;seed 1"),
+    ("refine-e2e-128", "**moesq refine + 128 end-to-end steps**"), ("refine-e2e-128-seed1", "&nbsp;&nbsp;seed 1"),
 ]
 
 
@@ -197,10 +201,10 @@ def render_accuracy_gpu() -> str:
     c = ds[0]["calibration"]["config"]
     return table(["W4A4", "micro: perplexity (× reference)", "patterns changed", "tiny: perplexity (× reference)",
                   "patterns changed"], rows) + (
-        f"\n\nNVIDIA H200 (commit {ds[0]['commit'].split()[0]}); calibration {c['n_train']} training + {c['n_init']} one-shot + {c['n_val']} validation "
+        f"\n\nNVIDIA H200; calibration {c['n_train']} training + {c['n_init']} one-shot + {c['n_val']} validation "
         f"sequences of {c['seq_len']} tokens; refinement {ds[0]['refine']['epochs']} × {ds[0]['refine']['steps_per_epoch']} "
-        "steps per block; the same evaluation text for every row. Partial: the end-to-end, ¼ and 1× paper-budget "
-        "rows were not run (device time). From " + " and ".join(link(f.replace(".json", ".md")) for f in GPU_TABLES)
+        "steps per block unless the row says otherwise; end-to-end steps (4 sequences each) tune every expert's values "
+        "together after the last block, patterns fixed; the same evaluation text for every row. From " + " and ".join(link(f.replace(".json", ".md")) for f in GPU_TABLES)
         + f", read in {link('accuracy_gpu512_reading.md')}.")
 
 

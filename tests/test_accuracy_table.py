@@ -36,6 +36,16 @@ def test_every_group_names_known_rows_once(table):
             "release-faithful", "sgptq-paper", "sgptq"} <= set(gpu)
 
 
+def test_seed_rows_differ_from_their_row_in_the_seed_alone(table):
+    seeded = [r for r in table.ROWS if r.endswith("-seed1")]
+    assert "refine-e2e-128-seed1" in seeded
+    for row in seeded:
+        base = row.removesuffix("-seed1")
+        assert table.ROWS[row][:3] == table.ROWS[base][:3]
+        assert table.ROWS[row][3] == {**table.ROWS[base][3], "seed": 1}
+        assert row in table.DESCRIPTION
+
+
 def test_recorded_command_keeps_no_machine_path(table):
     cmd = table.command_line(["--models", "micro", "--workdir-root", "/tmp/x/accw", "--out", "/root/out",
                               "--shared", "/data/shared-copy", "--rows", "gpu"])
