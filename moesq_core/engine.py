@@ -617,7 +617,7 @@ def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int, devi
     for e in order:
         r, (a_in, a_mid) = by_e[e]
         tensors += [getattr(r.weights()[p], f) for p in PROJECTIONS for f in _QW_FIELDS]
-        tensors.append(torch.stack([a_in, a_mid]).to(r.gate.codes.device))
+        tensors.append(torch.stack([a_in, a_mid]))  # host tensors, like the weights now; the collective moves them
     parts = distributed.all_gather_tensors(tensors, device, f"{stage}: gathering block {layer}")
     infos = distributed.all_gather_object([(e, by_e[e][0].info, by_e[e][0].gate.format) for e in mine],
                                           f"{stage}: gathering block {layer} (info)")
