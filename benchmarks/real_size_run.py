@@ -217,7 +217,7 @@ def refine_args(args) -> list[str]:
 
 
 def pipeline(args, root: Path, deadline: float | None) -> dict:
-    model, wd, res = root / "model", root / "work", root / "results"
+    model, wd, res = args.model_dir or root / "model", root / "work", root / "results"
     res.mkdir(parents=True, exist_ok=True)
     log = root / "commands.log"
     cfg = model_config(args)
@@ -251,7 +251,7 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
 
 
 def scaling(args, root: Path, deadline: float | None) -> dict:
-    model, log = root / "model", root / "commands.log"
+    model, log = args.model_dir or root / "model", root / "commands.log"
     cfg = model_config(args)
     state = State(root, {"mode": "scaling", "config": cfg, "nproc": args.nproc, "device": args.device, "stages": args.stages,
                          "epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch, "n_train": args.n_train})
@@ -351,6 +351,8 @@ def markdown(doc: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", type=Path, required=True, help="directory for the model, work dirs and state")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="where the generated model goes (default ROOT/model), e.g. another file system than the work dirs'")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
                     help="the model shape (kimi-k2-block: one Kimi-K2 MoE block)")
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's: 48, or 1 for kimi-k2-block)")

@@ -70,7 +70,9 @@ def test_pipeline_runs_every_command_resumes_after_a_deadline_and_writes_results
 @pytest.mark.slow
 def test_scaling_reports_one_against_two_processes(tmp_path):
     out = tmp_path / "out"
-    run("--root", tmp_path / "s", *SMOKE, "--scaling", "--stages", "init-sgptq", "--nproc", "2", "--out", out)
+    run("--root", tmp_path / "s", *SMOKE, "--scaling", "--stages", "init-sgptq", "--nproc", "2", "--out", out,
+        "--model-dir", tmp_path / "elsewhere")
+    assert (tmp_path / "elsewhere" / "config.json").exists() and not (tmp_path / "s" / "model").exists()
     (js,) = out.glob("real_size_scaling_cpu_*.json")
     doc = json.loads(js.read_text())
     r = doc["scaling"]["init-sgptq"]
