@@ -32,6 +32,7 @@ from .methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, 
 from .models import MoEAdapter, MoEBlock
 from .progress import NullProgress, note, skip
 from .runtime.experts import MoesqExperts
+from .state_checkpoint import EVERY_S, StateCheckpoint
 from .workdir import LAYOUT, StaleStageError, WorkDir, atomic_path
 
 log = logging.getLogger("moesq.engine")
@@ -131,6 +132,8 @@ class StageSpec:
     cache_limit_bytes: int = 4 << 30
     # What lowers this stage's memory (option names), for the out-of-memory message.
     memory_options: tuple[str, ...] = ("--batch-size", "--cache-gb")
+    # Seconds between saves of the calibration states for resuming (StateCheckpoint; 0: after every block).
+    resume_every_s: float = EVERY_S
     # A step after the last block (refinement's end-to-end tuning): finalize(model, adapter, workdir, progress)
     # runs on the main process once every block is saved, before the stage is marked done; it returns a
     # summary and may rewrite the stage's blocks (WorkDir.replace_blocks).
@@ -417,6 +420,16 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
             stores[s] = StateStore(spec.cache_limit_bytes // len(splits), spill)
             kwargs_by_bs.update(capture_layer_inputs(model, calib[s], spec.batch_size, stores[s]))
             t.advance()
+    saved = StateCheckpoint(workdir, spec.name, calib, splits, spec.batch_size, spec.resume_every_s)
+    resumed = saved.load(lambda: StateStore(spec.cache_limit_bytes // len(splits), spill), device)
+    resumed_after = -1
+    if resumed is not None:
+        resumed_after, loaded = resumed
+        for s in splits:
+            stores[s].close()
+        stores = loaded
+        log.info("%s: resuming after layer %d from its saved calibration states (the finished blocks up to it are "
+                 "installed, not run)", spec.name, resumed_after)
     computed, seconds, t_stage = 0, 0.0, time.perf_counter()
     clock = PhaseClock(device)
     todo = [li for li in blocks if str(li) not in workdir.stage(spec.name)["blocks"]]
@@ -426,6 +439,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                 break
             block = blocks.get(li)
             where.update(layer=li, moe=block is not None)
+            before = dict(clock.seconds)
             if block is not None:
                 path = workdir.verified_block(spec.name, li)
                 if path is not None:
@@ -459,7 +473,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     tblocks.advance()
                 install_block(block, spec.fmt, results, amax_in, amax_mid, spec.act_quant, device)
                 clock.mark("install")
-            if li < last_moe:
+            if resumed_after < li < last_moe:
                 for s in splits:
                     new = StateStore(stores[s].limit, spill)
                     with torch.no_grad():  # an autograd graph kept across layers would grow with depth
@@ -469,6 +483,12 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     stores[s].close()
                     stores[s] = new
                 clock.mark("propagate")
+                if is_main and block is not None and saved.due():
+                    saved.save(li, sorted(blocks), stores)
+                    clock.mark("save states")
+            if block is not None and li > resumed_after:
+                log.info("%s: layer %d phases (s): %s", spec.name, li,
+                         {k: round(v - before.get(k, 0.0), 2) for k, v in clock.seconds.items() if v > before.get(k, 0.0)})
     for s in stores.values():
         s.close()
     summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2),
@@ -484,6 +504,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
     log.info("%s: done, %s", spec.name, summary)
     if is_main:
         workdir.finish_stage(spec.name, summary)
+        saved.remove()
     distributed.barrier(f"{spec.name}: finishing")
     return summary
 

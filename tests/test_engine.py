@@ -2,6 +2,7 @@
 dirs and corrupt artifacts, spilling the calibration cache, expert-parallel equal to one process."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,72 @@ def test_stage_resumes_with_identical_artifacts(micro, tmp_path):
     assert _checksums(part, "init-rtn") == want
     # a finished stage re-run is a no-op
     assert run_stage(model, adapter, calib, _spec(), part)["computed_now"] == 0
+
+
+def _layer_calls(model):
+    """Counts of full decoder-layer passes per layer (propagation), and the hooks to remove."""
+    calls, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: calls.__setitem__(i, calls.get(i, 0) + 1)))
+    return calls, hooks
+
+
+def test_resume_starts_from_the_saved_states_and_gives_identical_artifacts(micro, tmp_path):
+    model, tok, adapter, path, calib = micro
+    full = _new_wd(tmp_path / "full", path)
+    run_stage(model, adapter, calib, _spec(), full)
+    want = _checksums(full, "init-rtn")
+    assert not list((full.root / "cache").glob("init-rtn-states*"))  # removed when the stage finished
+
+    part = _new_wd(tmp_path / "part", path)
+    spec = _spec(resume_every_s=0)
+    spec.method_for_block = _DiesAfter(2)
+    with pytest.raises(_Interrupt):
+        run_stage(model, adapter, calib, spec, part)
+    record = json.loads((part.root / "cache" / "init-rtn-states.json").read_text())
+    assert record["layer"] == 1 and sorted(record["blocks"]) == ["0", "1"]
+    assert [f.name for f in (part.root / "cache").glob("init-rtn-states-L*")] == [record["file"]]  # one save kept
+    calls, hooks = _layer_calls(model)
+    try:
+        summary = run_stage(model, adapter, calib, _spec(resume_every_s=0), part)
+    finally:
+        for h in hooks:
+            h.remove()
+    # layers 0 and 1 were neither compressed nor run again: only block 2's output was propagated
+    assert summary["computed_now"] == 2 and sorted(calls) == [2]
+    assert _checksums(part, "init-rtn") == want
+    assert not list((part.root / "cache").glob("init-rtn-states*"))
+
+
+def test_saved_states_are_not_used_once_their_blocks_change(micro, tmp_path):
+    model, tok, adapter, path, calib = micro
+    full = _new_wd(tmp_path / "full", path)
+    run_stage(model, adapter, calib, _spec(), full)
+    want = _checksums(full, "init-rtn")
+    part = _new_wd(tmp_path / "part", path)
+    spec = _spec(resume_every_s=0)
+    spec.method_for_block = _DiesAfter(3)
+    with pytest.raises(_Interrupt):
+        run_stage(model, adapter, calib, spec, part)
+    part.drop_blocks_from("init-rtn", 1)  # as --redo-from 1: the saved states (after layer 2) follow a dropped block
+    calls, hooks = _layer_calls(model)
+    try:
+        assert run_stage(model, adapter, calib, _spec(resume_every_s=0), part)["computed_now"] == 3
+    finally:
+        for h in hooks:
+            h.remove()
+    assert sorted(calls) == [0, 1, 2] and _checksums(part, "init-rtn") == want
+    # a truncated states file is not used either (same bytes, recomputed)
+    spec = _spec(resume_every_s=0)
+    spec.method_for_block = _DiesAfter(2)
+    part.drop_blocks_from("init-rtn", 0)
+    with pytest.raises(_Interrupt):
+        run_stage(model, adapter, calib, spec, part)
+    record = json.loads((part.root / "cache" / "init-rtn-states.json").read_text())
+    raw = part.root / "cache" / record["file"]
+    raw.write_bytes(raw.read_bytes()[:-8])
+    assert run_stage(model, adapter, calib, _spec(), part)["computed_now"] == 2
+    assert _checksums(part, "init-rtn") == want
 
 
 def test_corrupt_artifact_and_foreign_config_are_refused(micro, tmp_path):

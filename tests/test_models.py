@@ -104,3 +104,29 @@ def test_shared_micro_model_routes_like_the_model(micro_path):
         ex = b.dense_experts
         b.set_experts(MoesqExperts("p48-nvfp4", ex.gate_up_proj.detach().clone(), ex.down_proj.detach().clone(), False))
     assert torch.allclose(model(input_ids=ids).logits, ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["p48-nvfp4", "s24-fp8"])
+def test_experts_forward_reads_the_static_scales_once_and_computes_what_each_expert_does(fmt):
+    # forward takes every expert's static/dynamic quantizer choice from one read of the scales; the result must be
+    # exactly the per-expert path's, including experts with no calibrated scale (0: dynamic) and unused experts
+    torch.manual_seed(0)
+    E, H, inter, T, k = 5, 64, 32, 40, 2
+    gate_up, down = torch.randn(E, 2 * inter, H) * 0.1, torch.randn(E, H, inter) * 0.1
+    g_in = torch.tensor([2000.0, 0.0, 350.0, 0.0, 90.0])
+    g_mid = torch.tensor([0.0, 800.0, 60.0, 0.0, 1500.0])
+    module = MoesqExperts(fmt, gate_up, down, act_quant=True, act_global_in=g_in, act_global_mid=g_mid)
+    x = torch.randn(T, H)
+    idx = torch.randint(0, E - 1, (T, k))  # expert E-1 gets no token
+    w = torch.rand(T, k)
+    expected = torch.zeros(T, H)
+    for e in range(E):  # each expert on all its rows at once (a dynamic scale is taken over them), scales read per expert
+        t, j = (idx == e).nonzero(as_tuple=True)
+        if len(t):
+            expected.index_add_(0, t, module.expert_forward(e, x[t]) * w[t, j, None])
+    got = module(x, idx, w)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    sg = module.static_globals()
+    uses = module.fmt.act.uses_global_scale
+    assert [a is not None for a, _ in sg] == ([bool(v > 0) for v in g_in] if uses else [False] * E)
+    assert [b is not None for _, b in sg] == ([bool(v > 0) for v in g_mid] if uses else [False] * E)

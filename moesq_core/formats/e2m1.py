@@ -34,9 +34,23 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return (sign << 3) | mag
 
 
+_GRIDS: dict[torch.device, torch.Tensor] = {}
+
+
+def _grid(device: torch.device) -> torch.Tensor:
+    """E2M1_GRID on `device`, made once per device: building it from the Python tuple is a copy from pageable
+    host memory, which waits for the device's queue (a sync per quantizer call in the experts' loops)."""
+    if torch.compiler.is_compiling():  # a constant of the compiled graph
+        return torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
+    g = _GRIDS.get(device)
+    if g is None:
+        g = _GRIDS[device] = torch.tensor(E2M1_GRID, dtype=torch.float32, device=device)
+    return g
+
+
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """uint8 nibble codes -> float32 values on the E2M1 grid."""
-    grid = torch.tensor(E2M1_GRID, dtype=torch.float32, device=codes.device)
+    grid = _grid(codes.device)
     codes = codes.long()
     mag = grid[codes & 7]
     return torch.where((codes & 8) != 0, -mag, mag)

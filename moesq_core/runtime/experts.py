@@ -69,15 +69,28 @@ class MoesqExperts(nn.Module):
         """Expert e's (gate_up [2I, H], down [H, I]) weights."""
         return self.gate_up_proj[e], self.down_proj[e]
 
-    def expert_forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def static_globals(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+        """Per expert, the (input, SwiGLU-output) quantizers' global scales as `_global` gives them, read from
+        the device once for all experts: per expert, each read was a host sync that left the GPU idle."""
+        E = self.num_experts
+        if not (self.act_quant and self.fmt.act.uses_global_scale):
+            return [(None, None)] * E
+        static = (~(torch.stack([self.act_global_in, self.act_global_mid]) <= 0)).tolist()
+        return [(self.act_global_in[e] if static[0][e] else None, self.act_global_mid[e] if static[1][e] else None)
+                for e in range(E)]
+
+    def expert_forward(self, e: int, x: torch.Tensor, globals_: tuple | None = None) -> torch.Tensor:
+        """Expert e on its rows x; globals_ = static_globals()[e] where the caller has them."""
         gate_up, down = self.expert_linears(e)
         x = x.float()
         if self.act_quant:
-            x = self.fmt.quant_act(x, self._global(self.act_global_in[e]), ste=self.ste)
+            g_in, g_mid = globals_ if globals_ is not None else (self._global(self.act_global_in[e]),
+                                                                 self._global(self.act_global_mid[e]))
+            x = self.fmt.quant_act(x, g_in, ste=self.ste)
         gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
         h = F.silu(gate) * up
         if self.act_quant:
-            h = self.fmt.quant_act(h, self._global(self.act_global_mid[e]), ste=self.ste)
+            h = self.fmt.quant_act(h, g_mid, ste=self.ste)
         return F.linear(h, down)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -87,11 +100,12 @@ class MoesqExperts(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         tok = order // top_k_index.shape[1]
         wts = top_k_weights.reshape(-1)[order].float()
+        globals_ = self.static_globals()
         start = 0
         for e, n in enumerate(counts):
             if n:
                 idx = tok[start : start + n]
-                y = self.expert_forward(e, hidden_states[idx]) * wts[start : start + n, None]
+                y = self.expert_forward(e, hidden_states[idx], globals_[e]) * wts[start : start + n, None]
                 out.index_add_(0, idx, y)
             start += n
         return out.to(hidden_states.dtype)
