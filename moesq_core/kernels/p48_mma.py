@@ -46,11 +46,12 @@ CODES_BYTES, META_BYTES, SCALE_BYTES = 512, 128, 64
 ALPHA_FOLD = 128.0  # the in-register decode yields e2m1 * s * 2^-7
 PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padded groups)
 # Per compiled kernel variant (index = MmaConfig.variant; native/src/p48_gemm.cu lists them): tokens per pass and
-# output rows per CTA. 0, 1: mma.sp per warp (8 warps x 2 row tiles); 2, 3: wgmma.sp (2 warpgroups x 64 rows, the
-# staged tokens are the wgmma's N, so each weight fragment is decoded once per pass for all of them). pick_config
+# output rows per CTA. 0, 1: mma.sp per warp (8 warps x 2 row tiles); 2-9: wgmma.sp (2 or 4 warpgroups x 64 rows,
+# the staged tokens are the wgmma's N, so each weight fragment is decoded once per pass for all of them). pick_config
 # chooses 0 and 1: 2 and 3 were slower on the H200 on 3 of the 4 bench shapes at N = 64 and 128 (native/NOTES.md).
-TOKEN_BLOCKS = (16, 64, 64, 128)
-ROWS_PER_CTA = (256, 256, 128, 128)
+TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64)
+ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128)
+MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 
