@@ -120,7 +120,10 @@ def test_from_packed_rejects_bad_input():
 def test_pick_config_splits_only_small_grids():
     cpu = torch.device("cpu")
     assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(0, 1)
-    assert pm.pick_config(1536, 2048, 128, 128, cpu).variant == 1
+    assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 5
+    assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 5
+    assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 4
+    assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 4
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 

@@ -659,8 +659,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 }
 
 // The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call):
-// decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per row
-// tile and step) and larger batches (64 tokens per pass, the weight decode amortised over 8 token tiles).
+// 0: decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per row
+// tile and step); 1: mma.sp with 64 tokens per pass; 2-9: the warpgroup path (WgVariant<tokens, warpgroups,
+// stages, K chunk, records per step, pipelined staging>). Picked: 0, 5 (up to 64 rows per expert), 4 (above).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
   X(1, Variant<64, 2, 8, 4, 512>)      \
