@@ -120,7 +120,10 @@ def test_from_packed_rejects_bad_input():
 def test_pick_config_splits_only_small_grids():
     cpu = torch.device("cpu")
     assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(0, 1)
-    assert pm.pick_config(1536, 2048, 128, 128, cpu).variant == 1
+    assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 5
+    assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 5
+    assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 4
+    assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 4
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
@@ -206,9 +209,9 @@ def test_gpu_in_kernel_activation_quant_equals_prepass(E, M, K, counts, split, v
 @pytest.mark.gpu
 @pytest.mark.hopper
 def test_gpu_variants_agree_bit_for_bit_and_match_the_table():
-    """The variants of one instruction (mma.sp: 0, 1; wgmma.sp: 2, 3) run the same MMAs in the same K order per
-    output: equal fp32 outputs (poisoned rows left alone), whatever the tokens per pass; every variant matches
-    the reference."""
+    """The variants of one instruction (pm.MMA_INSTRUCTION: mma.sp or wgmma.sp) run the same MMAs in the same K
+    order per output: equal fp32 outputs (poisoned rows left alone), whatever the tokens per pass and however
+    the activations are staged; every variant matches the reference."""
     native = _native_or_skip()
     table = native.p48_variants()
     assert [v["tokens_per_block"] for v in table] == list(pm.TOKEN_BLOCKS)
@@ -226,8 +229,10 @@ def test_gpu_variants_agree_bit_for_bit_and_match_the_table():
                              pm.MmaConfig(v, 1), native)
         case.check(out, 2e-5, True)
         outs.append(out)
-    for a, b in ((0, 1), (2, 3)):
-        torch.testing.assert_close(outs[b], outs[a], rtol=0, atol=0, equal_nan=True, msg=f"variant {b} vs {a}")
+    first = {}
+    for v, out in zip(VARIANTS, outs):
+        a = first.setdefault(pm.MMA_INSTRUCTION[v], v)
+        torch.testing.assert_close(out, outs[a], rtol=0, atol=0, equal_nan=True, msg=f"variant {v} vs {a}")
 
 
 @pytest.mark.gpu

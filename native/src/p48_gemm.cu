@@ -1,5 +1,4 @@
-// p48-nvfp4 grouped GEMM on Hopper's 2:4 sparse tensor cores (mma.sp m16n8k32 per warp, or wgmma.sp m64nNk32 per
-// warpgroup; bf16 operands, fp32 accumulate).
+// p48-nvfp4 grouped GEMM on Hopper's 2:4 sparse tensor cores (mma.sp m16n8k32, bf16 operands, fp32 accumulate).
 //
 // Paired 4:8 is 2:4 after permuting K inside every 8-group to [e0 e2 e4 e6 | e1 e3 e5 e7]. The weights are the
 // sparse A operand (16 output rows per MMA), the activations B (8 tokens per MMA). A persistent grid walks work
@@ -131,6 +130,16 @@ __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.a
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
 template <int SEL>
+__device__ __forceinline__ void wgmma_sp(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %15, 0;\n"
+      "wgmma.mma_async.sp.sync.aligned.m64n16k32.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7"
+      "}, {%8,%9,%10,%11}, %12, %13, %14, p, 1, 1, 0;\n}\n"
+      : MOESQ_D8(0)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
+}
+template <int SEL>
 __device__ __forceinline__ void wgmma_sp(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %39, 0;\n"
@@ -216,22 +225,29 @@ struct Variant {
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
+  static constexpr int kMinBlocks = 2;
   static_assert(KC % (kRecK * RK) == 0 && NB % 8 == 0, "bad variant");
 };
 
 // Warpgroup variants (wgmma.sp m64nNBk32): WG warpgroups, each warp streams one row tile (the 16 rows it holds in
 // the warpgroup's 64-row A operand), the activations are B in shared memory (wgmma's swizzled layout), so each
 // decoded weight fragment serves all NB tokens of a pass in one instruction.
-template <int NB_, int WG_, int S_, int KC_, int RK_ = 1>
+// PIPE: the activations are double-buffered and software-pipelined: every thread loads its part of the next
+// chunk into registers while the current one is computed and stores it at the next chunk boundary.
+template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
+  static constexpr bool PIPE = PIPE_;
   static constexpr int XS = KC;
-  static constexpr int kXBytes = NB * KC * 2 + 1024;  // + alignment slack: the swizzle needs a 1024-byte base
+  static constexpr int kXBuf = NB * KC;  // elements per activation buffer
+  static constexpr int kXBytes = (PIPE ? 2 : 1) * kXBuf * 2 + 1024;  // + slack: the swizzle needs a 1024-byte base
   static constexpr int kSmem = kXBytes + W * S * RK * kRecBytes;
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = true;
+  static constexpr int kMinBlocks = kThreads <= 256 ? 2 : 1;  // 128 registers per thread either way
   static_assert(KC % (kRecK * RK) == 0 && KC % 64 == 0 && NB % 16 == 0 && NB <= 256, "bad variant");
+  static_assert(!PIPE || (NB * KC / 8) % kThreads == 0, "a pipelined chunk must split evenly over the threads");
 };
 
 // Stage activations rows [t0, t0 + ntok) x columns [k0, k0 + kw) into shared memory, K-permuted per 8-group;
@@ -241,50 +257,84 @@ struct WgVariant {
 // the thread count of 32, so the four share t).
 // V::SWZ (warpgroup variants): the B operand layout of wgmma (K-major, 128-byte swizzle): 64-column K blocks of
 // NB rows x 128 B each, the 16-byte chunk c of row t at chunk c ^ (t & 7); else rows of V::XS elements.
-template <class V, bool QUANT>
-__device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, long long row0, int ntok, int k0, int kw,
-                                        float g) {
-  // 8 loads in flight, 4 where 8 spill (the 64-token variant under QUANT, the 128-token warpgroup variant)
-  constexpr int kMaxRound = (QUANT && V::NB > 16) || V::NB > 64 ? 4 : 8;
-  constexpr int kRound = V::kXIters < kMaxRound ? V::kXIters : kMaxRound;
-  static_assert(V::kXIters % kRound == 0, "staging rounds must cover the chunk exactly");
-  const int groups = kw / 8;
+// One chunk of staged activations, rows [row0, row0 + ntok) x columns [k0, k0 + kw), kw a multiple of 128.
+struct XChunk {
+  long long row0;
+  int ntok, k0, kw;
+  float g;  // W4A4: the expert's activation global scale
+};
+
+// Thread-to-chunk map of the staging: 16-byte group c (8 columns) of token t, for iteration j of the thread.
+template <class V>
+__device__ __forceinline__ void x_slot(const XChunk& ch, int j, int& t, int& c) {
+  const int groups = ch.kw / 8;
+  const int idx = threadIdx.x + j * V::kThreads;
+  t = idx / groups;
+  c = idx - t * groups;
+}
+
+// Loads iterations [j0, j0 + N) of a chunk into registers; columns >= K and rows >= ntok read as zeros (the
+// padded weight columns are zero, and 0 * garbage could be NaN).
+template <class V, int N>
+__device__ __forceinline__ void load_x(const Params& p, const XChunk& ch, int j0, uint4 (&v)[N]) {
 #pragma unroll
-  for (int j0 = 0; j0 < V::kXIters; j0 += kRound) {
-    uint4 v[kRound];
+  for (int j = 0; j < N; ++j) {
+    int t, c;
+    x_slot<V>(ch, j0 + j, t, c);
+    v[j] = make_uint4(0, 0, 0, 0);
+    if (t < ch.ntok && ch.k0 + 8 * c < p.K)
+      v[j] = __ldg(reinterpret_cast<const uint4*>(p.x + (ch.row0 + t) * p.x_stride + ch.k0 + 8 * c));
+  }
+}
+
+// Stores iterations [j0, j0 + N) K-permuted per 8-group (and, QUANT, NVFP4-quantized with global scale ch.g on
+// the way; a 32-column block is the four consecutive lanes with c = 4q..4q+3 of one token: kw is a multiple of
+// 128 and the thread count of 32, so the four share t). V::SWZ (warpgroup variants): the B operand layout of
+// wgmma (K-major, 128-byte swizzle): 64-column K blocks of NB rows x 128 B each, the 16-byte chunk c of row t at
+// chunk c ^ (t & 7); else rows of V::XS elements.
+template <class V, bool QUANT, int N>
+__device__ __forceinline__ void store_x(uint16_t* xs, const XChunk& ch, int j0, uint4 (&v)[N]) {
+  if constexpr (QUANT) {
 #pragma unroll
-    for (int j = 0; j < kRound; ++j) {
-      const int idx = threadIdx.x + (j0 + j) * V::kThreads;
-      const int t = idx / groups, c = idx - t * groups;
-      v[j] = make_uint4(0, 0, 0, 0);
-      if (t < ntok && k0 + 8 * c < p.K)
-        v[j] = __ldg(reinterpret_cast<const uint4*>(p.x + (row0 + t) * p.x_stride + k0 + 8 * c));
+    for (int j = 0; j < N; ++j) {
+      // a warp holds whole 32-column blocks, so one whose rows are all past the tokens skips the work (the
+      // branch is warp-uniform: the block's amax shuffles stay complete)
+      int t, c;
+      x_slot<V>(ch, j0 + j, t, c);
+      if (__any_sync(0xFFFFFFFFu, t < ch.ntok)) v[j] = nvfp4_block_values(v[j], ch.g);
     }
-    if constexpr (QUANT) {
+  }
 #pragma unroll
-      for (int j = 0; j < kRound; ++j) {
-        // a warp holds whole 32-column blocks (kw is a multiple of 128), so one whose rows are all past the
-        // tokens skips the work (the branch is warp-uniform: the block's amax shuffles stay complete)
-        const int t = (threadIdx.x + (j0 + j) * V::kThreads) / groups;
-        if (__any_sync(0xFFFFFFFFu, t < ntok)) v[j] = nvfp4_block_values(v[j], g);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < kRound; ++j) {
-      const int idx = threadIdx.x + (j0 + j) * V::kThreads;
-      const int t = idx / groups, c = idx - t * groups;
-      if (t < ntok) {
-        uint4 o;
-        o.x = prmt(v[j].x, v[j].y, 0x5410);  // e0 e2
-        o.y = prmt(v[j].z, v[j].w, 0x5410);  // e4 e6
-        o.z = prmt(v[j].x, v[j].y, 0x7632);  // e1 e3
-        o.w = prmt(v[j].z, v[j].w, 0x7632);  // e5 e7
-        uint16_t* dst = V::SWZ ? xs + (c >> 3) * (V::NB * 64) + t * 64 + 8 * ((c & 7) ^ (t & 7)) : xs + t * V::XS + 8 * c;
-        *reinterpret_cast<uint4*>(dst) = o;
-      }
+  for (int j = 0; j < N; ++j) {
+    int t, c;
+    x_slot<V>(ch, j0 + j, t, c);
+    if (t < ch.ntok) {
+      uint4 o;
+      o.x = prmt(v[j].x, v[j].y, 0x5410);  // e0 e2
+      o.y = prmt(v[j].z, v[j].w, 0x5410);  // e4 e6
+      o.z = prmt(v[j].x, v[j].y, 0x7632);  // e1 e3
+      o.w = prmt(v[j].z, v[j].w, 0x7632);  // e5 e7
+      uint16_t* dst = V::SWZ ? xs + (c >> 3) * (V::NB * 64) + t * 64 + 8 * ((c & 7) ^ (t & 7)) : xs + t * V::XS + 8 * c;
+      *reinterpret_cast<uint4*>(dst) = o;
     }
   }
 }
+
+// Stages a whole chunk into shared memory, in rounds of at most 8 16-byte loads per thread (registers).
+template <class V, bool QUANT>
+__device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, const XChunk& ch) {
+  // 8 loads in flight, 4 where 8 spill (the 64-token variant under QUANT, the 128-token warpgroup variants)
+  constexpr int kMaxRound = (QUANT && V::NB > 16) || V::NB > 64 ? 4 : 8;
+  constexpr int kRound = V::kXIters < kMaxRound ? V::kXIters : kMaxRound;
+  static_assert(V::kXIters % kRound == 0, "staging rounds must cover the chunk exactly");
+#pragma unroll
+  for (int j0 = 0; j0 < V::kXIters; j0 += kRound) {
+    uint4 v[kRound];
+    load_x<V>(p, ch, j0, v);
+    store_x<V, QUANT>(xs, ch, j0, v);
+  }
+}
+
 
 // Walks the CTA's work units (expert, group of W*R row tiles, K slice; units blockIdx.x, + gridDim.x, ...)
 // step by step: for each unit, each token block of NB tokens, each step of STEP 128-column records of the K slice
@@ -317,6 +367,14 @@ struct Cursor {
     seek<NB>(p, u + gridDim.x, row_groups, kr_per, n_units);
   }
 };
+
+// The chunk a cursor stands at (its first record must start a chunk).
+template <class V, bool QUANT>
+__device__ __forceinline__ XChunk chunk_at(const Params& p, const Cursor& c) {
+  const int cnt = __ldg(p.counts + c.e);
+  return XChunk{__ldg(p.row_start + c.e) + c.tb * V::NB, min(V::NB, cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
+                min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f};
+}
 
 // The lane's share of a record in the ring: its 16 B of codes, 4 B of metadata and its row pair's 8 B of scales.
 __device__ __forceinline__ void load_lane_share(const uint8_t* rec, int lane, uint4& codes, uint32_t& meta, uint2& sc) {
@@ -371,7 +429,7 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, int& 
 }
 
 template <class V, bool OUT_BF16, bool ATOMIC, bool QUANT>
-__global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
+__global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int NB = V::NB, R = V::R, W = V::W, S = V::S, KC = V::KC, RK = V::RK, NT = NB / 8;
   constexpr int kRecPerChunk = KC / kRecK;
@@ -412,8 +470,7 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
       __syncthreads();  // every warp is done with the previous chunk
-      stage_x<V, QUANT>(p, xs, row0 + tb * NB, ntok, (cons.kr0 + kr) * kRecK, min(KC, (cons.nkr - kr) * kRecK),
-                        QUANT ? __ldg(p.act_global + cons.e) : 0.f);
+      stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
       __syncthreads();
     }
     cp_async_wait<S - 2>();
@@ -482,7 +539,7 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_mma_kernel(Params p) {
 // warp; per MMA step each warp decodes its 16 rows into A registers (double-buffered: one wgmma stays in flight
 // while the next step is decoded) and the warpgroup issues one wgmma.sp over all NB staged tokens.
 template <class V, bool OUT_BF16, bool ATOMIC, bool QUANT>
-__global__ void __launch_bounds__(V::kThreads, 2) p48_wgmma_kernel(Params p) {
+__global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int NB = V::NB, W = V::W, S = V::S, KC = V::KC, RK = V::RK, ND = NB / 2;
   constexpr int kRecPerChunk = KC / kRecK;
@@ -502,6 +559,15 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_wgmma_kernel(Params p) {
   prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   if (!prod.valid) return;
   cons = prod;
+  // PIPE: `xv` holds the thread's part of chunk `xch` (the one the consumer stages next), `stg` stands at it
+  Cursor stg = prod;
+  uint4 xv[V::PIPE ? V::kXIters : 1];
+  XChunk xch{};
+  if constexpr (V::PIPE) {
+    xch = chunk_at<V, QUANT>(p, stg);
+    load_x<V>(p, xch, 0, xv);
+  }
+  int xbuf = 0;
   int slot_p = 0, slot_c = 0;
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue_step<V>(p, ring, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
@@ -516,13 +582,26 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_wgmma_kernel(Params p) {
     const long long row0 = __ldg(p.row_start + cons.e);
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
-      wgmma_wait<0>();  // no wgmma reads the previous chunk any more
+      wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
       acc_fence(acc);
-      __syncthreads();
-      stage_x<V, QUANT>(p, xs, row0 + tb * NB, ntok, (cons.kr0 + kr) * kRecK, min(KC, (cons.nkr - kr) * kRecK),
-                        QUANT ? __ldg(p.act_global + cons.e) : 0.f);
-      fence_async_smem();
-      __syncthreads();
+      if constexpr (V::PIPE) {
+        // the other buffer was last read by the chunk before the previous one, whose wgmmas every warpgroup
+        // completed before the previous chunk's barrier
+        xbuf ^= 1;
+        store_x<V, QUANT>(xs + xbuf * V::kXBuf, xch, 0, xv);
+        fence_async_smem();
+        __syncthreads();
+        if (stg.valid) stg.next<NB, kRecPerChunk>(p, row_groups, kr_per, n_units);
+        if (stg.valid) {
+          xch = chunk_at<V, QUANT>(p, stg);
+          load_x<V>(p, xch, 0, xv);  // in flight while this chunk is computed
+        }
+      } else {
+        __syncthreads();
+        stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
+        fence_async_smem();
+        __syncthreads();
+      }
     }
     cp_async_wait<S - 2>();
     __syncwarp();
@@ -543,7 +622,7 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_wgmma_kernel(Params p) {
       for (int s = 0; s < 4; ++s) {
         em[s & 1] = decode_step(codes, meta, sc, s, a[s & 1]);
         const int col = col0 + 32 * s;
-        const uint32_t b_addr = xs_addr + (col >> 6) * (NB * 128) + (col & 32) * 2;
+        const uint32_t b_addr = xs_addr + xbuf * (V::kXBuf * 2) + (col >> 6) * (NB * 128) + (col & 32) * 2;
         wgmma_fence();
         acc_fence(acc);
         if (s & 1)
@@ -580,14 +659,20 @@ __global__ void __launch_bounds__(V::kThreads, 2) p48_wgmma_kernel(Params p) {
 }
 
 // The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call):
-// decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per row
-// tile and step) and larger batches (64 tokens per pass, the weight decode amortised over 8 token tiles); 2, 3:
-// the warpgroup path (64 / 128 tokens per pass; slower than 1 on an H200 on most shapes, not picked).
+// 0: decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per row
+// tile and step); 1: mma.sp with 64 tokens per pass; 2-9: the warpgroup path (WgVariant<tokens, warpgroups,
+// stages, K chunk, records per step, pipelined staging>). Picked: 0, 5 (up to 64 rows per expert), 4 (above).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
   X(1, Variant<64, 2, 8, 4, 512>)      \
-  X(2, WgVariant<64, 2, 4, 512>)       \
-  X(3, WgVariant<128, 2, 4, 256>)
+  X(2, WgVariant<64, 2, 4, 512, 2>)    \
+  X(3, WgVariant<128, 2, 4, 256, 2>)   \
+  X(4, WgVariant<128, 4, 3, 256, 2>)   \
+  X(5, WgVariant<64, 4, 3, 512, 2>)    \
+  X(6, WgVariant<16, 2, 3, 1024, 4>)    \
+  X(7, WgVariant<128, 4, 6, 128, 1, true>) \
+  X(8, WgVariant<64, 4, 3, 256, 2, true>)  \
+  X(9, WgVariant<64, 2, 6, 128, 1, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
