@@ -210,12 +210,12 @@ def render_accuracy_gpu() -> str:
 
 # -- GPU speed ---------------------------------------------------------------------------------------------
 E2E_FILE = "e2e_decode_h200_2026-12-01_f98a79e.json"
-SOLVER_FILE = "solvers_h200_2026-12-01_f98a79e.json"
+SOLVER_FILE = "solvers_h200_2026-12-01_9c83099.json"
 SOLVER_KIMI_FILE = "solvers_h200_2026-12-01_5147589.json"  # Kimi-K2 chunk, CG tolerance 1e-5
-REFINE_FILE = "refine_h200_2026-12-01_201400f.json"
+REFINE_FILE = "refine_h200_2026-12-01_9c83099.json"
 REFINE_BEFORE_FILE = "refine_h200_2026-12-01_75a3a44.json"
 S24_FILE = "s24_fp8_kernel_bench.json"
-P48_FILE = "p48_kernel_bench_h200_2026-12-01_31c8df0.json"  # the native kernel (no Triton columns)
+P48_FILE = "p48_kernel_bench_h200_2026-12-01_3d46f15.json"  # the native kernel (no Triton columns)
 P48_TRITON_FILE = "p48_kernel_bench_h200_2026-12-01_8b05f4d.json"  # the Triton kernel's last measurement
 
 
@@ -248,7 +248,7 @@ def render_kernels() -> str:
                  f"N ≥ 256: geomean {t['N_ge_256']['geomean']:.2f}× "
                  f"({s24['targets_fast_accum']['N_ge_256']['geomean']:.2f}× with fast accumulation)",
                  link(S24_FILE.replace(".json", ".md"))])
-    kernels = {"p48_mma_w4a16": ("p48-nvfp4 sparse-tensor-core grouped GEMM (`mma.sp`, W4A16; the runtime's on sm_90)", P48_FILE),
+    kernels = {"p48_mma_w4a16": ("p48-nvfp4 sparse-tensor-core grouped GEMM (`mma.sp` up to 16 rows per expert, `wgmma.sp` above; W4A16; the runtime's on sm_90)", P48_FILE),
                "p48_w4a16": ("p48-nvfp4 Triton grouped GEMM (W4A16; the fallback)", P48_TRITON_FILE)}
     for m, (name, f) in kernels.items():
         p48 = load(f)
@@ -313,9 +313,19 @@ def render_compression() -> str:
                  f"{peak('init-sgptq')}); refine compressed the block in {k['refine_block_compressed_s']:.0f} s "
                  f"({peak('refine')}) and was stopped while writing it (commit {k['commit']})", "—",
                  link(REAL_KIMI_FILE.replace(".json", ".md"))])
+    r48 = load(REAL_48_FILE)
+    st, rs = r48["steps"], r48["refine_summary"]
+    rows.append([f"`moesq calibrate` then `moesq refine` (8 Lion steps) through the CLI, the whole 48-layer "
+                 f"Qwen3-30B-A3B-shaped model ({st['generate']['model_bytes'] / 2**30:.1f} GiB, opened lazily)",
+                 f"{rs['blocks_done']} of 48 blocks in {rs['calls']} resumed calls (device time), "
+                 f"{rs['steady_block_wall_s_median']:.1f} s per block (in-loop SGPTQ {rs['in_loop_sgptq_s_median']:.1f} s); "
+                 f"peak host {max(a['peak_host_gib'] for a in st['refine']['attempts']):.1f} GiB, "
+                 f"GPU {max(a['peak_gpu_gib'][0] for a in st['refine']['attempts']):.0f} GiB (commit {r48['header']['commit']})",
+                 "—", link(REAL_48_FILE.replace(".json", ".md"))])
     return table(["work", "batched (moesq)", "per-expert path (extrapolated)", "file"], rows)
 
 
+REAL_48_FILE = "real_size_run_h200_2026-12-01_6797a1e.json"
 REAL_KIMI_FILE = "real_size_kimi_h200_2026-12-01_171ed46.json"
 SCALING_INIT_FILE = "real_size_scaling_h200x2_2026-12-01_8aed194.json"
 SCALING_REFINE_FILE = "real_size_scaling_h200x2_2026-12-01_db264ec.json"
