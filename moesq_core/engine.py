@@ -468,8 +468,14 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     distributed.barrier(f"{spec.name}: block {li} written")
                     clock.mark("wait")
                     computed += 1
+                    block_s = time.perf_counter() - t0
                     if computed == 1 and is_main:
-                        _note_estimate(progress, spec.name, [b for b in todo if b > li], time.perf_counter() - t0)
+                        first_s = block_s
+                        _note_estimate(progress, spec.name, [b for b in todo if b > li], block_s)
+                    elif computed == 2 and is_main and abs(block_s - first_s) > ESTIMATE_REVISE * first_s:
+                        # the first block carries the process's warm-up (compilation: 61 s against 18 s per
+                        # block on a full-width refine), so its estimate can be several times too long
+                        _note_estimate(progress, spec.name, [b for b in todo if b > li], block_s, revised=True)
                     tblocks.advance()
                 install_block(block, spec.fmt, results, amax_in, amax_mid, spec.act_quant, device)
                 clock.mark("install")
@@ -538,12 +544,16 @@ def _duration(seconds: float) -> str:
 ESTIMATE_MIN_SECONDS = 10.0  # shorter remainders are over before an estimate could help anyone
 
 
-def _note_estimate(progress, stage: str, remaining: list[int], seconds: float) -> None:
-    """Before the long part of a stage: the blocks still to compute × the first block's measured time."""
+ESTIMATE_REVISE = 0.25  # a second block this much faster or slower than the first revises the estimate
+
+
+def _note_estimate(progress, stage: str, remaining: list[int], seconds: float, revised: bool = False) -> None:
+    """Before the long part of a stage: the blocks still to compute × the first block's measured time (or the
+    second's, when it differs: `revised`)."""
     if remaining and len(remaining) * seconds >= ESTIMATE_MIN_SECONDS:
         n = len(remaining)
         note(progress, f"stage {stage}: ~{n} block{'s' if n > 1 else ''} × {seconds:.1f} s/block ≈ "
-                       f"{_duration(n * seconds)} remaining")
+                       f"{_duration(n * seconds)} remaining{' (revised after the second block)' if revised else ''}")
 
 
 def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, progress, dist, clock: PhaseClock):

@@ -5,6 +5,7 @@ finished blocks kept for a resume."""
 from __future__ import annotations
 
 import re
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -119,6 +120,21 @@ def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, mon
     run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd, rec)
     assert rec.tasks["init-rtn: blocks"] == ["skip", "skip", "advance", "advance"]
     assert [n for n in rec.notes if "remaining" in n][0].startswith("stage init-rtn: ~1 block × ")
+
+    # a first block slowed by warm-up (here: a pause) gives an estimate the second block revises
+    def slow_first(li):
+        if li == 0:
+            time.sleep(1.0)
+        return RTN()
+
+    wd.drop_blocks_from("init-rtn", 0)
+    rec = Recorder()
+    run_stage(model, adapter, calib, _spec(slow_first), wd, rec)
+    est = [n for n in rec.notes if "remaining" in n]
+    assert len(est) == 2 and est[0].startswith("stage init-rtn: ~3 blocks × ") and \
+        re.fullmatch(r"stage init-rtn: ~2 blocks × \d+\.\d s/block ≈ \d+ s remaining \(revised after the second block\)", est[1]), est
+    first, second = (float(re.search(r"× ([\d.]+) s/block", n).group(1)) for n in est)
+    assert first >= 1.0 > second
 
 
 def test_progress_bar_eta_ignores_skipped_units():
