@@ -60,6 +60,15 @@ def test_tunable_experts_compute_what_the_export_serves(act_quant):
             assert torch.equal(ce.weights()[p].global_scale, w[p].global_scale)
     served = MoesqExperts.from_quantized(fmt, [ce.weights() for ce in exported], act_quant, amax_in, amax_mid)
     torch.testing.assert_close(served(x, idx, wts), y.detach(), rtol=0, atol=1e-6)
+    # the batched path (the GPU's) trains the same: outputs and gradients within the matmuls' rounding
+    grads = {p: m.V[p].grad.clone() for p in PROJECTIONS}
+    m.zero_grad()
+    m.batched = True
+    yb = m(x, idx, wts)
+    yb.square().sum().backward()
+    torch.testing.assert_close(yb.detach(), y.detach(), rtol=1e-5, atol=1e-6)
+    for p in PROJECTIONS:
+        torch.testing.assert_close(m.V[p].grad, grads[p], rtol=1e-4, atol=1e-6)
 
 
 def _artifacts(root: Path) -> dict[str, str]:

@@ -130,3 +130,50 @@ def test_experts_forward_reads_the_static_scales_once_and_computes_what_each_exp
     uses = module.fmt.act.uses_global_scale
     assert [a is not None for a, _ in sg] == ([bool(v > 0) for v in g_in] if uses else [False] * E)
     assert [b is not None for _, b in sg] == ([bool(v > 0) for v in g_mid] if uses else [False] * E)
+
+
+@pytest.mark.parametrize("fmt", ["p48-nvfp4", "s24-fp8", "dense-nvfp4"])
+def test_experts_batched_forward_equals_the_per_expert_loop(fmt, monkeypatch):
+    # the GPU's batched path (rows padded per expert, bmm), run here on the CPU against the loop: same quantizer
+    # arithmetic per expert (static and dynamic scales, an expert without rows), matmuls batched; in chunks of
+    # experts too
+    torch.manual_seed(1)
+    E, H, inter, T, k = 6, 64, 32, 50, 2
+    module = MoesqExperts(fmt, torch.randn(E, 2 * inter, H) * 0.1, torch.randn(E, H, inter) * 0.1, act_quant=True,
+                          act_global_in=torch.tensor([2000.0, 0.0, 350.0, 0.0, 90.0, 10.0]),
+                          act_global_mid=torch.tensor([0.0, 800.0, 60.0, 0.0, 1500.0, 0.0]))
+    x = torch.randn(T, H)
+    idx = torch.randint(0, E - 1, (T, k))  # expert E-1 gets no row
+    idx[:5] = torch.tensor([0, 1])  # an uneven load
+    w = torch.rand(T, k)
+    want = module(x, idx, w)
+    assert module.batched is None and not x.is_cuda  # the loop on the CPU by default
+    module.batched = True
+    got = module(x, idx, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the matmuls' rounding apart (~1e-7 here)
+    assert (got == want).float().mean() > 0.9
+    assert module(x.bfloat16(), idx, w).dtype == torch.bfloat16
+    monkeypatch.setattr(MoesqExperts, "BATCH_BYTES", 1)  # one expert per chunk
+    torch.testing.assert_close(module(x, idx, w), got, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["p48-nvfp4", "s24-fp8"])
+def test_experts_on_cuda_batch_by_default_and_match_the_loop_and_the_cpu(fmt):
+    torch.manual_seed(2)
+    E, H, inter, T, k = 16, 256, 128, 700, 4
+    module = MoesqExperts(fmt, torch.randn(E, 2 * inter, H) * 0.05, torch.randn(E, H, inter) * 0.05, act_quant=True,
+                          act_global_in=torch.rand(E) * 500 * (torch.rand(E) > 0.3),
+                          act_global_mid=torch.rand(E) * 800 * (torch.rand(E) > 0.3))
+    x = torch.randn(T, H)
+    idx = torch.stack([torch.randperm(E - 1)[:k] for _ in range(T)])  # expert E-1 gets no row
+    w = torch.rand(T, k)
+    cpu = module(x, idx, w)
+    gpu = module.to("cuda")
+    batched = gpu(x.cuda(), idx.cuda(), w.cuda())
+    gpu.batched = False
+    loop = gpu(x.cuda(), idx.cuda(), w.cuda())
+    # relative error over the whole output: a matmul rounding can move an activation code that sits on a
+    # rounding boundary, which a per-element tolerance would flag
+    for other in (loop.cpu(), cpu):
+        assert ((batched.cpu() - other).norm() / other.norm()).item() < 1e-4

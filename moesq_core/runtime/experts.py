@@ -65,9 +65,14 @@ class MoesqExperts(nn.Module):
 
     ste = False  # straight-through activation quantizers (TunableExperts trains through them)
 
+    def stacked_linears(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All experts' (gate_up [E, 2I, H], down [E, H, I]) weights."""
+        return self.gate_up_proj, self.down_proj
+
     def expert_linears(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (gate_up [2I, H], down [H, I]) weights."""
-        return self.gate_up_proj[e], self.down_proj[e]
+        gate_up, down = self.stacked_linears()
+        return gate_up[e], down[e]
 
     def static_globals(self) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
         """Per expert, the (input, SwiGLU-output) quantizers' global scales as `_global` gives them, read from
@@ -93,7 +98,54 @@ class MoesqExperts(nn.Module):
             h = self.fmt.quant_act(h, g_mid, ste=self.ste)
         return F.linear(h, down)
 
+    # Batched over experts (rows padded per expert, bmm): on a GPU the per-expert loop launches ~70 small
+    # kernels per expert and batch (~230k per decoder-layer pass of a full-width block's calibration set), which
+    # dominated the engine's propagation. Same quantizer arithmetic, matmuls batched (the last bits may differ
+    # from the loop's). None: on CUDA; the CPU keeps the loop (exact reference).
+    batched: bool | None = None
+    BATCH_BYTES = 1 << 30  # padded fp32 rows per expert chunk of the batched path
+
+    def _batched_globals(self, g_static: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """[k, 1, 1] global scales for x [k, C, D]: the calibrated one where the expert has it, else x's own range
+        (what `_global` and a dynamic quantizer give each expert; padding rows are zeros, outside the range)."""
+        if not self.fmt.act.uses_global_scale:
+            return None
+        dynamic = self.fmt.act.global_from_amax(x.detach().abs().amax(dim=(1, 2)))
+        return torch.where(g_static <= 0, dynamic, g_static).reshape(-1, 1, 1)
+
+    def _forward_batched(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        T, H = hidden_states.shape
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        e_sorted, tok = flat[order], order // k
+        wts = top_k_weights.reshape(-1)[order].float()
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        pos = torch.arange(len(flat), device=flat.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
+        C = max(int(counts.max()), 1)  # the one host read
+        gate_up_w, down_w = self.stacked_linears()
+        width = max(H, gate_up_w.shape[1])
+        step = max(1, self.BATCH_BYTES // (C * width * 4))
+        out = torch.zeros((T, H), dtype=torch.float32, device=hidden_states.device)
+        for lo in range(0, self.num_experts, step):
+            hi = min(lo + step, self.num_experts)
+            sel = (e_sorted >= lo) & (e_sorted < hi)
+            e, p, t = e_sorted[sel] - lo, pos[sel], tok[sel]
+            x = torch.zeros((hi - lo, C, H), dtype=torch.float32, device=hidden_states.device)
+            x[e, p] = hidden_states[t].float()
+            if self.act_quant:
+                x = self.fmt.act.batched(x, self._batched_globals(self.act_global_in[lo:hi], x), ste=self.ste)
+            gate, up = torch.bmm(x, gate_up_w[lo:hi].transpose(1, 2)).chunk(2, dim=-1)
+            h = F.silu(gate) * up
+            if self.act_quant:
+                h = self.fmt.act.batched(h, self._batched_globals(self.act_global_mid[lo:hi], h), ste=self.ste)
+            y = torch.bmm(h, down_w[lo:hi].transpose(1, 2))
+            out.index_add_(0, t, y[e, p] * wts[sel, None])
+        return out.to(hidden_states.dtype)
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.batched or (self.batched is None and hidden_states.is_cuda):
+            return self._forward_batched(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)

@@ -69,8 +69,8 @@ class TunableExperts(MoesqExperts):
         return {p: self.fmt.fake_quant_weight(self.V[p], self.mask(p), self.global_scale(p), ste=True)
                 for p in PROJECTIONS}
 
-    def expert_linears(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._w[0][e], self._w[1][e]
+    def stacked_linears(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._w
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         W = self.weights()  # once per forward, for all experts
