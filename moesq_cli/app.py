@@ -360,7 +360,14 @@ def _as_usage_error(build, **fields):
 
 
 def _stage_line(stage: str, summary: dict, workdir: Path) -> str:
-    return f"stage {stage}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}"
+    line = f"stage {stage}: {summary['blocks']} blocks ({summary['computed_now']} computed now) in {workdir}"
+    if "improved_on_init" in summary:
+        n, of = summary["improved_on_init"]["improved"], summary["improved_on_init"]["experts"]
+        line += f"; {n} of {of} experts improved on their init"
+        if of and not n:
+            line += (" (all ship the init: this budget is too small for refinement to pay; raise --epochs / "
+                     "--steps-per-epoch)")
+    return line
 
 
 # -- commands ---------------------------------------------------------------------------------------------------

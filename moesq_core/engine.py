@@ -198,6 +198,14 @@ def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.T
         save_file(tensors, str(tmp), metadata={"moesq": meta})
 
 
+def block_info(path: Path) -> dict[str, dict]:
+    """Each expert's info in a block artifact (its metadata only, no tensors read)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return json.loads((f.metadata() or {}).get("moesq", "{}")).get("info", {})
+
+
 def load_block(path: Path) -> tuple[list[CompressedExpert], torch.Tensor, torch.Tensor]:
     from safetensors import safe_open
 

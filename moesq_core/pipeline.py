@@ -266,7 +266,7 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
         if redo_from is None:
             done = workdir.finished_stage_summary(stage, identity)
             if done is not None:
-                return done
+                return {**done, "improved_on_init": improved_on_init(workdir, stage)}
         else:
             workdir.check_stage_config(stage, identity)
         model, adapter, m = _load_for_stage(workdir, device)
@@ -285,7 +285,22 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
             compress_split=split, val_split="val", act_quant=act_quant, batch_size=batch_size,
             cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True),
             finalize=end_to_end if rcfg.e2e_steps > 0 else None)
-        return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+        summary = run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+        return {**summary, "improved_on_init": improved_on_init(workdir, stage)}
+
+
+def improved_on_init(workdir: WorkDir, stage: str) -> dict:
+    """How many of a refine stage's experts ship refined weights, i.e. validated better than their init in some
+    epoch or end-to-end pass (the others ship the init: at a budget too small for the model, refinement then only cost time)."""
+    from .engine import block_info
+
+    improved = experts = 0
+    for rec in (workdir.stage(stage) or {}).get("blocks", {}).values():
+        for info in block_info(workdir.root / rec["file"]).values():
+            experts += 1
+            improved += int((info.get("refine") or {}).get("best_epoch", 0) > 0
+                            or (info.get("e2e") or {}).get("best_pass", 0) > 0)
+    return {"experts": experts, "improved": improved}
 
 
 def tune_end_to_end(workdir: WorkDir, stage: str, model, adapter, calib: dict[str, torch.Tensor], fmt,

@@ -5,6 +5,7 @@ signals, and SIGKILL at random points of every stage (calibration included) resu
 from __future__ import annotations
 
 import hashlib
+import re
 import json
 import random
 import shutil
@@ -76,6 +77,21 @@ def test_refine_on_the_training_split_alone(wd):
     sched = next(line for line in r.stderr.splitlines() if line.startswith("refine-train schedule:"))
     assert "from 2 training sequences" in sched, sched
     assert "init_split_rows" not in _manifest(wd)["stages"]["refine-train"]["config"]["refine"]
+
+
+def test_refine_says_how_many_experts_improved_on_their_init(wd):
+    from moesq_core.engine import block_info
+
+    r = moesq("refine", "-w", wd, *SHORT, *FAST)
+    m = re.search(r"stage refine: 4 blocks \(4 computed now\) in .+?; (\d+) of (\d+) experts improved on their init",
+                  " ".join(r.stdout.split()))  # the console wraps long lines
+    assert m, r.stdout
+    infos = [i for rec in _manifest(wd)["stages"]["refine"]["blocks"].values() for i in block_info(wd / rec["file"]).values()]
+    assert int(m.group(2)) == len(infos) == 32
+    assert int(m.group(1)) == sum(i["refine"]["best_epoch"] > 0 for i in infos)
+    # a budget that cannot move the weights: every expert ships its init, and the line says so
+    r = moesq("refine", "-w", wd, "--stage", "refine-still", *SHORT, "--lr-values", "1e-12", "--lr-logits", "1e-12", *FAST)
+    assert "0 of 32 experts improved on their init (all ship the init" in " ".join(r.stdout.split()), r.stdout
 
 
 def test_refine_then_init(micro_path, tmp_path):
