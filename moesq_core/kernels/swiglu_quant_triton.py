@@ -169,12 +169,12 @@ def _forward(gate, up, gs, block: int, ste: bool, out_dtype: torch.dtype):
     if gs.numel() != k:
         raise ValueError(f"{gs.numel()} global scales for {k} experts")
     out = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
-    amax_bits = torch.zeros(k, dtype=torch.int32, device=gate.device)
+    amax = torch.zeros(k, dtype=torch.float32, device=gate.device)
     if gate.numel():
         nb, grid = _grid(k, C, I, block)
-        _fwd_kernel[grid](gate, up, gs, out, amax_bits, C, I, STE=ste, ACCURATE_EXP=not INTERPRET, QBLOCK=block,
-                          NB=nb)
-    return out, amax_bits.view(torch.float32)
+        _fwd_kernel[grid](gate, up, gs, out, amax.view(torch.int32), C, I, STE=ste, ACCURATE_EXP=not INTERPRET,
+                          QBLOCK=block, NB=nb)
+    return out, amax
 
 
 def _backward(gate, up, dout):
