@@ -117,7 +117,8 @@ def check_gradients(device: str, shapes=SHAPES[:3]) -> list[str]:
             grads = []
             for fn in (act.swiglu_quant, lambda *a, **kw: swiglu_quant_reference(act, *a, **kw)):
                 gl, ul = gate.clone().requires_grad_(), up.clone().requires_grad_()
-                hq, _ = fn(gl, ul, gs, ste=True, out_dtype=dtype)
+                hq, amax = fn(gl, ul, gs, ste=True, out_dtype=dtype)
+                assert hq.requires_grad and not amax.requires_grad
                 grads.append(torch.autograd.grad(hq, [gl, ul], dout))
             for got, want in zip(*grads):
                 assert got.dtype == dtype
@@ -255,3 +256,34 @@ def test_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="equal-shaped"):
         swiglu_quant_triton.swiglu_nvfp4_quant(torch.zeros(1, 2, 16), torch.zeros(1, 3, 16), torch.ones(1), 16,
                                                True, torch.float32)
+
+
+def check_compiled_trainer() -> str:
+    """The compiled trainer (inductor, with the fused SwiGLU quantizer and relaxation kernels) computes the eager
+    trainer's steps: losses, latent values and validation (the CPU trainer under the interpreter)."""
+    from test_refine import make_block
+
+    from moesq_core.methods.base import PROJECTIONS
+    from moesq_core.methods.refine import BlockRefiner, RefineConfig
+    from moesq_core.methods.rtn import RTN
+
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=3, H=64, I=64, n=160, n_val=20, seed=23)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+    rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=96, compile=c))
+          for c in (False, True)]
+    assert [r.fused_swiglu for r in rs] == [False, True]
+    losses = [torch.stack([r.train_step(r.epoch_order(), s) for s in range(2)]) for r in rs]
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0)
+    for p in PROJECTIONS:
+        assert float((rs[0].proj[p].V - rs[1].proj[p].V).abs().gt(1e-7).float().mean()) < 1e-3
+    v = [r.validate(r.hard_state()[0]) for r in rs]
+    torch.testing.assert_close(v[1], v[0], rtol=1e-5, atol=0)
+    return "ok trainer"
+
+
+@pytest.mark.slow
+def test_compiled_trainer_with_the_fused_kernel_matches_eager():
+    out = run_triton_interpreted("from test_swiglu_quant_triton import check_compiled_trainer\n"
+                                 "print(check_compiled_trainer())\n")
+    assert "ok trainer" in out

@@ -46,9 +46,10 @@ if HAS_TRITON:
         """expf: the CUDA math library's (libdevice, what eager CUDA calls) on the GPU; tl.exp (fp32 through the
         approximate exp2) is several ulp off, and the interpreter has no libdevice (numpy's exp there)."""
         if ACCURATE_EXP:
-            return libdevice.exp(x)
+            y = libdevice.exp(x)
         else:
-            return tl.exp(x)
+            y = tl.exp(x)
+        return y
 
     @triton.jit
     def _round_ue4m3(s):
@@ -81,10 +82,10 @@ if HAS_TRITON:
         if out_ptr.dtype.element_ty == tl.bfloat16:
             b = x.to(tl.int32, bitcast=True)
             r = ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).to(tl.int16)
-            r = tl.where(x != x, 0x7FC0, r).to(tl.int16)
-            return r.to(tl.bfloat16, bitcast=True)
+            y = tl.where(x != x, 0x7FC0, r).to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
-            return x.to(out_ptr.dtype.element_ty)
+            y = x.to(out_ptr.dtype.element_ty)
+        return y
 
     @triton.jit
     def _tile(C, I, BLOCK_R: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr):
@@ -236,4 +237,5 @@ def swiglu_nvfp4_quant(gate: torch.Tensor, up: torch.Tensor, gs: torch.Tensor, b
     _check(gate, up, block)
     if not ste:  # the quantized value carries no gradient (the torch path's output does not require one)
         gate, up = gate.detach(), up.detach()
-    return _swiglu_nvfp4_quant(gate, up, gs, int(block), bool(ste), out_dtype)
+    hq, amax = _swiglu_nvfp4_quant(gate, up, gs, int(block), bool(ste), out_dtype)
+    return hq, amax.detach()  # a range, as the torch path's (taken from h.detach())
