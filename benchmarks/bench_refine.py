@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch._dynamo  # noqa: E402,F401  (imported up front: torch.optim pulls it in on first use, ~5 s)
 from moesq_core.formats import get_format  # noqa: E402
-from moesq_core.kernels import relax_triton, swiglu_quant_triton  # noqa: E402
+from moesq_core.kernels import relax_triton, rows_add_triton, swiglu_quant_triton  # noqa: E402
 from moesq_core.methods.base import ExpertData  # noqa: E402
 from moesq_core.methods.refine import BlockRefiner, RefineConfig  # noqa: E402
 from moesq_core.methods.rtn import RTN  # noqa: E402
@@ -46,15 +46,17 @@ VARIANTS = {
                         "default)", {"compile": True, "fused_kernels": False, "fused_swiglu": False}),
     "compile": ("batched trainer, torch.compile of the weight quantizer and micro-batch forward+loss (SwiGLU and its "
                 "activation quantizer included), fused Triton relaxation and Lion kernels (the default before the "
-                "fused SwiGLU quantizer)", {"compile": True, "fused_swiglu": False}),
-    "compile-swiglu": ("as compile, with the SwiGLU output, its range and its NVFP4 quantizer in one Triton kernel "
-                       "(compile=auto, the default on CUDA)", {"compile": True}),
+                "fused SwiGLU quantizer)", {"compile": True, "fused_swiglu": False, "strided_rows_add": False}),
+    "compile-rows": ("as compile, the transposed weight gradients added in their own layout (no contiguous copies)",
+                     {"compile": True, "fused_swiglu": False}),
+    "compile-swiglu": ("as compile-rows, with the SwiGLU output, its range and its NVFP4 quantizer in one Triton "
+                       "kernel (compile=auto, the default on CUDA)", {"compile": True}),
     "compile-mb2x": ("as compile-swiglu, micro-batches of twice the rows (524,288)",
                      {"compile": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
 
 # bench-only switches (not RefineConfig fields): kernels turned off for a variant
-BENCH_KEYS = ("fused_kernels", "fused_swiglu")
+BENCH_KEYS = ("fused_kernels", "fused_swiglu", "strided_rows_add")
 
 PAPER = dict(epochs=10, sequences=8192, seq_len=4096, batch_sequences=64, val_sequences=128)
 
@@ -325,17 +327,22 @@ def config_overrides(over: dict) -> dict:
 @contextlib.contextmanager
 def fused_kernels(over: dict):
     """A variant's kernels off: the trainer takes its torch path for the relaxation and Lion (fused_kernels), for
-    the SwiGLU output and its quantizer (fused_swiglu: through torch.compile), as before those kernels."""
+    the SwiGLU output and its quantizer (fused_swiglu: through torch.compile), and copies the transposed weight
+    gradients contiguous before adding them (strided_rows_add), as before those kernels."""
     mods = [m for m, key in ((relax_triton, "fused_kernels"), (swiglu_quant_triton, "fused_swiglu"))
             if not over.get(key, True)]
     saved = [m.available for m in mods]
     for m in mods:
         m.available = lambda device: False
+    add_rows = rows_add_triton.add_rows_
+    if not over.get("strided_rows_add", True):  # strided_rows_add off: the copy to contiguous first, as before
+        rows_add_triton.add_rows_ = lambda acc, idx, src: add_rows(acc, idx, src.contiguous())
     try:
         yield
     finally:
         for m, f in zip(mods, saved):
             m.available = f
+        rows_add_triton.add_rows_ = add_rows
 
 
 def measure(experts, inits, fmt, cfg: RefineConfig, a, dev) -> dict:
