@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch._dynamo  # noqa: E402,F401  (imported up front: torch.optim pulls it in on first use, ~5 s)
 from moesq_core.formats import get_format  # noqa: E402
-from moesq_core.kernels import relax_triton  # noqa: E402
+from moesq_core.kernels import relax_triton, rows_add_triton, swiglu_quant_triton  # noqa: E402
 from moesq_core.methods.base import ExpertData  # noqa: E402
 from moesq_core.methods.refine import BlockRefiner, RefineConfig  # noqa: E402
 from moesq_core.methods.rtn import RTN  # noqa: E402
@@ -42,16 +42,21 @@ from moesq_core.methods.rtn import RTN  # noqa: E402
 # name -> (description, RefineConfig overrides of the base configuration)
 VARIANTS = {
     "eager": ("batched trainer, eager (the previous measurement's configuration)", {"compile": False}),
-    "compile-unfused": ("as compile, but the relaxation through torch.compile and Lion's torch update (the previous "
-                        "default)", {"compile": True, "fused_kernels": False}),
-    "compile": ("batched trainer, torch.compile of the weight quantizer and micro-batch forward+loss, fused Triton "
-                "relaxation and Lion kernels (compile=auto, the default on CUDA)",
-                {"compile": True}),
-    "compile-mb2x": ("as compile, micro-batches of twice the rows (524,288)", {"compile": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
+    "compile-unfused": ("as compile, but the relaxation through torch.compile and Lion's torch update (an earlier "
+                        "default)", {"compile": True, "fused_kernels": False, "fused_swiglu": False}),
+    "compile": ("batched trainer, torch.compile of the weight quantizer and micro-batch forward+loss (SwiGLU and its "
+                "activation quantizer included), fused Triton relaxation and Lion kernels (the default before the "
+                "fused SwiGLU quantizer)", {"compile": True, "fused_swiglu": False, "strided_rows_add": False}),
+    "compile-rows": ("as compile, the transposed weight gradients added in their own layout (no contiguous copies)",
+                     {"compile": True, "fused_swiglu": False}),
+    "compile-swiglu": ("as compile-rows, with the SwiGLU output, its range and its NVFP4 quantizer in one Triton "
+                       "kernel (compile=auto, the default on CUDA)", {"compile": True}),
+    "compile-mb2x": ("as compile-swiglu, micro-batches of twice the rows (524,288)",
+                     {"compile": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
 
-# bench-only switches (not RefineConfig fields)
-BENCH_KEYS = ("fused_kernels",)
+# bench-only switches (not RefineConfig fields): kernels turned off for a variant
+BENCH_KEYS = ("fused_kernels", "fused_swiglu", "strided_rows_add")
 
 PAPER = dict(epochs=10, sequences=8192, seq_len=4096, batch_sequences=64, val_sequences=128)
 
@@ -183,8 +188,8 @@ def main(argv=None):
     variants = {}
     for n in names:
         over = VARIANTS[n][1]
-        cfg = RefineConfig(**{**base, **{k: x for k, x in over.items() if k not in BENCH_KEYS}})
-        with fused_kernels(over.get("fused_kernels", True)):
+        cfg = RefineConfig(**{**base, **config_overrides(over)})
+        with fused_kernels(over):
             variants[n] = v = measure(experts, inits, fmt, cfg, a, dev)
         v["description"] = VARIANTS[n][0]
         v["config"] = {k: getattr(cfg, k) for k in ("compile", "micro_batch_rows", "compute_dtype", "cache_dtype")}
@@ -207,7 +212,9 @@ def main(argv=None):
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "bench_refine_partial.json").write_text(json.dumps(variants, indent=2, default=str))
         if a.e2e_epochs and n == names[-1]:
-            v["end_to_end"] = e2e = end_to_end(experts, inits, fmt, RefineConfig(**{**base, **VARIANTS[n][1], "epochs": a.e2e_epochs}), dev)
+            with fused_kernels(over):
+                v["end_to_end"] = e2e = end_to_end(experts, inits, fmt, RefineConfig(
+                    **{**base, **config_overrides(over), "epochs": a.e2e_epochs}), dev)
             # the throughput model's prediction of the same run (each epoch: one step + one validation), to check it
             e2e["run_s_predicted"] = a.e2e_epochs * (v["step_s_median"] + v["validation_s"])
             print(f"[{n}] end to end: {v['end_to_end']}", flush=True)
@@ -216,13 +223,15 @@ def main(argv=None):
     # Per-expert loop: the same trainer on one expert at a time, on experts spread over the load range.
     loop = None
     if a.loop_experts > 0:
-        cfg = RefineConfig(**{**base, **VARIANTS[names[0]][1]})
+        over = VARIANTS[names[0]][1]
+        cfg = RefineConfig(**{**base, **config_overrides(over)})
         order = torch.argsort(counts, descending=True)
         pick = [int(order[round(i * (E - 1) / max(a.loop_experts - 1, 1))]) for i in range(min(a.loop_experts, E))]
         per = []
         for e in pick:
-            re_ = BlockRefiner([experts[e]], [inits[e]], fmt, cfg)
-            ts = time_steps(re_, a.loop_steps, 1, dev)
+            with fused_kernels(over):
+                re_ = BlockRefiner([experts[e]], [inits[e]], fmt, cfg)
+                ts = time_steps(re_, a.loop_steps, 1, dev)
             per.append({"expert": e, "rows": int(re_.n_train.sum()), "step_s": statistics.median(ts)})
             del re_
         mean_step = sum(p["step_s"] for p in per) / len(per)
@@ -310,18 +319,30 @@ def main(argv=None):
     return res
 
 
+def config_overrides(over: dict) -> dict:
+    """A variant's RefineConfig fields (its bench-only switches left out)."""
+    return {k: x for k, x in over.items() if k not in BENCH_KEYS}
+
+
 @contextlib.contextmanager
-def fused_kernels(on: bool):
-    """Off: the trainer takes its torch path for the relaxation and Lion (as before the fused kernels)."""
-    if on:
-        yield
-        return
-    saved = relax_triton.available
-    relax_triton.available = lambda device: False
+def fused_kernels(over: dict):
+    """A variant's kernels off: the trainer takes its torch path for the relaxation and Lion (fused_kernels), for
+    the SwiGLU output and its quantizer (fused_swiglu: through torch.compile), and copies the transposed weight
+    gradients contiguous before adding them (strided_rows_add), as before those kernels."""
+    mods = [m for m, key in ((relax_triton, "fused_kernels"), (swiglu_quant_triton, "fused_swiglu"))
+            if not over.get(key, True)]
+    saved = [m.available for m in mods]
+    for m in mods:
+        m.available = lambda device: False
+    add_rows = rows_add_triton.add_rows_
+    if not over.get("strided_rows_add", True):  # strided_rows_add off: the copy to contiguous first, as before
+        rows_add_triton.add_rows_ = lambda acc, idx, src: add_rows(acc, idx, src.contiguous())
     try:
         yield
     finally:
-        relax_triton.available = saved
+        for m, f in zip(mods, saved):
+            m.available = f
+        rows_add_triton.add_rows_ = add_rows
 
 
 def measure(experts, inits, fmt, cfg: RefineConfig, a, dev) -> dict:

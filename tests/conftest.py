@@ -256,7 +256,9 @@ def run_triton_interpreted(script: str) -> str:
     """Run a Python script with TRITON_INTERPRET=1 (Triton kernels on the CPU) in a fresh process at the repo
     root, with tests/ importable; returns its stdout (the test fails with the tail of stderr)."""
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests")]))
+    # the repo first, then whatever path this process was given (where Triton may be installed)
+    path = [str(REPO), str(REPO / "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
     res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=900)
     assert res.returncode == 0, res.stderr[-3000:]

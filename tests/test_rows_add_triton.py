@@ -1,6 +1,7 @@
 """The Triton row accumulation refinement uses for micro-batch gradients (acc[idx[i]] += src[i]) against torch's
-index_add_: bitwise, on row lengths that leave partial programs, bf16 and fp32 sources, empty index sets, on
-CUDA and under the Triton interpreter on the CPU; the CPU fallback and the argument checks."""
+index_add_: bitwise, on row lengths that leave partial programs, bf16 and fp32 sources, contiguous and transposed
+ones, empty index sets, on CUDA and under the Triton interpreter on the CPU; the CPU fallback and the argument
+checks."""
 from __future__ import annotations
 
 import pytest
@@ -20,10 +21,13 @@ def check_against_index_add(device: str, shapes=((5, 3, 7), (4, 2, 4096), (6, 1,
                 idx = torch.randperm(E, generator=gen)[:k].to(device)
                 acc = torch.randn(E, O, K, generator=gen).to(device)
                 src = torch.randn(k, O, K, generator=gen).to(dtype).to(device)
-                want = acc.clone().index_add_(0, idx, src.float())
-                got = rows_add_triton.add_rows_(acc, idx, src)
-                assert got is acc and torch.equal(got, want), (E, O, K, dtype, k)
-                lines.append(f"ok {E}x{O}x{K} {dtype} k={k}")
+                for transposed in (False, True):  # a weight gradient of x Wᵀ: [k, out, in] with out contiguous
+                    s = src.transpose(1, 2).contiguous().transpose(1, 2) if transposed else src
+                    a = acc.clone()
+                    want = a.clone().index_add_(0, idx, s.float())
+                    got = rows_add_triton.add_rows_(a, idx, s)
+                    assert got is a and torch.equal(got, want), (E, O, K, dtype, k, transposed)
+                    lines.append(f"ok {E}x{O}x{K} {dtype} k={k} transposed={transposed}")
     return lines
 
 
@@ -31,7 +35,7 @@ def test_kernel_matches_index_add_under_the_interpreter():
     out = run_triton_interpreted(
         "from test_rows_add_triton import check_against_index_add\n"
         "print('\\n'.join(check_against_index_add('cpu')))\n")
-    assert out.count("ok ") == 4 * 2 * 3
+    assert out.count("ok ") == 4 * 2 * 3 * 2
 
 
 @pytest.mark.gpu
@@ -39,13 +43,13 @@ def test_kernel_matches_index_add_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     assert rows_add_triton.available(torch.device("cuda"))
-    assert len(check_against_index_add("cuda", shapes=((5, 3, 7), (6, 1, 4097), (3, 0, 9), (40, 768, 2048)))) == 4 * 6
+    assert len(check_against_index_add("cuda", shapes=((5, 3, 7), (6, 1, 4097), (3, 0, 9), (40, 768, 2048)))) == 4 * 6 * 2
 
 
 def test_fallback_and_argument_checks():
     """Without Triton (or off CUDA) it is index_add_; mismatched shapes or a non-fp32 accumulator are refused."""
     if not rows_add_triton.available(torch.device("cpu")):
-        assert len(check_against_index_add("cpu")) == 4 * 2 * 3
+        assert len(check_against_index_add("cpu")) == 4 * 2 * 3 * 2
     acc = torch.zeros(3, 2, 4)
     with pytest.raises(ValueError, match="add_rows_"):
         rows_add_triton.add_rows_(acc, torch.tensor([0]), torch.zeros(1, 2, 5))

@@ -10,14 +10,16 @@ All weight quantizers share one interface (solvers and the refine trainer ask it
 `block_scales`, `unrounded_block_scales`, `round_scales`, `encode`/`decode`, `code_values` (float value of every uint8 code),
 `column` (the quantizer one column of a scale block sees) and `fake_quant`. Weights may carry leading
 (expert) dimensions throughout. Activation quantizers share `uses_global_scale`, `global_from_amax`,
-`batched`, `packed_tensors` and `__call__`.
+`batched`, `swiglu_quant`, `packed_tensors` and `__call__`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
+from ..kernels import swiglu_quant_triton
 from .e2m1 import E2M1_GRID, E2M1_MAX, e2m1_decode, e2m1_encode
 from .e4m3 import E4M3_MAX, E4M3_MIN_SUBNORMAL, round_e4m3, round_ue4m3_scale
 
@@ -67,6 +69,14 @@ def nvfp4_quantize_unscaled(x: torch.Tensor, block: int, g: torch.Tensor) -> tor
     s = round_ue4m3_scale(xf.detach().reshape(*xf.shape[:-1], xf.shape[-1] // block, block).abs().amax(-1) / E2M1_MAX * g)
     se = s.repeat_interleave(block, dim=-1) if block > 1 else s
     return e2m1_decode(e2m1_encode(xf.detach() * g / se)) * se
+
+
+def swiglu_quant_reference(act, gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor | None, ste: bool,
+                           out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch ops of `swiglu_quant` for activation quantizer `act`: h = silu(gate) ⊙ up in fp32, its range per
+    expert, act.batched(h, g) cast to out_dtype."""
+    h = F.silu(gate.float()) * up.float()
+    return act.batched(h, g, ste=ste).to(out_dtype), h.detach().abs().amax(dim=(1, 2))
 
 
 @dataclass(frozen=True)
@@ -153,6 +163,17 @@ class NVFP4ActQuantizer:
             g = nvfp4_global_scale(x.detach().abs().amax(dim=(1, 2))).reshape(-1, 1, 1)
         return self(x, g, ste=ste)
 
+    def swiglu_quant(self, gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False,
+                     out_dtype: torch.dtype = torch.float32, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batched(silu(gate) ⊙ up, g) in out_dtype, amax of silu(gate) ⊙ up per expert [E]) from the gate and up
+        matmul outputs [E, C, D] (h in fp32). With static scales g and `fused`, where the Triton kernel runs
+        (CUDA, or the interpreter), one fused pass (swiglu_quant_triton: the same quantizer arithmetic, silu to
+        an ulp of h); else the torch ops (swiglu_quant_reference), as always without g (dynamic: two passes)."""
+        if (fused and g is not None and swiglu_quant_triton.available(gate.device)
+                and swiglu_quant_triton.supports_block(self.block) and gate.shape[-1] % self.block == 0):
+            return swiglu_quant_triton.swiglu_nvfp4_quant(gate, up, g, self.block, ste, out_dtype)
+        return swiglu_quant_reference(self, gate, up, g, ste, out_dtype)
+
     def packed_tensors(self, g: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """What a packed linear stores for its input: the static global scale (1.0 when none)."""
         return {"input_global_scale": (g if g is not None else torch.tensor(1.0)).float().reshape(1).clone()}
@@ -220,6 +241,11 @@ class FP8TokenActQuantizer:
 
     def batched(self, x: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
         return self(x, ste=ste)
+
+    def swiglu_quant(self, gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False,
+                     out_dtype: torch.dtype = torch.float32, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """As NVFP4ActQuantizer.swiglu_quant, through the torch ops (no fused kernel for per-token FP8)."""
+        return swiglu_quant_reference(self, gate, up, g, ste, out_dtype)
 
     def packed_tensors(self, g: torch.Tensor | None) -> dict[str, torch.Tensor]:
         return {}

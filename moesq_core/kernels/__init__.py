@@ -8,6 +8,7 @@
     p48_triton     Triton grouped GEMM streaming the packed 2.75-bit p48 weights (Hopper)
     p48_sparse24   load-time re-layout of packed p48 weights into a 2:4 operand (K permuted in 8-groups)
     relax_triton   fused Gumbel-softmax pattern relaxation (forward + backward) for refinement on the GPU
+    swiglu_quant_triton  fused SwiGLU + NVFP4 activation fake-quantization (forward + backward) for refinement
     triton_support Triton where installed, and its interpreter on the CPU
 
 Nothing here needs a GPU at import time (Triton is imported when installed); GPU entry points raise RuntimeError with the reason

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ...formats import P48, Format, PatternSet
 from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData
-from ...kernels import relax_triton, rows_add_triton
+from ...kernels import relax_triton, rows_add_triton, swiglu_quant_triton
 from . import objective, relaxation
 
 log = logging.getLogger(__name__)
@@ -443,6 +443,8 @@ class BlockRefiner:
         # benchmarks/results/refine_h200_*); eager on CPU, the reference path, where compiling costs more than it saves
         self.compiled = dev.type == "cuda" if config.compile == "auto" else bool(config.compile)
         self.fused_relax = self.compiled and relax_triton.available(dev)
+        # the SwiGLU output and its quantizer in one Triton pass where the activation quantizer has one
+        self.fused_swiglu = self.compiled and swiglu_quant_triton.available(dev)
         # The cached quantized inputs are only ever read as the matmuls' operands, cast to the compute dtype
         # first, so they are kept in the narrower of the two: bf16 on CUDA halves their memory and the row
         # gathers, and computes the very same numbers.
@@ -657,7 +659,12 @@ class BlockRefiner:
     @staticmethod
     def _note_amax(store: torch.Tensor, act, h: torch.Tensor) -> None:
         """store[e] = max(store[e], amax of h's rows of expert e), in place."""
-        a = h.detach().abs().amax(dim=(1, 2)).float()
+        BlockRefiner._note_range(store, act, h.detach().abs().amax(dim=(1, 2)))
+
+    @staticmethod
+    def _note_range(store: torch.Tensor, act, a: torch.Tensor) -> None:
+        """store[e] = max(store[e], a[i]) for the experts act[i] (all when act is None), in place."""
+        a = a.float()
         if act is None:
             torch.maximum(store, a, out=store)
         else:
@@ -798,32 +805,36 @@ class BlockRefiner:
         return _COMPILED[k]
 
     @staticmethod
+    def gate_up(x, Wg, Wu, cd: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gate and up matmuls x Wgᵀ, x Wuᵀ in the compute dtype, batched: x [k, c, H] (input-quantized)."""
+        xc = x.to(cd)
+        return torch.bmm(xc, Wg.transpose(1, 2).to(cd)), torch.bmm(xc, Wu.transpose(1, 2).to(cd))
+
+    @staticmethod
     def intermediate(x, Wg, Wu, cd: torch.dtype) -> torch.Tensor:
         """SwiGLU output h = silu(x Wgᵀ) ⊙ (x Wuᵀ), batched: x [k, c, H] (already input-quantized), fp32."""
-        xc = x.to(cd)
-        g = torch.bmm(xc, Wg.transpose(1, 2).to(cd)).float()
-        u = torch.bmm(xc, Wu.transpose(1, 2).to(cd)).float()
-        return F.silu(g) * u
+        g, u = BlockRefiner.gate_up(x, Wg, Wu, cd)
+        return F.silu(g.float()) * u.float()
 
     def forward(self, x, Wg, Wu, Wd, cd: torch.dtype, ste: bool = True, h_global: torch.Tensor | None = None,
                 h_amax: tuple | None = None) -> torch.Tensor:
         """Quantized-activation SwiGLU expert, batched. h_global: static per-expert global scales of the
         SwiGLU-output quantizer ([k, 1, 1]; None = dynamic); h_amax = (store, act) records h's range."""
-        h = self.intermediate(x, Wg, Wu, cd)
+        hq, amax = self.fmt.act.swiglu_quant(*self.gate_up(x, Wg, Wu, cd), h_global, ste=ste, out_dtype=cd,
+                                             fused=self.fused_swiglu)
         if h_amax is not None:
-            self._note_amax(h_amax[0], h_amax[1], h)
-        hq = batched_act_quant(self.fmt, h, ste=ste, g=h_global)
-        return torch.bmm(hq.to(cd), Wd.transpose(1, 2).to(cd)).float()
+            self._note_range(h_amax[0], h_amax[1], amax)
+        return torch.bmm(hq, Wd.transpose(1, 2).to(cd)).float()
 
     @staticmethod
-    def micro_loss_fn(fmt: Format, cd: torch.dtype):
+    def micro_loss_fn(fmt: Format, cd: torch.dtype, fused: bool = False):
         """One micro-batch of the training forward, (x, Wg, Wu, Wd, y, tw, scale, g_h) -> (Σ_e scale_e·num_e,
-        num [k], amax of h [k]): the unit torch.compile fuses (casts, SwiGLU, activation quantizer, loss)."""
+        num [k], amax of h [k]): the unit torch.compile fuses (casts, SwiGLU, activation quantizer, loss).
+        fused: the SwiGLU and its quantizer in the activation quantizer's fused kernel where it has one."""
         def micro_loss(x, Wg, Wu, Wd, y, tw, scale, g_h):
-            h = BlockRefiner.intermediate(x, Wg, Wu, cd)
-            hamax = h.detach().abs().amax(dim=(1, 2))
-            hq = batched_act_quant(fmt, h, ste=True, g=g_h)
-            yhat = torch.bmm(hq.to(cd), Wd.transpose(1, 2).to(cd))
+            gate, up = BlockRefiner.gate_up(x, Wg, Wu, cd)
+            hq, hamax = fmt.act.swiglu_quant(gate, up, g_h, ste=True, out_dtype=cd, fused=fused)
+            yhat = torch.bmm(hq, Wd.transpose(1, 2).to(cd))
             num = objective.weighted_sq_error(yhat, y, tw)
             return (num * scale).sum(), num.detach(), hamax
         return micro_loss
@@ -871,7 +882,8 @@ class BlockRefiner:
             x, y, _, _ = self._gather(sl)
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
-            micro = self._maybe_compile("micro", lambda: self.micro_loss_fn(self.fmt, self.cd))
+            micro = self._maybe_compile("micro-fused" if self.fused_swiglu else "micro",
+                                        lambda: self.micro_loss_fn(self.fmt, self.cd, self.fused_swiglu))
             loss, n, hamax = micro(x, leaves["gate"], leaves["up"], leaves["down"], y, tw, self._sel(inv_den, act),
                                    None if g_h is None else self._sel(g_h, act))
             # autograd.grad, not backward: the micro-batch's gradients come back as they are, without the
