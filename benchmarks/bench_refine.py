@@ -50,9 +50,9 @@ VARIANTS = {
     "compile-rows": ("as compile, the transposed weight gradients added in their own layout (no contiguous copies)",
                      {"compile": True, "fused_swiglu": False}),
     "compile-swiglu": ("as compile-rows, with the SwiGLU output, its range and its NVFP4 quantizer in one Triton "
-                       "kernel (compile=auto, the default on CUDA)", {"compile": True}),
+                       "kernel (off by default until measured here)", {"compile": True, "fused_swiglu": True}),
     "compile-mb2x": ("as compile-swiglu, micro-batches of twice the rows (524,288)",
-                     {"compile": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
+                     {"compile": True, "fused_swiglu": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
 
 # bench-only switches (not RefineConfig fields): kernels turned off for a variant
@@ -326,14 +326,16 @@ def config_overrides(over: dict) -> dict:
 
 @contextlib.contextmanager
 def fused_kernels(over: dict):
-    """A variant's kernels off: the trainer takes its torch path for the relaxation and Lion (fused_kernels), for
-    the SwiGLU output and its quantizer (fused_swiglu: through torch.compile), and copies the transposed weight
-    gradients contiguous before adding them (strided_rows_add), as before those kernels."""
+    """A variant's kernels: the trainer takes its torch path for the relaxation and Lion where fused_kernels is
+    False, the fused SwiGLU quantizer only where fused_swiglu is True (else through torch.compile), and copies the
+    transposed weight gradients contiguous before adding them where strided_rows_add is False."""
     mods = [m for m, key in ((relax_triton, "fused_kernels"), (swiglu_quant_triton, "fused_swiglu"))
             if not over.get(key, True)]
     saved = [m.available for m in mods]
     for m in mods:
         m.available = lambda device: False
+    use_swiglu = swiglu_quant_triton.USE
+    swiglu_quant_triton.USE = bool(over.get("fused_swiglu", False))
     add_rows = rows_add_triton.add_rows_
     if not over.get("strided_rows_add", True):  # strided_rows_add off: the copy to contiguous first, as before
         rows_add_triton.add_rows_ = lambda acc, idx, src: add_rows(acc, idx, src.contiguous())
@@ -343,6 +345,7 @@ def fused_kernels(over: dict):
         for m, f in zip(mods, saved):
             m.available = f
         rows_add_triton.add_rows_ = add_rows
+        swiglu_quant_triton.USE = use_swiglu
 
 
 def measure(experts, inits, fmt, cfg: RefineConfig, a, dev) -> dict:

@@ -28,6 +28,11 @@ from .triton_support import HAS_TRITON, INTERPRET, tl, triton
 COLUMNS = 256  # columns per program (scale blocks of a power-of-two width; one block when wider)
 
 
+# The trainer takes this kernel only when USE is set: it has run under the Triton interpreter only so far, and
+# turns on by default once its GPU tests and the refine bench (variant compile-swiglu) have run on a GPU.
+USE = False
+
+
 def available(device: torch.device) -> bool:
     """Whether the fused kernel can run for tensors on `device` (CUDA with Triton, or the interpreter)."""
     return HAS_TRITON and (device.type == "cuda" or INTERPRET)

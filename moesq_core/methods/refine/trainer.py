@@ -444,7 +444,7 @@ class BlockRefiner:
         self.compiled = dev.type == "cuda" if config.compile == "auto" else bool(config.compile)
         self.fused_relax = self.compiled and relax_triton.available(dev)
         # the SwiGLU output and its quantizer in one Triton pass where the activation quantizer has one
-        self.fused_swiglu = self.compiled and swiglu_quant_triton.available(dev)
+        self.fused_swiglu = self.compiled and swiglu_quant_triton.USE and swiglu_quant_triton.available(dev)
         # The cached quantized inputs are only ever read as the matmuls' operands, cast to the compute dtype
         # first, so they are kept in the narrower of the two: bf16 on CUDA halves their memory and the row
         # gathers, and computes the very same numbers.
