@@ -487,6 +487,7 @@ def refine(
     e2e_steps: Annotated[Optional[int], typer.Option(min=0, help=f"Adam steps of end-to-end tuning after the last block (default {_default(_REFINE, 'e2e_steps')}: none; see End-to-end).")] = None,
     e2e_lr: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Its learning rate (default {_default(_REFINE, 'e2e_lr')}, cosine to 0).")] = None,
     e2e_batch_size: Annotated[Optional[int], typer.Option(min=1, help=f"Calibration sequences per end-to-end step (default {_default(_REFINE, 'e2e_batch_size')}).")] = None,
+    e2e_loss: Annotated[Optional[str], typer.Option(help=f"Its training loss: kl (on the final logits) or fisher (the KL's second-order form on the final hidden states: no vocabulary-sized logits per step; validation stays the KL) (default {_default(_REFINE, 'e2e_loss')}).")] = None,
     stage: Annotated[str, typer.Option(callback=_stage_name, help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
     init: Annotated[str, typer.Option(callback=_check_method, help="One-shot init method, run per block inside refinement's block loop.")] = "sgptq",
     format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
@@ -545,7 +546,8 @@ def refine(
     options = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows,
                    micro_batch_rows=micro_batch_rows, chunk_gb=chunk_gb, lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power,
                    train_support=False if values_only else None, train_values=False if support_only else None,
-                   seed=refine_seed, init_split_rows=init_split_rows, e2e_steps=e2e_steps, e2e_lr=e2e_lr, e2e_batch_size=e2e_batch_size)
+                   seed=refine_seed, init_split_rows=init_split_rows, e2e_steps=e2e_steps, e2e_lr=e2e_lr, e2e_batch_size=e2e_batch_size,
+                   e2e_loss=e2e_loss)
     rcfg = _as_usage_error(RefineConfig, **{k: v for k, v in options.items() if v is not None})
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,

@@ -107,11 +107,13 @@ class MethodConfig:
 def refine_identity(rcfg, init: MethodConfig) -> dict:
     """The manifest identity of a refinement stage: its (in-loop) init method's normalised config and the full
     RefineConfig — without the end-to-end options when there is no end-to-end step (they change nothing then,
-    and stages recorded before they existed keep their identity), and without `init_split_rows` when it is
+    and stages recorded before they existed keep their identity; `e2e_loss` too when it is the KL), and without `init_split_rows` when it is
     off (stages recorded before it existed routed the training split alone)."""
     refine = jsonable(asdict(rcfg))
     if not rcfg.e2e_steps:
         refine = {k: v for k, v in refine.items() if not k.startswith("e2e_")}
+    elif rcfg.e2e_loss == "kl":  # stages recorded before e2e_loss existed trained on the KL
+        del refine["e2e_loss"]
     if not rcfg.init_split_rows:
         del refine["init_split_rows"]
     return {"method": "refine", "init": init.to_dict(), "refine": refine}

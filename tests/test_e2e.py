@@ -114,6 +114,47 @@ def test_end_to_end_lowers_the_validation_kl(tuned):
                    for a, b in zip(tuned_experts, blockwise) for p in PROJECTIONS)
 
 
+def test_fisher_matrix_is_the_averaged_softmax_fisher_and_its_loss_the_kl_to_second_order(micro_path):
+    from moesq_core.models import load_model
+
+    model, tok, _, _ = load_model(micro_path)
+    tuner = EndToEndTuner(model, {}, get_format("p48-nvfp4"), True, RefineConfig(), torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 48), generator=g)
+    with torch.no_grad():
+        ref_h = model.model(input_ids=tokens).last_hidden_state.float()
+    M = tuner._fisher(ref_h, chunk=40)  # every token (96 < 8192), in chunks that do not divide them
+    with torch.no_grad():
+        W = model.lm_head.weight.float()
+        flat = ref_h.reshape(-1, ref_h.shape[-1])
+        P = torch.softmax(flat @ W.T, -1)
+        # per token Wᵀ (diag(p) − p pᵀ) W, in float64
+        W64 = W.double()
+        naive = sum((W64.T * p) @ W64 - torch.outer(W64.T @ p, W64.T @ p) for p in P.double()) / len(P)
+        torch.testing.assert_close(M.double(), naive, rtol=1e-3, atol=1e-6)
+        # hidden-state errors d, small: the mean KL over the tokens is ½ mean dᵀ F_t d, and M averages F_t over
+        # the tokens (equal in expectation for d independent of the token: here random)
+        d = torch.randn(flat.shape, generator=g) * 1e-2
+        logp = torch.log_softmax((flat + d) @ W.T, -1)
+        kl = torch.nn.functional.kl_div(logp, torch.log(P), log_target=True, reduction="batchmean")
+        second_order = 0.5 * ((d @ M) * d).sum(-1).mean()
+    assert abs(float(second_order) / float(kl) - 1) < 0.15
+
+
+def test_end_to_end_on_the_second_order_loss_lowers_the_validation_kl(micro_path, tmp_path):
+    import dataclasses
+
+    from moesq_core.pipeline import run_refine
+    from moesq_core.workdir import WorkDir
+
+    rcfg = dataclasses.replace(RCFG, e2e_loss="fisher")
+    run_refine(tmp_path / "wd", rcfg, micro_path, RUN, device="cpu", batch_size=4)
+    st = WorkDir(tmp_path / "wd").stage("refine")
+    rec = st["e2e"]
+    assert st["config"]["refine"]["e2e_loss"] == "fisher"  # part of the stage's identity (the KL, the default, is not)
+    assert rec["best_pass"] > 0 and min(rec["val_kl"][1:]) < rec["val_kl"][0]
+
+
 def test_interrupted_end_to_end_resumes_to_the_same_bytes_and_redo_from_restores_the_prefix(
         tuned, micro_path, tmp_path, monkeypatch):
     from moesq_core.workdir import WorkDir
@@ -143,7 +184,8 @@ def test_interrupted_end_to_end_resumes_to_the_same_bytes_and_redo_from_restores
 
 
 def test_bad_end_to_end_options_are_refused():
-    for kw, name in (({"e2e_steps": -1}, "e2e_steps"), ({"e2e_lr": 0.0}, "e2e_lr"), ({"e2e_batch_size": 0}, "e2e_batch_size")):
+    for kw, name in (({"e2e_steps": -1}, "e2e_steps"), ({"e2e_lr": 0.0}, "e2e_lr"), ({"e2e_batch_size": 0}, "e2e_batch_size"),
+                     ({"e2e_loss": "mse"}, "e2e_loss")):
         with pytest.raises(ValueError, match=name):
             RefineConfig(**kw)
 
@@ -166,6 +208,7 @@ def test_stage_identity_without_the_end_to_end_step_is_unchanged():
     plain = refine_identity(RefineConfig(e2e_lr=5e-4), MethodConfig("rtn"))["refine"]
     assert not any(k.startswith("e2e_") for k in plain)  # a stage recorded before the e2e options matches
     assert refine_identity(RCFG, MethodConfig("rtn"))["refine"]["e2e_steps"] == RCFG.e2e_steps
+    assert "e2e_loss" not in refine_identity(RCFG, MethodConfig("rtn"))["refine"]  # stages from before it trained on the KL
 
 
 @pytest.mark.parametrize("with_init_split", [True, False])

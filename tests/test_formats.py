@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 
 from moesq_core.formats import (E2M1_GRID, FORMATS, P48, S24, e2m1_decode, e2m1_encode, get_format, round_e2m1,
                                 round_e4m3)
-from moesq_core.formats.quantizers import NVFP4Quantizer, nvfp4_global_scale
+from moesq_core.formats.e2m1 import e2m1_magnitude_index
+from moesq_core.formats.e4m3 import round_ue4m3_scale
+from moesq_core.formats.quantizers import NVFP4Quantizer, nvfp4_global_scale, nvfp4_quantize_unscaled
 
 finite = st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, allow_infinity=False, width=32)
 
@@ -43,6 +45,41 @@ def test_e2m1_codes_round_trip(vals):
     assert int(codes.max()) <= 15
     assert torch.equal(e2m1_encode(e2m1_decode(codes)), codes)
     assert not bool(((codes == 8)).any()), "negative zero must be encoded as code 0"
+
+
+def _comparison_codes(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes by the definition: one comparison per midpoint (e2m1_magnitude_index)."""
+    mag = e2m1_magnitude_index(x.abs())
+    return (((x < 0) & (mag > 0)).to(torch.uint8) << 3) | mag
+
+
+def _float32_sample() -> torch.Tensor:
+    """Every 97th float32 bit pattern of either sign (no NaN), the grid's midpoints and their neighbours."""
+    f = torch.arange(0, 2**31 - 1, 97, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 8.0, 0.0, float("inf"), 2.0**25, 3e38])
+    near = torch.cat([mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1)])
+    x = torch.cat([f[~f.isnan()], near])
+    return torch.cat([x, -x])
+
+
+def test_e2m1_fast_rounding_equals_the_comparisons_bit_for_bit():
+    x = _float32_sample()
+    want = _comparison_codes(x)
+    assert torch.equal(e2m1_encode(x), want)
+    assert torch.equal(round_e2m1(x).view(torch.int32), e2m1_decode(want).view(torch.int32))  # +0 for code 0
+    assert int(e2m1_encode(torch.tensor([float("nan")]))) == 0
+
+
+@pytest.mark.parametrize("shape,block,g_shape", [((512, 192), 16, ()), ((8, 64, 192), 16, (8, 1, 1)),
+                                                  ((300, 128), 32, ()), ((64, 128), 1, ()), ((5, 7, 32), 32, (1,))])
+def test_nvfp4_quantization_equals_the_expanded_scales_reference(shape, block, g_shape):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=gen) * torch.rand(shape[:-1] + (1,), generator=gen) * 3
+    x[..., :16] *= 1e-4  # scales in UE4M3's subnormal range
+    g = (torch.rand(g_shape, generator=gen) + 0.5) * 448 * 6 / x.abs().max()
+    s = round_ue4m3_scale(x.reshape(*shape[:-1], -1, block).abs().amax(-1) / 6.0 * g).repeat_interleave(block, -1)
+    want = e2m1_decode(_comparison_codes(x * g / s)) * s
+    assert torch.equal(nvfp4_quantize_unscaled(x, block, g).view(torch.int32), want.view(torch.int32))
 
 
 def test_e4m3_saturates_instead_of_nan():

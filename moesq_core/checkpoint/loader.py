@@ -167,4 +167,4 @@ def load_workdir_model(workdir: str | Path, stage: str, device="cpu", dtype=torc
     for block in adapter.blocks(model):
         results, amax_in, amax_mid = load_block(wd.verified_block(stage, block.layer_index))
         install_block(block, fmt, results, amax_in, amax_mid, act_quant, device)
-    return model, tok
+    return model.eval(), tok  # the installed expert modules too

@@ -108,13 +108,31 @@ class ResultCache:
             write_json_atomic(self.path, self.data)
 
 
+def computation_fingerprint(model: torch.nn.Module, tokens: torch.Tensor) -> str:
+    """What decides a perplexity on the CPU: the config, every module's class and settings (extra_repr, train
+    mode), every parameter and buffer bit for bit, and the tokens. Two loaded targets with the same fingerprint
+    compute the same numbers (a packed dir and the stage it was packed from, on the CPU)."""
+    h = hashlib.sha256(json.dumps([model.config.to_diff_dict(), model.config._attn_implementation],
+                                  sort_keys=True, default=str).encode())
+    for name, mod in model.named_modules():
+        h.update(f"{name}|{type(mod).__module__}.{type(mod).__qualname__}|{mod.extra_repr()}|{mod.training}".encode())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{t.device}".encode())
+        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    h.update(tokens.numpy().tobytes())
+    return h.hexdigest()
+
+
 def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: int = 65536, window: int = 512,
                     device="cpu", cache: ResultCache | None = None, progress=None) -> list[dict]:
+    """Perplexity rows of `targets`, in order. A target that computes exactly what one evaluated before it in
+    this call does (computation_fingerprint; e.g. a packed dir and its stage on the CPU) takes that target's
+    perplexity instead of evaluating again; its row names it in `same_as`."""
     from .perplexity import load_eval_tokens, perplexity
 
     cache = cache or ResultCache(None)
     digest = sha256_file(Path(text_file))
-    rows = []
+    rows, evaluated = [], {}  # computation fingerprint -> the row evaluated for it
     for t in targets:
         key = cache.key("ppl", target_identity(t), digest, max_tokens, window)
         hit = cache.get(key)
@@ -122,14 +140,20 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
             model, tok = load_target(t, device, progress=progress)
             tokens = load_eval_tokens(tok, text_file, max_tokens)
             n = len(tokens) // window
-            if progress is not None:
+            same = computation_fingerprint(model, tokens[: n * window]) if torch.device(device).type == "cpu" else None
+            twin = evaluated.get(same)
+            if twin is not None:
+                ppl, extra = twin["ppl"], {"same_as": twin["label"]}
+            elif progress is not None:
                 with progress.task(f"perplexity: {t.label}", n) as task:
-                    ppl = perplexity(model, tokens, window, progress=task.advance)
+                    ppl, extra = perplexity(model, tokens, window, progress=task.advance), {}
             else:
-                ppl = perplexity(model, tokens, window)
+                ppl, extra = perplexity(model, tokens, window), {}
             hit = {"label": t.label, "kind": t.kind, "path": t.path, "stage": t.stage, "ppl": ppl,
-                   "tokens": n * window, "window": window, "file": str(text_file)}
+                   "tokens": n * window, "window": window, "file": str(text_file), **extra}
             cache.put(key, hit)
+            if same is not None and twin is None:
+                evaluated[same] = hit
             del model
         rows.append({**hit, "label": t.label})
     return rows

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import swiglu_quant_triton
-from .e2m1 import E2M1_GRID, E2M1_MAX, e2m1_decode, e2m1_encode
+from .e2m1 import E2M1_GRID, E2M1_MAX, e2m1_decode, e2m1_encode, round_e2m1
 from .e4m3 import E4M3_MAX, E4M3_MIN_SUBNORMAL, round_e4m3, round_ue4m3_scale
 
 
@@ -65,10 +65,11 @@ def nvfp4_quantize_unscaled(x: torch.Tensor, block: int, g: torch.Tensor) -> tor
     """E2M1 values times their stored UE4M3 block scale (exact; divide by g for the quantized x).
 
     The one NVFP4 quantization: weights, activations and the kernels' CPU reference all go through it."""
-    xf = x.float()
-    s = round_ue4m3_scale(xf.detach().reshape(*xf.shape[:-1], xf.shape[-1] // block, block).abs().amax(-1) / E2M1_MAX * g)
-    se = s.repeat_interleave(block, dim=-1) if block > 1 else s
-    return e2m1_decode(e2m1_encode(xf.detach() * g / se)) * se
+    xf = x.float().detach()
+    blocks = xf.reshape(*xf.shape[:-1], xf.shape[-1] // block, block)
+    s = round_ue4m3_scale(blocks.abs().amax(-1) / E2M1_MAX * g).unsqueeze(-1)
+    g = g.unsqueeze(-1) if torch.is_tensor(g) and g.dim() else g  # g broadcasts over x: over its blocks too
+    return round_e2m1(blocks * g / s).mul_(s).reshape(xf.shape)
 
 
 def swiglu_quant_reference(act, gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor | None, ste: bool,

@@ -57,6 +57,9 @@ class MoesqExperts(nn.Module):
         ref.act_global_mid.copy_(torch.stack(g_mid))
         return ref
 
+    def extra_repr(self) -> str:
+        return f"format={self.fmt.name}, experts={self.num_experts}, act_quant={self.act_quant}"
+
     def _global(self, g: torch.Tensor) -> torch.Tensor | None:
         # A calibrated static scale where the activation quantizer takes one; else dynamic (None).
         if not self.fmt.act.uses_global_scale or float(g) <= 0:

@@ -44,6 +44,7 @@ _COMPILED: dict = {}  # (function, format, compute dtype) -> its torch.compile'd
 
 PAPER_STEPS = 1280  # the paper's budget per block: 10 epochs × 128 Lion steps (its learning rates are set for it)
 SHIP = ("best", "last")
+E2E_LOSSES = ("kl", "fisher")  # RefineConfig.e2e_loss
 
 
 @dataclass(frozen=True)
@@ -104,7 +105,8 @@ class RefineConfig:
     the final logits, over every calibration sequence but the validation ones (refinement's and the
     one-shot methods' splits). It validates before and after each pass over them and ships the best (the
     block-wise result unchanged when nothing validates better). It holds the whole model's expert latents and
-    Adam moments (16 bytes per expert weight) at once.
+    Adam moments (16 bytes per expert weight) at once. `e2e_loss="fisher"` trains on the KL's second-order form
+    on the final hidden states instead (validation stays the exact KL): no vocabulary-sized logits per step.
     """
 
     epochs: int = 10
@@ -145,6 +147,7 @@ class RefineConfig:
     e2e_steps: int = 0  # end-to-end tuning after the last block (0: none); see e2e.py
     e2e_lr: float = 1e-3  # its Adam learning rate (cosine to 0)
     e2e_batch_size: int = 8  # calibration sequences per end-to-end step
+    e2e_loss: str = "kl"  # its training loss: "kl" on the final logits, or "fisher", its second-order form (e2e.py)
 
     def __post_init__(self):
         if self.epochs < 0:
@@ -185,6 +188,8 @@ class RefineConfig:
             raise ValueError(f"e2e_steps must be >= 0 and e2e_batch_size >= 1, got {self.e2e_steps} and {self.e2e_batch_size}")
         if not self.e2e_lr > 0:
             raise ValueError(f"e2e_lr must be positive, got {self.e2e_lr}")
+        if self.e2e_loss not in E2E_LOSSES:
+            raise ValueError(f"e2e_loss must be one of {', '.join(E2E_LOSSES)}, got {self.e2e_loss!r}")
         if self.ship not in SHIP:
             raise ValueError(f"ship must be one of {SHIP}, got {self.ship!r}")
         if self.chunk_gb is not None and not self.chunk_gb > 0:
