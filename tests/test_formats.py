@@ -68,6 +68,9 @@ def test_e2m1_fast_rounding_equals_the_comparisons_bit_for_bit():
     assert torch.equal(e2m1_encode(x), want)
     assert torch.equal(round_e2m1(x).view(torch.int32), e2m1_decode(want).view(torch.int32))  # +0 for code 0
     assert int(e2m1_encode(torch.tensor([float("nan")]))) == 0
+    # NaN rounds to what is stored for it (code 0: +0), so fake quantization computes what is packed
+    nan = torch.tensor([float("nan"), -float("nan")])
+    assert torch.equal(round_e2m1(nan).view(torch.int32), torch.zeros(2, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("shape,block,g_shape", [((512, 192), 16, ()), ((8, 64, 192), 16, (8, 1, 1)),

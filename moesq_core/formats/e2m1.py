@@ -39,11 +39,12 @@ def round_e2m1(x: torch.Tensor) -> torch.Tensor:
     One float addition does the rounding: E2M1's step is half the power of two at or below |x| (0.5 below 1),
     and (x + C) - C with C = ±2^22 times that power of two rounds x to a multiple of the step, ties to the even
     multiple (IEEE round-to-nearest-even) — exactly the even code. ~10 passes over x instead of ~30.
-    NaN stays NaN."""
+    NaN gives +0 (code 0)."""
     x = x.float()
     power = x.abs().clamp_(1.0, 8.0).view(torch.int32).bitwise_and_(_EXPONENT_BITS)  # 2^floor(log2|x|), in [1, 8]
     c = power.add_(22 << 23).bitwise_or_(x.view(torch.int32).bitwise_and(_SIGN_BIT)).view(torch.float32)
-    return torch.add(x, c).sub_(c).clamp_(-E2M1_MAX, E2M1_MAX)
+    # NaN: code 0, as e2m1_encode stores it (the format has no NaN), so fake quantization computes what is packed
+    return torch.add(x, c).sub_(c).clamp_(-E2M1_MAX, E2M1_MAX).nan_to_num_(0.0)
 
 
 def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
