@@ -336,15 +336,14 @@ def fused_kernels(over: dict):
         m.available = lambda device: False
     use_swiglu = swiglu_quant_triton.USE
     swiglu_quant_triton.USE = bool(over.get("fused_swiglu", False))
-    add_rows = rows_add_triton.add_rows_
-    if not over.get("strided_rows_add", True):  # strided_rows_add off: the copy to contiguous first, as before
-        rows_add_triton.add_rows_ = lambda acc, idx, src: add_rows(acc, idx, src.contiguous())
+    strided = rows_add_triton.STRIDED
+    rows_add_triton.STRIDED = bool(over.get("strided_rows_add", True))
     try:
         yield
     finally:
         for m, f in zip(mods, saved):
             m.available = f
-        rows_add_triton.add_rows_ = add_rows
+        rows_add_triton.STRIDED = strided
         swiglu_quant_triton.USE = use_swiglu
 
 

@@ -21,13 +21,18 @@ def check_against_index_add(device: str, shapes=((5, 3, 7), (4, 2, 4096), (6, 1,
                 idx = torch.randperm(E, generator=gen)[:k].to(device)
                 acc = torch.randn(E, O, K, generator=gen).to(device)
                 src = torch.randn(k, O, K, generator=gen).to(dtype).to(device)
-                for transposed in (False, True):  # a weight gradient of x Wᵀ: [k, out, in] with out contiguous
+                # a weight gradient of x Wᵀ: [k, out, in] with out contiguous, copied first or read in place
+                for transposed, strided in ((False, False), (True, False), (True, True)):
                     s = src.transpose(1, 2).contiguous().transpose(1, 2) if transposed else src
                     a = acc.clone()
                     want = a.clone().index_add_(0, idx, s.float())
-                    got = rows_add_triton.add_rows_(a, idx, s)
-                    assert got is a and torch.equal(got, want), (E, O, K, dtype, k, transposed)
-                    lines.append(f"ok {E}x{O}x{K} {dtype} k={k} transposed={transposed}")
+                    rows_add_triton.STRIDED = strided
+                    try:
+                        got = rows_add_triton.add_rows_(a, idx, s)
+                    finally:
+                        rows_add_triton.STRIDED = False
+                    assert got is a and torch.equal(got, want), (E, O, K, dtype, k, transposed, strided)
+                    lines.append(f"ok {E}x{O}x{K} {dtype} k={k} transposed={transposed} strided={strided}")
     return lines
 
 
@@ -35,7 +40,7 @@ def test_kernel_matches_index_add_under_the_interpreter():
     out = run_triton_interpreted(
         "from test_rows_add_triton import check_against_index_add\n"
         "print('\\n'.join(check_against_index_add('cpu')))\n")
-    assert out.count("ok ") == 4 * 2 * 3 * 2
+    assert out.count("ok ") == 4 * 2 * 3 * 3
 
 
 @pytest.mark.gpu
@@ -43,13 +48,13 @@ def test_kernel_matches_index_add_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     assert rows_add_triton.available(torch.device("cuda"))
-    assert len(check_against_index_add("cuda", shapes=((5, 3, 7), (6, 1, 4097), (3, 0, 9), (40, 768, 2048)))) == 4 * 6 * 2
+    assert len(check_against_index_add("cuda", shapes=((5, 3, 7), (6, 1, 4097), (3, 0, 9), (40, 768, 2048)))) == 4 * 6 * 3
 
 
 def test_fallback_and_argument_checks():
     """Without Triton (or off CUDA) it is index_add_; mismatched shapes or a non-fp32 accumulator are refused."""
     if not rows_add_triton.available(torch.device("cpu")):
-        assert len(check_against_index_add("cpu")) == 4 * 2 * 3 * 2
+        assert len(check_against_index_add("cpu")) == 4 * 2 * 3 * 3
     acc = torch.zeros(3, 2, 4)
     with pytest.raises(ValueError, match="add_rows_"):
         rows_add_triton.add_rows_(acc, torch.tensor([0]), torch.zeros(1, 2, 5))
