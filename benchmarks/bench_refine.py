@@ -48,11 +48,11 @@ VARIANTS = {
                 "activation quantizer included), fused Triton relaxation and Lion kernels (the default before the "
                 "fused SwiGLU quantizer)", {"compile": True, "fused_swiglu": False, "strided_rows_add": False}),
     "compile-rows": ("as compile, the transposed weight gradients added in their own layout (no contiguous copies)",
-                     {"compile": True, "fused_swiglu": False}),
+                     {"compile": True, "strided_rows_add": True}),
     "compile-swiglu": ("as compile-rows, with the SwiGLU output, its range and its NVFP4 quantizer in one Triton "
-                       "kernel (off by default until measured here)", {"compile": True, "fused_swiglu": True}),
+                       "kernel (off by default until measured here)", {"compile": True, "fused_swiglu": True, "strided_rows_add": True}),
     "compile-mb2x": ("as compile-swiglu, micro-batches of twice the rows (524,288)",
-                     {"compile": True, "fused_swiglu": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
+                     {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
 
 # bench-only switches (not RefineConfig fields): kernels turned off for a variant
@@ -328,7 +328,7 @@ def config_overrides(over: dict) -> dict:
 def fused_kernels(over: dict):
     """A variant's kernels: the trainer takes its torch path for the relaxation and Lion where fused_kernels is
     False, the fused SwiGLU quantizer only where fused_swiglu is True (else through torch.compile), and copies the
-    transposed weight gradients contiguous before adding them where strided_rows_add is False."""
+    transposed weight gradients contiguous before adding them unless strided_rows_add is True."""
     mods = [m for m, key in ((relax_triton, "fused_kernels"), (swiglu_quant_triton, "fused_swiglu"))
             if not over.get(key, True)]
     saved = [m.available for m in mods]
@@ -337,7 +337,7 @@ def fused_kernels(over: dict):
     use_swiglu = swiglu_quant_triton.USE
     swiglu_quant_triton.USE = bool(over.get("fused_swiglu", False))
     strided = rows_add_triton.STRIDED
-    rows_add_triton.STRIDED = bool(over.get("strided_rows_add", True))
+    rows_add_triton.STRIDED = bool(over.get("strided_rows_add", False))
     try:
         yield
     finally:
