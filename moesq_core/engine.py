@@ -198,19 +198,20 @@ def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.T
         save_file(tensors, str(tmp), metadata={"moesq": meta})
 
 
-def block_info(path: Path) -> dict[str, dict]:
-    """Each expert's info in a block artifact (its metadata only, no tensors read)."""
+def _block_meta(path: Path) -> dict:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        return json.loads((f.metadata() or {}).get("moesq", "{}")).get("info", {})
+        return json.loads((f.metadata() or {}).get("moesq", "{}"))
+
+
+def block_info(path: Path) -> dict[str, dict]:
+    """Each expert's info in a block artifact (its metadata only, no tensors read)."""
+    return _block_meta(path).get("info", {})
 
 
 def load_block(path: Path) -> tuple[list[CompressedExpert], torch.Tensor, torch.Tensor]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
-        meta = json.loads((f.metadata() or {}).get("moesq", "{}"))
+    meta = _block_meta(path)
     if meta.get("layout") != LAYOUT:  # the work dir's layout, also recorded in the artifact itself
         raise StaleStageError(
             f"{path} is a block artifact in work-dir layout {meta.get('layout', 1)} (an older moesq's); this moesq "
