@@ -118,7 +118,7 @@ def computation_fingerprint(model: torch.nn.Module, tokens: torch.Tensor) -> str
         h.update(f"{name}|{type(mod).__module__}.{type(mod).__qualname__}|{mod.extra_repr()}|{mod.training}".encode())
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|{t.device}".encode())
-        h.update(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+        h.update(memoryview(t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()))  # no bytes copy
     h.update(tokens.numpy().tobytes())
     return h.hexdigest()
 
