@@ -147,7 +147,9 @@ def test_experts_batched_forward_equals_the_per_expert_loop(fmt, monkeypatch):
     idx[:5] = torch.tensor([0, 1])  # an uneven load
     w = torch.rand(T, k)
     want = module(x, idx, w)
-    assert module.batched is None and not x.is_cuda  # the loop on the CPU by default
+    assert module.batched is False  # the loop by default (until the batched path has run on a GPU)
+    module.batched = None  # auto: the loop on the CPU
+    torch.testing.assert_close(module(x, idx, w), want, rtol=0, atol=0)
     module.batched = True
     got = module(x, idx, w)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)  # the matmuls' rounding apart (~1e-7 here)
@@ -159,7 +161,7 @@ def test_experts_batched_forward_equals_the_per_expert_loop(fmt, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["p48-nvfp4", "s24-fp8"])
-def test_experts_on_cuda_batch_by_default_and_match_the_loop_and_the_cpu(fmt):
+def test_experts_on_cuda_batch_when_auto_and_match_the_loop_and_the_cpu(fmt):
     torch.manual_seed(2)
     E, H, inter, T, k = 16, 256, 128, 700, 4
     module = MoesqExperts(fmt, torch.randn(E, 2 * inter, H) * 0.05, torch.randn(E, H, inter) * 0.05, act_quant=True,
@@ -170,6 +172,7 @@ def test_experts_on_cuda_batch_by_default_and_match_the_loop_and_the_cpu(fmt):
     w = torch.rand(T, k)
     cpu = module(x, idx, w)
     gpu = module.to("cuda")
+    gpu.batched = None  # auto: batched on CUDA
     batched = gpu(x.cuda(), idx.cuda(), w.cuda())
     gpu.batched = False
     loop = gpu(x.cuda(), idx.cuda(), w.cuda())

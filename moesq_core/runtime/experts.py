@@ -104,8 +104,9 @@ class MoesqExperts(nn.Module):
     # Batched over experts (rows padded per expert, bmm): on a GPU the per-expert loop launches ~70 small
     # kernels per expert and batch (~230k per decoder-layer pass of a full-width block's calibration set), which
     # dominated the engine's propagation. Same quantizer arithmetic, matmuls batched (the last bits may differ
-    # from the loop's). None: on CUDA; the CPU keeps the loop (exact reference).
-    batched: bool | None = None
+    # from the loop's). None: on CUDA, the CPU keeping the loop (exact reference). False by default until its GPU
+    # test and a timing have run on a GPU (tested on the CPU only so far).
+    batched: bool | None = False
     BATCH_BYTES = 1 << 30  # padded fp32 rows per expert chunk of the batched path
 
     def _batched_globals(self, g_static: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
