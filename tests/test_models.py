@@ -147,8 +147,7 @@ def test_experts_batched_forward_equals_the_per_expert_loop(fmt, monkeypatch):
     idx[:5] = torch.tensor([0, 1])  # an uneven load
     w = torch.rand(T, k)
     want = module(x, idx, w)
-    assert module.batched is False  # the loop by default (until the batched path has run on a GPU)
-    module.batched = None  # auto: the loop on the CPU
+    assert module.batched is None  # auto by default: the loop on the CPU
     torch.testing.assert_close(module(x, idx, w), want, rtol=0, atol=0)
     module.batched = True
     got = module(x, idx, w)
@@ -174,6 +173,7 @@ def test_experts_on_cuda_batch_when_auto_and_match_the_loop_and_the_cpu(fmt):
     gpu = module.to("cuda")
     gpu.batched = None  # auto: batched on CUDA
     batched = gpu(x.cuda(), idx.cuda(), w.cuda())
+    assert torch.equal(gpu(x.cuda(), idx.cuda(), w.cuda()), batched)  # deterministic (no atomics in the sum)
     gpu.batched = False
     loop = gpu(x.cuda(), idx.cuda(), w.cuda())
     # relative error over the whole output: a matmul rounding can move an activation code that sits on a

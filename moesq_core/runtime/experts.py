@@ -104,9 +104,8 @@ class MoesqExperts(nn.Module):
     # Batched over experts (rows padded per expert, bmm): on a GPU the per-expert loop launches ~70 small
     # kernels per expert and batch (~230k per decoder-layer pass of a full-width block's calibration set), which
     # dominated the engine's propagation. Same quantizer arithmetic, matmuls batched (the last bits may differ
-    # from the loop's). None: on CUDA, the CPU keeping the loop (exact reference). False by default until its GPU
-    # test and a timing have run on a GPU (tested on the CPU only so far).
-    batched: bool | None = False
+    # from the loop's). None (the default): batched on CUDA, the CPU keeping the loop (exact reference).
+    batched: bool | None = None
     BATCH_BYTES = 1 << 30  # padded fp32 rows per expert chunk of the batched path
 
     def _batched_globals(self, g_static: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
@@ -130,7 +129,9 @@ class MoesqExperts(nn.Module):
         gate_up_w, down_w = self.stacked_linears()
         width = max(H, gate_up_w.shape[1])
         step = max(1, self.BATCH_BYTES // (C * width * 4))
-        out = torch.zeros((T, H), dtype=torch.float32, device=hidden_states.device)
+        # each (token, slot) row written once, then summed over the slots in a fixed order: deterministic on a GPU,
+        # where an index_add_ with repeated tokens adds in whatever order its atomics land
+        rows = torch.zeros((T * k, H), dtype=torch.float32, device=hidden_states.device)
         for lo in range(0, self.num_experts, step):
             hi = min(lo + step, self.num_experts)
             sel = (e_sorted >= lo) & (e_sorted < hi)
@@ -144,8 +145,8 @@ class MoesqExperts(nn.Module):
             if self.act_quant:
                 h = self.fmt.act.batched(h, self._batched_globals(self.act_global_mid[lo:hi], h), ste=self.ste)
             y = torch.bmm(h, down_w[lo:hi].transpose(1, 2))
-            out.index_add_(0, t, y[e, p] * wts[sel, None])
-        return out.to(hidden_states.dtype)
+            rows[order[sel]] = y[e, p] * wts[sel, None]
+        return rows.view(T, k, H).sum(dim=1).to(hidden_states.dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.batched or (self.batched is None and hidden_states.is_cuda):
