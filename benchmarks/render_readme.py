@@ -314,18 +314,23 @@ def render_compression() -> str:
                  f"({peak('refine')}) and was stopped while writing it (commit {k['commit']})", "—",
                  link(REAL_KIMI_FILE.replace(".json", ".md"))])
     r48 = load(REAL_48_FILE)
-    st, rs = r48["steps"], r48["refine_summary"]
-    rows.append([f"`moesq calibrate` then `moesq refine` (8 Lion steps) through the CLI, the whole 48-layer "
-                 f"Qwen3-30B-A3B-shaped model ({st['generate']['model_bytes'] / 2**30:.1f} GiB, opened lazily)",
-                 f"{rs['blocks_done']} of 48 blocks in {rs['calls']} resumed calls (device time), "
-                 f"{rs['steady_block_wall_s_median']:.1f} s per block (in-loop SGPTQ {rs['in_loop_sgptq_s_median']:.1f} s); "
-                 f"peak host {max(a['peak_host_gib'] for a in st['refine']['attempts']):.1f} GiB, "
-                 f"GPU {max(a['peak_gpu_gib'][0] for a in st['refine']['attempts']):.0f} GiB (commit {r48['header']['commit']})",
+    st, pb = r48["steps"], r48["per_block_median_s"]
+    compressing = ("calibrate", "init-sgptq", "refine", "pack", "verify")
+    rows.append([f"`moesq calibrate`, `init-sgptq`, `refine` (8 Lion steps), `pack`, `verify`, `eval` through the CLI, "
+                 f"the whole {r48['header']['model_shape']['num_hidden_layers']}-layer Qwen3-30B-A3B-shaped model "
+                 f"({st['generate']['model_bytes'] / 2**30:.1f} GiB, opened lazily)",
+                 f"init-sgptq {st['init-sgptq']['attempts'][-1]['wall_s'] / 60:.1f} min ({pb['init-sgptq']['total']:.1f} s per block), "
+                 f"refine {pb['refine']['total']:.1f} s per block (in-loop SGPTQ {pb['refine']['in_loop_sgptq']:.1f} s), "
+                 f"resumed across {len(st['refine']['attempts'])} device calls; packed {r48['sizes_bytes']['packed'] / 2**30:.2f} GiB "
+                 f"({st['pack']['result']['bits_per_weight']:.3f} bits/weight), verify ok; peak host "
+                 f"{max(a['peak_host_gib'] for s in compressing for a in st[s]['attempts']):.1f} GiB while compressing, "
+                 f"GPU {max(a['peak_gpu_gib'][0] for s in compressing for a in st[s]['attempts']):.0f} GiB "
+                 f"(commit {r48['header']['commit']})",
                  "—", link(REAL_48_FILE.replace(".json", ".md"))])
     return table(["work", "batched (moesq)", "per-expert path (extrapolated)", "file"], rows)
 
 
-REAL_48_FILE = "real_size_run_h200_2026-12-01_6797a1e.json"
+REAL_48_FILE = "real_size_run_h200_2026-12-01_bbae3ec.json"
 REAL_KIMI_FILE = "real_size_kimi_h200_2026-12-01_171ed46.json"
 SCALING_INIT_FILE = "real_size_scaling_h200x2_2026-12-01_8aed194.json"
 SCALING_REFINE_FILE = "real_size_scaling_h200x2_2026-12-01_db264ec.json"
