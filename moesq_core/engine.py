@@ -178,12 +178,12 @@ def _expert(qw: QuantizedWeight, e: int) -> QuantizedWeight:
     return QuantizedWeight(qw.format, qw.codes[e], qw.scales[e], qw.global_scale[e].reshape(()), qw.mask[e])
 
 
-def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor,
-               device: torch.device | str = "cpu") -> None:
-    """The block's artifact: per projection, the experts' weights stacked and packed by the format's packer
-    (`<proj>.<packed suffix>`, [E, ...]), the activation ranges and each expert's info. Latent values are not
-    stored (refinement computes its init inside the block loop). Packing (integer bit work) runs on `device`:
-    the same bytes on any device, seconds less per full-width block on a GPU."""
+def pack_block(results: list[CompressedExpert], act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor,
+               device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], str]:
+    """(tensors, metadata) of a block's artifact: per projection, the experts' weights stacked and packed by the
+    format's packer (`<proj>.<packed suffix>`, [E, ...]), the activation ranges and each expert's info. Latent
+    values are not stored (refinement computes its init inside the block loop). Packing (integer bit work) runs
+    on `device`: the same bytes on any device, seconds less per full-width block on a GPU."""
     fmt = results[0].gate.format
     tensors: dict[str, torch.Tensor] = {"act_amax_in": act_amax_in.float().contiguous(),
                                         "act_amax_mid": act_amax_mid.float().contiguous()}
@@ -194,8 +194,54 @@ def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.T
     # artifact's checksum must be (resume is checked by comparing checksums).
     meta = json.dumps({"layout": LAYOUT, "format": fmt, "num_experts": len(results),
                        "info": {str(e): r.info for e, r in enumerate(results)}}, sort_keys=True, default=float)
+    return tensors, meta
+
+
+def write_block(path: Path, tensors: dict[str, torch.Tensor], meta: str) -> None:
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata={"moesq": meta})
+
+
+def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor,
+               device: torch.device | str = "cpu") -> None:
+    """The block's artifact (see `pack_block`), written atomically."""
+    write_block(path, *pack_block(results, act_amax_in, act_amax_mid, device))
+
+
+class BlockWriter:
+    """Writes a block's artifact and records it in the manifest on one background thread, so the file write and
+    its checksum (~1.3 s per full-width block) overlap the next block's install and propagation. At most one
+    write is pending: `wait` before the next block's compression keeps host memory bounded by one block, and
+    before anything that reads the manifest's blocks (a states save, the stage's end). A failed write raises at
+    the next `wait`."""
+
+    def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moesq-block-writer")
+        self._pending = None
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self.wait()
+        self._pending = self._pool.submit(fn)
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        """Finish the pending write (a block computed before an error or a stop is kept), then stop the thread."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> "BlockWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _block_meta(path: Path) -> dict:
@@ -442,7 +488,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
     computed, seconds, t_stage = 0, 0.0, time.perf_counter()
     clock = PhaseClock(device)
     todo = [li for li in blocks if str(li) not in workdir.stage(spec.name)["blocks"]]
-    with progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
+    with BlockWriter() as writer, progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
         for li, layer in enumerate(layers):
             if li > last_moe:
                 break
@@ -458,6 +504,8 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                 else:
                     t0 = time.perf_counter()
                     clock.mark("other")
+                    writer.wait()  # the previous block's write: one block's results in host memory at a time
+                    clock.mark("write")
                     results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist, clock)
                     seconds += time.perf_counter() - t0
                     log.info("%s: layer %d, %d experts compressed in %.1f s (rank %d of %d)", spec.name, li,
@@ -469,12 +517,14 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                         if t:
                             timings[str(e)] = t
                     if is_main:
-                        save_block(path, results, amax_in, amax_mid, device)
-                        workdir.record_block(spec.name, li, path, {"experts": len(results)},
-                                             timings={"seconds": round(time.perf_counter() - t0, 2),
-                                                      **({"experts": timings} if timings else {})})
+                        packed = pack_block(results, amax_in, amax_mid, device)
+                        record = dict(extra={"experts": len(results)},
+                                      timings={"seconds": round(time.perf_counter() - t0, 2),
+                                               **({"experts": timings} if timings else {})})
+                        writer.submit(lambda li=li, path=path, packed=packed, record=record: (
+                            write_block(path, *packed), workdir.record_block(spec.name, li, path, **record)))
                     clock.mark("write")
-                    distributed.barrier(f"{spec.name}: block {li} written")
+                    distributed.barrier(f"{spec.name}: block {li} done")
                     clock.mark("wait")
                     computed += 1
                     block_s = time.perf_counter() - t0
@@ -499,6 +549,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     stores[s] = new
                 clock.mark("propagate")
                 if is_main and block is not None and saved.due():
+                    writer.wait()  # the save follows the manifest's blocks up to this one
                     saved.save(li, sorted(blocks), stores)
                     clock.mark("save states")
             if block is not None and li > resumed_after:

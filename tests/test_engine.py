@@ -82,6 +82,55 @@ def test_stage_resumes_with_identical_artifacts(micro, tmp_path):
     assert run_stage(model, adapter, calib, _spec(), part)["computed_now"] == 0
 
 
+def test_a_block_written_in_the_background_is_kept_when_the_next_step_fails(micro, tmp_path, monkeypatch):
+    # the artifact is written on a background thread while the block is installed and the states propagated: an
+    # error there (or a stop) still finishes and records the block
+    import moesq_core.engine as engine
+
+    model, tok, adapter, path, calib = micro
+    full = _new_wd(tmp_path / "full", path)
+    run_stage(model, adapter, calib, _spec(), full)
+    want = _checksums(full, "init-rtn")
+    install, calls = engine.install_block, []
+
+    def failing_install(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise _Interrupt
+        return install(*a, **kw)
+
+    part = _new_wd(tmp_path / "part", path)
+    monkeypatch.setattr(engine, "install_block", failing_install)
+    with pytest.raises(_Interrupt):
+        run_stage(model, adapter, calib, _spec(), part)
+    assert sorted(part.stage("init-rtn")["blocks"]) == ["0", "1"]  # block 1 compressed, then install failed
+    monkeypatch.setattr(engine, "install_block", install)
+    assert run_stage(model, adapter, calib, _spec(), part)["computed_now"] == 2
+    assert _checksums(part, "init-rtn") == want
+
+
+def test_a_failed_block_write_is_raised_and_not_recorded(micro, tmp_path, monkeypatch):
+    import moesq_core.engine as engine
+
+    model, tok, adapter, path, calib = micro
+    write, calls = engine.write_block, []
+
+    def failing_write(p, *a):
+        calls.append(p.name)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return write(p, *a)
+
+    wd = _new_wd(tmp_path / "wd", path)
+    monkeypatch.setattr(engine, "write_block", failing_write)
+    with pytest.raises(OSError, match="disk full"):
+        run_stage(model, adapter, calib, _spec(), wd)
+    assert sorted(wd.stage("init-rtn")["blocks"]) == ["0"] and not wd.stage("init-rtn")["done"]
+    assert len(calls) == 2  # the error stopped the stage at the next block's wait: block 2 was not written
+    monkeypatch.setattr(engine, "write_block", write)
+    assert run_stage(model, adapter, calib, _spec(), wd)["computed_now"] == 3
+
+
 def _layer_calls(model):
     """Counts of full decoder-layer passes per layer (propagation), and the hooks to remove."""
     calls, hooks = {}, []

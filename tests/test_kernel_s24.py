@@ -192,6 +192,20 @@ def test_native_build_says_what_is_missing(monkeypatch, tmp_path, capsys):
         nb.load_extension()
 
 
+def test_native_build_runs_as_many_compilers_as_the_memory_holds():
+    # one CUTLASS unit's compiler peaks near 5 GB: 16 cores with 24 GiB free run 4 at a time, not 16
+    from moesq_core.kernels import native_build as nb
+
+    GiB = 1 << 30
+    assert nb.default_jobs(16, 24 * GiB, 12) == 4
+    assert nb.default_jobs(16, 128 * GiB, 12) == 12  # never more than the units
+    assert nb.default_jobs(2, 128 * GiB, 12) == 2
+    assert nb.default_jobs(16, 1 * GiB, 12) == 1  # one at a time rather than none
+    assert nb.default_jobs(None, None, 12) == 1 and nb.default_jobs(8, None, 12) == 8
+    available = nb.available_memory_bytes()
+    assert available is None or available > 0
+
+
 # ------------------------------------------------------------------------------------------------ GPU tests
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

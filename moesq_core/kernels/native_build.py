@@ -220,6 +220,34 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# Peak resident memory of one compiler process: a CUTLASS sm90 variant unit took 4.85 GB with nvcc 13.0 (cicc).
+UNIT_PEAK_BYTES = 5 << 30
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the system can give new processes (Linux MemAvailable), else free pages, else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def default_jobs(cpus: int | None, available: int | None, units: int) -> int:
+    """Parallel compilers: one per core, no more than the units, and no more than the memory holds (a first use
+    on a many-core machine with little memory would otherwise be killed for memory)."""
+    jobs = min(max(1, cpus or 1), max(1, units))
+    if available is not None:
+        jobs = min(jobs, max(1, available // UNIT_PEAK_BYTES))
+    return jobs
+
+
 def build(jobs: int | None = None, force: bool = False, verbose: bool = True) -> Path:
     """Compile every unit (in parallel) and link the extension module; returns its path. Work that is current
     (same build key, same per-unit inputs) is skipped."""
@@ -252,7 +280,7 @@ def build(jobs: int | None = None, force: bool = False, verbose: bool = True) ->
         units.append(("api", [str(nvcc), *nv_flags, "-c", str(NATIVE_DIR / "src" / "s24_api.cu")]))
         units.append(("p48", [str(nvcc), *nv_flags, "-c", str(NATIVE_DIR / "src" / "p48_gemm.cu")]))
         units.append(("bindings", [cxx, *cxx_flags, "-c", str(NATIVE_DIR / "src" / "bindings.cpp")]))
-        jobs = jobs or max(1, os.cpu_count() or 1)
+        jobs = jobs or default_jobs(os.cpu_count(), available_memory_bytes(), len(units))
         if verbose:
             print(f"building {MODULE_NAME} ({len(units)} units, {jobs} jobs) with {nvcc} ({major}.{minor}), {cxx}, "
                   f"CUTLASS at {cutlass}\n  into {out_dir}", flush=True)
@@ -338,13 +366,13 @@ def load_extension(build_if_missing: bool = True):
             _module = _import(Path(env))
             return _module
         if not (NATIVE_DIR / "src" / "bindings.cpp").is_file():
-            raise NativeBuildError(f"the native sources are not here ({NATIVE_DIR}): the s24-fp8 kernels are built "
+            raise NativeBuildError(f"the native sources are not here ({NATIVE_DIR}): the native kernels are built "
                                    "from a source checkout (`pip install -e .[native]`), or set MOESQ_NATIVE_EXT")
         path = build_dir() / module_filename()
         if not path.is_file():
             if not build_if_missing:
                 raise NativeBuildError(f"{path} not built: run `python -m moesq_core.kernels.native_build`")
-            print(f"moesq: compiling the native s24-fp8 kernels for {ARCH} (first use; cached in {path.parent})",
+            print(f"moesq: compiling the native kernels (s24-fp8, p48) for {ARCH} (first use; cached in {path.parent})",
                   file=sys.stderr, flush=True)
             path = build(verbose=False)
         _module = _import(path)
@@ -353,7 +381,7 @@ def load_extension(build_if_missing: bool = True):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moesq_core.kernels.native_build", description=__doc__.split("\n")[0])
-    ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiler processes (default: all cores)")
+    ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiler processes (default: one per core, as many as the free memory holds at ~5 GiB each)")
     ap.add_argument("--force", action="store_true", help="rebuild everything")
     ap.add_argument("--check", action="store_true", help="import the module and check the current GPU")
     args = ap.parse_args(argv)
