@@ -25,12 +25,15 @@ Markdown, relative paths only) are written to --out when every step has finished
 from __future__ import annotations
 
 import argparse
+import ast
 import datetime as _dt
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -216,6 +219,37 @@ def refine_args(args) -> list[str]:
     return ["--epochs", str(args.epochs), "--steps-per-epoch", str(args.steps_per_epoch)]
 
 
+PHASES_LINE = re.compile(r"moesq\.engine: (?P<stage>[\w-]+): layer (?P<layer>\d+) phases \(s\): (?P<phases>\{.*\})")
+REFINE_LINE = re.compile(r"refine: \d+ experts in \d+ chunk\(s\), init (?P<init>[\d.]+) s, refinement (?P<train>[\d.]+) s")
+
+
+def block_phases(log: Path) -> dict:
+    """Per stage, the median seconds per block of each phase over the blocks computed after the first (its time
+    carries the process's warm-up), from the engine's per-block log lines; refine's compress split into its
+    in-loop init and the refinement. Blocks only loaded or propagated on a resume (no compress phase) are left out."""
+    blocks: dict[str, dict[int, dict]] = {}
+    split: dict[str, list] = {"in_loop_init": [], "refinement": []}
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        if m := PHASES_LINE.search(line):
+            phases = ast.literal_eval(m["phases"])
+            if "compress" in phases:
+                blocks.setdefault(m["stage"], {})[int(m["layer"])] = phases
+        elif m := REFINE_LINE.search(line):
+            split["in_loop_init"].append(float(m["init"]))
+            split["refinement"].append(float(m["train"]))
+    out = {}
+    for stage, by_layer in blocks.items():
+        rows = [by_layer[k] for k in sorted(by_layer)]
+        later = rows[1:] or rows
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        med = {k: round(statistics.median(r.get(k, 0.0) for r in later), 2) for k in names}
+        out[stage] = {"blocks": len(rows), "total": round(statistics.median(sum(r.values()) for r in later), 2),
+                      "first_block": round(sum(rows[0].values()), 2), **med}
+        if stage == "refine":
+            out[stage].update({k: round(statistics.median(v[1:] or v), 2) for k, v in split.items() if v})
+    return out
+
+
 def pipeline(args, root: Path, deadline: float | None) -> dict:
     model, wd, res = args.model_dir or root / "model", root / "work", root / "results"
     res.mkdir(parents=True, exist_ok=True)
@@ -247,7 +281,7 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
              "workdir_without_packed": dir_bytes(wd) - dir_bytes(wd / "packed"),
              **{f"stage {p.name}": dir_bytes(p) for p in sorted((wd / "stages").iterdir())},
              "calibration": dir_bytes(wd / "calib"), "state cache": dir_bytes(wd / "cache")}
-    return {"steps": state.data["steps"], "sizes_bytes": sizes}
+    return {"steps": state.data["steps"], "sizes_bytes": sizes, "per_block_median_s": block_phases(wd / "logs" / "moesq.log")}
 
 
 def scaling(args, root: Path, deadline: float | None) -> dict:
@@ -343,6 +377,13 @@ def markdown(doc: dict) -> str:
             summary = ""
         lines.append(f"| {name} | {wall:.1f}{' (' + str(len(rec['attempts'])) + ' runs)' if len(rec['attempts']) > 1 else ''} | "
                      f"{last.get('peak_host_gib', '')} | {last.get('peak_gpu_gib', '')} | {summary} |")
+    per_block = doc.get("per_block_median_s") or {}
+    if per_block:
+        phases = list(dict.fromkeys(k for v in per_block.values() for k in v if k != "blocks"))
+        lines += ["", "Seconds per block (median over the blocks computed after the first; the work dir's log):", "",
+                  "| stage | blocks | " + " | ".join(phases) + " |", "|---" * (len(phases) + 2) + "|"]
+        lines += [f"| {st} | {v['blocks']} | " + " | ".join(f"{v[p]:.2f}" if p in v else "" for p in phases) + " |"
+                  for st, v in per_block.items()]
     lines += ["", "| bytes | GiB |", "| --- | --- |"]
     lines += [f"| {k} | {v / GIB:.2f} |" for k, v in doc["sizes_bytes"].items()]
     return "\n".join(lines) + "\n"

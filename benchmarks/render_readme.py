@@ -320,7 +320,7 @@ def render_compression() -> str:
                  f"the whole {r48['header']['model_shape']['num_hidden_layers']}-layer Qwen3-30B-A3B-shaped model "
                  f"({st['generate']['model_bytes'] / 2**30:.1f} GiB, opened lazily)",
                  f"init-sgptq {st['init-sgptq']['attempts'][-1]['wall_s'] / 60:.1f} min ({pb['init-sgptq']['total']:.1f} s per block), "
-                 f"refine {pb['refine']['total']:.1f} s per block (in-loop SGPTQ {pb['refine']['in_loop_sgptq']:.1f} s), "
+                 f"refine {pb['refine']['total']:.1f} s per block (in-loop SGPTQ {pb['refine']['in_loop_init']:.1f} s), "
                  f"resumed across {len(st['refine']['attempts'])} device calls; packed {r48['sizes_bytes']['packed'] / 2**30:.2f} GiB "
                  f"({st['pack']['result']['bits_per_weight']:.3f} bits/weight), verify ok; peak host "
                  f"{max(a['peak_host_gib'] for s in compressing for a in st[s]['attempts']):.1f} GiB while compressing, "

@@ -36,6 +36,34 @@ def test_results_hold_no_machine_paths(tmp_path):
                                    "label": "packed:packed"}
 
 
+def test_per_block_phases_come_from_the_engine_log(tmp_path):
+    # the H200 log's lines (one resume: blocks 1 and 2 of refine were only installed and propagated there)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from real_size_run import block_phases
+    finally:
+        sys.path.pop(0)
+    log = tmp_path / "moesq.log"
+    E = "2026-12-01 20:15:47,214 INFO moesq.engine: "
+    R = "2026-12-01 20:25:37,457 INFO moesq_core.methods.refine: refine: 128 experts in 1 chunk(s), "
+    log.write_text("\n".join([
+        E + "init-sgptq: layer 0 phases (s): {'route': 1.43, 'compress': 9.11, 'write': 1.28, 'propagate': 0.55}",
+        E + "init-sgptq: layer 1 phases (s): {'route': 0.1, 'compress': 7.04, 'write': 1.23, 'propagate': 0.77}",
+        E + "init-sgptq: layer 2 phases (s): {'route': 0.08, 'compress': 6.43, 'write': 1.25, 'propagate': 0.69}",
+        R + "init 8.9 s, refinement 47.7 s (1 epochs × 8 steps)",
+        E + "refine: layer 0 phases (s): {'compress': 57.0, 'propagate': 1.78}",
+        E + "refine: layer 1 phases (s): {'install': 0.88, 'propagate': 2.07}",
+        R + "init 8.1 s, refinement 1.0 s (1 epochs × 8 steps)",
+        E + "refine: layer 2 phases (s): {'install': 0.2, 'compress': 9.2, 'propagate': 1.9}",
+        "a line of something else"]) + "\n")
+    got = block_phases(log)
+    assert got["init-sgptq"] == {"blocks": 3, "total": 8.79, "first_block": 12.37, "route": 0.09, "compress": 6.73,
+                                 "write": 1.24, "propagate": 0.73}
+    assert got["refine"] == {"blocks": 2, "total": 11.3, "first_block": 58.78, "compress": 9.2, "propagate": 1.9,
+                             "install": 0.2, "in_loop_init": 8.1, "refinement": 1.0}
+    assert block_phases(tmp_path / "missing.log") == {}
+
+
 @pytest.mark.slow
 def test_pipeline_runs_every_command_resumes_after_a_deadline_and_writes_results(tmp_path):
     root, out = tmp_path / "run", tmp_path / "out"
