@@ -23,12 +23,18 @@ def run(*args, check=True, timeout=1200):
     return r
 
 
-def test_results_hold_no_machine_paths(tmp_path):
+def _driver():
+    """The driver script as a module."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
-        from real_size_run import relative
+        import real_size_run
     finally:
         sys.path.pop(0)
+    return real_size_run
+
+
+def test_results_hold_no_machine_paths(tmp_path):
+    relative = _driver().relative
     root = tmp_path / "root"
     doc = {"path": str(root / "work" / "packed"), "file": "/somewhere/else/eval.txt", "n": 3,
            "rows": [{"workdir": str(root / "work")}], "label": "packed:packed"}
@@ -38,11 +44,7 @@ def test_results_hold_no_machine_paths(tmp_path):
 
 def test_per_block_phases_come_from_the_engine_log(tmp_path):
     # the H200 log's lines (one resume: blocks 1 and 2 of refine were only installed and propagated there)
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        from real_size_run import block_phases
-    finally:
-        sys.path.pop(0)
+    block_phases = _driver().block_phases
     log = tmp_path / "moesq.log"
     E = "2026-12-01 20:15:47,214 INFO moesq.engine: "
     R = "2026-12-01 20:25:37,457 INFO moesq_core.methods.refine: refine: 128 experts in 1 chunk(s), "
