@@ -1,7 +1,9 @@
-"""Does short refinement beat its SGPTQ init at a real model's width? A CPU experiment on one MoE block.
+"""Does short refinement beat its SGPTQ init at a real model's width? An experiment on one MoE block.
 
     python benchmarks/refine_lr_scale.py --out benchmarks/results            # hidden 2048, 8 experts of 768, top-2
     python benchmarks/refine_lr_scale.py --hidden 256 --inter 128 --tokens 2048 --out /tmp/r   # a quick look
+    python benchmarks/refine_lr_scale.py --experts 128 --topk 8 --tokens 98304 --val-tokens 8192 --device cuda \
+        --steps 8 128 --variant 'absolute={"lr_budget_values_rms": null}' --variant 'default={}' --out DIR   # a GPU
 
 One block of Qwen3-30B-A3B's widths (hidden 2048, experts of 768) with few experts, so that one refinement
 takes CPU-minutes: random expert weights of std `--std` (0.02 is the Qwen3 initializer range the real-size
@@ -32,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moesq_core.formats import get_format  # noqa: E402
 from moesq_core.methods.base import ExpertData  # noqa: E402
-from moesq_core.methods.refine import BlockRefiner, RefineConfig  # noqa: E402
+from moesq_core.methods.refine import BlockRefiner, RefineConfig, relaxation  # noqa: E402
 from moesq_core.methods.registry import get_method  # noqa: E402
 
 
@@ -69,7 +71,6 @@ def run_variant(experts, inits, fmt, over: dict, steps: int) -> dict:
     changed = groups = 0
     for pr in r.proj.values():
         if pr.A is not None:
-            from moesq_core.methods.refine import relaxation
             m = relaxation.hard_mask(pr.A.detach(), r.ps)
             d = (m != pr.init_mask).reshape(-1, r.ps.group).any(-1)
             changed, groups = changed + int(d.sum()), groups + d.numel()
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
                     help="a RefineConfig override set (repeatable); default: today's rule")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the init and refinement run (the block is drawn on the CPU)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--tag", default="real_width")
     args = ap.parse_args(argv)
@@ -117,6 +119,8 @@ def main(argv=None) -> int:
     path = args.out / f"refine_lr_scale_{args.tag}.json"
     for std in args.std:
         experts = make_block(args.experts, args.hidden, args.inter, args.tokens, args.val_tokens, args.topk, std, args.seed)
+        experts = [ExpertData(ex.index, *(t.to(args.device) for t in (ex.gate, ex.up, ex.down, ex.x, ex.w, ex.x_val, ex.w_val)))
+                   for ex in experts]
         t0 = time.perf_counter()
         inits = get_method("sgptq").compress_block(experts, fmt)
         t_init = time.perf_counter() - t0
