@@ -77,14 +77,15 @@ class RefineConfig:
 
     The values' steps are tied to the weights' scale (`lr_budget_values_rms` = ρ, default 0.025): a Lion step
     moves every value by exactly lr whatever its size, so a raised lr_values of 5e-3 (8 steps) is a quarter of
-    a 0.02-RMS weight per step — noise that no gradient sign can pay for. The rule therefore raises each
-    expert projection's step to at most ρ × the RMS of its dense weights (never below lr_values, so the
-    paper's budget and longer ones are unchanged), while the decoupled weight decay keeps the budget rule's
-    rate (its shrink, Σ lr·wd, is relative to the weights already). Measured on one block at Qwen3-30B-A3B's
-    width (hidden 2048, experts of 768, random weights of RMS 0.02) at 8 steps: 0 of 8 experts improved on
-    the SGPTQ init with absolute rates, 8 of 8 with ρ = 0.025; lowering lr_values for the step and the decay
-    together did not help (benchmarks/results/refine_lr_scale.md). Multiplying an expert's weights by c then
-    multiplies its steps by c: short refinement does the same to a Kimi-K2 expert as to a micro model's.
+    a 0.02-RMS weight per step. The rule therefore raises each expert projection's step to at most ρ × the RMS
+    of its dense weights (never below lr_values, so the paper's budget and longer ones are unchanged), while
+    the decoupled weight decay keeps the budget rule's rate (its shrink, Σ lr·wd, is relative to the weights
+    already). Measured on one block at Qwen3-30B-A3B's width (hidden 2048, experts of 768, random weights of
+    RMS 0.02) at 8 steps: 0 of 8 experts improved on the SGPTQ init with absolute rates (validation ×1.35),
+    8 of 8 with ρ = 0.025 (×0.985), 0 of 8 with ρ = 0.05; lowering lr_values for the step and the decay
+    together never won. On the embedded model at 16 steps ρ = 0.025 beat the absolute rate (perplexity
+    24.77 vs 24.86) where ρ = 0.01 lost (25.17) (benchmarks/results/refine_lr_scale.md). A step is then the
+    same fraction of a Kimi-K2 expert's weights as of a micro model's, whatever their scale.
 
     Can a pattern change at all? The exported pattern is argmax A. init_logits starts the init's pattern
     init_noise·init_match·(c_match − c_next) ahead of its nearest rivals (paired 4:8: 0.01·4·(2 − 0) = 0.08
