@@ -83,8 +83,8 @@ class RefineConfig:
     already). Measured on one block at Qwen3-30B-A3B's width (hidden 2048, experts of 768, random weights of
     RMS 0.02) at 8 steps: 0 of 8 experts improved on the SGPTQ init with absolute rates (validation ×1.35),
     8 of 8 with ρ = 0.025 (×0.985), 0 of 8 with ρ = 0.05; lowering lr_values for the step and the decay
-    together never won; at 32 steps (a quarter of the rows per step) ρ = 0.025 lost as well (×1.05; the init
-    ships). On the embedded model at 16 steps ρ = 0.025 beat the absolute rate (perplexity
+    together never won; at 32 steps (a quarter of the rows per step) ρ = 0.025 lost (×1.05; the init ships)
+    where ρ = 0.01 won. On the embedded model at 16 steps ρ = 0.025 beat the absolute rate (perplexity
     24.77 vs 24.86) where ρ = 0.01 lost (25.17) (benchmarks/results/refine_lr_scale.md). A step is then the
     same fraction of a Kimi-K2 expert's weights as of a micro model's, whatever their scale.
 
