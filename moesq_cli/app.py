@@ -507,7 +507,9 @@ def refine(
     from --batch-rows (⌈routed training rows of the block / batch rows⌉, at least 16); else the paper's 128.
     Either way they are capped so each expert averages at least 8 routed rows per step. The learning rates
     are the paper's for its 1,280 steps per block and scale with the budget (× min(cap, 1280 / steps); caps
-    10 for the logits, 100 for the values), so a short run travels as far as the paper's. The resulting
+    10 for the logits, 100 for the values), so a short run travels as far as the paper's; a raised values step
+    is at most 0.025 × the RMS of the expert projection's weights (lr_budget_values_rms in a recipe; Lion
+    moves every value by exactly its rate, so an absolute rate is noise on small weights). The resulting
     schedule (epochs × steps, rows per step, effective learning rates) is printed before training, with a
     warning when no pattern can change.
 

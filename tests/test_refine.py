@@ -503,6 +503,78 @@ def test_budget_rule_keeps_the_papers_travel():
     assert r.plan.lr_values == pytest.approx(80 * 5e-5)
 
 
+def test_values_rate_caps_the_budget_rule_by_weight_scale():
+    cfg = RefineConfig(epochs=2, steps_per_epoch=8)  # the budget rule: lr(V) 5e-5 × 80 = 4e-3
+    plan = cfg.schedule(10**6, 8)
+    rms = torch.tensor([0.001, 0.02, 0.06, 1.0])
+    m = cfg.values_rate(plan, rms)
+    # each expert projection's rate: min(budget rate, ρ × RMS), never below the configured lr_values
+    expect = torch.tensor([5e-5, cfg.lr_budget_values_rms * 0.02, cfg.lr_budget_values_rms * 0.06, 4e-3])
+    assert torch.allclose(m * plan.lr_values, expect, rtol=1e-6)
+    assert "weight RMS" in str(plan)
+    # the paper's budget (and beyond it) is untouched whatever the weights' scale; the rule off: rates as planned
+    paper = RefineConfig(epochs=10, steps_per_epoch=128)
+    assert bool((paper.values_rate(paper.schedule(10**6, 8), rms) == 1).all())
+    off = RefineConfig(epochs=2, steps_per_epoch=8, lr_budget_values_rms=None)
+    assert bool((off.values_rate(off.schedule(10**6, 8), rms) == 1).all()) and "RMS" not in str(off.schedule(10**6, 8))
+    with pytest.raises(ValueError, match="lr_budget_values_rms"):
+        RefineConfig(lr_budget_values_rms=0.0)
+
+
+def _refined_values(experts, fmt, cfg, steps=2):
+    inits = RTN(report_errors=False).compress_block(experts, fmt)
+    r = BlockRefiner(experts, inits, fmt, cfg)
+    v0 = {p: pr.V.detach().clone() for p, pr in r.proj.items()}
+    order = r.epoch_order()
+    for s in range(steps):
+        r.train_step(order, s)
+    return r, v0, {p: pr.V.detach().clone() for p, pr in r.proj.items()}
+
+
+def test_values_step_is_lion_at_each_experts_rate():
+    """One step moves every value of expert e by exactly its own rate m_e·lr (after the group's decay)."""
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=3, n=200, n_val=20, seed=23)
+    ex[1] = ExpertData(1, ex[1].gate * 4, ex[1].up * 4, ex[1].down * 4, ex[1].x, ex[1].w, ex[1].x_val, ex[1].w_val)
+    cfg = RefineConfig(epochs=1, steps_per_epoch=4)
+    r, v0, v1 = _refined_values(ex, fmt, cfg, steps=1)
+    lr = r.plan.lr_values  # the cosine factor is 1 at the first step
+    d = 1 - lr * cfg.weight_decay
+    for p in PROJECTIONS:
+        rms = torch.stack([getattr(e, p).pow(2).mean().sqrt() for e in ex])
+        rate = torch.clamp(cfg.lr_budget_values_rms * rms, max=lr)
+        assert float(rate[1]) > float(rate[0])  # the 4× wider expert takes 4× the step
+        step = (v1[p] - d * v0[p]).abs()
+        for e in range(3):
+            assert torch.allclose(step[e], rate[e].expand_as(step[e]), rtol=1e-3, atol=1e-7), (p, e)
+
+
+@pytest.mark.parametrize("rule", [RefineConfig().lr_budget_values_rms, None])
+def test_short_refinement_is_invariant_to_the_weights_scale(rule):
+    """down_proj is linear in its weights: scaling it by c scales the targets and outputs by c, and every
+    Lion sign stays (but for rounding near zero). With the rates tied to the weights' scale the values then
+    move by c× as much (the same relative updates); with absolute rates (the rule off) they do not."""
+    fmt = get_format("p48-nvfp4")
+    c = 4.0  # a power of two: the scaled problem is exactly the scaled one in floating point
+    # weights of RMS ~0.01 (and 0.04 scaled): ρ × RMS stays below the budget rule's rate 5e-3 in both
+    ex = [ExpertData(e.index, e.gate / 10, e.up / 10, e.down / 10, e.x, e.w, e.x_val, e.w_val)
+          for e in make_block(E=2, n=200, n_val=20, seed=24)]
+    exc = [ExpertData(e.index, e.gate, e.up, e.down * c, e.x, e.w, e.x_val, e.w_val) for e in ex]
+    cfg = RefineConfig(epochs=1, steps_per_epoch=4, lr_budget_values_rms=rule)
+    _, a0, a = _refined_values(ex, fmt, cfg)
+    _, b0, b = _refined_values(exc, fmt, cfg)
+    assert torch.allclose(b0["down"], c * a0["down"])
+    mismatch = {}
+    for p in PROJECTIONS:
+        k = c if p == "down" else 1.0
+        moved = ~torch.isclose((b[p] - b0[p]) / k, a[p] - a0[p], rtol=1e-3, atol=1e-7)
+        mismatch[p] = float(moved.float().mean())
+    if rule is not None:  # a few signs of ~0 gradients may round the other way
+        assert max(mismatch.values()) < 0.02, mismatch
+    else:
+        assert mismatch["down"] > 0.5, mismatch
+
+
 def test_can_change_patterns_from_the_init_gap():
     from moesq_core.methods.refine.relaxation import init_gap
     from moesq_core.methods.refine.trainer import remaining_gap

@@ -43,6 +43,7 @@ _COMPILED: dict = {}  # (function, format, compute dtype) -> its torch.compile'd
 
 
 PAPER_STEPS = 1280  # the paper's budget per block: 10 epochs × 128 Lion steps (its learning rates are set for it)
+RMS_CAP = 0.025  # RefineConfig.lr_budget_values_rms's default (see its docstring)
 SHIP = ("best", "last")
 E2E_LOSSES = ("kl", "fisher")  # RefineConfig.e2e_loss
 
@@ -73,6 +74,19 @@ class RefineConfig:
     cap is lower (10 vs 100) because a pattern flip needs the gradient's sign to agree over many steps: with
     few large steps the logits follow noisy signs, and on the embedded model at 16 steps raising lr_logits
     ×25 or ×80 flipped 7–12 % of the patterns and lost to ×10 (benchmarks/results/accuracy_embedded_*).
+
+    The values' steps are tied to the weights' scale (`lr_budget_values_rms` = ρ, default 0.025): a Lion step
+    moves every value by exactly lr whatever its size, so a raised lr_values of 5e-3 (8 steps) is a quarter of
+    a 0.02-RMS weight per step. The rule therefore raises each expert projection's step to at most ρ × the RMS
+    of its dense weights (never below lr_values, so the paper's budget and longer ones are unchanged), while
+    the decoupled weight decay keeps the budget rule's rate (its shrink, Σ lr·wd, is relative to the weights
+    already). Measured on one block at Qwen3-30B-A3B's width (hidden 2048, experts of 768, random weights of
+    RMS 0.02) at 8 steps: 0 of 8 experts improved on the SGPTQ init with absolute rates (validation ×1.35),
+    8 of 8 with ρ = 0.025 (×0.985), 0 of 8 with ρ = 0.05; lowering lr_values for the step and the decay
+    together never won; at 32 steps (a quarter of the rows per step) ρ = 0.025 lost (×1.05; the init ships)
+    where ρ = 0.01 won. On the embedded model at 16 steps ρ = 0.025 beat the absolute rate (perplexity
+    24.77 vs 24.86) where ρ = 0.01 lost (25.17) (benchmarks/results/refine_lr_scale.md). A step is then the
+    same fraction of a Kimi-K2 expert's weights as of a micro model's, whatever their scale.
 
     Can a pattern change at all? The exported pattern is argmax A. init_logits starts the init's pattern
     init_noise·init_match·(c_match − c_next) ahead of its nearest rivals (paired 4:8: 0.01·4·(2 − 0) = 0.08
@@ -120,6 +134,7 @@ class RefineConfig:
     lr_budget_steps: int | None = PAPER_STEPS  # the budget rule (above); None: lrs as given at any budget
     lr_budget_cap_logits: float = 10.0  # largest multiplier of lr_logits the rule applies (see below)
     lr_budget_cap_values: float = 100.0  # largest multiplier of lr_values the rule applies
+    lr_budget_values_rms: float | None = RMS_CAP  # the rule never raises an expert's lr_values above this × its weights' RMS
     values_first: float = 0.0  # fraction of the block's steps that train the values only, before joint training
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 1.0
@@ -163,6 +178,9 @@ class RefineConfig:
         for name in ("lr_budget_cap_logits", "lr_budget_cap_values"):
             if not getattr(self, name) >= 1:
                 raise ValueError(f"{name} must be >= 1 (1 = never raise the lr), got {getattr(self, name)}")
+        if self.lr_budget_values_rms is not None and not self.lr_budget_values_rms > 0:
+            raise ValueError(f"lr_budget_values_rms must be > 0 (a fraction of each expert's weight RMS) or None (no "
+                             f"such cap), got {self.lr_budget_values_rms}")
         if not 0 <= self.values_first < 1:
             raise ValueError(f"values_first must be in [0, 1) (a fraction of the block's steps), got {self.values_first}")
         if self.values_first > 0 and not (self.train_support and self.train_values):
@@ -201,6 +219,15 @@ class RefineConfig:
             return 1.0
         return min(cap, self.lr_budget_steps / steps)
 
+    def values_rate(self, plan: "RefineSchedule", rms: torch.Tensor) -> torch.Tensor:
+        """Each expert projection's multiplier of the values' scheduled rate plan.lr_values (the budget rule's),
+        from the RMS of its dense weights `rms` (any shape): the rule may raise lr_values up to
+        lr_budget_values_rms × rms, never above plan.lr_values and never below the configured lr_values."""
+        if self.lr_budget_values_rms is None or plan.lr_values <= self.lr_values:
+            return torch.ones_like(rms)
+        cap = torch.clamp(rms * self.lr_budget_values_rms, min=self.lr_values)
+        return torch.clamp(cap / plan.lr_values, max=1.0)
+
     def schedule(self, train_rows: int, experts_with_rows: int, patterns: PatternSet | None = None) -> "RefineSchedule":
         """The optimizer schedule of one block holding `train_rows` routed training rows spread over
         `experts_with_rows` experts: steps per epoch from steps_per_epoch, or from batch_rows (at least
@@ -231,6 +258,7 @@ class RefineConfig:
         return RefineSchedule(epochs=self.epochs, steps_per_epoch=S, rows_per_step=math.ceil(train_rows / S),
                               lr_logits=self.lr_logits * s_a, lr_values=self.lr_values * s_v,
                               lr_scale_logits=s_a, lr_scale_values=s_v, values_first_steps=T1 if learn else 0,
+                              lr_values_rms=self.lr_budget_values_rms if s_v > 1 else None,
                               learns_support=learn, init_gap=gap, logit_closure=closure)
 
 
@@ -258,12 +286,13 @@ REFINE_GPU_FRACTION = 0.85  # of the free device memory: the estimate below alre
 
 def refine_bytes_per_expert(fmt: Format, I: int, H: int, rows: int) -> int:
     """Estimated peak bytes of one expert in the batched trainer: per weight the fp32 latent, its gradient,
-    Lion state and best copy, the logits (patterns per group, with gradient and Lion state), masks and the
-    relaxed/quantized transients (~30 B + 12 B per logit); per routed row the setup's fp32 inputs, dense
+    Lion state and best copy, the copy of the values taken before each step where the budget rule's weight-scale
+    cap rescales it (lr_budget_values_rms), the logits (patterns per group, with gradient and Lion state), masks
+    and the relaxed/quantized transients (~34 B + 12 B per logit); per routed row the setup's fp32 inputs, dense
     targets and quantized inputs (12 B per hidden unit). Micro-batch activations do not grow with the chunk."""
     ps = fmt.patterns
     logits_per_weight = ps.num_patterns / ps.group if ps.num_patterns > 1 else 0.0
-    return int(3 * I * H * (30 + 12 * logits_per_weight) + rows * H * 12)
+    return int(3 * I * H * (34 + 12 * logits_per_weight) + rows * H * 12)
 
 
 def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
@@ -325,6 +354,7 @@ class RefineSchedule:
     lr_values: float
     lr_scale_logits: float = 1.0  # the budget rule's multipliers (1.0: the rates as configured)
     lr_scale_values: float = 1.0
+    lr_values_rms: float | None = None  # when set: each expert projection's lr(V) is at most this × its weights' RMS
     values_first_steps: int = 0  # steps training the values only, before the joint phase
     learns_support: bool = True  # False: the support stays the init's (values only, or a dense format)
     init_gap: float | None = None  # the init pattern's logit lead over its nearest rivals
@@ -353,7 +383,8 @@ class RefineSchedule:
     def __str__(self) -> str:
         rates = f"lr(A) {self.lr_logits:.3g}, lr(V) {self.lr_values:.3g}"
         if self.lr_scale_logits != 1.0 or self.lr_scale_values != 1.0:
-            rates += f" (budget rule: ×{self.lr_scale_logits:.3g} / ×{self.lr_scale_values:.3g})"
+            rates += f" (budget rule: ×{self.lr_scale_logits:.3g} / ×{self.lr_scale_values:.3g}"
+            rates += f", lr(V) ≤ {self.lr_values_rms:.3g} × each expert's weight RMS)" if self.lr_values_rms else ")"
         s = (f"{self.epochs} epochs × {self.steps_per_epoch} steps = {self.total_steps} Lion steps per block, "
              f"~{self.rows_per_step:,} routed rows per step; {rates}")
         if self.values_first_steps:
@@ -725,6 +756,13 @@ class BlockRefiner:
                 pr.best_mask = relaxation.hard_mask(A.detach(), self.ps)
             self.proj[p] = pr
             init_weights[p] = deq
+        # Per expert projection, the multiplier [E, 1, 1] of the values' rate (lr_budget_values_rms; None: 1 for all)
+        self.values_rate: dict[str, torch.Tensor | None] = {p: None for p in PROJECTIONS}
+        if cfg.train_values:
+            for p in PROJECTIONS:
+                rms = torch.stack([getattr(ex, p).to(self.device, torch.float32).pow(2).mean().sqrt() for ex in self.experts])
+                m = cfg.values_rate(self.plan, rms)
+                self.values_rate[p] = None if bool((m == 1).all()) else m.reshape(-1, 1, 1)
         groups = []  # base rates after the budget rule (self.plan)
         if self.learn_support:
             groups.append({"params": [pr.A for pr in self.proj.values()], "lr": self.plan.lr_logits,
@@ -906,10 +944,26 @@ class BlockRefiner:
             num = num.index_add(0, act, n) if act is not None else num + n
         self.h_amax = torch.where(step_amax > 0, step_amax, self.h_amax)
         torch.autograd.backward([Wq[p] for p in PROJECTIONS], [gacc[p] for p in PROJECTIONS])
+        before = {p: self.proj[p].V.detach().clone() for p, m in self.values_rate.items() if m is not None}
         self.opt.step()
+        self._rescale_value_steps(before)
         self.opt.zero_grad(set_to_none=True)
         self.step_count += 1
         return num * inv_den
+
+    @torch.no_grad()
+    def _rescale_value_steps(self, before: dict[str, torch.Tensor]) -> None:
+        """Lion at a rate of its own per expert projection (values_rate × the group's): lion-pytorch takes one
+        rate per parameter group, so its step V' = d·V − lr·sign(c) (d = 1 − lr·wd, the decay at the group's
+        rate) is scaled afterwards to d·V − m·lr·sign(c) = m·V' + (1 − m)·d·V. Lion's momentum does not
+        depend on the rate, so this is exactly Lion with rate m·lr (decay as the group's)."""
+        if not before:
+            return
+        grp = next(g for g in self.opt.param_groups if g["name"] == "values")
+        d = 1.0 - grp["lr"] * grp["weight_decay"]
+        for p, old in before.items():
+            m = self.values_rate[p]
+            self.proj[p].V.mul_(m).add_(old.mul_((1.0 - m) * d))
 
     def train_epoch(self, max_steps: int | None = None) -> torch.Tensor:
         order = self.epoch_order()
