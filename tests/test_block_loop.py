@@ -107,6 +107,10 @@ def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, mon
     assert not [n for n in rec.notes if "remaining" in n], rec.notes  # a stage over in seconds needs no estimate
     wd.drop_blocks_from("init-rtn", 0)
     monkeypatch.setattr(engine, "ESTIMATE_MIN_SECONDS", 0.0)  # as if every block took minutes
+    # blocks of milliseconds differ by more than the revision threshold from noise alone: the revision is
+    # tested below, with a first block made slow on purpose
+    revise = engine.ESTIMATE_REVISE
+    monkeypatch.setattr(engine, "ESTIMATE_REVISE", float("inf"))
     rec = Recorder()
     run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd, rec)
     est = [n for n in rec.notes if "remaining" in n]
@@ -122,6 +126,8 @@ def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, mon
     assert [n for n in rec.notes if "remaining" in n][0].startswith("stage init-rtn: ~1 block × ")
 
     # a first block slowed by warm-up (here: a pause) gives an estimate the second block revises
+    monkeypatch.setattr(engine, "ESTIMATE_REVISE", revise)
+
     def slow_first(li):
         if li == 0:
             time.sleep(1.0)
