@@ -112,8 +112,8 @@ def main(argv=None) -> int:
     fmt = get_format(args.format)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
-    doc = {"date": _dt.date.today().isoformat(), "commit": commit, "args": {k: (str(v) if isinstance(v, Path) else v)
-                                                                            for k, v in vars(args).items()},
+    doc = {"date": _dt.date.today().isoformat(), "commit": commit, "args": {k: v for k, v in vars(args).items()
+                                                                            if k != "out"},  # no machine paths
            "runs": []}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"refine_lr_scale_{args.tag}.json"

@@ -26,11 +26,11 @@ def check_against_index_add(device: str, shapes=((5, 3, 7), (4, 2, 4096), (6, 1,
                     s = src.transpose(1, 2).contiguous().transpose(1, 2) if transposed else src
                     a = acc.clone()
                     want = a.clone().index_add_(0, idx, s.float())
-                    rows_add_triton.STRIDED = strided
+                    default, rows_add_triton.STRIDED = rows_add_triton.STRIDED, strided
                     try:
                         got = rows_add_triton.add_rows_(a, idx, s)
                     finally:
-                        rows_add_triton.STRIDED = False
+                        rows_add_triton.STRIDED = default
                     assert got is a and torch.equal(got, want), (E, O, K, dtype, k, transposed, strided)
                     lines.append(f"ok {E}x{O}x{K} {dtype} k={k} transposed={transposed} strided={strided}")
     return lines

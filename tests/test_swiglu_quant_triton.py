@@ -269,7 +269,7 @@ def check_compiled_trainer() -> str:
 
     from moesq_core.kernels import rows_add_triton
 
-    swiglu_quant_triton.USE = rows_add_triton.STRIDED = True  # (off by default until measured on a GPU)
+    assert swiglu_quant_triton.USE and rows_add_triton.STRIDED  # the defaults
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=3, H=64, I=64, n=160, n_val=20, seed=23)
     inits = RTN(report_errors=False).compress_block(ex, fmt)

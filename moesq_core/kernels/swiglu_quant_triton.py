@@ -28,9 +28,9 @@ from .triton_support import HAS_TRITON, INTERPRET, tl, triton
 COLUMNS = 256  # columns per program (scale blocks of a power-of-two width; one block when wider)
 
 
-# The trainer takes this kernel only when USE is set: it has run under the Triton interpreter only so far, and
-# turns on by default once its GPU tests and the refine bench (variant compile-swiglu) have run on a GPU.
-USE = False
+# The compiled trainer takes this kernel when USE is set (the default): on an H200 its GPU test matched the CPU
+# reference and the refine bench's step went 0.222 -> 0.199 s (variant compile-swiglu vs compile-rows).
+USE = True
 
 
 def available(device: torch.device) -> bool:
