@@ -3,7 +3,9 @@
     python benchmarks/moesq_run_embedded.py     # writes benchmarks/results/moesq_run_embedded.json
 
 Runs the console script exactly as a user does (defaults, a fresh temporary work dir, CPU), and adds the commit,
-date and machine to its `--json` report.
+date and machine to its `--json` report. Then, for the comparison with the paper's method, the paper's SGPTQ
+(`--no-refit`) in a second work dir on the very same calibration (`moesq calibrate` with `moesq run`'s settings; the
+manifests' calibration entries are checked equal), evaluated on the same text: recorded as `paper_sgptq`.
 """
 from __future__ import annotations
 
@@ -26,6 +28,27 @@ from moesq_core.bench.harness import git_commit  # noqa: E402
 OUT = REPO / "benchmarks" / "results" / "moesq_run_embedded.json"
 
 
+def paper_sgptq(moesq: str, tmp: Path, report: dict) -> dict:
+    """The paper's SGPTQ (no refit) on `moesq run`'s calibration, in its own work dir: its perplexity row."""
+    c = report["config"]["calib"]
+    steps = [["calibrate", "--seq-len", str(c["seq_len"]), "--n-train", str(c["n_train"]), "--n-val", str(c["n_val"]),
+              "--n-init", str(c["n_init"]), "--seed", str(c["seed"])],
+             ["init-sgptq", "--no-refit"]]
+    for args in steps:
+        device = ["--device", "cpu"] if args[0] != "calibrate" else []
+        subprocess.run([moesq, args[0], "-w", "paper-work", *device, *args[1:]], cwd=tmp, check=True,
+                       capture_output=True, text=True)
+    calib = [json.loads((tmp / w / "manifest.json").read_text())["calibration"] for w in ("moesq-work", "paper-work")]
+    if calib[0] != calib[1]:
+        raise SystemExit(f"the paper's SGPTQ work dir calibrated differently: {calib}")
+    tokens = next(r["tokens"] for r in report["rows"] if r["kind"] == "reference")
+    subprocess.run([moesq, "eval", "paper-work", "--device", "cpu", "--ppl-tokens", str(tokens), "--json", "paper.json"],
+                   cwd=tmp, check=True, capture_output=True, text=True)
+    row = next(r for r in json.loads((tmp / "paper.json").read_text())["ppl"] if r["stage"] == "init-sgptq")
+    return {"command": "moesq calibrate (moesq run's settings); moesq init-sgptq --no-refit; moesq eval",
+            "ppl": row["ppl"], "tokens": row["tokens"], "window": row["window"]}
+
+
 def main() -> int:
     moesq = shutil.which("moesq") or str(Path(sys.executable).with_name("moesq"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -36,10 +59,12 @@ def main() -> int:
             sys.stderr.write(proc.stderr)
             return proc.returncode
         report = json.loads(proc.stdout)
+        wall = time.perf_counter() - t0
+        report["paper_sgptq"] = paper_sgptq(moesq, Path(tmp), report)
     report.update({"command": "moesq run --json -", "commit": git_commit(),
                    "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                    "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
-                   "wall_seconds": round(time.perf_counter() - t0, 1)})
+                   "wall_seconds": round(wall, 1)})
     # results keep paths relative to the repository (the embedded model and texts live in it)
     OUT.write_text(json.dumps(report, indent=2, sort_keys=True).replace(str(REPO) + "/", "") + "\n")
     print(f"wrote {OUT.relative_to(REPO)}")

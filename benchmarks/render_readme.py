@@ -59,9 +59,19 @@ def render_run() -> str:
         else:
             label = r["stage"].removeprefix("init-") + " (one-shot baseline)"
         rows.append([label, f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}"])
+        if r["stage"] == "init-sgptq" and d.get("paper_sgptq"):
+            p = d["paper_sgptq"]["ppl"]
+            rows.append(["sgptq, the paper's (`--no-refit`; same calibration, its own work dir)", f"{p:.3f}", f"{p / ref:.3f}"])
+    refined = next((r["ppl"] for r in d["rows"] if r["stage"] == "refine"), None)
+    sgptq = next((r["ppl"] for r in d["rows"] if r["stage"] == "init-sgptq"), None)
+    ratios = ""
+    if refined and sgptq and d.get("paper_sgptq"):
+        ratios = (f" Refine is {refined / d['paper_sgptq']['ppl']:.3f}× the paper's SGPTQ and {refined / sgptq:.3f}× "
+                  f"moesq's default SGPTQ (with refit), its init.")
     return table(["model", "perplexity", "× reference"], rows) + (
-        f"\n\nFrom {link(RUN_FILE)} (`moesq run --json`, commit {d['commit']}); "
-        f"`verify`: {d['bits_per_weight']:.3f} bits per expert weight.")
+        f"\n\nFrom {link(RUN_FILE)} (`moesq run --json`, commit {d['commit']}, {d['wall_seconds']:.0f} s on "
+        f"{d['machine'].split(',')[1].strip()}; the paper's SGPTQ row from the same script); "
+        f"`verify`: {d['bits_per_weight']:.3f} bits per expert weight.{ratios}")
 
 
 # -- accuracy ----------------------------------------------------------------------------------------------
