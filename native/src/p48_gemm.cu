@@ -861,9 +861,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call):
 // 0: decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per row
 // tile and step); 1: mma.sp with 64 tokens per pass; 2-9: the warpgroup path (WgVariant<tokens, warpgroups,
-// stages, K chunk, records per step, pipelined staging>); 10-12: decode with fewer instructions per record (BULK:
-// one lane bulk-copies each ring step, scales decoded once per record, a fixed staging map, unit cursor by adds).
-// Picked: 0, 5 (up to 64 rows per expert), 4 (above).
+// stages, K chunk, records per step, pipelined staging>); 10: 0 with fewer instructions per record (BULK: one lane
+// bulk-copies each ring step, scales decoded once per record, a fixed staging map, the unit cursor moved by adds).
+// Picked: 10 (up to 16 rows per expert), 5 (up to 64), 4 (above).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
   X(1, Variant<64, 2, 8, 4, 512>)      \
@@ -875,9 +875,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(7, WgVariant<128, 4, 6, 128, 1, true>) \
   X(8, WgVariant<64, 4, 3, 256, 2, true>)  \
   X(9, WgVariant<64, 2, 6, 128, 1, true>) \
-  X(10, Variant<16, 2, 8, 3, 1024, 2, true>) \
-  X(11, Variant<16, 2, 8, 4, 512, 2, true>)  \
-  X(12, Variant<16, 2, 4, 3, 512, 2, true>)
+  X(10, Variant<16, 2, 8, 3, 1024, 2, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
