@@ -119,7 +119,7 @@ def test_from_packed_rejects_bad_input():
 
 def test_pick_config_splits_only_small_grids():
     cpu = torch.device("cpu")
-    assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(0, 1)
+    assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(10, 1)
     assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 5
     assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 5
     assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 4
@@ -264,8 +264,10 @@ def test_gpu_kernel_ignores_x_past_k_and_stale_staging(variant):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-def test_gpu_in_kernel_activation_quant_zero_rows_and_cuda_graph():
-    """All-zero and single-nonzero blocks quantize like the pre-pass; the W4A4 launch replays in a CUDA graph."""
+@pytest.mark.parametrize("variant", [0, 10])
+def test_gpu_in_kernel_activation_quant_zero_rows_and_cuda_graph(variant):
+    """All-zero and single-nonzero blocks quantize like the pre-pass; the W4A4 launch replays in a CUDA graph
+    (both decode variants: 10's ring waits on mbarriers)."""
     native = _native_or_skip()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(5)
@@ -276,7 +278,7 @@ def test_gpu_in_kernel_activation_quant_zero_rows_and_cuda_graph():
     x[0, 1] = 0  # an all-zero token
     x[2, 3, 32:64] = 0
     x[2, 3, 40] = -1e-3  # one nonzero value in a block
-    cfg, alpha = pm.MmaConfig(0, 1), case.alpha(W.global_scale)
+    cfg, alpha = pm.MmaConfig(variant, 1), case.alpha(W.global_scale)
     want = case.output(True)
     pm.p48_mma_gemm_rows(case.gemm_input(), W, case.row_start, case.counts, alpha, want, cfg, native)
     out = case.output(True)

@@ -47,12 +47,13 @@ ALPHA_FOLD = 128.0  # the in-register decode yields e2m1 * s * 2^-7
 PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padded groups)
 # Per compiled kernel variant (index = MmaConfig.variant; native/src/p48_gemm.cu lists them): tokens per pass and
 # output rows per CTA. 0, 1: mma.sp per warp (8 warps x 2 row tiles); 2-9: wgmma.sp (2 or 4 warpgroups x 64 rows,
-# the staged tokens are the wgmma's N, so each weight fragment is decoded once per pass for all of them). pick_config
-# chooses 0 (decode), 5 and 4 (4 warpgroups, 64 / 128 tokens): the fastest on every bench shape of an H200 at N = 16,
+# the staged tokens are the wgmma's N, so each weight fragment is decoded once per pass for all of them); 10: 0 with
+# fewer instructions per weight record (one lane bulk-copies a ring step, scales decoded once per record). pick_config
+# chooses 10 (decode), 5 and 4 (4 warpgroups, 64 / 128 tokens): the fastest on every bench shape of an H200 at N <= 16,
 # 64 and 128 / 256 respectively (native/NOTES.md); the others stay compiled and tested.
-TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64)
-ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128)
-MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8
+TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16)
+ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256)
+MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",)
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 
@@ -232,10 +233,10 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, device: torch.device) -> MmaConfig:
-    """mma.sp with 16 tokens per pass for decode-sized batches, else wgmma.sp with 4 warpgroups (256 rows per CTA,
-    two records per step): 64 tokens per pass up to 64 rows per expert, 128 above; split K only when too few
-    CTAs have work."""
-    variant = 0 if rows_per_expert <= 16 else 5 if rows_per_expert <= 64 else 4
+    """mma.sp with 16 tokens per pass for decode-sized batches (variant 10, the bulk-copy ring), else wgmma.sp with
+    4 warpgroups (256 rows per CTA, two records per step): 64 tokens per pass up to 64 rows per expert, 128 above;
+    split K only when too few CTAs have work."""
+    variant = 10 if rows_per_expert <= 16 else 5 if rows_per_expert <= 64 else 4
     ctas = max(1, active_experts) * math.ceil(M / ROWS_PER_CTA[variant])
     target = 2 * _num_sms(device)
     split = 1

@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "moesq/p48_api.h"
 
@@ -55,6 +56,31 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
+// The BULK ring: an mbarrier per stage (one arrival: the producer lane's expect_tx; the bulk copies complete
+// the transaction bytes), waited on by parity.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+}
+__device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// `bytes` (a multiple of 16) from global to shared memory (both 16-byte aligned), counted on mbarrier `bar`.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
@@ -78,12 +104,21 @@ __device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t 
 // {0, 3, 6, 11}[r] and sign at {9, 10, 15, 14}[r]) -> A register r = bf16x2(lo, hi) of e2m1 * 2^-126 (bf16
 // fields: magnitude at bits 6..8, sign at 15; registers 0 and 2 need one shift or none), then times the row's
 // scale (registers 0, 2: row g; 1, 3: row g + 8). The fma keeps bf16 subnormals (no flush), so it is exact.
-__device__ __forceinline__ void decode_regs(uint32_t w, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
+__device__ __forceinline__ void decode_fields(uint32_t w, uint32_t (&f)[4]) {
   constexpr uint32_t kField = 0x81C081C0u, kMag = 0x01C001C0u, kSign = 0x80008000u;
-  a[0] = bf16x2_fma((w << 6) & kField, s_lo, kSign);
-  a[1] = bf16x2_fma(and_or(w << 3, kMag, (w << 5) & kSign), s_hi, kSign);
-  a[2] = bf16x2_fma(w & kField, s_lo, kSign);
-  a[3] = bf16x2_fma(and_or(w >> 5, kMag, (w << 1) & kSign), s_hi, kSign);
+  f[0] = (w << 6) & kField;
+  f[1] = and_or(w << 3, kMag, (w << 5) & kSign);
+  f[2] = w & kField;
+  f[3] = and_or(w >> 5, kMag, (w << 1) & kSign);
+}
+__device__ __forceinline__ void decode_regs(uint32_t w, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
+  constexpr uint32_t kSign = 0x80008000u;
+  uint32_t f[4];
+  decode_fields(w, f);
+  a[0] = bf16x2_fma(f[0], s_lo, kSign);
+  a[1] = bf16x2_fma(f[1], s_hi, kSign);
+  a[2] = bf16x2_fma(f[2], s_lo, kSign);
+  a[3] = bf16x2_fma(f[3], s_hi, kSign);
 }
 
 // A scale byte pair of the record layout (exponent-5 / mantissa-3 re-encoding of UE4M3 without subnormals,
@@ -92,12 +127,42 @@ __device__ __forceinline__ uint32_t scale_pair(uint32_t word, uint32_t sel) {
   return prmt(word, 0, sel) * 16u + 0x76007600u;
 }
 
+// bf16x2 a * (h, h), h = half H of s (the lo/hi selection is an operand modifier of the multiply), + -0: the
+// product of decode_regs.
+template <int H>
+__device__ __forceinline__ uint32_t bf16x2_mul_half(uint32_t a, uint32_t s) {
+  uint32_t d;
+  if constexpr (H == 0)
+    asm("{\n.reg .b16 l, h;\n.reg .b32 t;\nmov.b32 {l, h}, %2;\nmov.b32 t, {l, l};\nfma.rn.bf16x2 %0, %1, t, %3;\n}\n"
+        : "=r"(d)
+        : "r"(a), "r"(s), "r"(0x80008000u));
+  else
+    asm("{\n.reg .b16 l, h;\n.reg .b32 t;\nmov.b32 {l, h}, %2;\nmov.b32 t, {h, h};\nfma.rn.bf16x2 %0, %1, t, %3;\n}\n"
+        : "=r"(d)
+        : "r"(a), "r"(s), "r"(0x80008000u));
+  return d;
+}
+
+// A record's four scale words (decoded once per record, BULK): bf16x2 (step 2i, step 2i + 1) of s * 2^119 for
+// row g (lo[i]) and row g + 8 (hi[i]); the scale bytes of step s are bytes 2 (s & 1) (row g) and 2 (s & 1) + 1
+// (row g + 8) of word s >> 1.
+struct RecScales {
+  uint32_t lo[2], hi[2];
+};
+__device__ __forceinline__ RecScales record_scales(uint2 sc) {
+  return RecScales{{prmt(sc.x, 0, 0x4240) * 16u + 0x76007600u, prmt(sc.y, 0, 0x4240) * 16u + 0x76007600u},
+                   {prmt(sc.x, 0, 0x4341) * 16u + 0x76007600u, prmt(sc.y, 0, 0x4341) * 16u + 0x76007600u}};
+}
+
 // Two compact metadata bytes (n_a | n_b << 4 each; bytes at bit 0 and 16 of x) -> one mma.sp metadata
 // register: every 8-group's 2:4 nibble repeated for its two 4-groups.
 __device__ __forceinline__ uint32_t expand_meta(uint32_t x) {
   const uint32_t y = (x & 0x000F000Fu) | ((x << 4) & 0x0F000F00u);
   return y | (y << 4);
 }
+
+// expand_meta with one op less (BULK): x + 15 (x & 0xF0) moves n_b up by 4, times 17 repeats each nibble.
+__device__ __forceinline__ uint32_t expand_meta_imad(uint32_t x) { return (x + (x & 0x00F000F0u) * 15u) * 17u; }
 
 template <int SEL>
 __device__ __forceinline__ void mma_sp(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[4], uint32_t e) {
@@ -169,12 +234,12 @@ __device__ __forceinline__ void wgmma_sp(float (&d)[64], const uint32_t (&a)[4],
 // between 8-row groups (bits 32-45, in 16-byte units), leading offset 1 (unused by swizzled K-major layouts).
 constexpr uint64_t kDescSw128 = (1ull << 62) | (uint64_t(1024 >> 4) << 32) | (1ull << 16);
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&b)[4], const void* smem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&b)[4], uint32_t s) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
                : "r"(s));
 }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&b)[4], const void* smem) { ldmatrix_x4(b, smem_u32(smem)); }
 
 // x in [2^-9, 448] -> the nearest UE4M3 value, ties to even (as torch's float8_e4m3fn cast of the clamped
 // scale): 3 mantissa bits from 2^-6 up, multiples of 2^-9 below.
@@ -216,16 +281,22 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // NB tokens per pass, R row tiles per warp, W warps, S ring stages per warp, KC activation columns per chunk,
 // RK consecutive K records per row tile and step (one contiguous copy; the per-step work of the producer,
 // the cursor and the loop is shared by RK records).
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1>
+// BULK: lane 0 fills a ring step with one bulk copy per row tile (cp.async.bulk, completion counted on the
+// stage's mbarrier) instead of every lane issuing 16-byte cp.async with its own address math, and the decode
+// turns each record's scales into bf16x2 pairs once (both steps of a pair in one register) instead of per step:
+// fewer instructions per weight byte, which is what bounds decode.
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
+  static constexpr bool BULK = BULK_;
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
-  static constexpr int kSmem = kXBytes + W * S * R * RK * kRecBytes;
+  static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
+  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);  // + one mbarrier per warp and stage
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
-  static constexpr int kMinBlocks = 2;
+  static constexpr int kMinBlocks = kThreads <= 128 ? 4 : 2;  // at most 128 registers per thread
   static_assert(KC % (kRecK * RK) == 0 && NB % 8 == 0, "bad variant");
 };
 
@@ -237,7 +308,7 @@ struct Variant {
 template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool PIPE = PIPE_;
+  static constexpr bool PIPE = PIPE_, BULK = false;
   static constexpr int XS = KC;
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   static constexpr int kXBytes = (PIPE ? 2 : 1) * kXBuf * 2 + 1024;  // + slack: the swizzle needs a 1024-byte base
@@ -265,9 +336,11 @@ struct XChunk {
 };
 
 // Thread-to-chunk map of the staging: 16-byte group c (8 columns) of token t, for iteration j of the thread.
+// BULK: a map fixed at compile time (KC / 8 groups per token: shifts, not a division by the chunk's width); the
+// groups past the chunk's width are skipped.
 template <class V>
 __device__ __forceinline__ void x_slot(const XChunk& ch, int j, int& t, int& c) {
-  const int groups = ch.kw / 8;
+  const int groups = V::BULK ? V::KC / 8 : ch.kw / 8;
   const int idx = threadIdx.x + j * V::kThreads;
   t = idx / groups;
   c = idx - t * groups;
@@ -277,12 +350,25 @@ __device__ __forceinline__ void x_slot(const XChunk& ch, int j, int& t, int& c) 
 // padded weight columns are zero, and 0 * garbage could be NaN).
 template <class V, int N>
 __device__ __forceinline__ void load_x(const Params& p, const XChunk& ch, int j0, uint4 (&v)[N]) {
+  if constexpr (V::BULK) {  // the fixed map: the thread's column group is the same in every iteration
+    constexpr int G = V::KC / 8, TS = V::kThreads / G;
+    static_assert(V::kThreads % G == 0, "the fixed staging map needs whole tokens per round");
+    const int c = threadIdx.x % G, t0 = threadIdx.x / G + j0 * TS;
+    const bool col_ok = 8 * c < ch.kw && ch.k0 + 8 * c < p.K;
+    const uint16_t* src = p.x + (ch.row0 + t0) * p.x_stride + ch.k0 + 8 * c;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      v[j] = make_uint4(0, 0, 0, 0);
+      if (col_ok && t0 + j * TS < ch.ntok) v[j] = __ldg(reinterpret_cast<const uint4*>(src + j * TS * p.x_stride));
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     int t, c;
     x_slot<V>(ch, j0 + j, t, c);
     v[j] = make_uint4(0, 0, 0, 0);
-    if (t < ch.ntok && ch.k0 + 8 * c < p.K)
+    if (t < ch.ntok && ch.k0 + 8 * c < p.K && (!V::BULK || 8 * c < ch.kw))
       v[j] = __ldg(reinterpret_cast<const uint4*>(p.x + (ch.row0 + t) * p.x_stride + ch.k0 + 8 * c));
   }
 }
@@ -308,7 +394,7 @@ __device__ __forceinline__ void store_x(uint16_t* xs, const XChunk& ch, int j0, 
   for (int j = 0; j < N; ++j) {
     int t, c;
     x_slot<V>(ch, j0 + j, t, c);
-    if (t < ch.ntok) {
+    if (t < ch.ntok && (!V::BULK || 8 * c < ch.kw)) {
       uint4 o;
       o.x = prmt(v[j].x, v[j].y, 0x5410);  // e0 e2
       o.y = prmt(v[j].z, v[j].w, 0x5410);  // e4 e6
@@ -343,28 +429,65 @@ __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, const XCh
 // one cursor; the producer runs S - 1 records ahead, across unit boundaries, so the weight stream never drains.
 struct Cursor {
   int u, e, rg, kr0, nkr, ntb, tb, kr;
+  int cnt;  // the expert's tokens
+  // INCR (BULK variants): the unit as (e, rg, z) and gridDim.x in the same mixed radix (experts, row groups, K
+  // slices), so that moving on by gridDim.x units is a few adds instead of two integer divisions
+  int z, de, drg, dz;
   bool valid;
 
   template <int NB>
   __device__ __forceinline__ void seek(const Params& p, int unit, int row_groups, int kr_per, int n_units) {
     for (; unit < n_units; unit += gridDim.x) {
       const int eu = unit / (row_groups * p.split), rem = unit - eu * (row_groups * p.split);
-      const int rgu = rem / p.split, z = rem - rgu * p.split;
-      const int cnt = __ldg(p.counts + eu);
-      const int k0 = z * kr_per, nk = min(p.KR, k0 + kr_per) - k0;
-      if (cnt > 0 && nk > 0) {
-        u = unit, e = eu, rg = rgu, kr0 = k0, nkr = nk, ntb = (cnt + NB - 1) / NB, tb = 0, kr = 0, valid = true;
+      const int rgu = rem / p.split, zu = rem - rgu * p.split;
+      if (take<NB>(p, eu, zu, kr_per)) {
+        u = unit, e = eu, rg = rgu, z = zu;
         return;
       }
     }
     valid = false;
   }
-  template <int NB, int STEP>
+  __device__ __forceinline__ void init_stride(const Params& p, int row_groups) {
+    const int per_e = row_groups * p.split;
+    de = gridDim.x / per_e;
+    const int rem = gridDim.x - de * per_e;
+    drg = rem / p.split;
+    dz = rem - drg * p.split;
+  }
+  // Unit (e, z) of expert e's K slice z, if it has work: the cursor stands at its first record.
+  template <int NB>
+  __device__ __forceinline__ bool take(const Params& p, int eu, int zu, int kr_per) {
+    const int c = __ldg(p.counts + eu);
+    const int k0 = zu * kr_per, nk = min(p.KR, k0 + kr_per) - k0;
+    if (c > 0 && nk > 0) {
+      cnt = c, kr0 = k0, nkr = nk, ntb = (c + NB - 1) / NB, tb = 0, kr = 0, valid = true;
+      return true;
+    }
+    return false;
+  }
+  template <int NB, int STEP, bool INCR = false>
   __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units) {
     if ((kr += STEP) < nkr) return;
     kr = 0;
     if (++tb < ntb) return;
-    seek<NB>(p, u + gridDim.x, row_groups, kr_per, n_units);
+    if constexpr (INCR) {
+      for (;;) {
+        z += dz;
+        int carry = z >= p.split;
+        z -= carry ? p.split : 0;
+        rg += drg + carry;
+        carry = rg >= row_groups;
+        rg -= carry ? row_groups : 0;
+        e += de + carry;
+        if (e >= p.E) {
+          valid = false;
+          return;
+        }
+        if (take<NB>(p, e, z, kr_per)) return;
+      }
+    } else {
+      seek<NB>(p, u + gridDim.x, row_groups, kr_per, n_units);
+    }
   }
 };
 
@@ -393,6 +516,22 @@ __device__ __forceinline__ uint32_t decode_step(const uint4& codes, uint32_t met
   return expand_meta(prmt(meta, 0, (s >> 1) ? 0x4342 : 0x4140));
 }
 
+// decode_step with the record's scales and metadata registers decoded once (BULK): em[s >> 1] is the metadata
+// of steps 2i and 2i + 1 (the same register; the selector differs).
+__device__ __forceinline__ void decode_step_hoisted(const uint4& codes, const RecScales& rs, int s, uint32_t (&a)[4]) {
+  const uint32_t w = s == 0 ? codes.x : s == 1 ? codes.y : s == 2 ? codes.z : codes.w;
+  uint32_t f[4];
+  decode_fields(w, f);
+  const uint32_t lo = rs.lo[s >> 1], hi = rs.hi[s >> 1];
+  if (s & 1) {
+    a[0] = bf16x2_mul_half<1>(f[0], lo), a[1] = bf16x2_mul_half<1>(f[1], hi);
+    a[2] = bf16x2_mul_half<1>(f[2], lo), a[3] = bf16x2_mul_half<1>(f[3], hi);
+  } else {
+    a[0] = bf16x2_mul_half<0>(f[0], lo), a[1] = bf16x2_mul_half<0>(f[1], hi);
+    a[2] = bf16x2_mul_half<0>(f[2], lo), a[3] = bf16x2_mul_half<0>(f[3], hi);
+  }
+}
+
 // One output element: plain bf16 or fp32 store, or an fp32 atomic add (split K).
 template <bool OUT_BF16, bool ATOMIC>
 __device__ __forceinline__ void store_out(const Params& p, long long off, float v) {
@@ -405,26 +544,36 @@ __device__ __forceinline__ void store_out(const Params& p, long long off, float 
 }
 
 // The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (one
-// commit group per step, empty once the cursor is past the last unit) and advance the cursor and the slot.
+// commit group per step, empty once the cursor is past the last unit; BULK: lane 0 copies each row tile's records
+// with one bulk copy counted on the slot's mbarrier at `bars`) and advance the cursor and the slot.
 template <class V>
-__device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, int& slot, Cursor& prod, int warp, int lane,
-                                           int row_groups, int kr_per, int n_units) {
+__device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
+                                           int warp, int lane, int row_groups, int kr_per, int n_units) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
     const int chunks = min(RK, prod.nkr - prod.kr) * kRecChunks;  // the step's records are contiguous
+    if (!V::BULK || lane == 0) {
+      if (V::BULK) mbar_expect_tx(bars + 8 * slot, R * 16 * chunks);
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int rt = min(prod.rg * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
-      const uint8_t* src =
-          p.records + ((static_cast<long long>(prod.e) * p.MT + rt) * p.KR + prod.kr0 + prod.kr) * kRecBytes;
+      for (int r = 0; r < R; ++r) {
+        const int rt = min(prod.rg * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
+        // BULK: the record index in 32 bits (the launcher checks E * MT * KR < 2^31)
+        const uint8_t* src =
+            V::BULK ? p.records + static_cast<unsigned long long>(static_cast<uint32_t>((prod.e * p.MT + rt) * p.KR + prod.kr0 + prod.kr)) * kRecBytes
+                    : p.records + ((static_cast<long long>(prod.e) * p.MT + rt) * p.KR + prod.kr0 + prod.kr) * kRecBytes;
+        if constexpr (V::BULK) {
+          bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
+        } else {
 #pragma unroll
-      for (int c = lane; c < RK * kRecChunks; c += 32)
-        if (RK == 1 || c < chunks) cp_async16(dst + r * RK * kRecBytes + 16 * c, src + 16 * c);
+          for (int c = lane; c < RK * kRecChunks; c += 32)
+            if (RK == 1 || c < chunks) cp_async16(dst + r * RK * kRecBytes + 16 * c, src + 16 * c);
+        }
+      }
     }
-    prod.next<V::NB, RK>(p, row_groups, kr_per, n_units);
+    prod.next<V::NB, RK, V::BULK>(p, row_groups, kr_per, n_units);
   }
-  cp_async_commit();
+  if constexpr (!V::BULK) cp_async_commit();
   slot = slot == V::S - 1 ? 0 : slot + 1;
 }
 
@@ -441,14 +590,25 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
+  const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
 
   Cursor prod{}, cons{};
   prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   if (!prod.valid) return;
+  if constexpr (V::BULK) prod.init_stride(p, row_groups);
   cons = prod;
   int slot_p = 0, slot_c = 0;
+  uint32_t phase = 0;  // BULK: parity of the consumer's current pass over the ring
+  if constexpr (V::BULK) {
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
+      mbar_init_fence();
+    }
+    __syncwarp();
+  }
 
-  auto issue = [&]() { issue_step<V>(p, ring, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
+  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -462,57 +622,97 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
 
   // ldmatrix row address of this lane: token (lane & 7) of an 8-token tile, 8 columns at (lane >> 3) * 8.
   const uint16_t* xs_lane = xs + (lane & 7) * V::XS + (lane >> 3) * 8;
+  const uint32_t xs_lane_addr = smem_u32(xs_lane);
 
   while (cons.valid) {
     const int kr = cons.kr, tb = cons.tb;
-    const int cnt = __ldg(p.counts + cons.e);
-    const long long row0 = __ldg(p.row_start + cons.e);
+    const int cnt = V::BULK ? cons.cnt : __ldg(p.counts + cons.e);
+    const long long row0 = V::BULK ? 0 : __ldg(p.row_start + cons.e);  // BULK: read at the epilogue only
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
       __syncthreads();  // every warp is done with the previous chunk
       stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
       __syncthreads();
     }
-    cp_async_wait<S - 2>();
-    __syncwarp();
+    if constexpr (V::BULK) {
+      mbar_wait(bars + 8 * slot_c, phase);
+      phase ^= slot_c == S - 1;
+    } else {
+      cp_async_wait<S - 2>();
+    }
+    __syncwarp();  // every lane is done with the slot the producer refills now
     issue();
     const uint8_t* step_rec = ring + slot_c * (R * RK * kRecBytes);
     slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
     const int nrec = min(RK, cons.nkr - kr);
     const int ntiles = (ntok + 7) >> 3;
+    // the step's records against NTA 8-token tiles (BULK: a warp-uniform branch drops the second tile's MMAs at
+    // up to 8 tokens instead of predicating them off; they would still be issued)
+    auto records = [&](auto nta) {
+      constexpr int NTA = decltype(nta)::value;
 #pragma unroll
-    for (int j = 0; j < RK; ++j) {
-      if (RK > 1 && j >= nrec) break;
-      const uint8_t* rec = step_rec + j * kRecBytes;
-      uint4 codes[R];
-      uint32_t meta[R];
-      uint2 sc[R];
+      for (int j = 0; j < RK; ++j) {
+        if (RK > 1 && j >= nrec) break;
+        const uint8_t* rec = step_rec + j * kRecBytes;
+        uint4 codes[R];
+        uint32_t meta[R];
+        uint2 sc[R];
+        RecScales rs[R];
+        uint32_t emr[R][2];
 #pragma unroll
-      for (int r = 0; r < R; ++r) load_lane_share(rec + r * RK * kRecBytes, lane, codes[r], meta[r], sc[r]);
-      const uint16_t* xk = xs_lane + (kr % kRecPerChunk + j) * kRecK;
+        for (int r = 0; r < R; ++r) {
+          load_lane_share(rec + r * RK * kRecBytes, lane, codes[r], meta[r], sc[r]);
+          if constexpr (V::BULK) {
+            rs[r] = record_scales(sc[r]);
+            emr[r][0] = expand_meta_imad(prmt(meta[r], 0, 0x4140));
+            emr[r][1] = expand_meta_imad(prmt(meta[r], 0, 0x4342));
+          }
+        }
+        const uint16_t* xk = xs_lane + (kr % kRecPerChunk + j) * kRecK;
+        const uint32_t xk_addr = xs_lane_addr + (kr % kRecPerChunk + j) * (2 * kRecK);  // BULK: 32-bit addresses
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        uint32_t a[R][4], em[R];
+        for (int s = 0; s < 4; ++s) {
+          uint32_t a[R][4], em[R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) em[r] = decode_step(codes[r], meta[r], sc[r], s, a[r]);
+          for (int r = 0; r < R; ++r) {
+            if constexpr (V::BULK) {
+              decode_step_hoisted(codes[r], rs[r], s, a[r]);
+              em[r] = emr[r][s >> 1];
+            } else {
+              em[r] = decode_step(codes[r], meta[r], sc[r], s, a[r]);
+            }
+          }
 #pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          if (n < ntiles) {
-            uint32_t b[4];
-            ldmatrix_x4(b, xk + n * 8 * V::XS + s * 32);
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              if (s & 1)
-                mma_sp<1>(acc[r][n], a[r], b, em[r]);
+          for (int n = 0; n < NTA; ++n) {
+            if (n < ntiles) {
+              uint32_t b[4];
+              if constexpr (V::BULK)
+                ldmatrix_x4(b, xk_addr + 2 * (n * 8 * V::XS + s * 32));
               else
-                mma_sp<0>(acc[r][n], a[r], b, em[r]);
+                ldmatrix_x4(b, xk + n * 8 * V::XS + s * 32);
+#pragma unroll
+              for (int r = 0; r < R; ++r) {
+                if (s & 1)
+                  mma_sp<1>(acc[r][n], a[r], b, em[r]);
+                else
+                  mma_sp<0>(acc[r][n], a[r], b, em[r]);
+              }
             }
           }
         }
       }
+    };
+    if constexpr (V::BULK && NT > 1) {
+      if (ntiles == 1)
+        records(std::integral_constant<int, 1>{});
+      else
+        records(std::integral_constant<int, NT>{});
+    } else {
+      records(std::integral_constant<int, NT>{});
     }
     if (kr + RK >= cons.nkr) {  // end of a token block: write its outputs
       const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
+      const long long out_row0 = V::BULK ? __ldg(p.row_start + cons.e) : row0;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int rt = cons.rg * (W * R) + r * W + warp;
@@ -523,14 +723,14 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
             const int m = rt * 16 + g + 8 * (i >> 1);
             const int tok = n * 8 + 2 * t4 + (i & 1);
             if (rt < p.MT && m < p.M && tok < ntok) {
-              store_out<OUT_BF16, ATOMIC>(p, (row0 + tb * NB + tok) * p.out_stride + m, acc[r][n][i] * alpha);
+              store_out<OUT_BF16, ATOMIC>(p, (out_row0 + tb * NB + tok) * p.out_stride + m, acc[r][n][i] * alpha);
             }
             acc[r][n][i] = 0.f;
           }
         }
       }
     }
-    cons.next<NB, RK>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK, V::BULK>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
 }
@@ -570,7 +770,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   int xbuf = 0;
   int slot_p = 0, slot_c = 0;
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) issue_step<V>(p, ring, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
+  for (int s = 0; s < S - 1; ++s) issue_step<V>(p, ring, 0, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
 
   float acc[ND];
 #pragma unroll
@@ -605,7 +805,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
     }
     cp_async_wait<S - 2>();
     __syncwarp();
-    issue_step<V>(p, ring, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
+    issue_step<V>(p, ring, 0, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
     const uint8_t* step_rec = ring + slot_c * (RK * kRecBytes);
     slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
     const int nrec = min(RK, cons.nkr - kr);
@@ -661,7 +861,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call):
 // 0: decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per row
 // tile and step); 1: mma.sp with 64 tokens per pass; 2-9: the warpgroup path (WgVariant<tokens, warpgroups,
-// stages, K chunk, records per step, pipelined staging>). Picked: 0, 5 (up to 64 rows per expert), 4 (above).
+// stages, K chunk, records per step, pipelined staging>); 10: 0 with fewer instructions per record (BULK: one lane
+// bulk-copies each ring step, scales decoded once per record, a fixed staging map, the unit cursor moved by adds).
+// Picked: 10 (up to 16 rows per expert), 5 (up to 64), 4 (above).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
   X(1, Variant<64, 2, 8, 4, 512>)      \
@@ -672,7 +874,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(6, WgVariant<16, 2, 3, 1024, 4>)    \
   X(7, WgVariant<128, 4, 6, 128, 1, true>) \
   X(8, WgVariant<64, 4, 3, 256, 2, true>)  \
-  X(9, WgVariant<64, 2, 6, 128, 1, true>)
+  X(9, WgVariant<64, 2, 6, 128, 1, true>) \
+  X(10, Variant<16, 2, 8, 3, 1024, 2, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
@@ -745,7 +948,7 @@ int moesq_p48_gemm(int variant, const moesq_p48_args* args) {
   }
   const moesq_p48_args& a = *args;
   if (a.E <= 0 || a.M <= 0 || a.K <= 0 || a.K % 32 || a.MT != (a.M + 15) / 16 || a.KR != (a.K + kRecK - 1) / kRecK ||
-      a.split < 1 || a.split > a.KR || (a.split > 1 && a.out_bf16)) {
+      a.split < 1 || a.split > a.KR || (a.split > 1 && a.out_bf16) || 1LL * a.E * a.MT * a.KR >= (1LL << 31)) {
     moesq::set_last_error("p48 kernel: bad problem E=%d M=%d K=%d MT=%d KR=%d split=%d out_bf16=%d", a.E, a.M, a.K,
                           a.MT, a.KR, a.split, a.out_bf16);
     return 1;
