@@ -454,6 +454,17 @@ def test_compiled_step_on_cuda_matches_eager(compute_dtype, rtol):
         assert float((rs[0].proj[p].V - rs[1].proj[p].V).abs().gt(1e-7).float().mean()) < 0.05
     v = [r.validate(r.hard_state()[0]) for r in rs]
     torch.testing.assert_close(v[1], v[0], rtol=rtol, atol=0)
+    # another block, with more experts and rows (other micro-batch shapes), compiles nothing new
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    ex2 = make_block(E=7, H=128, I=64, n=500, n_val=40, seed=24, device="cuda")
+    r2 = BlockRefiner(ex2, RTN(report_errors=False).compress_block(ex2, fmt), fmt,
+                      RefineConfig(epochs=1, steps_per_epoch=3, micro_batch_rows=300, compute_dtype=compute_dtype))
+    order = r2.epoch_order()
+    for s in range(3):
+        r2.train_step(order, s)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.slow

@@ -13,7 +13,19 @@ from moesq_core.methods.refine import relaxation
 
 
 def check_against_reference(device: str, shapes=((3, 5, 48), (1, 7, 8), (2, 3, 136))) -> list[str]:
-    """Kernel vs reference on each [E, O, K] shape; returns a line per case (raises on a mismatch)."""
+    """Both kernel forms vs the reference on each [E, O, K] shape; returns a line per case (raises on a mismatch)."""
+    lines = []
+    saved = relax_triton.KERNELS
+    try:
+        for kernels in ("cols", "tile"):
+            relax_triton.KERNELS = kernels
+            lines += [f"{line} {kernels}" for line in _check_kernels(device, shapes)]
+    finally:
+        relax_triton.KERNELS = saved
+    return lines
+
+
+def _check_kernels(device: str, shapes) -> list[str]:
     fmt = get_format("p48-nvfp4")
     ps = fmt.patterns
     P, group = ps.num_patterns, ps.group
@@ -55,7 +67,7 @@ def test_kernel_matches_reference_under_the_interpreter():
     out = run_triton_interpreted(
         "from test_relax_triton import check_against_reference\n"
         "print('\\n'.join(check_against_reference('cpu')))\n")
-    assert out.count("ok ") == 3 * 2 * 2 * 2
+    assert out.count("ok ") == 2 * 3 * 2 * 2 * 2
 
 
 @pytest.mark.gpu
@@ -63,7 +75,7 @@ def test_kernel_matches_reference_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     lines = check_against_reference("cuda", shapes=((3, 5, 48), (1, 7, 8), (2, 3, 136), (4, 96, 2048)))
-    assert len(lines) == 4 * 8
+    assert len(lines) == 2 * 4 * 8
 
 
 def test_refuses_to_run_where_it_cannot():
