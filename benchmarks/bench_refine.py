@@ -166,6 +166,9 @@ def main(argv=None):
     ap.add_argument("--tag", default=None, help="file name stem (default refine_<device>_<date>)")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
+    # The variants compile the trainer's functions again under other switches in this one process; dynamo counts
+    # all of them against one function's recompilation limit, past which it would silently run a variant eagerly.
+    torch._dynamo.config.recompile_limit = 64
 
     dev = torch.device(a.device)
     fmt = get_format(a.format)
