@@ -55,18 +55,19 @@ VARIANTS = {
     "static-width": ("as compile-swiglu, the compiled functions specialised to the model's widths (only the expert "
                      "and row counts symbolic)", {"compile": True, "fused_swiglu": True, "strided_rows_add": True,
                                                   "static_widths": True}),
-    "grad-fwd": ("as static-width, the loss's gradient in the expert outputs written by the micro-batch forward, the "
-                 "full micro-batches' gradients added by the row-add kernel, and the relaxation's column-form "
-                 "kernels (the default)", {"compile": True, "fused_swiglu": True, "strided_rows_add": True,
-                                           "static_widths": True, "loss_grad_in_forward": True, "all_rows_add": True,
-                                           "relax_kernels": "cols"}),
+    "grad-fwd": ("as static-width, the loss's gradient in the expert outputs written by the micro-batch forward, "
+                 "which reads the target rows itself (no gathered copy), the full micro-batches' gradients added by "
+                 "the row-add kernel, and the relaxation's column-form kernels (the default)",
+                 {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "static_widths": True,
+                  "loss_grad_in_forward": True, "target_gather_in_loss": True, "all_rows_add": True,
+                  "relax_kernels": "cols"}),
     "compile-mb2x": ("as compile-swiglu, micro-batches of twice the rows (524,288)",
                      {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
 
 # bench-only switches (not RefineConfig fields): kernels turned off for a variant
 BENCH_KEYS = ("fused_kernels", "fused_swiglu", "strided_rows_add", "static_widths", "loss_grad_in_forward",
-              "all_rows_add", "relax_kernels")
+              "target_gather_in_loss", "all_rows_add", "relax_kernels")
 
 PAPER = dict(epochs=10, sequences=8192, seq_len=4096, batch_sequences=64, val_sequences=128)
 
@@ -342,8 +343,8 @@ def fused_kernels(over: dict):
     """A variant's kernels: the trainer takes its torch path for the relaxation and Lion where fused_kernels is
     False, the fused SwiGLU quantizer only where fused_swiglu is True (else through torch.compile), and copies the
     transposed weight gradients contiguous before adding them unless strided_rows_add is True; static_widths,
-    loss_grad_in_forward, all_rows_add and relax_kernels as the trainer's and kernels' switches of those names
-    (absent: their earlier behaviour)."""
+    loss_grad_in_forward, target_gather_in_loss, all_rows_add and relax_kernels as the trainer's and kernels'
+    switches of those names (absent: their earlier behaviour)."""
     mods = [m for m, key in ((relax_triton, "fused_kernels"), (swiglu_quant_triton, "fused_swiglu"))
             if not over.get(key, True)]
     saved = [m.available for m in mods]
@@ -355,6 +356,7 @@ def fused_kernels(over: dict):
     rows_add_triton.STRIDED = bool(over.get("strided_rows_add", False))
     switches = [(trainer, "STATIC_WIDTHS", bool(over.get("static_widths", False))),
                 (trainer, "LOSS_GRAD_IN_FORWARD", bool(over.get("loss_grad_in_forward", False))),
+                (trainer, "TARGET_GATHER_IN_LOSS", bool(over.get("target_gather_in_loss", False))),
                 (rows_add_triton, "ALL_ROWS", bool(over.get("all_rows_add", False))),
                 (relax_triton, "KERNELS", over.get("relax_kernels", "tile"))]
     before = [getattr(m, k) for m, k, _ in switches]

@@ -46,6 +46,9 @@ STATIC_WIDTHS = True
 # The micro-batch forward writes the loss's gradient with respect to the expert outputs while it reads them, and
 # the backward starts from it (False: the loss's own backward reads them again, the earlier default).
 LOSS_GRAD_IN_FORWARD = True
+# The compiled loss reads the target rows it needs from the block's targets (False: they are gathered into a
+# [k, c, H] copy first, the earlier default).
+TARGET_GATHER_IN_LOSS = True
 
 
 def _with_dynamic_dims(fn, dims: tuple[tuple[int, ...], ...]):
@@ -683,13 +686,13 @@ class BlockRefiner:
     def _sel(t: torch.Tensor, act):
         return t if act is None else t.index_select(0, act)
 
+    @staticmethod
+    def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """t's rows at idx [k, c] -> [k, c, *t.shape[1:]]."""
+        return t.index_select(0, idx.reshape(-1)).view(*idx.shape, *t.shape[1:])
+
     def _gather(self, idx: torch.Tensor):
-        k, c = idx.shape
-        flat = idx.reshape(-1)
-        x = self.Xq.index_select(0, flat).view(k, c, self.H)
-        y = self.Y.index_select(0, flat).view(k, c, self.H)
-        valid = idx != self.sentinel
-        return x, y, valid, self.W.index_select(0, flat).view(k, c)
+        return self._rows(self.Xq, idx), self._rows(self.Y, idx), idx != self.sentinel, self._rows(self.W, idx)
 
     @torch.no_grad()
     def _dense_targets(self, X: torch.Tensor, all_idx: torch.Tensor) -> torch.Tensor:
@@ -894,16 +897,19 @@ class BlockRefiner:
 
     @staticmethod
     def micro_loss_fn(fmt: Format, cd: torch.dtype, fused: bool = False, grad_in_forward: bool = True):
-        """One micro-batch of the training forward, (x, Wg, Wu, Wd, y, tw, scale, g_h) -> (out, grad_out, num [k],
-        amax of h [k]): the unit torch.compile fuses (casts, SwiGLU, activation quantizer, loss). The weights'
+        """One micro-batch of the training forward, (x, Wg, Wu, Wd, y, tw, scale, g_h[, y_rows]) -> (out, grad_out,
+        num [k], amax of h [k]): the unit torch.compile fuses (casts, SwiGLU, activation quantizer, loss). y: the
+        targets [k, c, H], or with y_rows [k, c] the block's target rows [N, H] that y_rows index. The weights'
         gradients of the loss Σ_e scale_e·num_e are autograd.grad(out, weights, grad_out): out = the expert
         outputs ŷ and grad_out = the loss's gradient in ŷ, written in the forward (grad_in_forward), else out =
         the loss itself and grad_out None. fused: the SwiGLU and its quantizer in the activation quantizer's
         fused kernel where it has one."""
-        def micro_loss(x, Wg, Wu, Wd, y, tw, scale, g_h):
+        def micro_loss(x, Wg, Wu, Wd, y, tw, scale, g_h, y_rows=None):
             gate, up = BlockRefiner.gate_up(x, Wg, Wu, cd)
             hq, hamax = fmt.act.swiglu_quant(gate, up, g_h, ste=True, out_dtype=cd, fused=fused)
             yhat = torch.bmm(hq, Wd.transpose(1, 2).to(cd))
+            if y_rows is not None:  # y holds all target rows: the compiled loss reads its rows where it needs them
+                y = y[y_rows]
             if grad_in_forward:
                 num, gy = objective.weighted_sq_error_and_grad(yhat, y, tw, scale)
                 return yhat, gy, num, hamax
@@ -951,16 +957,21 @@ class BlockRefiner:
         step_amax = torch.zeros_like(self.h_amax)
         for act, a, b in mb:
             sl = self._sel(idx, act)[:, a:b]
-            x, y, _, _ = self._gather(sl)
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
-            grad_in_forward = LOSS_GRAD_IN_FORWARD
+            grad_in_forward, gather_in_loss = LOSS_GRAD_IN_FORWARD, TARGET_GATHER_IN_LOSS
             micro = self._maybe_compile(
-                f"micro{'-fused' if self.fused_swiglu else ''}{'-grad' if grad_in_forward else ''}",
+                f"micro{'-fused' if self.fused_swiglu else ''}{'-grad' if grad_in_forward else ''}"
+                f"{'-rows' if gather_in_loss else ''}",
                 lambda: self.micro_loss_fn(self.fmt, self.cd, self.fused_swiglu, grad_in_forward),
-                ((0, 1), (0,), (0,), (0,), (0, 1), (0, 1), (0,), (0,)))
+                ((0, 1), (0,), (0,), (0,), (0,) if gather_in_loss else (0, 1), (0, 1), (0,), (0,), (0, 1)))
+            if gather_in_loss:  # the targets' gather fused into the loss (the x rows feed a matmul: gathered here)
+                x, y, y_rows = self._rows(self.Xq, sl), self.Y, sl
+            else:
+                (x, y, _, _), y_rows = self._gather(sl), None
             out, grad_out, n, hamax = micro(x, leaves["gate"], leaves["up"], leaves["down"], y, tw,
-                                            self._sel(inv_den, act), None if g_h is None else self._sel(g_h, act))
+                                            self._sel(inv_den, act), None if g_h is None else self._sel(g_h, act),
+                                            y_rows)
             # autograd.grad, not backward: the micro-batch's gradients come back as they are, without the
             # AccumulateGrad copy into .grad of every leaf
             grads = torch.autograd.grad(out, [leaves[p] for p in PROJECTIONS], grad_out)
