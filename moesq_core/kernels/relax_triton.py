@@ -173,7 +173,9 @@ if HAS_TRITON:
                          mask=rmask)
 
 
-# the relaxation's kernels: "cols" (the column form) or "tile" (the first version, kept for the benchmark's comparison)
+# the relaxation's kernels: "cols" (the column form) or "tile" (the first version, kept for the benchmark's
+# comparison). On an H200, per projection of a Qwen3-30B-A3B block (128 × 768 × 2048 weights): forward 4.25 ->
+# 0.64 ms, backward 5.99 -> 1.53 ms.
 KERNELS = "cols"
 
 

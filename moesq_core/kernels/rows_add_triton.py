@@ -56,7 +56,8 @@ TILE = 64  # the transposed kernel's [TILE, TILE] tiles
 STRIDED = True
 # Refinement adds the gradients of micro-batches that hold every expert with this kernel too (the identity as
 # idx) rather than torch's add_, which reads a transposed bf16 source into an fp32 accumulator off its layout
-# (False: add_, the earlier default, kept for the benchmark's comparison).
+# (False: add_, the earlier default, kept for the benchmark's comparison). On an H200, a Qwen3-30B-A3B block's
+# gate/up gradient: 1.32 ms with add_, about 0.5 ms here.
 ALL_ROWS = True
 
 
