@@ -36,7 +36,7 @@ import torch._dynamo  # noqa: E402,F401  (imported up front: torch.optim pulls i
 from moesq_core.formats import get_format  # noqa: E402
 from moesq_core.kernels import relax_triton, rows_add_triton, swiglu_quant_triton  # noqa: E402
 from moesq_core.methods.base import ExpertData  # noqa: E402
-from moesq_core.methods.refine import BlockRefiner, RefineConfig  # noqa: E402
+from moesq_core.methods.refine import BlockRefiner, RefineConfig, trainer  # noqa: E402
 from moesq_core.methods.rtn import RTN  # noqa: E402
 
 # name -> (description, RefineConfig overrides of the base configuration)
@@ -50,13 +50,24 @@ VARIANTS = {
     "compile-rows": ("as compile, the transposed weight gradients added in their own layout (no contiguous copies)",
                      {"compile": True, "strided_rows_add": True}),
     "compile-swiglu": ("as compile-rows, with the SwiGLU output, its range and its NVFP4 quantizer in one Triton "
-                       "kernel (the default)", {"compile": True, "fused_swiglu": True, "strided_rows_add": True}),
+                       "kernel (the default before static-width)", {"compile": True, "fused_swiglu": True,
+                                                                    "strided_rows_add": True}),
+    "static-width": ("as compile-swiglu, the compiled functions specialised to the model's widths (only the expert "
+                     "and row counts symbolic)", {"compile": True, "fused_swiglu": True, "strided_rows_add": True,
+                                                  "static_widths": True}),
+    "grad-fwd": ("as static-width, the loss's gradient in the expert outputs written by the micro-batch forward, "
+                 "which reads the target rows itself (no gathered copy), the full micro-batches' gradients added by "
+                 "the row-add kernel, and the relaxation's column-form kernels (the default)",
+                 {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "static_widths": True,
+                  "loss_grad_in_forward": True, "target_gather_in_loss": True, "all_rows_add": True,
+                  "relax_kernels": "cols"}),
     "compile-mb2x": ("as compile-swiglu, micro-batches of twice the rows (524,288)",
                      {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
 
 # bench-only switches (not RefineConfig fields): kernels turned off for a variant
-BENCH_KEYS = ("fused_kernels", "fused_swiglu", "strided_rows_add")
+BENCH_KEYS = ("fused_kernels", "fused_swiglu", "strided_rows_add", "static_widths", "loss_grad_in_forward",
+              "target_gather_in_loss", "all_rows_add", "relax_kernels")
 
 PAPER = dict(epochs=10, sequences=8192, seq_len=4096, batch_sequences=64, val_sequences=128)
 
@@ -156,6 +167,9 @@ def main(argv=None):
     ap.add_argument("--tag", default=None, help="file name stem (default refine_<device>_<date>)")
     ap.add_argument("--out", required=True, type=Path)
     a = ap.parse_args(argv)
+    # The variants compile the trainer's functions again under other switches in this one process; dynamo counts
+    # all of them against one function's recompilation limit, past which it would silently run a variant eagerly.
+    torch._dynamo.config.recompile_limit = 64
 
     dev = torch.device(a.device)
     fmt = get_format(a.format)
@@ -328,7 +342,9 @@ def config_overrides(over: dict) -> dict:
 def fused_kernels(over: dict):
     """A variant's kernels: the trainer takes its torch path for the relaxation and Lion where fused_kernels is
     False, the fused SwiGLU quantizer only where fused_swiglu is True (else through torch.compile), and copies the
-    transposed weight gradients contiguous before adding them unless strided_rows_add is True."""
+    transposed weight gradients contiguous before adding them unless strided_rows_add is True; static_widths,
+    loss_grad_in_forward, target_gather_in_loss, all_rows_add and relax_kernels as the trainer's and kernels'
+    switches of those names (absent: their earlier behaviour)."""
     mods = [m for m, key in ((relax_triton, "fused_kernels"), (swiglu_quant_triton, "fused_swiglu"))
             if not over.get(key, True)]
     saved = [m.available for m in mods]
@@ -338,9 +354,19 @@ def fused_kernels(over: dict):
     swiglu_quant_triton.USE = bool(over.get("fused_swiglu", False))
     strided = rows_add_triton.STRIDED
     rows_add_triton.STRIDED = bool(over.get("strided_rows_add", False))
+    switches = [(trainer, "STATIC_WIDTHS", bool(over.get("static_widths", False))),
+                (trainer, "LOSS_GRAD_IN_FORWARD", bool(over.get("loss_grad_in_forward", False))),
+                (trainer, "TARGET_GATHER_IN_LOSS", bool(over.get("target_gather_in_loss", False))),
+                (rows_add_triton, "ALL_ROWS", bool(over.get("all_rows_add", False))),
+                (relax_triton, "KERNELS", over.get("relax_kernels", "tile"))]
+    before = [getattr(m, k) for m, k, _ in switches]
+    for m, k, x in switches:
+        setattr(m, k, x)
     try:
         yield
     finally:
+        for (m, k, _), x in zip(switches, before):
+            setattr(m, k, x)
         for m, f in zip(mods, saved):
             m.available = f
         rows_add_triton.STRIDED = strided
@@ -389,7 +415,8 @@ def measure(experts, inits, fmt, cfg: RefineConfig, a, dev) -> dict:
             r.train_step(order, 0)
             sync(dev)
         key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
-        prof_table = prof.key_averages().table(sort_by=key, row_limit=25)
+        # the step's kernels by their own time (the totals list the wrappers around them first)
+        prof_table = prof.key_averages().table(sort_by="self_" + key, row_limit=30)
         del r
         with profile(activities=acts) as prof:  # the per-block setup (split, dense targets, input quantization, init)
             r = BlockRefiner(experts, inits, fmt, cfg)

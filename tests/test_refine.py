@@ -133,6 +133,10 @@ def test_weighted_sq_error_gradient(dtype):
     ((tw * (yref - y).square().sum(-1)).sum(-1) * scale).sum().backward()
     assert yhat.grad.dtype == dtype
     torch.testing.assert_close(yhat.grad.float(), yref.grad.to(dtype).float())
+    # the trainer's form: the same loss and gradient written in one forward pass, bitwise
+    num, gy = objective.weighted_sq_error_and_grad(yhat, y, tw, scale)
+    assert not num.requires_grad and gy.dtype == dtype
+    assert torch.equal(gy, yhat.grad) and torch.equal(num, objective.weighted_sq_error(yhat.detach(), y, tw))
     torch.testing.assert_close(objective.weighted_sq_error(yhat.detach(), y, tw), (tw * (yref.detach() - y).square().sum(-1)).sum(-1))
 
 
@@ -450,6 +454,17 @@ def test_compiled_step_on_cuda_matches_eager(compute_dtype, rtol):
         assert float((rs[0].proj[p].V - rs[1].proj[p].V).abs().gt(1e-7).float().mean()) < 0.05
     v = [r.validate(r.hard_state()[0]) for r in rs]
     torch.testing.assert_close(v[1], v[0], rtol=rtol, atol=0)
+    # another block, with more experts and rows (other micro-batch shapes), compiles nothing new
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    ex2 = make_block(E=7, H=128, I=64, n=500, n_val=40, seed=24, device="cuda")
+    r2 = BlockRefiner(ex2, RTN(report_errors=False).compress_block(ex2, fmt), fmt,
+                      RefineConfig(epochs=1, steps_per_epoch=3, micro_batch_rows=300, compute_dtype=compute_dtype))
+    order = r2.epoch_order()
+    for s in range(3):
+        r2.train_step(order, s)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.slow
@@ -464,11 +479,11 @@ def test_compiled_relaxation_matches_eager():
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
     for p in PROJECTIONS:
         assert float((rs[0].proj[p].V - rs[1].proj[p].V).abs().gt(1e-7).float().mean()) < 1e-3
-    # a later block reuses the compiled functions: no new graphs
+    # a later block, with more experts and rows, reuses the compiled functions: no new graphs
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
-    ex2 = make_block(E=3, H=64, I=32, n=120, n_val=20, seed=18)
+    ex2 = make_block(E=4, H=64, I=32, n=150, n_val=20, seed=18)
     r2 = BlockRefiner(ex2, RTN(report_errors=False).compress_block(ex2, fmt), fmt,
                       RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=96, compile=True))
     r2.train_step(r2.epoch_order(), 0)

@@ -3,6 +3,8 @@
 that leave partial programs, on CUDA and under the Triton interpreter on the CPU."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -12,8 +14,36 @@ from moesq_core.kernels import relax_triton
 from moesq_core.methods.refine import relaxation
 
 
-def check_against_reference(device: str, shapes=((3, 5, 48), (1, 7, 8), (2, 3, 136))) -> list[str]:
-    """Kernel vs reference on each [E, O, K] shape; returns a line per case (raises on a mismatch)."""
+def check_against_reference(device: str, shapes=((3, 5, 48), (1, 7, 8), (2, 3, 136)),
+                            forms=("cols", "tile")) -> list[str]:
+    """The kernel forms vs the reference on each [E, O, K] shape; returns a line per case (raises on a mismatch)."""
+    lines = []
+    saved = relax_triton.KERNELS
+    try:
+        for kernels in forms:
+            relax_triton.KERNELS = kernels
+            lines += [f"{line} {kernels}" for line in _check_kernels(device, shapes)]
+    finally:
+        relax_triton.KERNELS = saved
+    return lines
+
+
+@contextlib.contextmanager
+def one_config(i: int):
+    """The column form's kernels pinned to their i-th autotuning config (the tuner compiles and times every config
+    for every size and dtype, minutes over these cases; a config changes only the tiling, so each is checked once)."""
+    kernels = (relax_triton._relax_fwd_cols_kernel, relax_triton._relax_bwd_cols_kernel)
+    saved = [(k.configs, dict(k.cache)) for k in kernels]
+    for k in kernels:
+        k.configs, k.cache = k.configs[i:i + 1], {}
+    try:
+        yield
+    finally:
+        for k, (configs, cache) in zip(kernels, saved):
+            k.configs, k.cache = configs, cache
+
+
+def _check_kernels(device: str, shapes) -> list[str]:
     fmt = get_format("p48-nvfp4")
     ps = fmt.patterns
     P, group = ps.num_patterns, ps.group
@@ -55,15 +85,22 @@ def test_kernel_matches_reference_under_the_interpreter():
     out = run_triton_interpreted(
         "from test_relax_triton import check_against_reference\n"
         "print('\\n'.join(check_against_reference('cpu')))\n")
-    assert out.count("ok ") == 3 * 2 * 2 * 2
+    assert out.count("ok ") == 2 * 3 * 2 * 2 * 2
 
 
 @pytest.mark.gpu
 def test_kernel_matches_reference_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
-    lines = check_against_reference("cuda", shapes=((3, 5, 48), (1, 7, 8), (2, 3, 136), (4, 96, 2048)))
-    assert len(lines) == 4 * 8
+    # the default (column) form: every case under its first config, then every config on one size; the tile form
+    # (kept for the bench's comparison) under the interpreter
+    with one_config(0):
+        lines = check_against_reference("cuda", shapes=((3, 5, 48), (1, 7, 8), (2, 3, 136), (4, 96, 2048)),
+                                        forms=("cols",))
+    for i in range(1, len(relax_triton._relax_fwd_cols_kernel.configs)):
+        with one_config(i):
+            lines += check_against_reference("cuda", shapes=((4, 96, 2048),), forms=("cols",))
+    assert len(lines) == 4 * 8 + (len(relax_triton._relax_fwd_cols_kernel.configs) - 1) * 8
 
 
 def test_refuses_to_run_where_it_cannot():

@@ -180,13 +180,17 @@ def check_opaque_to_compile(device: str) -> str:
             nvfp4_global_scale(torch.rand(k, generator=gen) + 0.5).reshape(-1, 1, 1)]
     args = [a.to(device) for a in args]
     outs = []
-    for fused, compiled in ((False, False), (True, False), (True, True)):
-        fn = BlockRefiner.micro_loss_fn(fmt, torch.float32, fused)
+    # the loss's gradient written in the forward (the trainer's) or from its own backward: the same numbers
+    for fused, compiled, grad_in_forward in ((False, False, False), (False, False, True), (True, False, True),
+                                             (True, True, True)):
+        fn = BlockRefiner.micro_loss_fn(fmt, torch.float32, fused, grad_in_forward)
         if compiled:
             fn = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)
         leaves = [a.clone().requires_grad_() for a in args[1:4]]
-        loss, num, amax = fn(args[0], *leaves, *args[4:])
-        outs.append((loss.detach(), num, amax, *torch.autograd.grad(loss, leaves)))
+        out, grad_out, num, amax = fn(args[0], *leaves, *args[4:])
+        assert (grad_out is None) != grad_in_forward and not num.requires_grad
+        outs.append(((num * args[6]).sum(), num, amax, *torch.autograd.grad(out, leaves, grad_out)))
+    assert all(bits_equal(a, b) for a, b in zip(outs.pop(0), outs[0]))
     # fused vs torch ops: h to an ulp can flip a quantized value, which moves the gradients a little
     for a, b in zip(outs[1], outs[0]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)

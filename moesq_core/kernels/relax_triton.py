@@ -11,6 +11,8 @@ The composition of torch ops reads and writes [..., G, P] fp32 tensors several t
 over an axis of 6, which torch.compile maps poorly (7.6 ms per 151 M logits on an H200, ~0.2 TB/s). Here one
 program handles BLOCK groups with all P logits and `group` weights in registers: the forward reads A, U, V and
 writes W̃ once; the backward recomputes π from A and U (nothing [G, P]-sized is saved) and writes dA and dV.
+Two forms compute this (KERNELS): the tile form holds π as a [BLOCK, P] tile and reduces [BLOCK, P, group]
+products; the column form reads each pattern's logits as a column and builds the weights' tile elementwise.
 """
 from __future__ import annotations
 
@@ -95,6 +97,88 @@ if HAS_TRITON:
                      mask=m2)
 
 
+    # The same computation with no [BLOCK, P]- or [BLOCK, P, group]-shaped tensors: the P logits of a group are
+    # read as P columns (one scalar per group each), the softmax runs over them unrolled, and the weights are
+    # [BLOCK, group] tiles built as Σ_p π_p·Pat[p] — plain elementwise work in one register layout, where the
+    # tile kernels above reduce over small middle axes (layout conversions through shared memory). π is
+    # recomputed per pass from A and U (still in L1) rather than kept.
+
+    @triton.jit
+    def _logit_col(a_ptr, u_ptr, rows, rmask, p, gain, inv_tau, tiny, one_minus_eps, P: tl.constexpr,
+                   HAS_NOISE: tl.constexpr):
+        """(gain·A[:, p] + G[:, p]) / τ for the groups `rows`: [BLOCK] fp32."""
+        logit = tl.load(a_ptr + rows * P + p, mask=rmask, other=0.0).to(tl.float32) * gain
+        if HAS_NOISE:
+            u = tl.load(u_ptr + rows * P + p, mask=rmask, other=0.5).to(tl.float32)
+            u = tl.minimum(tl.maximum(u, tiny), one_minus_eps)
+            logit += -tl.log(-tl.log(u))
+        return logit * inv_tau
+
+    @triton.jit
+    def _col_softmax(a_ptr, u_ptr, pat_ptr, rows, rmask, j, gain, inv_tau, tiny, one_minus_eps, P: tl.constexpr,
+                     GROUP: tl.constexpr, HAS_NOISE: tl.constexpr):
+        """(max logit [BLOCK], Σ_p exp(x_p − max) [BLOCK], z = Σ_p π_p·Pat[p] [BLOCK, GROUP])."""
+        mx = _logit_col(a_ptr, u_ptr, rows, rmask, 0, gain, inv_tau, tiny, one_minus_eps, P, HAS_NOISE)
+        for p in tl.static_range(1, P):
+            mx = tl.maximum(mx, _logit_col(a_ptr, u_ptr, rows, rmask, p, gain, inv_tau, tiny, one_minus_eps, P,
+                                           HAS_NOISE))
+        den = tl.zeros_like(mx)
+        z = tl.zeros((rows.shape[0], GROUP), dtype=tl.float32)
+        for p in tl.static_range(P):
+            e = tl.exp(_logit_col(a_ptr, u_ptr, rows, rmask, p, gain, inv_tau, tiny, one_minus_eps, P, HAS_NOISE) - mx)
+            den += e
+            z += e[:, None] * tl.load(pat_ptr + p * GROUP + j)[None, :]
+        return mx, den, z / den[:, None]
+
+    _COLS_CONFIGS = [triton.Config({"BLOCK_G": b}, num_warps=w) for b, w in ((128, 4), (256, 4), (256, 8), (512, 8))]
+    if INTERPRET:
+        _COLS_CONFIGS = _COLS_CONFIGS[:1]
+
+    @triton.autotune(configs=_COLS_CONFIGS, key=["n_groups", "P", "GROUP", "HAS_NOISE"])
+    @triton.jit
+    def _relax_fwd_cols_kernel(a_ptr, u_ptr, v_ptr, pat_ptr, out_ptr, n_groups, gain, inv_tau, tiny, one_minus_eps,
+                               P: tl.constexpr, GROUP: tl.constexpr, HAS_NOISE: tl.constexpr, BLOCK_G: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+        rmask = rows < n_groups
+        j = tl.arange(0, GROUP)
+        _, _, z = _col_softmax(a_ptr, u_ptr, pat_ptr, rows, rmask, j, gain, inv_tau, tiny, one_minus_eps, P, GROUP,
+                               HAS_NOISE)
+        voff, vm = rows[:, None] * GROUP + j[None, :], rmask[:, None]
+        v = tl.load(v_ptr + voff, mask=vm, other=0.0).to(tl.float32)
+        tl.store(out_ptr + voff, (z * v).to(out_ptr.dtype.element_ty), mask=vm)
+
+    @triton.autotune(configs=_COLS_CONFIGS, key=["n_groups", "P", "GROUP", "HAS_NOISE", "NEED_DA", "NEED_DV"])
+    @triton.jit
+    def _relax_bwd_cols_kernel(a_ptr, u_ptr, v_ptr, pat_ptr, dout_ptr, da_ptr, dv_ptr, n_groups, gain, inv_tau,
+                               tiny, one_minus_eps, P: tl.constexpr, GROUP: tl.constexpr, HAS_NOISE: tl.constexpr,
+                               NEED_DA: tl.constexpr, NEED_DV: tl.constexpr, BLOCK_G: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)
+        rmask = rows < n_groups
+        j = tl.arange(0, GROUP)
+        mx, den, z = _col_softmax(a_ptr, u_ptr, pat_ptr, rows, rmask, j, gain, inv_tau, tiny, one_minus_eps, P,
+                                  GROUP, HAS_NOISE)
+        voff, vm = rows[:, None] * GROUP + j[None, :], rmask[:, None]
+        dout = tl.load(dout_ptr + voff, mask=vm, other=0.0).to(tl.float32)
+        if NEED_DV:
+            tl.store(dv_ptr + voff, (dout * z).to(dv_ptr.dtype.element_ty), mask=vm)
+        if NEED_DA:
+            dz = dout * tl.load(v_ptr + voff, mask=vm, other=0.0).to(tl.float32)
+            # softmax Jacobian: dx_p = π_p·(dπ_p − Σ_q π_q dπ_q), dπ_p = Σ_j dz_j Pat[p, j], Σ_q π_q dπ_q = Σ_j dz_j z_j
+            dot = tl.sum(dz * z, axis=1)
+            for p in tl.static_range(P):
+                pi = tl.exp(_logit_col(a_ptr, u_ptr, rows, rmask, p, gain, inv_tau, tiny, one_minus_eps, P,
+                                       HAS_NOISE) - mx) / den
+                dpi = tl.sum(dz * tl.load(pat_ptr + p * GROUP + j)[None, :], axis=1)
+                tl.store(da_ptr + rows * P + p, (pi * (dpi - dot) * (gain * inv_tau)).to(da_ptr.dtype.element_ty),
+                         mask=rmask)
+
+
+# the relaxation's kernels: "cols" (the column form) or "tile" (the first version, kept for the benchmark's
+# comparison). On an H200, per projection of a Qwen3-30B-A3B block (128 × 768 × 2048 weights): forward 4.25 ->
+# 0.64 ms, backward 5.99 -> 1.53 ms.
+KERNELS = "cols"
+
+
 def _grid(n_groups: int):
     return lambda meta: (triton.cdiv(n_groups, meta["BLOCK_G"]),)
 
@@ -127,8 +211,12 @@ class _RelaxedWeight(torch.autograd.Function):
         out = torch.empty_like(V_)
         fi = torch.finfo(torch.float32)
         consts = (float(gain), 1.0 / float(tau), fi.tiny, 1.0 - fi.eps)
-        _relax_fwd_kernel[_grid(n_groups)](A_, A_ if U_ is None else U_, V_, pat, out, n_groups, *consts,
-                                           P=P, PP=PP, GROUP=group, HAS_NOISE=U_ is not None)
+        if KERNELS == "cols":
+            _relax_fwd_cols_kernel[_grid(n_groups)](A_, A_ if U_ is None else U_, V_, pat, out, n_groups, *consts,
+                                                    P=P, GROUP=group, HAS_NOISE=U_ is not None)
+        else:
+            _relax_fwd_kernel[_grid(n_groups)](A_, A_ if U_ is None else U_, V_, pat, out, n_groups, *consts,
+                                               P=P, PP=PP, GROUP=group, HAS_NOISE=U_ is not None)
         ctx.save_for_backward(A_, V_, U_, pat)
         ctx.meta = (P, PP, group, n_groups, consts)
         return out
@@ -143,9 +231,14 @@ class _RelaxedWeight(torch.autograd.Function):
         dout = dout.contiguous()
         dA = torch.empty_like(A) if need_da else None
         dV = torch.empty_like(V) if need_dv else None
-        _relax_bwd_kernel[_grid(n_groups)](A, A if U is None else U, V, pat, dout, A if dA is None else dA,
-                                           V if dV is None else dV, n_groups, *consts, P=P, PP=PP, GROUP=group,
-                                           HAS_NOISE=U is not None, NEED_DA=need_da, NEED_DV=need_dv)
+        args = (A, A if U is None else U, V, pat, dout, A if dA is None else dA, V if dV is None else dV, n_groups,
+                *consts)
+        if KERNELS == "cols":
+            _relax_bwd_cols_kernel[_grid(n_groups)](*args, P=P, GROUP=group, HAS_NOISE=U is not None,
+                                                    NEED_DA=need_da, NEED_DV=need_dv)
+        else:
+            _relax_bwd_kernel[_grid(n_groups)](*args, P=P, PP=PP, GROUP=group, HAS_NOISE=U is not None,
+                                               NEED_DA=need_da, NEED_DV=need_dv)
         return dA, dV, None, None, None, None
 
 

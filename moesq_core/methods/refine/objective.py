@@ -29,6 +29,18 @@ def token_weights(w: torch.Tensor, valid: torch.Tensor, p: int) -> torch.Tensor:
     return w if p == 1 else w * w
 
 
+def _residual(yhat: torch.Tensor, y: torch.Tensor, tw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d = ŷ − y in fp32 whatever ŷ's dtype, Σ_t tw_t ‖d_t‖² per expert)."""
+    d = torch.sub(yhat, y.float())  # promotes to fp32 inside the one kernel
+    return d, (torch.linalg.vector_norm(d, dim=-1).square() * tw).sum(-1)
+
+
+def _grad(d: torch.Tensor, tw: torch.Tensor, g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2·g_e·tw_t·d_t, the gradient of Σ_e g_e·num_e, written straight in `dtype` (no fp32 copy)."""
+    gy = torch.empty(d.shape, dtype=dtype, device=d.device)
+    return torch.mul(d, (2.0 * g[:, None] * tw)[..., None], out=gy)
+
+
 class _WeightedSqError(torch.autograd.Function):
     """Σ_t tw_t ‖ŷ_t − y_t‖² with a hand-written backward: the [E, C, H] residual is formed once (in fp32,
     whatever ŷ's dtype) and the gradient 2·tw·g·d is written straight in ŷ's dtype — a third of the memory
@@ -36,8 +48,7 @@ class _WeightedSqError(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, yhat, y, tw):
-        d = torch.sub(yhat, y.float())  # promotes to fp32 inside the one kernel
-        num = (torch.linalg.vector_norm(d, dim=-1).square() * tw).sum(-1)
+        d, num = _residual(yhat, y, tw)
         ctx.save_for_backward(d, tw)
         ctx.yhat_dtype = yhat.dtype
         return num
@@ -45,15 +56,23 @@ class _WeightedSqError(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         d, tw = ctx.saved_tensors
-        coef = (2.0 * g[:, None] * tw)[..., None]
-        gy = torch.empty(d.shape, dtype=ctx.yhat_dtype, device=d.device)
-        torch.mul(d, coef, out=gy)
-        return gy, None, None
+        return _grad(d, tw, g, ctx.yhat_dtype), None, None
 
 
 def weighted_sq_error(yhat: torch.Tensor, y: torch.Tensor, tw: torch.Tensor) -> torch.Tensor:
     """Σ_t tw_t ‖ŷ_t − y_t‖² per expert: yhat, y [E, C, H], tw [E, C] -> [E] (differentiable in yhat)."""
     return _WeightedSqError.apply(yhat, y, tw.float())
+
+
+def weighted_sq_error_and_grad(yhat: torch.Tensor, y: torch.Tensor, tw: torch.Tensor,
+                               scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num [E], ∂(Σ_e scale_e·num_e)/∂ŷ in ŷ's dtype) with num = weighted_sq_error(yhat, y, tw), both from
+    one pass over the residual. Refinement's loss is this weighted sum with known per-expert scales, so its
+    gradient can be written while ŷ and y are read for the forward (the same numbers _WeightedSqError's
+    backward computes for that loss), and the backward pass starts from it instead of reading ŷ and y again."""
+    tw = tw.float()
+    d, num = _residual(yhat.detach(), y, tw)
+    return num, _grad(d, tw, scale, yhat.dtype)
 
 
 def normalise(num: torch.Tensor, den: torch.Tensor, hidden: int) -> torch.Tensor:

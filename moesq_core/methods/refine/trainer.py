@@ -39,7 +39,32 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _WARNED: set[str] = set()
-_COMPILED: dict = {}  # (function, format, compute dtype) -> its torch.compile'd form, shared by all refiners
+_COMPILED: dict = {}  # (function, format, compute dtype, ...) -> its torch.compile'd form, shared by all refiners
+# Compiled functions specialise the model's widths and keep only the expert and row counts symbolic (False: all
+# sizes symbolic, the earlier default, kept for the benchmark's comparison). On an H200 (refine bench, one
+# Qwen3-30B-A3B block) the loss's backward kernel went from 2.46 to 0.69 ms per micro-batch and the step from
+# 0.201 to 0.175 s: with a symbolic width every broadcast over it had cost a runtime division per element.
+STATIC_WIDTHS = True
+# The micro-batch forward writes the loss's gradient with respect to the expert outputs while it reads them, and
+# the backward starts from it (False: the loss's own backward reads them again, the earlier default); with the
+# next switch, the loss is one kernel per micro-batch (0.79 ms on an H200, where its forward, backward and the
+# targets' gather took 0.43 + 0.69 + ~0.48 ms).
+LOSS_GRAD_IN_FORWARD = True
+# The compiled loss reads the target rows it needs from the block's targets (False: they are gathered into a
+# [k, c, H] copy first, the earlier default).
+TARGET_GATHER_IN_LOSS = True
+
+
+def _with_dynamic_dims(fn, dims: tuple[tuple[int, ...], ...]):
+    """fn(*args) with the dimensions dims[i] of tensor argument i marked dynamic for torch.compile (sizes of
+    0 or 1 may still be specialised)."""
+    def call(*args):
+        for a, ds in zip(args, dims):
+            if isinstance(a, torch.Tensor):
+                for d in ds:
+                    torch._dynamo.maybe_mark_dynamic(a, d)
+        return fn(*args)
+    return call
 
 
 PAPER_STEPS = 1280  # the paper's budget per block: 10 epochs × 128 Lion steps (its learning rates are set for it)
@@ -495,6 +520,7 @@ class BlockRefiner:
         self._block_layout()
         self.gens = [torch.Generator(device=dev).manual_seed(expert_seed(config.seed, self.layer, ex.index))
                      for ex in experts]
+        self.all_experts = torch.arange(self.E, device=dev)
         self.mc = max(1, -(-config.micro_batch_rows // len(self.blk_ntr)))  # rows per expert per micro-batch
         self.timings: dict[str, float] = {}  # setup phases, seconds (synchronised; setup only)
         self._t = time.perf_counter()
@@ -664,13 +690,13 @@ class BlockRefiner:
     def _sel(t: torch.Tensor, act):
         return t if act is None else t.index_select(0, act)
 
+    @staticmethod
+    def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """t's rows at idx [k, c] -> [k, c, *t.shape[1:]]."""
+        return t.index_select(0, idx.reshape(-1)).view(*idx.shape, *t.shape[1:])
+
     def _gather(self, idx: torch.Tensor):
-        k, c = idx.shape
-        flat = idx.reshape(-1)
-        x = self.Xq.index_select(0, flat).view(k, c, self.H)
-        y = self.Y.index_select(0, flat).view(k, c, self.H)
-        valid = idx != self.sentinel
-        return x, y, valid, self.W.index_select(0, flat).view(k, c)
+        return self._rows(self.Xq, idx), self._rows(self.Y, idx), idx != self.sentinel, self._rows(self.W, idx)
 
     @torch.no_grad()
     def _dense_targets(self, X: torch.Tensor, all_idx: torch.Tensor) -> torch.Tensor:
@@ -720,7 +746,7 @@ class BlockRefiner:
             amax = torch.where(amax > 0, amax, val_amax)
             g_rows = torch.cat([fmt.act.global_from_amax(amax)[self.row_expert], torch.ones(1, device=self.device)])[:, None]
         out = torch.empty(X.shape, dtype=self.cache_dtype, device=X.device)
-        quant = self._maybe_compile("aq", lambda: fmt.quant_act)  # one fused kernel on CUDA
+        quant = self._maybe_compile("aq", lambda: fmt.quant_act, ((0,), (0,)))  # one fused kernel on CUDA
         for s in range(0, X.shape[0], chunk):
             out[s:s + chunk] = quant(X[s:s + chunk], None if g_rows is None else g_rows[s:s + chunk])
         return out
@@ -819,7 +845,7 @@ class BlockRefiner:
     def _relax(self, A, V, G, tau, gain):
         ps = self.ps
         fn = self._maybe_compile("relax", lambda: lambda A, V, G, tau, gain: relaxation.soft_mask(
-            relaxation.pattern_probs(A, tau, gain, G), ps) * V)
+            relaxation.pattern_probs(A, tau, gain, G), ps) * V, ((0,), (0,), (0,)))
         return fn(A, V, G, tau, gain)
 
     def _quant_soft(self, soft: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -827,7 +853,7 @@ class BlockRefiner:
         # shared_gate_up_global is off, as in the release).
         g = self._weight_globals(soft)
         fmt = self.fmt
-        fq = self._maybe_compile("wq", lambda: lambda w, g: fmt.fake_quant_weight(w, None, g, ste=True))
+        fq = self._maybe_compile("wq", lambda: lambda w, g: fmt.fake_quant_weight(w, None, g, ste=True), ((0,), (0,)))
         return {p: fq(soft[p], g[p]) for p in PROJECTIONS}
 
     def _weight_globals(self, w: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -836,15 +862,19 @@ class BlockRefiner:
             return {"gate": g_gu, "up": g_gu, "down": batched_weight_global(self.fmt, w["down"])}
         return {p: batched_weight_global(self.fmt, w[p]) for p in PROJECTIONS}
 
-    def _maybe_compile(self, key: str, make):
+    def _maybe_compile(self, key: str, make, dims: tuple[tuple[int, ...], ...]):
         """make() -> the function named `key`, compiled when `compile` says so. Compiled functions are kept per
         process and close over the format and compute dtype only (never the refiner), so later blocks reuse
-        them instead of recompiling (and never hit dynamo's recompilation limit)."""
+        them instead of recompiling (and never hit dynamo's recompilation limit). dims: per positional
+        argument, the dimensions whose size changes from call to call (experts, rows), compiled symbolic; the
+        others, the model's widths, stay static, so the fused kernels' index arithmetic is constants rather
+        than runtime 64-bit divisions per element (a new width compiles its own static version)."""
         if not self.compiled:
             return make()
-        k = (key, self.fmt.name, self.cd)
+        k = (key, self.fmt.name, self.cd, STATIC_WIDTHS)
         if k not in _COMPILED:
-            _COMPILED[k] = torch.compile(make(), dynamic=True)
+            _COMPILED[k] = _with_dynamic_dims(torch.compile(make(), dynamic=False), dims) if STATIC_WIDTHS \
+                else torch.compile(make(), dynamic=True)
         return _COMPILED[k]
 
     @staticmethod
@@ -870,16 +900,25 @@ class BlockRefiner:
         return torch.bmm(hq, Wd.transpose(1, 2).to(cd)).float()
 
     @staticmethod
-    def micro_loss_fn(fmt: Format, cd: torch.dtype, fused: bool = False):
-        """One micro-batch of the training forward, (x, Wg, Wu, Wd, y, tw, scale, g_h) -> (Σ_e scale_e·num_e,
-        num [k], amax of h [k]): the unit torch.compile fuses (casts, SwiGLU, activation quantizer, loss).
-        fused: the SwiGLU and its quantizer in the activation quantizer's fused kernel where it has one."""
-        def micro_loss(x, Wg, Wu, Wd, y, tw, scale, g_h):
+    def micro_loss_fn(fmt: Format, cd: torch.dtype, fused: bool = False, grad_in_forward: bool = True):
+        """One micro-batch of the training forward, (x, Wg, Wu, Wd, y, tw, scale, g_h[, y_rows]) -> (out, grad_out,
+        num [k], amax of h [k]): the unit torch.compile fuses (casts, SwiGLU, activation quantizer, loss). y: the
+        targets [k, c, H], or with y_rows [k, c] the block's target rows [N, H] that y_rows index. The weights'
+        gradients of the loss Σ_e scale_e·num_e are autograd.grad(out, weights, grad_out): out = the expert
+        outputs ŷ and grad_out = the loss's gradient in ŷ, written in the forward (grad_in_forward), else out =
+        the loss itself and grad_out None. fused: the SwiGLU and its quantizer in the activation quantizer's
+        fused kernel where it has one."""
+        def micro_loss(x, Wg, Wu, Wd, y, tw, scale, g_h, y_rows=None):
             gate, up = BlockRefiner.gate_up(x, Wg, Wu, cd)
             hq, hamax = fmt.act.swiglu_quant(gate, up, g_h, ste=True, out_dtype=cd, fused=fused)
             yhat = torch.bmm(hq, Wd.transpose(1, 2).to(cd))
+            if y_rows is not None:  # y holds all target rows: the compiled loss reads its rows where it needs them
+                y = y[y_rows]
+            if grad_in_forward:
+                num, gy = objective.weighted_sq_error_and_grad(yhat, y, tw, scale)
+                return yhat, gy, num, hamax
             num = objective.weighted_sq_error(yhat, y, tw)
-            return (num * scale).sum(), num.detach(), hamax
+            return (num * scale).sum(), None, num.detach(), hamax
         return micro_loss
 
     # --- training -----------------------------------------------------------------------------------------
@@ -922,25 +961,33 @@ class BlockRefiner:
         step_amax = torch.zeros_like(self.h_amax)
         for act, a, b in mb:
             sl = self._sel(idx, act)[:, a:b]
-            x, y, _, _ = self._gather(sl)
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
-            micro = self._maybe_compile("micro-fused" if self.fused_swiglu else "micro",
-                                        lambda: self.micro_loss_fn(self.fmt, self.cd, self.fused_swiglu))
-            loss, n, hamax = micro(x, leaves["gate"], leaves["up"], leaves["down"], y, tw, self._sel(inv_den, act),
-                                   None if g_h is None else self._sel(g_h, act))
+            grad_in_forward, gather_in_loss = LOSS_GRAD_IN_FORWARD, TARGET_GATHER_IN_LOSS
+            micro = self._maybe_compile(
+                f"micro{'-fused' if self.fused_swiglu else ''}{'-grad' if grad_in_forward else ''}"
+                f"{'-rows' if gather_in_loss else ''}",
+                lambda: self.micro_loss_fn(self.fmt, self.cd, self.fused_swiglu, grad_in_forward),
+                ((0, 1), (0,), (0,), (0,), (0,) if gather_in_loss else (0, 1), (0, 1), (0,), (0,), (0, 1)))
+            if gather_in_loss:  # the targets' gather fused into the loss (the x rows feed a matmul: gathered here)
+                x, y, y_rows = self._rows(self.Xq, sl), self.Y, sl
+            else:
+                (x, y, _, _), y_rows = self._gather(sl), None
+            out, grad_out, n, hamax = micro(x, leaves["gate"], leaves["up"], leaves["down"], y, tw,
+                                            self._sel(inv_den, act), None if g_h is None else self._sel(g_h, act),
+                                            y_rows)
             # autograd.grad, not backward: the micro-batch's gradients come back as they are, without the
             # AccumulateGrad copy into .grad of every leaf
-            grads = torch.autograd.grad(loss, [leaves[p] for p in PROJECTIONS])
+            grads = torch.autograd.grad(out, [leaves[p] for p in PROJECTIONS], grad_out)
             if act is None:
                 torch.maximum(step_amax, hamax, out=step_amax)
             else:
                 step_amax.scatter_reduce_(0, act, hamax, reduce="amax")
             for p, gr in zip(PROJECTIONS, grads):
-                if act is None:
+                if act is None and not rows_add_triton.ALL_ROWS:
                     gacc[p].add_(gr)  # fp32 += the compute-dtype gradient, promoted inside the one kernel
                 else:
-                    rows_add_triton.add_rows_(gacc[p], act, gr)
+                    rows_add_triton.add_rows_(gacc[p], self.all_experts if act is None else act, gr)
             num = num.index_add(0, act, n) if act is not None else num + n
         self.h_amax = torch.where(step_amax > 0, step_amax, self.h_amax)
         torch.autograd.backward([Wq[p] for p in PROJECTIONS], [gacc[p] for p in PROJECTIONS])
