@@ -31,16 +31,16 @@ OUT = REPO / "benchmarks" / "results" / "moesq_run_embedded.json"
 def paper_sgptq(moesq: str, tmp: Path, report: dict) -> dict:
     """The paper's SGPTQ (no refit) on `moesq run`'s calibration, in its own work dir: its perplexity row."""
     c = report["config"]["calib"]
-    steps = [["calibrate", "--seq-len", str(c["seq_len"]), "--n-train", str(c["n_train"]), "--n-val", str(c["n_val"]),
-              "--n-init", str(c["n_init"]), "--seed", str(c["seed"])],
-             ["init-sgptq", "--no-refit"]]
-    for args in steps:
-        device = ["--device", "cpu"] if args[0] != "calibrate" else []
-        subprocess.run([moesq, args[0], "-w", "paper-work", *device, *args[1:]], cwd=tmp, check=True,
-                       capture_output=True, text=True)
+
+    def moesq_cmd(*args):
+        subprocess.run([moesq, args[0], "-w", "paper-work", *args[1:]], cwd=tmp, check=True, capture_output=True, text=True)
+
+    moesq_cmd("calibrate", "--seq-len", str(c["seq_len"]), "--n-train", str(c["n_train"]), "--n-val", str(c["n_val"]),
+              "--n-init", str(c["n_init"]), "--seed", str(c["seed"]))
     calib = [json.loads((tmp / w / "manifest.json").read_text())["calibration"] for w in ("moesq-work", "paper-work")]
     if calib[0] != calib[1]:
         raise SystemExit(f"the paper's SGPTQ work dir calibrated differently: {calib}")
+    moesq_cmd("init-sgptq", "--device", "cpu", "--no-refit")
     tokens = next(r["tokens"] for r in report["rows"] if r["kind"] == "reference")
     subprocess.run([moesq, "eval", "paper-work", "--device", "cpu", "--ppl-tokens", str(tokens), "--json", "paper.json"],
                    cwd=tmp, check=True, capture_output=True, text=True)
