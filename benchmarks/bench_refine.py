@@ -350,11 +350,9 @@ def fused_kernels(over: dict):
     saved = [m.available for m in mods]
     for m in mods:
         m.available = lambda device: False
-    use_swiglu = swiglu_quant_triton.USE
-    swiglu_quant_triton.USE = bool(over.get("fused_swiglu", False))
-    strided = rows_add_triton.STRIDED
-    rows_add_triton.STRIDED = bool(over.get("strided_rows_add", False))
-    switches = [(trainer, "STATIC_WIDTHS", bool(over.get("static_widths", False))),
+    switches = [(swiglu_quant_triton, "USE", bool(over.get("fused_swiglu", False))),
+                (rows_add_triton, "STRIDED", bool(over.get("strided_rows_add", False))),
+                (trainer, "STATIC_WIDTHS", bool(over.get("static_widths", False))),
                 (trainer, "LOSS_GRAD_IN_FORWARD", bool(over.get("loss_grad_in_forward", False))),
                 (trainer, "TARGET_GATHER_IN_LOSS", bool(over.get("target_gather_in_loss", False))),
                 (rows_add_triton, "ALL_ROWS", bool(over.get("all_rows_add", False))),
@@ -369,8 +367,6 @@ def fused_kernels(over: dict):
             setattr(m, k, x)
         for m, f in zip(mods, saved):
             m.available = f
-        rows_add_triton.STRIDED = strided
-        swiglu_quant_triton.USE = use_swiglu
 
 
 def measure(experts, inits, fmt, cfg: RefineConfig, a, dev) -> dict:

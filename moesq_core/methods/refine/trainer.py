@@ -959,16 +959,16 @@ class BlockRefiner:
         # calibrated scale does, rather than a per-micro-batch dynamic one.
         g_h = act_global(self.fmt, self.h_amax)
         step_amax = torch.zeros_like(self.h_amax)
+        grad_in_forward, gather_in_loss = LOSS_GRAD_IN_FORWARD, TARGET_GATHER_IN_LOSS
+        micro = self._maybe_compile(
+            f"micro{'-fused' if self.fused_swiglu else ''}{'-grad' if grad_in_forward else ''}"
+            f"{'-rows' if gather_in_loss else ''}",
+            lambda: self.micro_loss_fn(self.fmt, self.cd, self.fused_swiglu, grad_in_forward),
+            ((0, 1), (0,), (0,), (0,), (0,) if gather_in_loss else (0, 1), (0, 1), (0,), (0,), (0, 1)))
         for act, a, b in mb:
             sl = self._sel(idx, act)[:, a:b]
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
-            grad_in_forward, gather_in_loss = LOSS_GRAD_IN_FORWARD, TARGET_GATHER_IN_LOSS
-            micro = self._maybe_compile(
-                f"micro{'-fused' if self.fused_swiglu else ''}{'-grad' if grad_in_forward else ''}"
-                f"{'-rows' if gather_in_loss else ''}",
-                lambda: self.micro_loss_fn(self.fmt, self.cd, self.fused_swiglu, grad_in_forward),
-                ((0, 1), (0,), (0,), (0,), (0,) if gather_in_loss else (0, 1), (0, 1), (0,), (0,), (0, 1)))
             if gather_in_loss:  # the targets' gather fused into the loss (the x rows feed a matmul: gathered here)
                 x, y, y_rows = self._rows(self.Xq, sl), self.Y, sl
             else:
