@@ -49,6 +49,7 @@ from moesq_core.config import MethodConfig  # noqa: E402
 from moesq_core.engine import StageSpec, run_stage  # noqa: E402
 from moesq_core.eval.runner import EvalTarget, ResultCache, ppl_for_targets  # noqa: E402
 from moesq_core.formats import get_format  # noqa: E402
+from moesq_core.methods.refine import RefineConfig  # noqa: E402
 from moesq_core.methods.registry import get_method  # noqa: E402
 from moesq_core.bench.harness import git_commit  # noqa: E402
 from moesq_core.workdir import WorkDir  # noqa: E402
@@ -80,6 +81,11 @@ E2E = {"e2e_steps": 64, "e2e_batch_size": 4}  # end-to-end tuning after the last
 E2E_128 = {"e2e_steps": 128, "e2e_batch_size": 4}
 E2E_256 = {"e2e_steps": 256, "e2e_batch_size": 4}
 SPLIT = {"init_split_rows": True}  # RefineConfig's default; tables begun before it existed run with it off
+# moesq's refinement defaults for the fields a table's base protocol may pin otherwise (tables begun before the
+# end-to-end step's "auto" and the values' RMS cap run their base rows without them; these rows say what a
+# default run does on that protocol)
+DEFAULTS = {k: getattr(RefineConfig(), k) for k in ("init_split_rows", "lr_budget_values_rms", "e2e_steps",
+                                                    "e2e_lr", "e2e_batch_size", "e2e_loss")}
 RELEASE = {"lr_budget_steps": None, "logits_dtype": "bfloat16", "ship": "last", "shared_gate_up_global": False,
            "init_split_rows": False}
 
@@ -121,6 +127,8 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-e2e-128": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128}),
     "refine-e2e-128-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128, "seed": 1}),
     "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
+    "refine-default": ("p48-nvfp4", "refine", "sgptq", DEFAULTS),
+    "refine-default-seed1": ("p48-nvfp4", "refine", "sgptq", {**DEFAULTS, "seed": 1}),
     "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
     "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
     "s24-sgptq": ("s24-fp8", "init", "sgptq", {}),
@@ -138,8 +146,13 @@ DESCRIPTION = {
     "sgptq-paper": "paired 4:8 NVFP4, SGPTQ as in the paper (no refit; export-exact E4M3 scales)",
     "sgptq-fp32scales": "paired 4:8 NVFP4, SGPTQ (fp32 scales, projected after; the release)",
     "sgptq-refit": "paired 4:8 NVFP4, SGPTQ-refit (SparseGPT support, masked least squares, GPTQ)",
-    "refine": "paired 4:8 NVFP4, moesq refine (default: p=2, support+values, lr budget rule)",
-    "refine-seed1": "paired 4:8 NVFP4, moesq refine (default), refine seed 1",
+    "refine": "paired 4:8 NVFP4, moesq refine on the table's protocol (p=2, support+values, lr budget rule; "
+              "block-wise only unless the protocol says otherwise)",
+    "refine-seed1": "paired 4:8 NVFP4, refine, refine seed 1",
+    "refine-default": "paired 4:8 NVFP4, moesq refine with every default (block loop on the training + one-shot "
+                      "sequences, values' step ≤ 0.025 × weight RMS, end-to-end step auto: 2 passes of 4 sequences, "
+                      "at most 256 steps)",
+    "refine-default-seed1": "paired 4:8 NVFP4, refine-default with refine seed 1",
     "refine-paper-lr": "paired 4:8 NVFP4, refine with the paper's raw lrs (no budget rule)",
     "refine-values-first": "paired 4:8 NVFP4, refine, values only for the first half of the steps",
     "refine-logits-cap25": "paired 4:8 NVFP4, refine, budget rule with the logits' multiplier capped at 25 (not 10)",
@@ -185,6 +198,7 @@ GROUPS = {
     # the rows of one table at a larger calibration set on the GPU: baselines, moesq's default refinement (two
     # seeds) with its ablations and the end-to-end step, the release-faithful configuration, ¼ and 1× the budget
     "gpu": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq-paper", "sgptq", "release-faithful",
+            "refine-default", "refine-default-seed1",
             "refine", "refine-seed1", "refine-p0", "refine-values", "refine-support", "refine-e2e",
             "refine-e2e-seed1", "refine-e2e-128", "refine-e2e-128-seed1", "refine-quarter", "refine-paper"],
     "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
@@ -306,17 +320,19 @@ def blockwise_ppl(wd: WorkDir, stage: str, eval_text, args, cache) -> float:
 
 def same_refine(old: dict | None, new: dict) -> bool:
     """The same refinement protocol: equal configs, where a table written before the end-to-end options
-    existed (no e2e_* keys) counts as having them at their defaults (none), one written before
-    `init_split_rows` existed as having it off (the training split alone), and `compile` and `chunk_gb` are
+    existed (no e2e_* keys) counts as having none, one written before `init_split_rows` or
+    `lr_budget_values_rms` existed as having them off (LEGACY_REFINE), and `compile` and `chunk_gb` are
     not compared (the speed on CUDA, the memory per chunk: CPU results are the same whatever they say)."""
-    from moesq_core.methods.refine import RefineConfig
-
     if old is None:
         return False
-    default = asdict(RefineConfig())
-    old = {**{k: default[k] for k in new if k.startswith("e2e_")}, "init_split_rows": False, **old,
-           **{k: new.get(k) for k in ("compile", "chunk_gb")}}
+    old = {**LEGACY_REFINE, **old, **{k: new.get(k) for k in ("compile", "chunk_gb")}}
     return old == new
+
+
+# What a table written before a RefineConfig field existed ran with: no end-to-end step, the training split
+# alone, no cap on the values' step.
+LEGACY_REFINE = {"e2e_steps": 0, "e2e_lr": 1e-3, "e2e_batch_size": 8, "e2e_loss": "kl", "e2e_memory_gb": None,
+                 "init_split_rows": False, "lr_budget_values_rms": None}
 
 
 def rel(path) -> str:
@@ -446,7 +462,6 @@ def main(argv=None):
     for kv in args.refine_opt:
         k, _, v = kv.partition("=")
         refine_cfg[k] = json.loads(v)
-    from moesq_core.methods.refine import RefineConfig
 
     full_refine = json.loads(json.dumps(asdict(RefineConfig(**refine_cfg))))  # as stored in JSON (tuples -> lists)
     root.mkdir(parents=True, exist_ok=True)

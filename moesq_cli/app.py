@@ -125,6 +125,19 @@ def _positive_float(value):
     return value
 
 
+def _steps_or_auto(value):
+    """--e2e-steps: a number of steps >= 0, or auto."""
+    if value is None or value == "auto":
+        return value
+    try:
+        steps = int(value)
+    except ValueError:
+        raise typer.BadParameter(f"a number of steps >= 0 or auto, got {value!r}") from None
+    if steps < 0:
+        raise typer.BadParameter(f"must be >= 0 (0: no end-to-end step) or auto, got {steps}")
+    return steps
+
+
 def _stage_name(value: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
         raise typer.BadParameter(f"{value!r}: a stage name is letters, digits, '.', '_' and '-'")
@@ -484,9 +497,10 @@ def refine(
     support_only: Annotated[bool, typer.Option(help="Ablation: learn the support only, values stay.")] = False,
     refine_seed: Annotated[Optional[int], typer.Option(min=0, help=f"Seed of the Gumbel noise and the init of A (default {_default(_REFINE, 'seed')}).")] = None,
     init_split_rows: Annotated[Optional[bool], typer.Option("--init-split-rows/--no-init-split-rows", help="Route the one-shot split's sequences (--n-init) through the block loop with the training ones, for the in-loop init and block-wise training (default: on; off: the training split alone).")] = None,
-    e2e_steps: Annotated[Optional[int], typer.Option(min=0, help=f"Adam steps of end-to-end tuning after the last block (default {_default(_REFINE, 'e2e_steps')}: none; see End-to-end).")] = None,
+    e2e_steps: Annotated[Optional[str], typer.Option(callback=_steps_or_auto, metavar="N|auto", help=f"Adam steps of end-to-end tuning after the last block: a number (0: none) or auto (default {_default(_REFINE, 'e2e_steps')}; see End-to-end).")] = None,
     e2e_lr: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Its learning rate (default {_default(_REFINE, 'e2e_lr')}, cosine to 0).")] = None,
     e2e_batch_size: Annotated[Optional[int], typer.Option(min=1, help=f"Calibration sequences per end-to-end step (default {_default(_REFINE, 'e2e_batch_size')}).")] = None,
+    e2e_memory_gb: Annotated[Optional[float], typer.Option(callback=_positive_float, help="GiB the end-to-end step may use (default: what the device has available); auto skips the step when its estimate is larger.")] = None,
     e2e_loss: Annotated[Optional[str], typer.Option(help=f"Its training loss: kl (on the final logits) or fisher (the KL's second-order form on the final hidden states: no vocabulary-sized logits per step; validation stays the KL) (default {_default(_REFINE, 'e2e_loss')}).")] = None,
     stage: Annotated[str, typer.Option(callback=_stage_name, help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
     init: Annotated[str, typer.Option(callback=_check_method, help="One-shot init method, run per block inside refinement's block loop.")] = "sgptq",
@@ -513,12 +527,13 @@ def refine(
     schedule (epochs × steps, rows per step, effective learning rates) is printed before training, with a
     warning when no pattern can change.
 
-    [bold]End-to-end[/]: --e2e-steps N adds a step after the last block: the patterns stay, and the values of
-    every expert of every block are tuned together against the reference model's next-token distribution
-    (KL on the final logits) over the training and one-shot calibration sequences (--e2e-batch-size per
-    step); the best of
-    the validation checks (before, and after each pass) ships. It rewrites the stage's blocks in one step
-    (resumable) and holds every expert's values and Adam moments at once (16 bytes per expert weight).
+    [bold]End-to-end[/]: after the last block the patterns stay, and the values of every expert of every block
+    are tuned together against the reference model's next-token distribution (KL on the final logits) over
+    the training and one-shot calibration sequences (--e2e-batch-size per step); the best of the validation
+    checks (before, and after each pass) ships. It rewrites the stage's blocks in one step (resumable) and
+    holds every expert's values and Adam moments at once (~24 bytes per expert weight). By default (auto) it
+    runs 2 passes over those sequences, at most 256 steps, when that memory fits the device (or
+    --e2e-memory-gb), and says before the block loop whether it will run; --e2e-steps N sets the steps, 0 none.
 
     [bold]Several GPUs[/]: --nproc N (or `torchrun --nproc-per-node N $(which moesq) refine ...`) shards each
     block's experts over N processes. Every expert draws its own random numbers (seeded by --refine-seed, the
@@ -549,7 +564,7 @@ def refine(
                    micro_batch_rows=micro_batch_rows, chunk_gb=chunk_gb, lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power,
                    train_support=False if values_only else None, train_values=False if support_only else None,
                    seed=refine_seed, init_split_rows=init_split_rows, e2e_steps=e2e_steps, e2e_lr=e2e_lr, e2e_batch_size=e2e_batch_size,
-                   e2e_loss=e2e_loss)
+                   e2e_memory_gb=e2e_memory_gb, e2e_loss=e2e_loss)
     rcfg = _as_usage_error(RefineConfig, **{k: v for k, v in options.items() if v is not None})
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,

@@ -112,8 +112,11 @@ def refine_identity(rcfg, init: MethodConfig) -> dict:
     refine = jsonable(asdict(rcfg))
     if not rcfg.e2e_steps:
         refine = {k: v for k, v in refine.items() if not k.startswith("e2e_")}
-    elif rcfg.e2e_loss == "kl":  # stages recorded before e2e_loss existed trained on the KL
-        del refine["e2e_loss"]
+    else:
+        if rcfg.e2e_loss == "kl":  # stages recorded before e2e_loss existed trained on the KL
+            del refine["e2e_loss"]
+        if rcfg.e2e_memory_gb is None:  # likewise e2e_memory_gb: none meant the device's memory
+            del refine["e2e_memory_gb"]
     if not rcfg.init_split_rows:
         del refine["init_split_rows"]
     return {"method": "refine", "init": init.to_dict(), "refine": refine}

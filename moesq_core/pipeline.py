@@ -7,6 +7,7 @@ what is not, holding the work dir's lock. A stage whose prerequisites are missin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -273,9 +274,16 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
         calib = load_calibration(workdir)
         note(progress, f"{stage} schedule: {refine_schedule(workdir, rcfg)}")
         act_quant = m["config"]["act_quant"]
+        # decided once, by the process that runs the step (under torchrun the others only wait for it)
+        e2e = plan_end_to_end(rcfg, model, adapter, calib) if rcfg.e2e_steps and distributed.is_main_process() else None
+        if e2e is not None:
+            note(progress, f"{stage} end-to-end: {e2e['line']}")
 
         def end_to_end(model, adapter, workdir, progress):
-            return tune_end_to_end(workdir, stage, model, adapter, calib, fmt, act_quant, rcfg, progress)
+            if not e2e["steps"]:
+                return {"skipped": e2e["line"]}
+            return tune_end_to_end(workdir, stage, model, adapter, calib, fmt, act_quant,
+                                   dataclasses.replace(rcfg, e2e_steps=e2e["steps"]), progress)
         split = "train"
         if rcfg.init_split_rows:  # one split the block loop routes: the training and the one-shot sequences
             split = "train+init"
@@ -284,7 +292,7 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
             name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=identity,
             compress_split=split, val_split="val", act_quant=act_quant, batch_size=batch_size,
             cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True),
-            finalize=end_to_end if rcfg.e2e_steps > 0 else None)
+            finalize=end_to_end if rcfg.e2e_steps else None)
         summary = run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
         return {**summary, "improved_on_init": improved_on_init(workdir, stage)}
 
@@ -301,6 +309,35 @@ def improved_on_init(workdir: WorkDir, stage: str) -> dict:
             improved += int((info.get("refine") or {}).get("best_epoch", 0) > 0
                             or (info.get("e2e") or {}).get("best_pass", 0) > 0)
     return {"experts": experts, "improved": improved}
+
+
+def plan_end_to_end(rcfg, model, adapter, calib: dict[str, torch.Tensor]) -> dict:
+    """The end-to-end step's length on this model and calibration: {"steps", "need_bytes", "available_bytes",
+    "line"}. "auto" runs it only when its memory estimate (methods/refine/e2e.py) fits what the model's device
+    has available (or rcfg.e2e_memory_gb); a number of steps runs regardless, with a warning when it looks too big."""
+    from .memory import device_available_bytes
+    from .methods.refine.e2e import memory_need_bytes
+
+    sequences = len(calib["train"]) + len(calib["init"])
+    steps = rcfg.e2e_steps_for(sequences)
+    device = next(model.parameters()).device
+    need = memory_need_bytes(model, adapter, rcfg.e2e_batch_size, calib["train"].shape[1])
+    have = int(rcfg.e2e_memory_gb * 2**30) if rcfg.e2e_memory_gb is not None else device_available_bytes(device)
+    gib = lambda b: f"{b / 2**30:.3g} GiB"  # noqa: E731
+    where = f"{gib(have)} {'allowed (e2e_memory_gb)' if rcfg.e2e_memory_gb is not None else f'available on {device}'}" \
+        if have is not None else f"{device}'s free memory unknown"
+    fits = have is None or need <= have
+    if rcfg.e2e_steps == "auto" and not fits:
+        line = (f"skipped: tuning every expert of the model at once needs ~{gib(need)}, {where} "
+                "(--e2e-steps N runs it anyway; --e2e-steps 0 silences this)")
+        log.warning("end-to-end step %s", line)
+        return {"steps": 0, "need_bytes": need, "available_bytes": have, "line": line}
+    line = (f"{steps} steps × {rcfg.e2e_batch_size} of {sequences} sequences after the last block "
+            f"({'auto: ' if rcfg.e2e_steps == 'auto' else ''}~{gib(need)} of {where})")
+    if not fits:
+        log.warning("end-to-end step: ~%s needed, %s: it may run out of memory", gib(need), where)
+        line += " — may not fit"
+    return {"steps": steps, "need_bytes": need, "available_bytes": have, "line": line}
 
 
 def tune_end_to_end(workdir: WorkDir, stage: str, model, adapter, calib: dict[str, torch.Tensor], fmt,
@@ -379,8 +416,6 @@ def run_config_of(workdir: str | Path, config):
     """`config` (a CompressConfig) with an existing work dir's run config (format, activation quantization,
     calibration) in place of its own: what `moesq run` without a recipe does on a work dir another command
     made. A new work dir keeps the config's."""
-    import dataclasses
-
     wd = WorkDir(workdir)
     if not wd.exists():
         return config

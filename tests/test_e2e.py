@@ -205,10 +205,13 @@ def test_e2e_recipe_is_micro_quick_with_the_end_to_end_step():
 def test_stage_identity_without_the_end_to_end_step_is_unchanged():
     from moesq_core.config import MethodConfig, refine_identity
 
-    plain = refine_identity(RefineConfig(e2e_lr=5e-4), MethodConfig("rtn"))["refine"]
+    plain = refine_identity(RefineConfig(e2e_steps=0, e2e_lr=5e-4), MethodConfig("rtn"))["refine"]
     assert not any(k.startswith("e2e_") for k in plain)  # a stage recorded before the e2e options matches
-    assert refine_identity(RCFG, MethodConfig("rtn"))["refine"]["e2e_steps"] == RCFG.e2e_steps
-    assert "e2e_loss" not in refine_identity(RCFG, MethodConfig("rtn"))["refine"]  # stages from before it trained on the KL
+    ident = refine_identity(RCFG, MethodConfig("rtn"))["refine"]
+    assert ident["e2e_steps"] == RCFG.e2e_steps
+    assert "e2e_loss" not in ident and "e2e_memory_gb" not in ident  # stages from before them: the KL, the device's memory
+    assert refine_identity(RefineConfig(), MethodConfig("rtn"))["refine"]["e2e_steps"] == "auto"
+    assert refine_identity(RefineConfig(e2e_memory_gb=2.0), MethodConfig("rtn"))["refine"]["e2e_memory_gb"] == 2.0
 
 
 @pytest.mark.parametrize("with_init_split", [True, False])
@@ -233,3 +236,83 @@ def test_block_loop_routes_the_one_shot_split_when_asked(micro_path, tmp_path, w
         assert sum(i["n_val"] for i in info) == RUN["n_val"] * RUN["seq_len"] * top_k  # held out either way
     assert ("init_split_rows" in st["config"]["refine"]) == with_init_split
     assert st["config"] == refine_identity(rcfg, MethodConfig("sgptq"))
+
+
+def test_auto_length_is_two_passes_over_the_calibration_capped():
+    from moesq_core.methods.refine.trainer import E2E_AUTO_MAX_STEPS
+
+    auto = RefineConfig()
+    assert auto.e2e_steps == "auto" and auto.e2e_batch_size == 4
+    assert auto.e2e_steps_for(128) == 64  # moesq run's 64 training + 64 one-shot sequences
+    assert auto.e2e_steps_for(9) == 6  # ⌈9 / 4⌉ steps per pass
+    assert auto.e2e_steps_for(768) == E2E_AUTO_MAX_STEPS == 256
+    assert RefineConfig(e2e_steps=10).e2e_steps_for(768) == 10
+    assert RefineConfig(e2e_steps=0).e2e_steps_for(768) == 0
+    for bad in ("many", True, 2.5):
+        with pytest.raises(ValueError, match="e2e_steps"):
+            RefineConfig(e2e_steps=bad)
+    with pytest.raises(ValueError, match="e2e_memory_gb"):
+        RefineConfig(e2e_memory_gb=0)
+
+
+def test_memory_estimate_counts_every_expert_weight_and_refuses_a_qwen3_30b_on_one_gpu(micro_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moesq_core.methods.refine.e2e import STATE_BYTES_PER_WEIGHT, memory_need_bytes
+    from moesq_core.models import load_model
+    from moesq_core.models.adapter import adapter_for
+
+    model, _, adapter, _ = load_model(micro_path, lazy=True)
+    c = model.config
+    experts = c.num_hidden_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size
+    need = memory_need_bytes(model, adapter, 4, 256)
+    floor = experts * (4 + STATE_BYTES_PER_WEIGHT) + 4 * 256 * 3 * c.vocab_size * 4  # + the batch's logits
+    assert floor < need < 2 * floor
+    # Qwen3-30B-A3B's shape (48 layers, 128 experts of 2048 x 768), built on the meta device: no memory
+    cfg = AutoConfig.for_model("qwen3_moe", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                               num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                               num_key_value_heads=4, head_dim=128, vocab_size=151936, intermediate_size=6144)
+    with torch.device("meta"):
+        big = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    assert memory_need_bytes(big, adapter_for(big), 4, 512) > 600 * 2**30  # > 4 H200s
+
+
+def test_auto_end_to_end_runs_where_it_fits_and_is_skipped_with_a_reason_where_not(micro_path, tmp_path, caplog):
+    from moesq_core.pipeline import run_refine
+    from moesq_core.progress import NullProgress
+    from moesq_core.workdir import WorkDir
+
+    class Notes(NullProgress):
+        def __init__(self):
+            self.lines = []
+
+        def note(self, message):
+            self.lines.append(message)
+
+    seqs = RUN["n_train"] + RUN["n_init"]
+    fits = Notes()
+    run_refine(tmp_path / "fits", RefineConfig(epochs=1, steps_per_epoch=2), micro_path, RUN, device="cpu",
+               batch_size=4, progress=fits)
+    st = WorkDir(tmp_path / "fits").stage("refine")
+    assert st["e2e"]["steps"] == RefineConfig().e2e_steps_for(seqs) == 4
+    assert any("end-to-end: 4 steps × 4 of 8 sequences" in line and "auto" in line for line in fits.lines)
+
+    tight = Notes()
+    with caplog.at_level("WARNING", logger="moesq"):
+        run_refine(tmp_path / "tight", RefineConfig(epochs=1, steps_per_epoch=2, e2e_memory_gb=1e-4), micro_path,
+                   RUN, device="cpu", batch_size=4, progress=tight)
+    st = WorkDir(tmp_path / "tight").stage("refine")
+    assert st["done"] and "e2e" not in st and "blockwise" not in st
+    assert "skipped" in st["summary"]["finalize"]
+    assert any("end-to-end: skipped" in line and "GiB allowed (e2e_memory_gb)" in line for line in tight.lines)
+    assert "end-to-end step skipped" in caplog.text
+    # the block-wise blocks are those of the run that tuned end to end afterwards
+    fits_bw = WorkDir(tmp_path / "fits").stage("refine")["blockwise"]
+    assert {li: b["sha256"] for li, b in st["blocks"].items()} == {li: b["sha256"] for li, b in fits_bw.items()}
+
+    # a number of steps runs even where the estimate is larger, with a warning
+    forced = Notes()
+    run_refine(tmp_path / "forced", RefineConfig(epochs=1, steps_per_epoch=2, e2e_steps=3, e2e_memory_gb=1e-4),
+               micro_path, RUN, device="cpu", batch_size=4, progress=forced)
+    assert WorkDir(tmp_path / "forced").stage("refine")["e2e"]["steps"] == 3
+    assert any("may not fit" in line for line in forced.lines)

@@ -41,6 +41,8 @@ import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..memory import available_memory_bytes
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NATIVE_DIR = REPO_ROOT / "native"
 MODULE_NAME = "_moesq_native"
@@ -222,21 +224,6 @@ def _locked(path: Path):
 
 # Peak resident memory of one compiler process: a CUTLASS sm90 variant unit took 4.85 GB with nvcc 13.0 (cicc).
 UNIT_PEAK_BYTES = 5 << 30
-
-
-def available_memory_bytes() -> int | None:
-    """Memory the system can give new processes (Linux MemAvailable), else free pages, else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def default_jobs(cpus: int | None, available: int | None, units: int) -> int:

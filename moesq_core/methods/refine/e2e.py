@@ -99,6 +99,32 @@ class TunableExperts(MoesqExperts):
         return out
 
 
+# Bytes the step holds per expert weight beyond the dense weights: latent V, its gradient and Adam's two
+# moments (fp32 each), the fake-quantized weights its forward keeps for the backward (fp32), the mask.
+STATE_BYTES_PER_WEIGHT = 4 * 4 + 4 + 1
+# Activations kept for the backward per token and decoder layer, in units of the hidden width (attention and
+# MoE inputs/outputs, norms, routed rows at top-k; measured order of magnitude, not a bound).
+ACTIVATION_WIDTHS_PER_LAYER = 24
+
+
+def memory_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int) -> int:
+    """Estimated peak memory of the end-to-end step on `model`: every block's dense expert weights (restored
+    for the reference pass), the tuning state of every expert weight, one batch's activations through all
+    layers and its vocabulary-sized logits (the model's other weights are resident already)."""
+    expert_weights = itemsize = 0
+    layers = 0
+    for b in adapter.blocks(model):
+        ex = b.dense_experts
+        expert_weights += ex.gate_up_proj.numel() + ex.down_proj.numel()
+        itemsize = ex.gate_up_proj.element_size()
+        layers += 1
+    cfg = model.config
+    tokens = batch_size * seq_len
+    acts = tokens * 4 * (cfg.hidden_size * ACTIVATION_WIDTHS_PER_LAYER * max(layers, cfg.num_hidden_layers)
+                         + 3 * cfg.vocab_size)
+    return expert_weights * (itemsize + STATE_BYTES_PER_WEIGHT) + acts
+
+
 @dataclass
 class E2EResult:
     blocks: dict[int, list[CompressedExpert]]  # layer index -> the experts to ship (the input where unchanged)

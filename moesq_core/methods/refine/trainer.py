@@ -71,6 +71,12 @@ PAPER_STEPS = 1280  # the paper's budget per block: 10 epochs × 128 Lion steps 
 RMS_CAP = 0.025  # RefineConfig.lr_budget_values_rms's default (see its docstring)
 SHIP = ("best", "last")
 E2E_LOSSES = ("kl", "fisher")  # RefineConfig.e2e_loss
+# e2e_steps="auto": passes over the calibration sequences, at most this many steps. On micro and tiny (512-token
+# sequences, H200) 64 -> 256 steps of 4 sequences took tiny from 1.090x to 1.060x the reference and its cloze
+# recovery from 95-98 % to 98.8 % (benchmarks/results/accuracy_gpu512_reading.md); 2 passes of moesq run's
+# 128 sequences are 64 steps.
+E2E_AUTO_PASSES = 2
+E2E_AUTO_MAX_STEPS = 256
 
 
 @dataclass(frozen=True)
@@ -138,14 +144,18 @@ class RefineConfig:
     see twice the tokens; the validation split stays held out. On the embedded model at `moesq run`'s budget
     this took refine from 25.29 to 24.75 (SGPTQ 26.11); False routes the training split alone (as before).
 
-    End-to-end tuning (`e2e_steps` > 0, see e2e.py): after the last block, the patterns stay fixed and the
-    values of every expert of every block are tuned together (Adam at `e2e_lr`, cosine to 0, batches of
-    `e2e_batch_size` calibration sequences) to match the reference model's next-token distribution, KL on
-    the final logits, over every calibration sequence but the validation ones (refinement's and the
-    one-shot methods' splits). It validates before and after each pass over them and ships the best (the
-    block-wise result unchanged when nothing validates better). It holds the whole model's expert latents and
-    Adam moments (16 bytes per expert weight) at once. `e2e_loss="fisher"` trains on the KL's second-order form
-    on the final hidden states instead (validation stays the exact KL): no vocabulary-sized logits per step.
+    End-to-end tuning (see e2e.py): after the last block, the patterns stay fixed and the values of every
+    expert of every block are tuned together (Adam at `e2e_lr`, cosine to 0, batches of `e2e_batch_size`
+    calibration sequences) to match the reference model's next-token distribution, KL on the final logits,
+    over every calibration sequence but the validation ones (refinement's and the one-shot methods' splits).
+    It validates before and after each pass over them and ships the best (the block-wise result unchanged when
+    nothing validates better). It holds the whole model's expert latents and Adam moments (16 bytes per expert
+    weight, ~24 with the weights its forward keeps) at once. `e2e_steps`: a number of steps (0: none), or
+    "auto" (the default): E2E_AUTO_PASSES passes over those sequences, at most E2E_AUTO_MAX_STEPS steps, when
+    the step's memory fits what the device has available (`e2e_memory_gb` when given), else none, said before
+    the block loop starts (a Qwen3-30B-A3B needs ~0.7 TB: the step is for models that fit one device).
+    `e2e_loss="fisher"` trains on the KL's second-order form on the final hidden states instead (validation
+    stays the exact KL): no vocabulary-sized logits per step.
     """
 
     epochs: int = 10
@@ -184,9 +194,10 @@ class RefineConfig:
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
     chunk_gb: float | None = None  # memory for one chunk of a block's experts (None: 85 % of the free GPU memory; no chunking on CPU)
     init_split_rows: bool = True  # the block loop also routes the one-shot split's sequences (see above)
-    e2e_steps: int = 0  # end-to-end tuning after the last block (0: none); see e2e.py
+    e2e_steps: int | str = "auto"  # end-to-end tuning after the last block (0: none; "auto": see above); e2e.py
     e2e_lr: float = 1e-3  # its Adam learning rate (cosine to 0)
-    e2e_batch_size: int = 8  # calibration sequences per end-to-end step
+    e2e_batch_size: int = 4  # calibration sequences per end-to-end step
+    e2e_memory_gb: float | None = None  # memory the end-to-end step may use (None: what the device has available)
     e2e_loss: str = "kl"  # its training loss: "kl" on the final logits, or "fisher", its second-order form (e2e.py)
 
     def __post_init__(self):
@@ -227,8 +238,12 @@ class RefineConfig:
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}{' or auto' if name == 'compute_dtype' else ''}, got {v!r}")
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"compile must be true, false or auto (on CUDA only), got {self.compile!r}")
-        if self.e2e_steps < 0 or self.e2e_batch_size < 1:
-            raise ValueError(f"e2e_steps must be >= 0 and e2e_batch_size >= 1, got {self.e2e_steps} and {self.e2e_batch_size}")
+        if not (self.e2e_steps == "auto" or (isinstance(self.e2e_steps, int) and not isinstance(self.e2e_steps, bool) and self.e2e_steps >= 0)):
+            raise ValueError(f"e2e_steps must be a number of steps >= 0 or 'auto', got {self.e2e_steps!r}")
+        if self.e2e_batch_size < 1:
+            raise ValueError(f"e2e_batch_size must be >= 1, got {self.e2e_batch_size}")
+        if self.e2e_memory_gb is not None and not self.e2e_memory_gb > 0:
+            raise ValueError(f"e2e_memory_gb must be > 0 GiB (or None: what the device has), got {self.e2e_memory_gb}")
         if not self.e2e_lr > 0:
             raise ValueError(f"e2e_lr must be positive, got {self.e2e_lr}")
         if self.e2e_loss not in E2E_LOSSES:
@@ -237,6 +252,13 @@ class RefineConfig:
             raise ValueError(f"ship must be one of {SHIP}, got {self.ship!r}")
         if self.chunk_gb is not None and not self.chunk_gb > 0:
             raise ValueError(f"chunk_gb must be > 0 GiB (or None: from the free GPU memory), got {self.chunk_gb}")
+
+    def e2e_steps_for(self, sequences: int) -> int:
+        """The end-to-end step's length over `sequences` calibration sequences, before any memory check:
+        e2e_steps when a number, else E2E_AUTO_PASSES passes of e2e_batch_size sequences, at most E2E_AUTO_MAX_STEPS."""
+        if self.e2e_steps != "auto":
+            return int(self.e2e_steps)
+        return min(E2E_AUTO_MAX_STEPS, E2E_AUTO_PASSES * math.ceil(max(sequences, 0) / self.e2e_batch_size))
 
     def lr_scale(self, steps: int, cap: float) -> float:
         """The budget rule's multiplier for a group that trains `steps` optimizer steps."""

@@ -1,0 +1,31 @@
+"""How much memory a device can still give: the host's (Linux MemAvailable) or a CUDA device's (free plus what
+torch's caching allocator holds unused). Used to size work before it starts rather than fail halfway."""
+from __future__ import annotations
+
+import os
+
+
+def available_memory_bytes() -> int | None:
+    """Memory the system can give new processes (Linux MemAvailable), else free pages, else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def device_available_bytes(device) -> int | None:
+    """Bytes a new allocation on `device` can still get: a CUDA device's free memory plus its cached, unused
+    blocks; the host's available memory for the CPU (None when the system does not say)."""
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return available_memory_bytes()
