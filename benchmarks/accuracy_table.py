@@ -492,6 +492,9 @@ def main(argv=None):
             # a table's notes describe its rows: kept when a later run of the same protocol adds rows
             "notes": list(dict.fromkeys([*(old.get("notes", []) if same_protocol else []), *args.note])),
         }
+        if args.no_run and same_protocol:  # nothing computed here: the table keeps the provenance of its runs
+            meta.update({k: old[k] for k in ("command", "commit", "date", "machine", "device", "model_path", "eval", "calibration")
+                         if k in old})
         for src in args.merge:
             other = json.loads(src.read_text())
             if other.get("model") != model:
@@ -505,7 +508,7 @@ def main(argv=None):
                     continue
                 for act, cell in r.items():
                     if "ppl" in cell and "ppl" not in rows.get(name, {}).get(act, {}):
-                        rows.setdefault(name, {})[act] = {**cell, "merged_from": str(src)}
+                        rows.setdefault(name, {})[act] = {"commit": other.get("commit"), **cell, "merged_from": src.name}
             meta["rows_requested"] += [n for n in other["rows"] if n not in meta["rows_requested"]]
             meta["notes"] = meta["notes"] + [f"rows marked merged_from in the JSON were run by `{other['command']}` "
                                              "(same calibration seed and config)"]

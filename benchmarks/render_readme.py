@@ -91,7 +91,7 @@ BUDGET_EMBEDDED = [  # (file, row, label, steps per block)
     ("accuracy_embedded_run-budget.json", "refine-refit", "refine from SGPTQ-refit, training sequences only", "16"),
     ("accuracy_embedded_run-budget.json", "refine-refit-seed1", "&nbsp;&nbsp;seed 1", "16"),
     ("accuracy_embedded_run-budget.json", "refine-split",
-     "**refine from SGPTQ-refit on the training + one-shot sequences (default)**", "16"),
+     "**refine from SGPTQ-refit on the training + one-shot sequences (the default block loop)**", "16"),
     ("accuracy_embedded_run-budget.json", "release-faithful",
      "release-faithful (recipes/release-faithful.yaml, without its serving-time activation scale)", "16"),
     ("accuracy_embedded_run-budget.json", "refine-quarter", "refine from SGPTQ, budget rule", "320 (¼ paper)"),
@@ -119,14 +119,14 @@ BUDGET_TINY = [
     ("sgptq", "SGPTQ"), ("sgptq-refit", "SGPTQ-refit"), ("refine-paper-lr", "refine, the paper's rates as given"),
     ("refine", "refine from SGPTQ, budget rule"), ("refine-refit", "refine from SGPTQ-refit, training sequences only"),
     ("refine-refit-e2e", "&nbsp;&nbsp;+ end-to-end step (`--e2e-steps 64 --e2e-batch-size 4`)"),
-    ("refine-e2e", "**refine (default: training + one-shot sequences)** + end-to-end step (64 × 4)"),
+    ("refine-e2e", "**refine (the default block loop: training + one-shot sequences)** + end-to-end step (64 × 4)"),
     ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
 ]
 BUDGET_MICRO = [
     ("sgptq-refit", "SGPTQ-refit (the default SGPTQ)"),
     ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
     ("refine-refit-e2e", "refine from SGPTQ-refit, training sequences only + end-to-end step (`--e2e-steps 64 --e2e-batch-size 4`)"),
-    ("refine-e2e", "**refine (default: training + one-shot sequences)** + end-to-end step (64 × 4)"),
+    ("refine-e2e", "**refine (the default block loop: training + one-shot sequences)** + end-to-end step (64 × 4)"),
     ("refine-e2e-128", "&nbsp;&nbsp;end-to-end 128 × 4"),
     ("refine-e2e-256", "&nbsp;&nbsp;end-to-end 256 × 4"),
 ]
@@ -186,13 +186,15 @@ GPU_ROWS = [
     ("reference", "reference"), ("dense-rtn", "dense NVFP4 RTN (4.5 bits)"), ("magnitude", "magnitude + RTN"),
     ("wanda", "Wanda"), ("jsq", "JSQ"), ("obr", "OBR (no rotation)"), ("sgptq-paper", "SGPTQ (the paper's, no refit)"),
     ("sgptq", "SGPTQ-refit (moesq's default init)"), ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
-    ("refine", "**moesq refine** (default)"), ("refine-seed1", "&nbsp;&nbsp;seed 1"),
+    ("refine-default", "**moesq refine** (every default: block-wise, then the end-to-end step, auto: 256 steps here)"),
+    ("refine-default-seed1", "&nbsp;&nbsp;seed 1"),
+    ("refine", "moesq refine, block-wise only (`--e2e-steps 0`; before the values' RMS cap)"), ("refine-seed1", "&nbsp;&nbsp;seed 1"),
     ("refine-p0", "&nbsp;&nbsp;ablation: uniform loss"), ("refine-values", "&nbsp;&nbsp;ablation: values only"),
     ("refine-support", "&nbsp;&nbsp;ablation: support only"),
     ("refine-quarter", "&nbsp;&nbsp;¼ of the paper's budget (320 steps)"),
     ("refine-paper", "&nbsp;&nbsp;the paper's budget (1,280 steps)"),
-    ("refine-e2e", "**moesq refine + 64 end-to-end steps**"), ("refine-e2e-seed1", "&nbsp;&nbsp;seed 1"),
-    ("refine-e2e-128", "**moesq refine + 128 end-to-end steps**"), ("refine-e2e-128-seed1", "&nbsp;&nbsp;seed 1"),
+    ("refine-e2e", "&nbsp;&nbsp;+ 64 end-to-end steps"), ("refine-e2e-seed1", "&nbsp;&nbsp;&nbsp;&nbsp;seed 1"),
+    ("refine-e2e-128", "&nbsp;&nbsp;+ 128 end-to-end steps"), ("refine-e2e-128-seed1", "&nbsp;&nbsp;&nbsp;&nbsp;seed 1"),
 ]
 
 

@@ -316,3 +316,40 @@ def test_auto_end_to_end_runs_where_it_fits_and_is_skipped_with_a_reason_where_n
                micro_path, RUN, device="cpu", batch_size=4, progress=forced)
     assert WorkDir(tmp_path / "forced").stage("refine")["e2e"]["steps"] == 3
     assert any("may not fit" in line for line in forced.lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_tunable_experts_on_cuda_match_the_cpu_reference(act_quant):
+    """The end-to-end step's forward and gradient on the GPU (batched experts forward) against the CPU's."""
+    fmt = get_format("p48-nvfp4")
+    weights = _random_block(fmt, E=5, I=96, H=160)
+    amax_in, amax_mid = torch.tensor([3.0, 2.5, 4.0, 1.5, 2.0]), torch.tensor([1.0, 0.5, 2.0, 0.7, 1.2])
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(77, 160, generator=g)  # awkward row count
+    idx = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(77)])
+    wts = torch.rand(77, 2, generator=g)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        m = TunableExperts(fmt, weights, act_quant, amax_in, amax_mid, device=dev)
+        y = m(x.to(dev), idx.to(dev), wts.to(dev))
+        y.square().sum().backward()
+        out[dev] = (y.detach().cpu(), {p: m.V[p].grad.cpu() for p in PROJECTIONS})
+    torch.testing.assert_close(out["cuda"][0], out["cpu"][0], rtol=1e-4, atol=1e-5)
+    for p in PROJECTIONS:
+        torch.testing.assert_close(out["cuda"][1][p], out["cpu"][1][p], rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_end_to_end_on_cuda_plans_from_the_gpu_memory_and_lowers_the_validation_kl(micro_path, tmp_path):
+    from moesq_core.pipeline import run_refine
+    from moesq_core.workdir import WorkDir
+
+    run_refine(tmp_path / "wd", RefineConfig(epochs=1, steps_per_epoch=2, e2e_lr=3e-3, init_split_rows=False),
+               micro_path, RUN, device="cuda", batch_size=4)
+    st = WorkDir(tmp_path / "wd").stage("refine")
+    rec = st["e2e"]
+    assert rec["steps"] == RefineConfig().e2e_steps_for(RUN["n_train"] + RUN["n_init"])
+    assert min(rec["val_kl"][1:]) < rec["val_kl"][0] and rec["best_pass"] > 0
