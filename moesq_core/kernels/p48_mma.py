@@ -48,12 +48,15 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # Per compiled kernel variant (index = MmaConfig.variant; native/src/p48_gemm.cu lists them): tokens per pass and
 # output rows per CTA. 0, 1: mma.sp per warp (8 warps x 2 row tiles); 2-9: wgmma.sp (2 or 4 warpgroups x 64 rows,
 # the staged tokens are the wgmma's N, so each weight fragment is decoded once per pass for all of them); 10: 0 with
-# fewer instructions per weight record (one lane bulk-copies a ring step, scales decoded once per record). pick_config
-# chooses 10 (decode), 5 and 4 (4 warpgroups, 64 / 128 tokens): the fastest on every bench shape of an H200 at N <= 16,
-# 64 and 128 / 256 respectively (native/NOTES.md); the others stay compiled and tested.
-TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16)
-ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256)
-MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",)
+# fewer instructions per weight record (one lane bulk-copies a ring step, scales decoded once per record); 11: 10 with
+# the staging and epilogue trimmed per unit (warp-uniform skips past the tokens, one output base pointer); 12: 11 with
+# each CTA walking a contiguous range of the active experts' units, so a chunk of activations staged for one row group
+# serves the next ones. pick_config chooses 10 (decode), 5 and 4 (4 warpgroups, 64 / 128 tokens): the fastest on
+# every bench shape of an H200 at N <= 16, 64 and 128 / 256 respectively (native/NOTES.md); the others stay compiled
+# and tested.
+TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16, 16, 16)
+ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256, 256, 256)
+MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",) * 3
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 
