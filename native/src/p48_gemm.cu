@@ -1030,7 +1030,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // tile and step); 1: mma.sp with 64 tokens per pass; 2-9: the warpgroup path (WgVariant<tokens, warpgroups,
 // stages, K chunk, records per step, pipelined staging>); 10: 0 with fewer instructions per record (BULK: one lane
 // bulk-copies each ring step, scales decoded once per record, a fixed staging map, the unit cursor moved by adds).
-// Picked: 10 (up to 16 rows per expert), 5 (up to 64), 4 (above).
+// 11: 10 with the per-unit staging and epilogue trimmed (LEAN); 12: 11 walking contiguous ranges of active units,
+// re-using a staged chunk across an expert's row groups (CONTIG).
+// Picked: 11 (up to 8 rows per expert), 10 (up to 16), 5 (up to 64), 4 (above).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
   X(1, Variant<64, 2, 8, 4, 512>)      \
