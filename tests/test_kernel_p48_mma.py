@@ -119,6 +119,9 @@ def test_from_packed_rejects_bad_input():
 
 def test_pick_config_splits_only_small_grids():
     cpu = torch.device("cpu")
+    assert pm.pick_config(1536, 2048, 128, 1, cpu) == pm.MmaConfig(11, 1)
+    assert pm.pick_config(1536, 2048, 128, 8, cpu) == pm.MmaConfig(11, 1)
+    assert pm.pick_config(1536, 2048, 128, 9, cpu).variant == 10
     assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(10, 1)
     assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 5
     assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 5
@@ -264,10 +267,10 @@ def test_gpu_kernel_ignores_x_past_k_and_stale_staging(variant):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [0, 10])
+@pytest.mark.parametrize("variant", [0, 10, 11, 12])
 def test_gpu_in_kernel_activation_quant_zero_rows_and_cuda_graph(variant):
     """All-zero and single-nonzero blocks quantize like the pre-pass; the W4A4 launch replays in a CUDA graph
-    (both decode variants: 10's ring waits on mbarriers)."""
+    (the decode variants: 10-12's rings wait on mbarriers)."""
     native = _native_or_skip()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(5)
@@ -290,6 +293,20 @@ def test_gpu_in_kernel_activation_quant_zero_rows_and_cuda_graph(variant):
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
     assert not out.view(3, case.C, 48)[0, 1].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", [10, 11, 12])
+@pytest.mark.parametrize("act_quant,split", [(False, 1), (True, 1), (False, 2)])
+def test_gpu_kernel_many_experts_few_active(variant, act_quant, split):
+    """More experts than a CTA has threads, most without tokens (the first and the last with): variant 12 balances
+    its contiguous unit ranges over the active experts only, with CTAs left without work."""
+    gen = torch.Generator().manual_seed(300 + variant)
+    counts = [0] * 300
+    for e, n in ((0, 3), (1, 16), (7, 1), (130, 9), (255, 2), (256, 5), (257, 16), (299, 1)):
+        counts[e] = n
+    _gpu_case(300, 264, 640, counts, act_quant, split, variant, torch.float32, seed=int(torch.randint(0, 99, (1,), generator=gen)))
 
 
 @pytest.mark.gpu

@@ -48,12 +48,15 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # Per compiled kernel variant (index = MmaConfig.variant; native/src/p48_gemm.cu lists them): tokens per pass and
 # output rows per CTA. 0, 1: mma.sp per warp (8 warps x 2 row tiles); 2-9: wgmma.sp (2 or 4 warpgroups x 64 rows,
 # the staged tokens are the wgmma's N, so each weight fragment is decoded once per pass for all of them); 10: 0 with
-# fewer instructions per weight record (one lane bulk-copies a ring step, scales decoded once per record). pick_config
-# chooses 10 (decode), 5 and 4 (4 warpgroups, 64 / 128 tokens): the fastest on every bench shape of an H200 at N <= 16,
-# 64 and 128 / 256 respectively (native/NOTES.md); the others stay compiled and tested.
-TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16)
-ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256)
-MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",)
+# fewer instructions per weight record (one lane bulk-copies a ring step, scales decoded once per record); 11: 10 with
+# the staging and epilogue trimmed per unit (warp-uniform skips past the tokens, one output base pointer); 12: 11 with
+# each CTA walking a contiguous range of the active experts' units, so a chunk of activations staged for one row group
+# serves the next ones. pick_config chooses 11 and 10 (decode), 5 and 4 (4 warpgroups, 64 / 128 tokens): the fastest on
+# every bench shape of an H200 at N <= 16, 64 and 128 / 256 respectively (native/NOTES.md); the others stay compiled
+# and tested. Since 11 won at up to 8 rows per expert (p48_variants_h200_2026-12-02_ccc589a.md), it takes those rows.
+TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16, 16, 16)
+ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256, 256, 256)
+MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",) * 3
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 
@@ -233,10 +236,11 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, device: torch.device) -> MmaConfig:
-    """mma.sp with 16 tokens per pass for decode-sized batches (variant 10, the bulk-copy ring), else wgmma.sp with
-    4 warpgroups (256 rows per CTA, two records per step): 64 tokens per pass up to 64 rows per expert, 128 above;
-    split K only when too few CTAs have work."""
-    variant = 10 if rows_per_expert <= 16 else 5 if rows_per_expert <= 64 else 4
+    """mma.sp with 16 tokens per pass for decode-sized batches (the bulk-copy ring: variant 11, the trimmed per-unit
+    staging and epilogue, up to 8 rows per expert, where it won on every bench shape; variant 10 up to 16, where 11
+    lost on the gate/up shapes), else wgmma.sp with 4 warpgroups (256 rows per CTA, two records per step): 64 tokens
+    per pass up to 64 rows per expert, 128 above; split K only when too few CTAs have work."""
+    variant = 11 if rows_per_expert <= 8 else 10 if rows_per_expert <= 16 else 5 if rows_per_expert <= 64 else 4
     ctas = max(1, active_experts) * math.ceil(M / ROWS_PER_CTA[variant])
     target = 2 * _num_sms(device)
     split = 1

@@ -285,10 +285,18 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // stage's mbarrier) instead of every lane issuing 16-byte cp.async with its own address math, and the decode
 // turns each record's scales into bf16x2 pairs once (both steps of a pair in one register) instead of per step:
 // fewer instructions per weight byte, which is what bounds decode.
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false>
+// LEAN (BULK only): per unit, the staging skips its iterations past the tokens and the warps whose column groups
+// lie past the chunk (warp-uniform branches instead of predicated-off loads and stores), and the epilogue writes
+// through a per-thread base pointer with constant offsets (skipping the second token tile at <= 8 tokens).
+// CONTIG (LEAN only): each CTA walks a contiguous range of the units of experts with tokens (ranges balanced on
+// the device from the counts), so consecutive units are row groups of one expert, and a chunk of activations
+// already staged for the previous unit is not staged again (pays where one chunk covers the K slice).
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false, bool LEAN_ = false,
+          bool CONTIG_ = false>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool BULK = BULK_;
+  static constexpr bool BULK = BULK_, LEAN = LEAN_, CONTIG = CONTIG_;
+  static_assert((!LEAN || BULK) && (!CONTIG || LEAN), "LEAN needs BULK, CONTIG needs LEAN");
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
@@ -308,7 +316,7 @@ struct Variant {
 template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool PIPE = PIPE_, BULK = false;
+  static constexpr bool PIPE = PIPE_, BULK = false, LEAN = false, CONTIG = false;
   static constexpr int XS = KC;
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   static constexpr int kXBytes = (PIPE ? 2 : 1) * kXBuf * 2 + 1024;  // + slack: the swizzle needs a 1024-byte base
@@ -383,11 +391,12 @@ __device__ __forceinline__ void store_x(uint16_t* xs, const XChunk& ch, int j0, 
   if constexpr (QUANT) {
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      // a warp holds whole 32-column blocks, so one whose rows are all past the tokens skips the work (the
-      // branch is warp-uniform: the block's amax shuffles stay complete)
+      // a warp holds whole 32-column blocks, so one whose rows are all past the tokens, or (BULK's fixed map)
+      // whose column groups all lie past the chunk's width, skips the work (the branch is warp-uniform: the
+      // block's amax shuffles stay complete)
       int t, c;
       x_slot<V>(ch, j0 + j, t, c);
-      if (__any_sync(0xFFFFFFFFu, t < ch.ntok)) v[j] = nvfp4_block_values(v[j], ch.g);
+      if (__any_sync(0xFFFFFFFFu, t < ch.ntok && 8 * c < ch.kw)) v[j] = nvfp4_block_values(v[j], ch.g);
     }
   }
 #pragma unroll
@@ -406,9 +415,48 @@ __device__ __forceinline__ void store_x(uint16_t* xs, const XChunk& ch, int j0, 
   }
 }
 
+// K-permutes one 16-byte group (8 columns) per 8-group: [e0 e2 e4 e6 | e1 e3 e5 e7].
+__device__ __forceinline__ uint4 permute8(uint4 v) {
+  return make_uint4(prmt(v.x, v.y, 0x5410), prmt(v.z, v.w, 0x5410), prmt(v.x, v.y, 0x7632), prmt(v.z, v.w, 0x7632));
+}
+
+// LEAN staging under the fixed map (thread: column group c, tokens t0, t0 + TS, ...; a warp shares its token and
+// holds 32 consecutive groups): the iterations past the tokens and the warps past the chunk's width branch away
+// (warp-uniform) instead of running predicated off; one 64-bit source pointer per thread, advanced by a stride.
+// Writes exactly what stage_x writes.
+template <class V, bool QUANT>
+__device__ __forceinline__ void stage_x_lean(const Params& p, uint16_t* xs, const XChunk& ch) {
+  constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::kXIters;
+  static_assert(V::kThreads % G == 0 && G % 32 == 0 && N <= 8, "the lean staging needs whole warps per token");
+  const int c = threadIdx.x % G, t0 = threadIdx.x / G;
+  if (8 * (c & ~31) >= ch.kw) return;  // the warp's groups all lie past the chunk (nothing of it is read)
+  const int nj = ch.ntok - t0 <= 0 ? 0 : (ch.ntok - t0 + TS - 1) / TS;  // iterations with a token
+  const bool col_ok = 8 * c < ch.kw && ch.k0 + 8 * c < p.K;
+  const uint16_t* src = p.x + (ch.row0 + t0) * p.x_stride + ch.k0 + 8 * c;
+  const long long step = TS * p.x_stride;
+  uint4 v[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    if (j >= nj) break;
+    v[j] = col_ok ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
+    src += step;
+  }
+  uint16_t* dst = xs + t0 * V::XS + 8 * c;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    if (j >= nj) break;
+    if constexpr (QUANT) v[j] = nvfp4_block_values(v[j], ch.g);  // the warp is whole here (uniform branches)
+    if (8 * c < ch.kw) *reinterpret_cast<uint4*>(dst + j * TS * V::XS) = permute8(v[j]);
+  }
+}
+
 // Stages a whole chunk into shared memory, in rounds of at most 8 16-byte loads per thread (registers).
 template <class V, bool QUANT>
 __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, const XChunk& ch) {
+  if constexpr (V::LEAN) {
+    stage_x_lean<V, QUANT>(p, xs, ch);
+    return;
+  }
   // 8 loads in flight, 4 where 8 spill (the 64-token variant under QUANT, the 128-token warpgroup variants)
   constexpr int kMaxRound = (QUANT && V::NB > 16) || V::NB > 64 ? 4 : 8;
   constexpr int kRound = V::kXIters < kMaxRound ? V::kXIters : kMaxRound;
@@ -433,7 +481,36 @@ struct Cursor {
   // INCR (BULK variants): the unit as (e, rg, z) and gridDim.x in the same mixed radix (experts, row groups, K
   // slices), so that moving on by gridDim.x units is a few adds instead of two integer divisions
   int z, de, drg, dz;
+  int left;  // CONTIG: units left in the CTA's range, this one included
   bool valid;
+
+  // CONTIG: stand at unit (e, rem) of the range (e has tokens), `n` units long.
+  template <int NB>
+  __device__ __forceinline__ void start_contig(const Params& p, int e0, int rem, int n, int row_groups, int kr_per) {
+    valid = n > 0;
+    if (!valid) return;
+    e = e0, rg = rem / p.split, z = rem - rg * p.split, left = n;
+    if (!take<NB>(p, e, z, kr_per)) step_contig<NB>(p, row_groups, kr_per);
+  }
+  // CONTIG: the next unit of the range with work (experts without tokens are not in the range's count).
+  template <int NB>
+  __device__ __forceinline__ void step_contig(const Params& p, int row_groups, int kr_per) {
+    for (;;) {
+      if (--left <= 0) {
+        valid = false;
+        return;
+      }
+      if (++z == p.split) {
+        z = 0;
+        if (++rg == row_groups) {
+          rg = 0;
+          do ++e;
+          while (__ldg(p.counts + e) <= 0);  // the range ends at an expert with tokens
+        }
+      }
+      if (take<NB>(p, e, z, kr_per)) return;  // else an empty K slice (split > KR / kr_per)
+    }
+  }
 
   template <int NB>
   __device__ __forceinline__ void seek(const Params& p, int unit, int row_groups, int kr_per, int n_units) {
@@ -465,12 +542,14 @@ struct Cursor {
     }
     return false;
   }
-  template <int NB, int STEP, bool INCR = false>
+  template <int NB, int STEP, bool INCR = false, bool CONTIG = false>
   __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units) {
     if ((kr += STEP) < nkr) return;
     kr = 0;
     if (++tb < ntb) return;
-    if constexpr (INCR) {
+    if constexpr (CONTIG) {
+      step_contig<NB>(p, row_groups, kr_per);
+    } else if constexpr (INCR) {
       for (;;) {
         z += dz;
         int carry = z >= p.split;
@@ -532,6 +611,17 @@ __device__ __forceinline__ void decode_step_hoisted(const uint4& codes, const Re
   }
 }
 
+// One output element through a typed pointer (LEAN): a bf16 or fp32 store, or an fp32 atomic add (split K).
+template <bool ATOMIC, class T>
+__device__ __forceinline__ void store_to(T* o, float v) {
+  if constexpr (ATOMIC)
+    atomicAdd(o, v);
+  else if constexpr (std::is_same_v<T, __nv_bfloat16>)
+    *o = __float2bfloat16_rn(v);
+  else
+    *o = v;
+}
+
 // One output element: plain bf16 or fp32 store, or an fp32 atomic add (split K).
 template <bool OUT_BF16, bool ATOMIC>
 __device__ __forceinline__ void store_out(const Params& p, long long off, float v) {
@@ -541,6 +631,44 @@ __device__ __forceinline__ void store_out(const Params& p, long long off, float 
     reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(v);
   else
     reinterpret_cast<float*>(p.out)[off] = v;
+}
+
+// CONTIG: this CTA's range of units, balanced over the grid: the units (row groups x K slices) of the experts with
+// tokens, in order, split into gridDim.x contiguous ranges. Returns the range's length; e0 / rem: its first unit.
+// Every thread of the CTA must call it (block-wide counts; the results are CTA-uniform).
+template <class V>
+__device__ __forceinline__ int contig_range(const Params& p, int per_e, int& e0, int& rem) {
+  __shared__ int s_warp[V::W], s_e;
+  int active = 0;
+  for (int b = 0; b < p.E; b += V::kThreads) {
+    const int e = b + threadIdx.x;
+    active += __syncthreads_count(e < p.E && __ldg(p.counts + e) > 0);
+  }
+  const long long units = 1LL * active * per_e;
+  const long long s = units * blockIdx.x / gridDim.x, t = units * (blockIdx.x + 1) / gridDim.x;
+  if (s >= t) return 0;
+  const int ae = static_cast<int>(s / per_e);  // the range starts in the ae-th expert with tokens
+  rem = static_cast<int>(s - 1LL * ae * per_e);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int b = 0, before = 0; b < p.E; b += V::kThreads) {
+    const int e = b + threadIdx.x;
+    const bool act = e < p.E && __ldg(p.counts + e) > 0;
+    const uint32_t bal = __ballot_sync(0xFFFFFFFFu, act);
+    if (lane == 0) s_warp[warp] = __popc(bal);
+    __syncthreads();
+    int rank = before + __popc(bal & ((1u << lane) - 1u)), round = 0;
+#pragma unroll
+    for (int w = 0; w < V::W; ++w) {
+      rank += w < warp ? s_warp[w] : 0;
+      round += s_warp[w];
+    }
+    if (act && rank == ae) s_e = e;
+    __syncthreads();
+    before += round;
+    if (before > ae) break;  // CTA-uniform
+  }
+  e0 = s_e;
+  return static_cast<int>(t - s);
 }
 
 // The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (one
@@ -571,7 +699,7 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
         }
       }
     }
-    prod.next<V::NB, RK, V::BULK>(p, row_groups, kr_per, n_units);
+    prod.next<V::NB, RK, V::BULK, V::CONTIG>(p, row_groups, kr_per, n_units);
   }
   if constexpr (!V::BULK) cp_async_commit();
   slot = slot == V::S - 1 ? 0 : slot + 1;
@@ -593,11 +721,18 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
 
   Cursor prod{}, cons{};
-  prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+  if constexpr (V::CONTIG) {
+    int e0 = 0, rem = 0;
+    const int n = contig_range<V>(p, row_groups * p.split, e0, rem);
+    prod.start_contig<NB>(p, e0, rem, n, row_groups, kr_per);
+  } else {
+    prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+  }
   if (!prod.valid) return;
-  if constexpr (V::BULK) prod.init_stride(p, row_groups);
+  if constexpr (V::BULK && !V::CONTIG) prod.init_stride(p, row_groups);
   cons = prod;
   int slot_p = 0, slot_c = 0;
+  int staged_e = -1, staged_tb = 0, staged_k = 0;  // CONTIG: the chunk in shared memory
   uint32_t phase = 0;  // BULK: parity of the consumer's current pass over the ring
   if constexpr (V::BULK) {
     if (lane == 0) {
@@ -630,9 +765,14 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     const long long row0 = V::BULK ? 0 : __ldg(p.row_start + cons.e);  // BULK: read at the epilogue only
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
-      __syncthreads();  // every warp is done with the previous chunk
-      stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
-      __syncthreads();
+      // CONTIG: the next row group of an expert reads the chunk already staged (the key is CTA-uniform)
+      const int k = cons.kr0 + kr;
+      if (!V::CONTIG || cons.e != staged_e || tb != staged_tb || k != staged_k) {
+        __syncthreads();  // every warp is done with the previous chunk
+        stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
+        __syncthreads();
+        staged_e = cons.e, staged_tb = tb, staged_k = k;
+      }
     }
     if constexpr (V::BULK) {
       mbar_wait(bars + 8 * slot_c, phase);
@@ -710,7 +850,34 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     } else {
       records(std::integral_constant<int, NT>{});
     }
-    if (kr + RK >= cons.nkr) {  // end of a token block: write its outputs
+    if (V::LEAN && kr + RK >= cons.nkr) {  // end of a token block: write its outputs (one base pointer)
+      const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
+      using T = std::conditional_t<OUT_BF16 && !ATOMIC, __nv_bfloat16, float>;
+      // the lane's outputs: tokens n * 8 + 2 t4 (+ 1) x rows 16 rt + g (+ 8)
+      T* const base = reinterpret_cast<T*>(p.out) + (__ldg(p.row_start + cons.e) + tb * NB + 2 * t4) * p.out_stride + g;
+      const long long s8 = 8 * p.out_stride;
+      const int tok = ntok - 2 * t4;  // the lane's tokens are 0 (+1) below this, per tile
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int rt = cons.rg * (W * R) + r * W + warp;
+        const int mr = p.M - (rt * 16 + g);  // rows 0 and 8 of the lane exist below this
+        T* o = base + rt * 16;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+          if (n >= ntiles) break;  // warp-uniform
+          const int tn = tok - 8 * n;  // (rows past M include the idle row tiles past MT)
+          if (tn > 0 && mr > 0) store_to<ATOMIC>(o, acc[r][n][0] * alpha);
+          if (tn > 1 && mr > 0) store_to<ATOMIC>(o + p.out_stride, acc[r][n][1] * alpha);
+          if (tn > 0 && mr > 8) store_to<ATOMIC>(o + 8, acc[r][n][2] * alpha);
+          if (tn > 1 && mr > 8) store_to<ATOMIC>(o + p.out_stride + 8, acc[r][n][3] * alpha);
+          o += s8;
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
+      }
+    } else if (kr + RK >= cons.nkr) {  // end of a token block: write its outputs
       const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
       const long long out_row0 = V::BULK ? __ldg(p.row_start + cons.e) : row0;
 #pragma unroll
@@ -730,7 +897,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
         }
       }
     }
-    cons.next<NB, RK, V::BULK>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK, V::BULK, V::CONTIG>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
 }
@@ -863,7 +1030,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // tile and step); 1: mma.sp with 64 tokens per pass; 2-9: the warpgroup path (WgVariant<tokens, warpgroups,
 // stages, K chunk, records per step, pipelined staging>); 10: 0 with fewer instructions per record (BULK: one lane
 // bulk-copies each ring step, scales decoded once per record, a fixed staging map, the unit cursor moved by adds).
-// Picked: 10 (up to 16 rows per expert), 5 (up to 64), 4 (above).
+// 11: 10 with the per-unit staging and epilogue trimmed (LEAN); 12: 11 walking contiguous ranges of active units,
+// re-using a staged chunk across an expert's row groups (CONTIG).
+// Picked: 11 (up to 8 rows per expert), 10 (up to 16), 5 (up to 64), 4 (above).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
   X(1, Variant<64, 2, 8, 4, 512>)      \
@@ -875,7 +1044,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(7, WgVariant<128, 4, 6, 128, 1, true>) \
   X(8, WgVariant<64, 4, 3, 256, 2, true>)  \
   X(9, WgVariant<64, 2, 6, 128, 1, true>) \
-  X(10, Variant<16, 2, 8, 3, 1024, 2, true>)
+  X(10, Variant<16, 2, 8, 3, 1024, 2, true>) \
+  X(11, Variant<16, 2, 8, 3, 1024, 2, true, true>) \
+  X(12, Variant<16, 2, 8, 3, 1024, 2, true, true, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 

@@ -1,0 +1,140 @@
+"""p48 sparse-tensor-core kernel variants head to head in one process (H100/H200), with torch's fp8 grouped GEMM.
+
+    python benchmarks/p48_variants.py --variants 10 11 12 --N 1 16 --fused --out DIR
+    python benchmarks/p48_variants.py --profile 4 --N 128 --shape 0      # one launch, for `ncu -k regex:p48 -c 1`
+
+Rows: the kernel bench's shapes (Qwen3-30B-A3B with G = 128, Kimi-K2.5 with G = 48) x N, token counts
+{N, 3N/4, N/2, N/4} per expert, as moesq_core.bench.p48_bench. Per row: the fp8 baseline once, then every variant
+(W4A16; with --fused also W4A4 quantized in the kernel) checked against p48_reference and timed with
+moesq_core.bench.harness.graph_time (CUDA graphs, weight copies rotated past L2, median), in `--rounds` rounds
+of alternating order; each variant's W4A16 output is compared bit for bit with the first variant's. Writes
+p48_variants.json / .md into --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moesq_core.bench.harness import BASELINES, copies_for, graph_time, new_row, run_header, time_method  # noqa: E402
+from moesq_core.bench.p48_bench import P48Bench  # noqa: E402
+from moesq_core.kernels import p48_mma as pm  # noqa: E402
+
+SHAPES = [("Qwen3-30B-A3B gate/up", 1536, 2048, 128), ("Qwen3-30B-A3B down", 2048, 768, 128),
+          ("Kimi-K2.5 gate/up", 4096, 7168, 48), ("Kimi-K2.5 down", 7168, 2048, 48)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", type=int, nargs="+", default=[10, 11, 12])
+    ap.add_argument("--N", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--shape", type=int, nargs="+", default=list(range(len(SHAPES))), help="indices into SHAPES")
+    ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--fused", action="store_true", help="also W4A4 with the quantization in the kernel")
+    ap.add_argument("--profile", type=int, default=None, help="run this variant once per row (for ncu), no timing")
+    ap.add_argument("--out", type=Path, default=Path("bench-results"))
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    native = pm.load_native()
+    if native is None:
+        print("the native p48 kernel cannot run here (needs sm_90 and nvcc)", file=sys.stderr)
+        return 1
+    if args.profile is not None:
+        for i in args.shape:
+            name, M, K, G = SHAPES[i]
+            for n in args.N:
+                prob, gen, _ = new_row(name, M, K, G, n, 0, device)
+                ours = P48Bench(prob, gen, device, native)
+                ours.config = pm.MmaConfig(args.profile, ours.config.split)
+                run = ours.call(ours.add_copy(), False, True)
+                run()
+                torch.cuda.synchronize()
+                print(f"profiled {name} N={n} variant {args.profile} split {ours.config.split}")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {**run_header("p48-nvfp4", device, args.repeats), "variants": args.variants, "rounds": args.rounds,
+              "ptx_info": native.p48_variants(), "rows": []}
+    for i in args.shape:
+        name, M, K, G = SHAPES[i]
+        for n in args.N:
+            prob, gen, row = new_row(name, M, K, G, n, 0, device)
+            f = BASELINES["fp8_grouped_mm"](prob, gen, device)
+            row["fp8_us"] = round(time_method(f, args.repeats).median_us, 3)
+            del f
+            torch.cuda.empty_cache()
+            ours = P48Bench(prob, gen, device, native)
+            ours.add_copy()
+            split = ours.config.split
+            row["picked"] = ours.config.__dict__
+            first = None
+            for v in args.variants:  # check every variant before timing any
+                ours.config = pm.MmaConfig(v, split)
+                rec = row["methods"].setdefault(str(v), {})
+                rec["err"] = ours.verify(False, True)
+                out = ours.out.clone()
+                first = out if first is None else first
+                rec["bit_equal_to_first"] = bool(torch.equal(out, first))
+                if args.fused:
+                    rec["fused_err"] = ours.verify(True, True, True)
+            while len(ours.copies) < copies_for(ours.weight_bytes):
+                ours.add_copy()
+            for r in range(args.rounds):
+                order = args.variants if r % 2 == 0 else args.variants[::-1]
+                for v in order:
+                    ours.config = pm.MmaConfig(v, split)
+                    rec = row["methods"][str(v)]
+                    t = graph_time([ours.call(w, False, True) for w in ours.copies], args.repeats)
+                    rec.setdefault("us_rounds", []).append(round(t.median_us, 3))
+                    if args.fused:
+                        t = graph_time([ours.call(w, True, True, True) for w in ours.copies], args.repeats)
+                        rec.setdefault("fused_us_rounds", []).append(round(t.median_us, 3))
+            for v in args.variants:
+                rec = row["methods"][str(v)]
+                rec["us"] = min(rec["us_rounds"])
+                rec["TBps"] = round(ours.weight_bytes / (rec["us"] * 1e-6) / 1e12, 3)
+                rec["vs_fp8"] = round(row["fp8_us"] / rec["us"], 3)
+                if args.fused:
+                    rec["fused_us"] = min(rec["fused_us_rounds"])
+            row["weight_bytes"] = ours.weight_bytes
+            result["rows"].append(row)
+            del ours
+            torch.cuda.empty_cache()
+            print(f"{name:24s} N={n:4d} fp8 {row['fp8_us']:7.1f} | " + " | ".join(
+                f"v{v} {row['methods'][str(v)]['us']:7.1f} {row['methods'][str(v)]['TBps']:.2f}TB/s"
+                + (f" fused {row['methods'][str(v)]['fused_us']:7.1f}" if args.fused else "")
+                + ("" if row['methods'][str(v)]['bit_equal_to_first'] else " NOT-EQUAL")
+                for v in args.variants), flush=True)
+            (args.out / "p48_variants.json").write_text(json.dumps(result, indent=1))
+    (args.out / "p48_variants.md").write_text(markdown(result))
+    return 0
+
+
+def markdown(result: dict) -> str:
+    vs = [str(v) for v in result["variants"]]
+    fused = any("fused_us" in r["methods"][v] for r in result["rows"] for v in vs)
+    lines = [f"# p48 kernel variants head to head ({', '.join('v' + v for v in vs)})", "",
+             f"{result['date']} · {result['gpu']} · torch {result['torch']} · commit `{result['commit']}` · median of "
+             f"{result['repeats']} CUDA-graph replays, best of {result['rounds']} rounds (alternating order), W4A16 "
+             "bf16 output" + (", W4A4 fused = quantization in the kernel" if fused else ""), "",
+             "| shape | G | N | fp8 µs | " + " | ".join(f"v{v} µs" for v in vs) + " | "
+             + " | ".join(f"v{v} TB/s" for v in vs) + " | " + " | ".join(f"v{v} vs fp8" for v in vs)
+             + (" | " + " | ".join(f"v{v} fused µs" for v in vs) if fused else "") + " | bit-equal |",
+             "|---|---|---|---|" + "---|" * (3 * len(vs) + (len(vs) if fused else 0) + 1)]
+    for r in result["rows"]:
+        m = r["methods"]
+        cells = [f"{m[v]['us']:.1f}" for v in vs] + [f"{m[v]['TBps']:.2f}" for v in vs] + [f"{m[v]['vs_fp8']:.2f}" for v in vs]
+        if fused:
+            cells += [f"{m[v]['fused_us']:.1f}" for v in vs]
+        eq = "yes" if all(m[v]["bit_equal_to_first"] for v in vs) else "NO"
+        lines.append(f"| {r['shape']} | {r['G']} | {r['N']} | {r['fp8_us']:.1f} | " + " | ".join(cells) + f" | {eq} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
