@@ -51,12 +51,13 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # fewer instructions per weight record (one lane bulk-copies a ring step, scales decoded once per record); 11: 10 with
 # the staging and epilogue trimmed per unit (warp-uniform skips past the tokens, one output base pointer); 12: 11 with
 # each CTA walking a contiguous range of the active experts' units, so a chunk of activations staged for one row group
-# serves the next ones. pick_config chooses 11 and 10 (decode), 5 and 4 (4 warpgroups, 64 / 128 tokens): the fastest on
+# serves the next ones; 13: 11 with the chunk's row start and count taken from the cursor and the activations loaded
+# before the staging barrier (not yet run on a GPU). pick_config chooses 11 and 10 (decode), 5 and 4 (4 warpgroups, 64 / 128 tokens): the fastest on
 # every bench shape of an H200 at N <= 16, 64 and 128 / 256 respectively (native/NOTES.md); the others stay compiled
 # and tested. Since 11 won at up to 8 rows per expert (p48_variants_h200_2026-12-02_ccc589a.md), it takes those rows.
-TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16, 16, 16)
-ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256, 256, 256)
-MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",) * 3
+TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16, 16, 16, 16)
+ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256, 256, 256, 256)
+MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",) * 4
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 

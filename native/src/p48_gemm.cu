@@ -291,11 +291,15 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // CONTIG (LEAN only): each CTA walks a contiguous range of the units of experts with tokens (ranges balanced on
 // the device from the counts), so consecutive units are row groups of one expert, and a chunk of activations
 // already staged for the previous unit is not staged again (pays where one chunk covers the K slice).
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false, bool LEAN_ = false,
+// LEAN = 2: also the chunk's row start and token count from the cursor (loaded when it takes the unit, not at the
+// staging, where 11 waited on up to three dependent global loads), and the activations loaded into registers
+// before the barrier that frees the shared buffer (their latency overlaps the wait for the other warps).
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false, int LEAN_ = 0,
           bool CONTIG_ = false>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool BULK = BULK_, LEAN = LEAN_, CONTIG = CONTIG_;
+  static constexpr bool BULK = BULK_, CONTIG = CONTIG_;
+  static constexpr int LEAN = LEAN_;
   static_assert((!LEAN || BULK) && (!CONTIG || LEAN), "LEAN needs BULK, CONTIG needs LEAN");
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
@@ -316,7 +320,8 @@ struct Variant {
 template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool PIPE = PIPE_, BULK = false, LEAN = false, CONTIG = false;
+  static constexpr bool PIPE = PIPE_, BULK = false, CONTIG = false;
+  static constexpr int LEAN = 0;
   static constexpr int XS = KC;
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   static constexpr int kXBytes = (PIPE ? 2 : 1) * kXBuf * 2 + 1024;  // + slack: the swizzle needs a 1024-byte base
@@ -423,31 +428,44 @@ __device__ __forceinline__ uint4 permute8(uint4 v) {
 // LEAN staging under the fixed map (thread: column group c, tokens t0, t0 + TS, ...; a warp shares its token and
 // holds 32 consecutive groups): the iterations past the tokens and the warps past the chunk's width branch away
 // (warp-uniform) instead of running predicated off; one 64-bit source pointer per thread, advanced by a stride.
-// Writes exactly what stage_x writes.
+// Writes exactly what stage_x writes. In two halves (LEAN = 2 puts a barrier between them).
+template <class V>
+struct LeanStage {
+  static constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::kXIters;
+  static_assert(V::kThreads % G == 0 && G % 32 == 0 && N <= 8, "the lean staging needs whole warps per token");
+  uint4 v[N];
+  int c, t0, nj;  // nj: iterations with a token; 0 for a warp past the chunk's width
+
+  __device__ __forceinline__ void load(const Params& p, const XChunk& ch) {
+    c = threadIdx.x % G, t0 = threadIdx.x / G;
+    nj = 8 * (c & ~31) >= ch.kw || ch.ntok <= t0 ? 0 : (ch.ntok - t0 + TS - 1) / TS;
+    const bool col_ok = 8 * c < ch.kw && ch.k0 + 8 * c < p.K;
+    const uint16_t* src = p.x + (ch.row0 + t0) * p.x_stride + ch.k0 + 8 * c;
+    const long long step = TS * p.x_stride;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      if (j >= nj) break;
+      v[j] = col_ok ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
+      src += step;
+    }
+  }
+  template <bool QUANT>
+  __device__ __forceinline__ void store(uint16_t* xs, const XChunk& ch) {
+    uint16_t* dst = xs + t0 * V::XS + 8 * c;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      if (j >= nj) break;
+      if constexpr (QUANT) v[j] = nvfp4_block_values(v[j], ch.g);  // the warp is whole here (uniform branches)
+      if (8 * c < ch.kw) *reinterpret_cast<uint4*>(dst + j * TS * V::XS) = permute8(v[j]);
+    }
+  }
+};
+
 template <class V, bool QUANT>
 __device__ __forceinline__ void stage_x_lean(const Params& p, uint16_t* xs, const XChunk& ch) {
-  constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::kXIters;
-  static_assert(V::kThreads % G == 0 && G % 32 == 0 && N <= 8, "the lean staging needs whole warps per token");
-  const int c = threadIdx.x % G, t0 = threadIdx.x / G;
-  if (8 * (c & ~31) >= ch.kw) return;  // the warp's groups all lie past the chunk (nothing of it is read)
-  const int nj = ch.ntok - t0 <= 0 ? 0 : (ch.ntok - t0 + TS - 1) / TS;  // iterations with a token
-  const bool col_ok = 8 * c < ch.kw && ch.k0 + 8 * c < p.K;
-  const uint16_t* src = p.x + (ch.row0 + t0) * p.x_stride + ch.k0 + 8 * c;
-  const long long step = TS * p.x_stride;
-  uint4 v[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    if (j >= nj) break;
-    v[j] = col_ok ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0, 0, 0, 0);
-    src += step;
-  }
-  uint16_t* dst = xs + t0 * V::XS + 8 * c;
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    if (j >= nj) break;
-    if constexpr (QUANT) v[j] = nvfp4_block_values(v[j], ch.g);  // the warp is whole here (uniform branches)
-    if (8 * c < ch.kw) *reinterpret_cast<uint4*>(dst + j * TS * V::XS) = permute8(v[j]);
-  }
+  LeanStage<V> st;
+  st.load(p, ch);
+  st.template store<QUANT>(xs, ch);
 }
 
 // Stages a whole chunk into shared memory, in rounds of at most 8 16-byte loads per thread (registers).
@@ -482,6 +500,7 @@ struct Cursor {
   // slices), so that moving on by gridDim.x units is a few adds instead of two integer divisions
   int z, de, drg, dz;
   int left;  // CONTIG: units left in the CTA's range, this one included
+  int row0;  // the expert's first activation row (LEAN = 2 reads it here; dead, and not loaded, elsewhere)
   bool valid;
 
   // CONTIG: stand at unit (e, rem) of the range (e has tokens), `n` units long.
@@ -538,6 +557,7 @@ struct Cursor {
     const int k0 = zu * kr_per, nk = min(p.KR, k0 + kr_per) - k0;
     if (c > 0 && nk > 0) {
       cnt = c, kr0 = k0, nkr = nk, ntb = (c + NB - 1) / NB, tb = 0, kr = 0, valid = true;
+      row0 = __ldg(p.row_start + eu);
       return true;
     }
     return false;
@@ -573,6 +593,9 @@ struct Cursor {
 // The chunk a cursor stands at (its first record must start a chunk).
 template <class V, bool QUANT>
 __device__ __forceinline__ XChunk chunk_at(const Params& p, const Cursor& c) {
+  if constexpr (V::LEAN >= 2)  // the cursor's own count and row start (loaded when it took the unit)
+    return XChunk{c.row0 + static_cast<long long>(c.tb) * V::NB, min(V::NB, c.cnt - c.tb * V::NB),
+                  (c.kr0 + c.kr) * kRecK, min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f};
   const int cnt = __ldg(p.counts + c.e);
   return XChunk{__ldg(p.row_start + c.e) + c.tb * V::NB, min(V::NB, cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
                 min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f};
@@ -768,8 +791,16 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       // CONTIG: the next row group of an expert reads the chunk already staged (the key is CTA-uniform)
       const int k = cons.kr0 + kr;
       if (!V::CONTIG || cons.e != staged_e || tb != staged_tb || k != staged_k) {
-        __syncthreads();  // every warp is done with the previous chunk
-        stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
+        if constexpr (V::LEAN >= 2) {
+          const XChunk ch = chunk_at<V, QUANT>(p, cons);
+          LeanStage<V> st;
+          st.load(p, ch);   // in flight while the other warps finish the previous chunk
+          __syncthreads();  // every warp is done with the previous chunk
+          st.template store<QUANT>(xs, ch);
+        } else {
+          __syncthreads();  // every warp is done with the previous chunk
+          stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
+        }
         __syncthreads();
         staged_e = cons.e, staged_tb = tb, staged_k = k;
       }
@@ -854,7 +885,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
       using T = std::conditional_t<OUT_BF16 && !ATOMIC, __nv_bfloat16, float>;
       // the lane's outputs: tokens n * 8 + 2 t4 (+ 1) x rows 16 rt + g (+ 8)
-      T* const base = reinterpret_cast<T*>(p.out) + (__ldg(p.row_start + cons.e) + tb * NB + 2 * t4) * p.out_stride + g;
+      const int erow0 = V::LEAN >= 2 ? cons.row0 : __ldg(p.row_start + cons.e);
+      T* const base = reinterpret_cast<T*>(p.out) + (erow0 + tb * NB + 2 * t4) * p.out_stride + g;
       const long long s8 = 8 * p.out_stride;
       const int tok = ntok - 2 * t4;  // the lane's tokens are 0 (+1) below this, per tile
 #pragma unroll
@@ -1046,7 +1078,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(9, WgVariant<64, 2, 6, 128, 1, true>) \
   X(10, Variant<16, 2, 8, 3, 1024, 2, true>) \
   X(11, Variant<16, 2, 8, 3, 1024, 2, true, true>) \
-  X(12, Variant<16, 2, 8, 3, 1024, 2, true, true, true>)
+  X(12, Variant<16, 2, 8, 3, 1024, 2, true, true, true>) \
+  X(13, Variant<16, 2, 8, 3, 1024, 2, true, 2>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
