@@ -119,10 +119,9 @@ def test_from_packed_rejects_bad_input():
 
 def test_pick_config_splits_only_small_grids():
     cpu = torch.device("cpu")
-    assert pm.pick_config(1536, 2048, 128, 1, cpu) == pm.MmaConfig(11, 1)
-    assert pm.pick_config(1536, 2048, 128, 8, cpu) == pm.MmaConfig(11, 1)
-    assert pm.pick_config(1536, 2048, 128, 9, cpu).variant == 10
-    assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(10, 1)
+    assert pm.pick_config(1536, 2048, 128, 1, cpu) == pm.MmaConfig(13, 1)
+    assert pm.pick_config(1536, 2048, 128, 9, cpu).variant == 13
+    assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(13, 1)
     assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 5
     assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 5
     assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 4

@@ -237,11 +237,12 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, device: torch.device) -> MmaConfig:
-    """mma.sp with 16 tokens per pass for decode-sized batches (the bulk-copy ring: variant 11, the trimmed per-unit
-    staging and epilogue, up to 8 rows per expert, where it won on every bench shape; variant 10 up to 16, where 11
-    lost on the gate/up shapes), else wgmma.sp with 4 warpgroups (256 rows per CTA, two records per step): 64 tokens
-    per pass up to 64 rows per expert, 128 above; split K only when too few CTAs have work."""
-    variant = 11 if rows_per_expert <= 8 else 10 if rows_per_expert <= 16 else 5 if rows_per_expert <= 64 else 4
+    """mma.sp with 16 tokens per pass for decode-sized batches (the bulk-copy ring: variant 13, the trimmed per-unit
+    staging and epilogue with the chunk's row start and token count from the work cursor, which beat variants 10
+    and 11 on every decode row of the bench shapes head to head, W4A16 and W4A4, at N = 1 and 16), else wgmma.sp
+    with 4 warpgroups (256 rows per CTA, two records per step): 64 tokens per pass up to 64 rows per expert, 128
+    above; split K only when too few CTAs have work."""
+    variant = 13 if rows_per_expert <= 16 else 5 if rows_per_expert <= 64 else 4
     ctas = max(1, active_experts) * math.ceil(M / ROWS_PER_CTA[variant])
     target = 2 * _num_sms(device)
     split = 1
