@@ -938,7 +938,8 @@ def run(
 
     With no options it compresses the embedded micro-qwen3-moe model offline on a CPU in minutes, with the
     micro-quick recipe (256-token sequences: 64 for the one-shot stage, 64 + 8 for refinement, 2 epochs × 8
-    steps refining the values on the init's support: 16 steps cannot move a sparsity pattern). On an existing work dir without --recipe, the work dir's calibration settings are kept.
+    steps refining the values on the init's support: 16 steps cannot move a sparsity pattern; then 64 end-to-end
+    steps). On an existing work dir without --recipe, the work dir's calibration settings are kept.
 
     [bold]Examples[/]
 

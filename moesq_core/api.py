@@ -22,11 +22,13 @@ from .config import CompressConfig, MethodConfig
 def default_run_config() -> CompressConfig:
     """What `moesq run` does with no options (recipes/micro-quick.yaml): a small budget on the embedded model —
     256-token sequences, 64 for the one-shot stages, 64 + 8 for refinement (2 epochs × 8 steps, SGPTQ computed
-    inside its block loop), magnitude and SGPTQ alone as the baselines."""
+    inside its block loop, then the automatic end-to-end step on the KL's second-order form, the cheaper one on a
+    CPU), magnitude and SGPTQ alone as the baselines."""
     from .methods.refine import RefineConfig
 
     return CompressConfig(calib=CalibConfig(seq_len=256, n_train=64, n_val=8, n_init=64), init=MethodConfig("sgptq"),
-                          refine=RefineConfig(epochs=2, steps_per_epoch=8), baselines=("magnitude", "sgptq"))
+                          refine=RefineConfig(epochs=2, steps_per_epoch=8, e2e_loss="fisher"),
+                          baselines=("magnitude", "sgptq"))
 
 
 @dataclass
