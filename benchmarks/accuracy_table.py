@@ -133,6 +133,7 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
     "s24-sgptq": ("s24-fp8", "init", "sgptq", {}),
     "s24-refine": ("s24-fp8", "refine", "s24-sgptq", {}),
+    "s24-refine-default": ("s24-fp8", "refine", "s24-sgptq", DEFAULTS),
 }
 DESCRIPTION = {
     "reference": "reference (bf16 weights evaluated in fp32)",
@@ -184,6 +185,7 @@ DESCRIPTION = {
     "refine-support": "paired 4:8 NVFP4, refine ablation: support only (values frozen)",
     "s24-sgptq": "2:4 FP8, SGPTQ",
     "s24-refine": "2:4 FP8, moesq refine",
+    "s24-refine-default": "2:4 FP8, moesq refine with every default (see refine-default)",
 }
 GROUPS = {
     "all": [r for r in ROWS if not r.startswith("s24")] + ["s24-sgptq", "s24-refine"],
