@@ -53,8 +53,18 @@ def render_run() -> str:
             label = labels[r["kind"]]
         elif r["stage"] == "refine":
             label = f"refine ({refine.get('epochs')} epochs × {refine.get('steps_per_epoch')} steps, init in the loop"
-            if refine.get("e2e_steps"):
-                label += f"; then {refine['e2e_steps']} end-to-end steps × {refine.get('e2e_batch_size')} sequences"
+            steps = refine.get("e2e_steps")
+            if steps == "auto":  # the step's automatic length on this calibration (RefineConfig.e2e_steps_for)
+                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+                from moesq_core.methods.refine import RefineConfig
+
+                cal = d["config"]["calib"]
+                steps = RefineConfig(**{k: v for k, v in refine.items() if k in ("e2e_batch_size", "e2e_steps")}
+                                     ).e2e_steps_for(cal["n_train"] + cal["n_init"])
+                label += f"; then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences (auto"
+                label += ", second-order KL)" if refine.get("e2e_loss") == "fisher" else ")"
+            elif steps:
+                label += f"; then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences"
             label += ")"
         else:
             label = r["stage"].removeprefix("init-") + " (one-shot baseline)"
