@@ -116,6 +116,12 @@ def test_bad_inputs_get_clear_errors(micro_path, tmp_path):
     r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--seq-len", "128", check=False)  # no --model: still checked
     assert r.returncode == 1 and "seq_len: 64 (work dir) vs 128 (now)" in r.stdout + r.stderr
     assert (wd / "manifest.json").read_text() == before
+    # a bad end-to-end length or memory budget is refused before the work dir is touched
+    for opt, val, msg in (("--e2e-steps", "many", "a number of steps >= 0 or auto"), ("--e2e-steps", "-3", "must be >= 0"),
+                          ("--e2e-memory-gb", "0", "must be > 0")):
+        r = moesq("refine", "-w", wd, opt, val, check=False)
+        assert r.returncode == 2 and msg in r.stdout + r.stderr, (opt, val)
+        assert (wd / "manifest.json").read_text() == before and "refine" not in json.loads(before)["stages"]
     # a truncated calibration artifact
     calib = wd / "calib" / "calibration.safetensors"
     calib.write_bytes(calib.read_bytes()[:100])
