@@ -59,8 +59,7 @@ def render_run() -> str:
                 from moesq_core.methods.refine import RefineConfig
 
                 cal = d["config"]["calib"]
-                steps = RefineConfig(**{k: v for k, v in refine.items() if k in ("e2e_batch_size", "e2e_steps")}
-                                     ).e2e_steps_for(cal["n_train"] + cal["n_init"])
+                steps = RefineConfig(e2e_batch_size=refine["e2e_batch_size"]).e2e_steps_for(cal["n_train"] + cal["n_init"])
                 label += f"; then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences (auto"
                 label += ", second-order KL)" if refine.get("e2e_loss") == "fisher" else ")"
             elif steps:

@@ -322,10 +322,12 @@ def plan_end_to_end(rcfg, model, adapter, calib: dict[str, torch.Tensor]) -> dic
     steps = rcfg.e2e_steps_for(sequences)
     device = next(model.parameters()).device
     need = memory_need_bytes(model, adapter, rcfg.e2e_batch_size, calib["train"].shape[1])
-    have = int(rcfg.e2e_memory_gb * 2**30) if rcfg.e2e_memory_gb is not None else device_available_bytes(device)
     gib = lambda b: f"{b / 2**30:.3g} GiB"  # noqa: E731
-    where = f"{gib(have)} {'allowed (e2e_memory_gb)' if rcfg.e2e_memory_gb is not None else f'available on {device}'}" \
-        if have is not None else f"{device}'s free memory unknown"
+    if rcfg.e2e_memory_gb is not None:
+        have, source = int(rcfg.e2e_memory_gb * 2**30), "allowed (e2e_memory_gb)"
+    else:
+        have, source = device_available_bytes(device), f"available on {device}"
+    where = f"{gib(have)} {source}" if have is not None else f"{device}'s free memory unknown"
     fits = have is None or need <= have
     if rcfg.e2e_steps == "auto" and not fits:
         line = (f"skipped: tuning every expert of the model at once needs ~{gib(need)}, {where} "

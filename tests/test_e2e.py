@@ -279,43 +279,36 @@ def test_memory_estimate_counts_every_expert_weight_and_refuses_a_qwen3_30b_on_o
 
 def test_auto_end_to_end_runs_where_it_fits_and_is_skipped_with_a_reason_where_not(micro_path, tmp_path, caplog):
     from moesq_core.pipeline import run_refine
-    from moesq_core.progress import NullProgress
     from moesq_core.workdir import WorkDir
-
-    class Notes(NullProgress):
-        def __init__(self):
-            self.lines = []
-
-        def note(self, message):
-            self.lines.append(message)
+    from test_block_loop import Recorder
 
     seqs = RUN["n_train"] + RUN["n_init"]
-    fits = Notes()
+    fits = Recorder()
     run_refine(tmp_path / "fits", RefineConfig(epochs=1, steps_per_epoch=2), micro_path, RUN, device="cpu",
                batch_size=4, progress=fits)
     st = WorkDir(tmp_path / "fits").stage("refine")
     assert st["e2e"]["steps"] == RefineConfig().e2e_steps_for(seqs) == 4
-    assert any("end-to-end: 4 steps × 4 of 8 sequences" in line and "auto" in line for line in fits.lines)
+    assert any("end-to-end: 4 steps × 4 of 8 sequences" in line and "auto" in line for line in fits.notes)
 
-    tight = Notes()
+    tight = Recorder()
     with caplog.at_level("WARNING", logger="moesq"):
         run_refine(tmp_path / "tight", RefineConfig(epochs=1, steps_per_epoch=2, e2e_memory_gb=1e-4), micro_path,
                    RUN, device="cpu", batch_size=4, progress=tight)
     st = WorkDir(tmp_path / "tight").stage("refine")
     assert st["done"] and "e2e" not in st and "blockwise" not in st
     assert "skipped" in st["summary"]["finalize"]
-    assert any("end-to-end: skipped" in line and "GiB allowed (e2e_memory_gb)" in line for line in tight.lines)
+    assert any("end-to-end: skipped" in line and "GiB allowed (e2e_memory_gb)" in line for line in tight.notes)
     assert "end-to-end step skipped" in caplog.text
     # the block-wise blocks are those of the run that tuned end to end afterwards
     fits_bw = WorkDir(tmp_path / "fits").stage("refine")["blockwise"]
     assert {li: b["sha256"] for li, b in st["blocks"].items()} == {li: b["sha256"] for li, b in fits_bw.items()}
 
     # a number of steps runs even where the estimate is larger, with a warning
-    forced = Notes()
+    forced = Recorder()
     run_refine(tmp_path / "forced", RefineConfig(epochs=1, steps_per_epoch=2, e2e_steps=3, e2e_memory_gb=1e-4),
                micro_path, RUN, device="cpu", batch_size=4, progress=forced)
     assert WorkDir(tmp_path / "forced").stage("refine")["e2e"]["steps"] == 3
-    assert any("may not fit" in line for line in forced.lines)
+    assert any("may not fit" in line for line in forced.notes)
 
 
 @pytest.mark.gpu
