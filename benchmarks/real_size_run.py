@@ -51,6 +51,8 @@ from moesq_core.config import ASSETS  # noqa: E402
 
 GIB = 2 ** 30
 EVAL_TEXT = ASSETS / "eval-sample.txt.xz"
+# Calibration and refine-budget options; recorded in the state (a resumed run must use the same) and the results.
+BUDGET_OPTIONS = ("epochs", "steps_per_epoch", "batch_rows", "e2e_steps", "n_train", "seq_len", "n_val", "n_init")
 PIPELINE = ("generate", "calibrate", "init-sgptq", "refine", "pack", "verify", "eval")
 # A smoke-test shape: the same architecture at a width a CPU runs in seconds.
 SMALL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
@@ -215,12 +217,25 @@ def stage_args(args, nproc: int) -> list[str]:
             *(["--n-train", str(args.n_train)] if args.n_train else [])]
 
 
+def calib_args(args) -> list[str]:
+    return [arg for opt in ("n_train", "seq_len", "n_val", "n_init") if getattr(args, opt)
+            for arg in (f"--{opt.replace('_', '-')}", str(getattr(args, opt)))]
+
+
 def refine_args(args) -> list[str]:
-    return ["--epochs", str(args.epochs), "--steps-per-epoch", str(args.steps_per_epoch)]
+    budget = ["--batch-rows", str(args.batch_rows)] if args.batch_rows else ["--steps-per-epoch", str(args.steps_per_epoch)]
+    return ["--epochs", str(args.epochs), *budget, *(["--e2e-steps", args.e2e_steps] if args.e2e_steps else [])]
 
 
 PHASES_LINE = re.compile(r"moesq\.engine: (?P<stage>[\w-]+): layer (?P<layer>\d+) phases \(s\): (?P<phases>\{.*\})")
 REFINE_LINE = re.compile(r"refine: \d+ experts in \d+ chunk\(s\), init (?P<init>[\d.]+) s, refinement (?P<train>[\d.]+) s")
+
+
+def refine_schedule(log: Path) -> str | None:
+    """The schedule refine printed before training (its last run's), as the user saw it."""
+    lines = [m[1] for line in (log.read_text(errors="replace").splitlines() if log.is_file() else [])
+             if (m := re.search(r"refine schedule: (.*)", line))]
+    return lines[-1] if lines else None
 
 
 def block_phases(log: Path) -> dict:
@@ -257,13 +272,11 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
     cfg = model_config(args)
     state = State(root, {"mode": "pipeline", "config": cfg, "nproc": args.nproc, "device": args.device,
                          "skip_init": args.skip_init, "no_refit": args.no_refit,
-                         "epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch, "n_train": args.n_train,
-                         "ppl_tokens": args.ppl_tokens})
+                         **{k: getattr(args, k) for k in BUDGET_OPTIONS}, "ppl_tokens": args.ppl_tokens})
     generate(state, model, cfg, args.device)
     m, w = str(model), str(wd)
     steps = {
-        "calibrate": moesq("calibrate", "-m", m, "-w", w, "--quiet", "--json", str(res / "calibrate.json"),
-                           *(["--n-train", str(args.n_train)] if args.n_train else [])),
+        "calibrate": moesq("calibrate", "-m", m, "-w", w, "--quiet", "--json", str(res / "calibrate.json"), *calib_args(args)),
         "init-sgptq": moesq("init-sgptq", "-m", m, "-w", w, *stage_args(args, args.nproc), *(["--no-refit"] if args.no_refit else []),
                             "--quiet", "--json", str(res / "init-sgptq.json")),
         "refine": moesq("refine", "-m", m, "-w", w, *stage_args(args, args.nproc), *refine_args(args), "--quiet",
@@ -281,14 +294,15 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
              "workdir_without_packed": dir_bytes(wd) - dir_bytes(wd / "packed"),
              **{f"stage {p.name}": dir_bytes(p) for p in sorted((wd / "stages").iterdir())},
              "calibration": dir_bytes(wd / "calib"), "state cache": dir_bytes(wd / "cache")}
-    return {"steps": state.data["steps"], "sizes_bytes": sizes, "per_block_median_s": block_phases(wd / "logs" / "moesq.log")}
+    return {"steps": state.data["steps"], "sizes_bytes": sizes, "per_block_median_s": block_phases(wd / "logs" / "moesq.log"),
+            "refine_schedule": refine_schedule(wd / "logs" / "moesq.log")}
 
 
 def scaling(args, root: Path, deadline: float | None) -> dict:
     model, log = args.model_dir or root / "model", root / "commands.log"
     cfg = model_config(args)
     state = State(root, {"mode": "scaling", "config": cfg, "nproc": args.nproc, "device": args.device, "stages": args.stages,
-                         "epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch, "n_train": args.n_train})
+                         **{k: getattr(args, k) for k in BUDGET_OPTIONS}})
     generate(state, model, cfg, args.device)
     out = {}
     for n in (1, args.nproc):
@@ -329,7 +343,7 @@ def header(args, cfg: dict) -> dict:
             {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size",
                                  "num_experts_per_tok", "vocab_size")},
             "tokenizer": "the embedded micro model's (random weights: perplexities are not meaningful)",
-            "options": {k: getattr(args, k) for k in ("shape", "skip_init", "no_refit", "nproc", "device", "epochs", "steps_per_epoch", "n_train", "ppl_tokens",
+            "options": {k: getattr(args, k) for k in ("shape", "skip_init", "no_refit", "nproc", "device", *BUDGET_OPTIONS, "ppl_tokens",
                                                       *(("stages",) if args.scaling else ()))}}
 
 
@@ -377,6 +391,8 @@ def markdown(doc: dict) -> str:
             summary = ""
         lines.append(f"| {name} | {wall:.1f}{' (' + str(len(rec['attempts'])) + ' runs)' if len(rec['attempts']) > 1 else ''} | "
                      f"{last.get('peak_host_gib', '')} | {last.get('peak_gpu_gib', '')} | {summary} |")
+    if doc.get("refine_schedule"):
+        lines += ["", f"Refine schedule: {doc['refine_schedule']}"]
     per_block = doc.get("per_block_median_s") or {}
     if per_block:
         phases = list(dict.fromkeys(k for v in per_block.values() for k in v if k != "blocks"))
@@ -409,7 +425,14 @@ def main(argv=None) -> int:
                     help="init-sgptq --no-refit (the paper's SGPTQ); refine's in-loop init takes the stage's options")
     ap.add_argument("--epochs", type=int, default=1, help="refine epochs (reduced budget)")
     ap.add_argument("--steps-per-epoch", type=int, default=8, help="refine steps per epoch (reduced budget)")
+    ap.add_argument("--batch-rows", type=int, default=0,
+                    help="refine: routed rows per optimizer step (replaces --steps-per-epoch; the paper's: 2097152)")
+    ap.add_argument("--e2e-steps", default="", help="refine --e2e-steps (default: moesq's)")
     ap.add_argument("--n-train", type=int, default=0, help="calibration training sequences (default: moesq's)")
+    ap.add_argument("--seq-len", type=int, default=0, help="calibration tokens per sequence (default: moesq's)")
+    ap.add_argument("--n-val", type=int, default=0, help="calibration validation sequences (default: moesq's)")
+    ap.add_argument("--n-init", type=int, default=0, help="calibration one-shot sequences (default: moesq's)")
+    ap.add_argument("--tag", default="", help="a word added to the results' file names (e.g. full-budget)")
     ap.add_argument("--ppl-tokens", type=int, default=8192)
     ap.add_argument("--deadline-s", type=float, default=None, help="stop (resumably) after this many seconds")
     ap.add_argument("--out", type=Path, default=None, help="results directory (JSON + Markdown)")
@@ -425,7 +448,7 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         gpu = "h200" if any("H200" in g for g in doc["header"]["gpus"]) else ("gpu" if doc["header"]["gpus"] else "cpu")
         n = len(doc["header"]["gpus"])
-        stem = (f"real_size_{'scaling' if args.scaling else 'run'}_{'' if args.shape == 'qwen3-30b-a3b' else args.shape + '_'}{gpu}{f'x{n}' if n > 1 else ''}_"
+        stem = (f"real_size_{'scaling' if args.scaling else 'run'}_{'' if args.shape == 'qwen3-30b-a3b' else args.shape + '_'}{args.tag + '_' if args.tag else ''}{gpu}{f'x{n}' if n > 1 else ''}_"
                 f"{doc['header']['date'][:10]}_{doc['header']['commit']}")
         (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2))
         (args.out / f"{stem}.md").write_text(markdown(doc))

@@ -66,6 +66,25 @@ def test_per_block_phases_come_from_the_engine_log(tmp_path):
     assert block_phases(tmp_path / "missing.log") == {}
 
 
+def test_budget_options_reach_calibrate_and_refine(tmp_path):
+    """The full-budget run's options: calibration sizes go to calibrate, --batch-rows replaces the steps per epoch,
+    and the schedule refine printed is read back from the work dir's log."""
+    drv = _driver()
+    import argparse
+
+    args = argparse.Namespace(n_train=960, seq_len=4096, n_val=128, n_init=0, epochs=80, steps_per_epoch=8,
+                              batch_rows=2097152, e2e_steps="0")
+    assert drv.calib_args(args) == ["--n-train", "960", "--seq-len", "4096", "--n-val", "128"]
+    assert drv.refine_args(args) == ["--epochs", "80", "--batch-rows", "2097152", "--e2e-steps", "0"]
+    args.batch_rows, args.e2e_steps = 0, ""
+    assert drv.refine_args(args) == ["--epochs", "80", "--steps-per-epoch", "8"]
+    log = tmp_path / "moesq.log"
+    log.write_text("2026-12-02 09:17:49,099 INFO moesq: refine schedule: 2 epochs × 16 steps = 32 Lion steps per block\n"
+                   "2026-12-02 10:17:49,099 INFO moesq: refine schedule: 80 epochs × 16 steps = 1280 Lion steps per block\n")
+    assert drv.refine_schedule(log) == "80 epochs × 16 steps = 1280 Lion steps per block"
+    assert drv.refine_schedule(tmp_path / "missing.log") is None
+
+
 @pytest.mark.slow
 def test_pipeline_runs_every_command_resumes_after_a_deadline_and_writes_results(tmp_path):
     root, out = tmp_path / "run", tmp_path / "out"
@@ -138,13 +157,15 @@ def test_kimi_block_pipeline_without_the_separate_init(tmp_path):
     """--shape kimi-k2-block --skip-init (narrowed with --small): refine computes the SGPTQ init itself, then
     pack, verify and eval run on its stage."""
     out = tmp_path / "out"
-    run("--root", tmp_path / "k", "--shape", "kimi-k2-block", "--skip-init", *SMOKE[2:], "--out", out)
-    (js,) = out.glob("real_size_run_kimi-k2-block_cpu_*.json")
+    run("--root", tmp_path / "k", "--shape", "kimi-k2-block", "--skip-init", *SMOKE[2:], "--out", out,
+        "--seq-len", "64", "--batch-rows", "256", "--e2e-steps", "0", "--tag", "budget")
+    (js,) = out.glob("real_size_run_kimi-k2-block_budget_cpu_*.json")
     doc = json.loads(js.read_text())
     assert list(doc["steps"]) == ["generate", "calibrate", "refine", "pack", "verify", "eval"]
     assert doc["header"]["model_shape"]["num_hidden_layers"] == 1 and doc["header"]["options"]["skip_init"]
     assert doc["steps"]["verify"]["result"]["ok"] is True
     assert "stage init-sgptq" not in doc["sizes_bytes"] and doc["sizes_bytes"]["stage refine"] > 0
+    assert doc["header"]["options"]["batch_rows"] == 256 and "Lion steps per block" in doc["refine_schedule"]
 
 
 @pytest.mark.slow
