@@ -52,7 +52,7 @@ from moesq_core.config import ASSETS  # noqa: E402
 GIB = 2 ** 30
 EVAL_TEXT = ASSETS / "eval-sample.txt.xz"
 # Calibration and refine-budget options; recorded in the state (a resumed run must use the same) and the results.
-BUDGET_OPTIONS = ("epochs", "steps_per_epoch", "batch_rows", "e2e_steps", "n_train", "seq_len", "n_val", "n_init")
+BUDGET_OPTIONS = ("epochs", "steps_per_epoch", "batch_rows", "e2e_steps", "calib", "n_train", "seq_len", "n_val", "n_init")
 PIPELINE = ("generate", "calibrate", "init-sgptq", "refine", "pack", "verify", "eval")
 # A smoke-test shape: the same architecture at a width a CPU runs in seconds.
 SMALL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
@@ -218,7 +218,7 @@ def stage_args(args, nproc: int) -> list[str]:
 
 
 def calib_args(args) -> list[str]:
-    return [arg for opt in ("n_train", "seq_len", "n_val", "n_init") if getattr(args, opt)
+    return [arg for opt in ("calib", "n_train", "seq_len", "n_val", "n_init") if getattr(args, opt)
             for arg in (f"--{opt.replace('_', '-')}", str(getattr(args, opt)))]
 
 
@@ -343,8 +343,9 @@ def header(args, cfg: dict) -> dict:
             {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size",
                                  "num_experts_per_tok", "vocab_size")},
             "tokenizer": "the embedded micro model's (random weights: perplexities are not meaningful)",
-            "options": {k: getattr(args, k) for k in ("shape", "skip_init", "no_refit", "nproc", "device", *BUDGET_OPTIONS, "ppl_tokens",
-                                                      *(("stages",) if args.scaling else ()))}}
+            "options": relative({k: getattr(args, k) for k in ("shape", "skip_init", "no_refit", "nproc", "device", *BUDGET_OPTIONS,
+                                                               "ppl_tokens", *(("stages",) if args.scaling else ()))},
+                                args.root.resolve())}
 
 
 def markdown(doc: dict) -> str:
@@ -428,6 +429,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-rows", type=int, default=0,
                     help="refine: routed rows per optimizer step (replaces --steps-per-epoch; the paper's: 2097152)")
     ap.add_argument("--e2e-steps", default="", help="refine --e2e-steps (default: moesq's)")
+    ap.add_argument("--calib", default="", help="calibration text for moesq calibrate (default: moesq's embedded sample)")
     ap.add_argument("--n-train", type=int, default=0, help="calibration training sequences (default: moesq's)")
     ap.add_argument("--seq-len", type=int, default=0, help="calibration tokens per sequence (default: moesq's)")
     ap.add_argument("--n-val", type=int, default=0, help="calibration validation sequences (default: moesq's)")

@@ -74,6 +74,7 @@ def test_budget_options_reach_calibrate_and_refine(tmp_path):
 
     args = argparse.Namespace(n_train=960, seq_len=4096, n_val=128, n_init=0, epochs=80, steps_per_epoch=8,
                               batch_rows=2097152, e2e_steps="0")
+    args.calib = ""
     assert drv.calib_args(args) == ["--n-train", "960", "--seq-len", "4096", "--n-val", "128"]
     assert drv.refine_args(args) == ["--epochs", "80", "--batch-rows", "2097152", "--e2e-steps", "0"]
     args.batch_rows, args.e2e_steps = 0, ""
