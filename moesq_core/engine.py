@@ -366,19 +366,50 @@ def _layer_out(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+@dataclass
+class RoutedRows:
+    """A block's routed calibration rows, each token's MoE-block input held once (not once per expert it
+    reaches: top-8 routing would hold every row 8 times, 275 GB in fp32 for 4M tokens of a 2048-wide model).
+
+    x: [T, H] every token's MoE-block input in the states' dtype; tokens[e] / weights[e]: the tokens routed to
+    expert e (indices into x, token order) and the router weights the block applies to its output, for the
+    experts gathered (empty for the others); counts: every expert's row count."""
+
+    x: torch.Tensor
+    tokens: list[torch.Tensor]
+    weights: list[torch.Tensor]
+    counts: tuple[int, ...]
+
+    def rows(self, e: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's rows (fp32) and router weights, on `device` (default where x is)."""
+        device = self.x.device if device is None else device
+        idx = self.tokens[e]
+        if len(idx) == 0:
+            return torch.zeros(0, self.x.shape[-1], device=device), torch.zeros(0, device=device)
+        return self.x[idx.to(self.x.device)].to(device, torch.float32), self.weights[e].to(device)
+
+    def row_count(self, e: int) -> int:
+        return len(self.tokens[e])
+
+
+ROWS_GPU_FRACTION = 0.5  # of the free device memory, for a block's per-token MoE inputs (else they wait on the host)
+
+
 @torch.no_grad()
 def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
-                   experts: list[int] | None = None, stage: str = "routing"
-                   ) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]], tuple[int, ...]]:
-    """Per expert: the MoE-block inputs routed to it (fp32) and the router weights the block applies, on the
-    device the states are on, for `experts` only (default all; the others' lists stay empty), and every
-    expert's row count. Rows come in token order, as `(index == e).nonzero()` gives them, from one stable sort
-    of the routed slots per batch (not a pass per expert)."""
+                   experts: list[int] | None = None, stage: str = "routing") -> RoutedRows:
+    """The block's MoE inputs for every calibration token and, for `experts` (default all), the tokens routed to
+    each and their router weights; every expert's row count. Rows come in token order, as `(index == e).nonzero()`
+    gives them, from one stable sort of the routed slots per batch (not a pass per expert). The inputs stay on
+    the device the states are on while they take at most ROWS_GPU_FRACTION of its free memory, else they go to
+    the host."""
     E = block.num_experts
     wanted = set(range(E) if experts is None else experts)
-    xs: list[list[torch.Tensor]] = [[] for _ in range(E)]
+    parts: list[torch.Tensor] = []
+    tokens: list[list[torch.Tensor]] = [[] for _ in range(E)]
     ws: list[list[torch.Tensor]] = [[] for _ in range(E)]
     total = [0] * E
+    offset, on_host = 0, False
     moe_inputs = map_batches(lambda h: _moe_inputs(block.layer, block.mlp, h, kwargs_by_bs[h.shape[0]]), states,
                              f"{stage}: routing layer {block.layer_index}")
     for x in moe_inputs:
@@ -393,15 +424,19 @@ def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
             total[e] += n
             if n and e in wanted:
                 sel = order[start : start + n]
-                tok = sel // k
-                xs[e].append(x[tok].float())
+                tokens[e].append(sel // k + offset)
                 ws[e].append(wts.reshape(-1)[sel].float())
             start += n
-    return xs, ws, tuple(total)
-
-
-def _cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
-    return torch.cat(parts) if parts else torch.zeros(0, width)
+        offset += x.shape[0]
+        if not on_host and x.is_cuda:
+            kept = sum(p.numel() * p.element_size() for p in parts) + x.numel() * x.element_size()
+            if kept > torch.cuda.mem_get_info(x.device)[0] * ROWS_GPU_FRACTION:
+                parts, on_host = [p.cpu() for p in parts], True
+        parts.append(x.cpu() if on_host else x)
+    empty = torch.zeros(0, dtype=torch.int64)
+    return RoutedRows(torch.cat(parts) if parts else torch.zeros(0, block.dense_experts.gate_up_proj.shape[-1]),
+                      [torch.cat(t) if t else empty for t in tokens],
+                      [torch.cat(w) if w else torch.zeros(0) for w in ws], tuple(total))
 
 
 @torch.no_grad()
@@ -623,32 +658,30 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     mine = [e for e in range(E) if e % world == rank]
     if not mine:
         raise ValueError(f"{world} processes for the {E} experts of layer {block.layer_index}: use at most {E} (--nproc)")
-    # Each rank gathers the routed rows of its own experts only, and keeps them on the model's device.
-    xs, ws, counts = gather_experts(block, stores[spec.compress_split], kwargs_by_bs, mine, spec.name)
-    xv, wv, val_counts = (gather_experts(block, stores[spec.val_split], kwargs_by_bs, mine, spec.name) if spec.val_split
-                          else (None, None, None))
-    rows = BlockRows(block.layer_index, counts, val_counts)
+    # Each rank gathers the routed rows of its own experts only.
+    routed = gather_experts(block, stores[spec.compress_split], kwargs_by_bs, mine, spec.name)
+    held = gather_experts(block, stores[spec.val_split], kwargs_by_bs, mine, spec.name) if spec.val_split else None
+    rows = BlockRows(block.layer_index, routed.counts, held.counts if held else None)
     clock.mark("route")
     method = spec.method_for_block(block.layer_index)
     I = block.dense_experts.down_proj.shape[-1]
+    dev = next(block.mlp.gate.parameters()).device  # methods run where the model is
     results_mine, amax_mine = [], []
     with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(mine)) as t:
-        # Experts whose dense fp32 weights fit the device together are compressed together; a larger block
-        # (Kimi-K2: 68 GB in fp32) goes chunk by chunk, which gives the same bytes: methods size everything from
-        # the whole block's row counts (ExpertData.block), exactly as under expert parallel.
-        n = weight_chunk_experts(len(mine), I, H, next(block.mlp.gate.parameters()).device)
-        for chunk in (mine[i:i + n] for i in range(0, len(mine), n)):
+        # Experts whose dense fp32 weights and routed rows fit the device together are compressed together; a
+        # larger block (Kimi-K2: 68 GB of fp32 weights; 4M calibration tokens: 275 GB of fp32 rows) goes chunk by
+        # chunk, which gives the same bytes: methods size everything from the whole block's row counts
+        # (ExpertData.block), exactly as under expert parallel.
+        rows_mine = [routed.row_count(e) + (held.row_count(e) if held else 0) for e in mine]
+        for chunk in expert_chunks(mine, rows_mine, I, H, dev):
             data = []
             for e in chunk:
                 w = block.expert_weights(e)
                 for proj, tw in w.items():
                     spec.fmt.check_weight(tw, f"layer {block.layer_index} expert {e} {proj}")
-                dev = w["gate"].device  # methods run where the model is
-                data.append(ExpertData(
-                    e, w["gate"], w["up"], w["down"], _cat(xs[e], H).to(dev), _cat(ws[e], 1).reshape(-1).to(dev),
-                    _cat(xv[e], H).to(dev) if spec.val_split else None,
-                    _cat(wv[e], 1).reshape(-1).to(dev) if spec.val_split else None, block=rows))
-                xs[e] = ws[e] = []
+                x, wts = routed.rows(e, w["gate"].device)
+                xv, wv = held.rows(e, w["gate"].device) if held else (None, None)
+                data.append(ExpertData(e, w["gate"], w["up"], w["down"], x, wts, xv, wv, block=rows))
             clock.mark("weights")
             results = method.compress_block(data, spec.fmt, t.advance)
             clock.mark("compress")
@@ -659,7 +692,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
             results_mine += results
             clock.mark("ranges")
             del data, results
-    del xs, ws
+    del routed, held
     by_e = {e: (r, a) for e, r, a in zip(mine, results_mine, amax_mine)}
     if dist:
         by_e = _gather_results(by_e, E, world, spec.name, block.layer_index, next(block.mlp.gate.parameters()).device)
@@ -681,18 +714,28 @@ def _results_to_cpu(r) -> None:
             setattr(qw, name, getattr(qw, name).cpu())
 
 
-WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a chunk's dense fp32 weights and its results
+WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a chunk's dense fp32 weights, rows and results
 RESULT_BYTES_PER_WEIGHT = 6  # a method's result on the device until the chunk ends: codes, mask, fp32 latent
 
 
-def weight_chunk_experts(n: int, I: int, H: int, device: torch.device) -> int:
-    """How many of a block's n experts get their dense fp32 weights materialised at once: all of them on the
-    CPU; on a GPU as many as fit WEIGHTS_GPU_FRACTION of its free memory with their results (the method's
-    working memory takes the rest)."""
+def expert_chunks(experts: list[int], rows: list[int], I: int, H: int, device: torch.device) -> list[list[int]]:
+    """A block's experts in consecutive chunks compressed together: all of them on the CPU; on a GPU as many as
+    fit WEIGHTS_GPU_FRACTION of its free memory with their fp32 routed rows (rows[i]: experts[i]'s, validation
+    ones included) and results (the method's working memory takes the rest); at least one expert a chunk."""
     if device.type != "cuda":
-        return max(n, 1)
-    per_expert = 3 * I * H * (4 + RESULT_BYTES_PER_WEIGHT)
-    return max(1, min(n, int(torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION) // per_expert))
+        return [list(experts)] if experts else []
+    budget = torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION
+    chunks: list[list[int]] = []
+    used = 0.0
+    for e, n in zip(experts, rows):
+        need = 3 * I * H * (4 + RESULT_BYTES_PER_WEIGHT) + n * H * 4
+        if chunks and used + need <= budget:
+            chunks[-1].append(e)
+            used += need
+        else:
+            chunks.append([e])
+            used = need
+    return chunks
 
 
 def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int, device: torch.device) -> dict:

@@ -264,8 +264,8 @@ def test_compressed_prefix_is_seen_by_later_blocks(micro, tmp_path):
     dense_store = StateStore(1 << 30, None)
     for h in store:
         dense_store.append(layer0(h, **kw[h.shape[0]]))
-    xs, _, _ = gather_experts(adapter.blocks(model)[1], dense_store, kw)
-    dense_amax = torch.stack([torch.cat(x).abs().amax() for x in xs])
+    routed = gather_experts(adapter.blocks(model)[1], dense_store, kw)
+    dense_amax = torch.stack([routed.rows(e)[0].abs().amax() for e in range(len(routed.counts))])
     assert not torch.allclose(dense_amax, amax_in)
 
 
@@ -402,7 +402,8 @@ def test_block_compressed_in_expert_chunks_gives_the_same_bytes(micro_path, tmp_
     sums = []
     for name, chunk in (("whole", None), ("chunked", 3)):
         if chunk is not None:
-            monkeypatch.setattr(engine, "weight_chunk_experts", lambda n, I, H, device: chunk)
+            monkeypatch.setattr(engine, "expert_chunks",
+                                lambda experts, rows, I, H, device: [experts[i:i + chunk] for i in range(0, len(experts), chunk)])
         wd = tmp_path / name
         run_init(wd, MethodConfig("sgptq"), micro_path, run, device="cpu", batch_size=4)
         run_refine(wd, rcfg, micro_path, run, device="cpu", batch_size=4)
@@ -411,8 +412,51 @@ def test_block_compressed_in_expert_chunks_gives_the_same_bytes(micro_path, tmp_
     assert sums[0] == sums[1] and len(sums[0]["refine"]) == 4
 
 
-def test_weight_chunks_hold_every_expert_on_the_cpu():
-    from moesq_core.engine import weight_chunk_experts
+def test_routed_rows_are_each_experts_tokens_in_order(micro):
+    """gather_experts keeps each token's MoE input once; an expert's rows are the inputs of the tokens routed
+    to it, in token order across batches, with the router weight of that slot (the definition, one expert at a
+    time), and only the experts asked for get rows."""
+    from moesq_core.engine import _moe_inputs, capture_layer_inputs, gather_experts
 
-    assert weight_chunk_experts(384, 2048, 7168, torch.device("cpu")) == 384
-    assert weight_chunk_experts(0, 8, 8, torch.device("cpu")) == 1
+    model, tok, adapter, path, calib = micro
+    block = adapter.blocks(model)[0]
+    store = StateStore(1 << 30, None)
+    kw = capture_layer_inputs(model, calib["train"], 3, store)  # batches of 3 sequences: offsets matter
+    assert len(store) > 1
+    routed = gather_experts(block, store, kw, experts=[0, 2, 5])
+    x = torch.cat([_moe_inputs(block.layer, block.mlp, h, kw[h.shape[0]]).reshape(-1, routed.x.shape[-1]) for h in store])
+    idx, wts = block.route(x)
+    assert torch.equal(routed.x, x) and routed.x.dtype == x.dtype
+    for e in range(block.num_experts):
+        hit = (idx == e)
+        assert routed.counts[e] == int(hit.sum())
+        rows, w = routed.rows(e)
+        if e in (0, 2, 5):
+            token = hit.any(-1).nonzero().reshape(-1)
+            assert torch.equal(rows, x[token].float()) and rows.dtype == torch.float32
+            assert torch.equal(w, wts[hit].float())
+        else:
+            assert rows.shape == (0, x.shape[-1]) and len(w) == 0 and routed.row_count(e) == 0
+
+
+def test_expert_chunks_hold_every_expert_on_the_cpu():
+    from moesq_core.engine import expert_chunks
+
+    assert expert_chunks(list(range(384)), [10 ** 6] * 384, 2048, 7168, torch.device("cpu")) == [list(range(384))]
+    assert expert_chunks([], [], 8, 8, torch.device("cpu")) == []
+
+
+@pytest.mark.gpu
+def test_expert_chunks_count_the_routed_rows_on_a_gpu():
+    """On a GPU a chunk's fp32 weights and routed rows fit WEIGHTS_GPU_FRACTION of the free memory: rows
+    that do not fit with the weights make more chunks, in expert order, one expert at the least."""
+    from moesq_core.engine import WEIGHTS_GPU_FRACTION, expert_chunks
+
+    dev = torch.device("cuda")
+    free = torch.cuda.mem_get_info(dev)[0] * WEIGHTS_GPU_FRACTION
+    few = expert_chunks(list(range(8)), [0] * 8, 64, 64, dev)
+    assert few == [list(range(8))]
+    per = int(free // 4 // (64 * 4))  # rows of 64 fp32 values: a quarter of the budget each
+    many = expert_chunks(list(range(8)), [per] * 8, 64, 64, dev)
+    assert [e for c in many for e in c] == list(range(8)) and all(1 <= len(c) <= 3 for c in many) and len(many) >= 3
+    assert expert_chunks([5], [10 ** 12], 64, 64, dev) == [[5]]

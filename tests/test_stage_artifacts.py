@@ -36,14 +36,12 @@ def block0_experts(micro_calibrated):
     for split in ("train", "val"):
         stores[split] = StateStore(1 << 30, None)
         kw.update(capture_layer_inputs(model, calib[split], 4, stores[split]))
-    (xs, ws, _), (xv, wv, _) = (gather_experts(block, stores[s], kw) for s in ("train", "val"))
-    H = block.dense_experts.gate_up_proj.shape[-1]
-    cat = lambda parts, width: torch.cat(parts) if parts else torch.zeros(0, width)  # noqa: E731
+    train, val = (gather_experts(block, stores[s], kw) for s in ("train", "val"))
     experts = []
     for e in range(block.num_experts):
         w = block.expert_weights(e)
-        experts.append(ExpertData(e, w["gate"].float(), w["up"].float(), w["down"].float(), cat(xs[e], H),
-                                  cat(ws[e], 1).reshape(-1), cat(xv[e], H), cat(wv[e], 1).reshape(-1)))
+        experts.append(ExpertData(e, w["gate"].float(), w["up"].float(), w["down"].float(), *train.rows(e),
+                                  *val.rows(e)))
     experts[3].x, experts[3].w = experts[3].x[:0], experts[3].w[:0]
     return experts
 
