@@ -351,10 +351,21 @@ def render_compression() -> str:
                  f"GPU {max(a['peak_gpu_gib'][0] for s in compressing for a in st[s]['attempts']):.0f} GiB "
                  f"(commit {r48['header']['commit']})",
                  "—", link(REAL_48_FILE.replace(".json", ".md"))])
+    fb = load(FULL_BUDGET_FILE)
+    chunks = fb["after"]["engine_chunks_s"]
+    rows.append(["`moesq refine` through the CLI at the paper's steps and rows per step (1,280 × 2,097,152 routed rows; "
+                 f"{fb['options']['n_train'] + fb['options']['n_init']} × {fb['options']['seq_len']}-token calibration), "
+                 "one Qwen3-30B-A3B block",
+                 f"runs (before: out of device memory while gathering the rows) in chunks of "
+                 f"{fb['after']['engine_chunk_experts']} experts, each paying every step: "
+                 + ", ".join(f"{c['refinement']:.0f} s" for c in chunks) + " for the first two; "
+                 f"≈ {fb['extrapolated_min_per_block']['value']} min per block extrapolated (commit {fb['commit']})",
+                 "—", link(FULL_BUDGET_FILE.replace(".json", ".md"))])
     return table(["work", "batched (moesq)", "per-expert path (extrapolated)", "file"], rows)
 
 
 REAL_48_FILE = "real_size_run_h200_2026-12-01_bbae3ec.json"
+FULL_BUDGET_FILE = "refine_full_budget_h200_2026-12-02_1347c3a.json"
 REAL_KIMI_FILE = "real_size_kimi_h200_2026-12-01_171ed46.json"
 SCALING_INIT_FILE = "real_size_scaling_h200x2_2026-12-01_8aed194.json"
 SCALING_REFINE_FILE = "real_size_scaling_h200x2_2026-12-01_db264ec.json"
