@@ -55,9 +55,14 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # before the staging barrier (not yet run on a GPU). pick_config chooses 11 and 10 (decode), 5 and 4 (4 warpgroups, 64 / 128 tokens): the fastest on
 # every bench shape of an H200 at N <= 16, 64 and 128 / 256 respectively (native/NOTES.md); the others stay compiled
 # and tested. Since 11 won at up to 8 rows per expert (p48_variants_h200_2026-12-02_ccc589a.md), it takes those rows.
-TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16, 16, 16, 16)
-ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256, 256, 256, 256)
-MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",) * 4
+# 14-19: the 4-warpgroup path again: 14 is 4 with a 512-column activation chunk (half the stagings, barriers and
+# wgmma drains per record); 15-19 the lean warpgroup staging (a fixed map: one load, four prmt, one 16-byte store
+# per staged unit; warp-uniform skips past the tokens; bulk-copy weight ring; scales and metadata once per record;
+# one-pointer epilogue), through registers (15: 128 tokens x 256 columns, 16: x 512, 18: 64 x 512) or copied one
+# chunk ahead with cp.async into a raw buffer and only K-permuted at the chunk boundary (17: 128 x 256, 19: 64 x 512).
+TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16, 16, 16, 16, 128, 128, 128, 128, 64, 64)
+ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256, 256, 256, 256) + (256,) * 6
+MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",) * 4 + ("wgmma.sp",) * 6
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 
