@@ -122,10 +122,10 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 128, 1, cpu) == pm.MmaConfig(13, 1)
     assert pm.pick_config(1536, 2048, 128, 9, cpu).variant == 13
     assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(13, 1)
-    assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 5
-    assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 5
-    assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 4
-    assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 4
+    assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 19
+    assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 19
+    assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 17
+    assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 17
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 

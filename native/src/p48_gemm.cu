@@ -1264,7 +1264,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // bulk-copies each ring step, scales decoded once per record, a fixed staging map, the unit cursor moved by adds).
 // 11: 10 with the per-unit staging and epilogue trimmed (LEAN); 12: 11 walking contiguous ranges of active units,
 // re-using a staged chunk across an expert's row groups (CONTIG).
-// Picked: 11 (up to 8 rows per expert), 10 (up to 16), 5 (up to 64), 4 (above).
+// 13: 11 with the chunk's row start and count from the cursor, x loaded before the staging barrier. 14-19: the
+// warpgroup path with a 512-column chunk (14) and the lean staging (XMODE 1: 15, 16, 18; 2: 17, 19).
+// Picked: 13 (up to 16 rows per expert), 19 (up to 64), 17 (above).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
   X(1, Variant<64, 2, 8, 4, 512>)      \
