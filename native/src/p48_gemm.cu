@@ -324,7 +324,9 @@ struct Variant {
 // epilogue through one base pointer per thread. 1: the activations through registers, the first round of loads
 // issued before the barrier that frees the buffer; 2: each thread cp.async-copies its units of the next chunk
 // into a raw (natural-order) buffer one chunk ahead, so at the chunk boundary only the shared-memory K permutation
-// (raw -> swizzled) sits between the two barriers instead of the L2 latency of the loads.
+// (raw -> swizzled) sits between the two barriers instead of the L2 latency of the loads. 3: 2 with the permutation
+// loop branch-free (columns past K zero-filled by the copy, units past the chunk's width permuted into columns no
+// wgmma of the chunk reads) and its addresses computed once per thread.
 template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false, int XMODE_ = 0>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
@@ -333,8 +335,8 @@ struct WgVariant {
   static constexpr int LEAN = 0;
   static constexpr int XS = KC;
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
-  // + slack: the swizzle needs a 1024-byte base; PIPE: two swizzled buffers; XMODE 2: the swizzled and the raw one
-  static constexpr int kXBytes = (PIPE || XMODE == 2 ? 2 : 1) * kXBuf * 2 + 1024;
+  // + slack: the swizzle needs a 1024-byte base; PIPE: two swizzled buffers; XMODE >= 2: the swizzled and the raw one
+  static constexpr int kXBytes = (PIPE || XMODE >= 2 ? 2 : 1) * kXBuf * 2 + 1024;
   static constexpr int kRingBytes = W * S * RK * kRecBytes;
   static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);  // + one mbarrier per warp and stage
   static constexpr int kThreads = W * 32;
@@ -999,12 +1001,25 @@ __device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
                 min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f};
 }
 
-// XMODE 2: the thread's units of chunk `ch` into the raw buffer (unit j of thread i at 16 (j kThreads + i)), one
-// cp.async group; units past the tokens are not copied, columns past K are zeroed when they are permuted.
+// XMODE >= 2: the thread's units of chunk `ch` into the raw buffer (unit j of thread i at 16 (j kThreads + i)), one
+// cp.async group; units past the tokens are not copied; columns past K: XMODE 2 zeroes them when they are
+// permuted, 3 copies zeros (src-size 0: nothing is read, the row start stands in as the address).
 template <class V>
 __device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, const WgMap<V>& map, uint32_t raw) {
   const int nu = map.units(ch);
-  if (ch.k0 + 8 * map.c < p.K && 8 * map.c < ch.kw) {
+  if constexpr (V::XMODE == 3) {
+    const bool col_ok = ch.k0 + 8 * map.c < p.K;
+    const uint16_t* src = col_ok ? map.src(p, ch) : p.x + (ch.row0 + map.t0) * p.x_stride;
+    const uint32_t n = col_ok ? 16u : 0u;
+    const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
+#pragma unroll
+    for (int j = 0; j < WgMap<V>::N; ++j) {
+      if (j >= nu) break;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(raw + 16 * j * V::kThreads), "l"(src), "r"(n)
+                   : "memory");
+      src += step;
+    }
+  } else if (ch.k0 + 8 * map.c < p.K && 8 * map.c < ch.kw) {
     const uint16_t* src = map.src(p, ch);
     const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
     const uint32_t dst = raw + 16 * threadIdx.x;
@@ -1069,7 +1084,10 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
   [[maybe_unused]] WgMap<V> map;
+  // XMODE 3: this thread's units in the swizzled and the raw buffer
+  [[maybe_unused]] const uint32_t x_dst = V::XMODE == 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
   if constexpr (V::XMODE == 2) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, raw_addr);
+  if constexpr (V::XMODE == 3) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
 
   float acc[ND];
 #pragma unroll
@@ -1141,6 +1159,25 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         fence_async_smem();
         // the next chunk into the raw buffer (this thread has read its units of this one)
         if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, raw_addr);
+        __syncthreads();
+      } else if constexpr (V::XMODE == 3) {
+        Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
+        nx.next<NB, kRecPerChunk, true>(p, row_groups, kr_per, n_units);
+        const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
+        const int nu = map.units(ch);
+        cp_async_wait<0>();  // this thread's copies of the chunk have landed (it reads only its own units)
+        wgmma_wait<0>();
+        acc_fence(acc);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < WgMap<V>::N; ++j) {
+          if (j >= nu) break;  // warp-uniform
+          uint4 v = lds128(x_raw + 16 * j * V::kThreads);
+          if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
+          sts128(x_dst + j * WgMap<V>::kDstStep, permute8(v));
+        }
+        fence_async_smem();
+        if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
         __syncthreads();
       } else {
         wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
@@ -1265,7 +1302,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // 11: 10 with the per-unit staging and epilogue trimmed (LEAN); 12: 11 walking contiguous ranges of active units,
 // re-using a staged chunk across an expert's row groups (CONTIG).
 // 13: 11 with the chunk's row start and count from the cursor, x loaded before the staging barrier. 14-19: the
-// warpgroup path with a 512-column chunk (14) and the lean staging (XMODE 1: 15, 16, 18; 2: 17, 19).
+// warpgroup path with a 512-column chunk (14) and the lean staging (XMODE 1: 15, 16, 18; 2: 17, 19; 3: 20, 21).
 // Picked: 13 (up to 16 rows per expert), 19 (up to 64), 17 (above).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
@@ -1287,7 +1324,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(16, WgVariant<128, 4, 3, 512, 2, false, 1>) \
   X(17, WgVariant<128, 4, 3, 256, 2, false, 2>) \
   X(18, WgVariant<64, 4, 3, 512, 2, false, 1>) \
-  X(19, WgVariant<64, 4, 3, 512, 2, false, 2>)
+  X(19, WgVariant<64, 4, 3, 512, 2, false, 2>) \
+  X(20, WgVariant<128, 4, 3, 256, 2, false, 3>) \
+  X(21, WgVariant<64, 4, 3, 512, 2, false, 3>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
