@@ -247,9 +247,9 @@ def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, dev
     and 11 on every decode row of the bench shapes head to head, W4A16 and W4A4, at N = 1 and 16), else wgmma.sp
     with 4 warpgroups (256 rows per CTA, two records per step, the lean path with the activations copied one chunk
     ahead and K-permuted in shared memory): 64 tokens per pass up to 64 rows per expert (21), 128 above (20). Their
-    first form (19, 17) beat the earlier picks 5 and 4 on every bench shape head to head (N = 64: 1.22-1.44x,
-    N = 128: 1.46-1.61x); 20 and 21 run the same code with fewer instructions per staged chunk. Split K only when
-    too few CTAs have work."""
+    first form (19, 17) beat the earlier picks 5 and 4 on every bench shape head to head (N = 32, 64: 1.36-1.46x,
+    N = 128, 256: 1.44-1.62x); 20 and 21 run the same code with fewer instructions per staged chunk (0.8-3.2 %
+    faster). Split K only when too few CTAs have work."""
     variant = 13 if rows_per_expert <= 16 else 21 if rows_per_expert <= 64 else 20
     ctas = max(1, active_experts) * math.ceil(M / ROWS_PER_CTA[variant])
     target = 2 * _num_sms(device)
