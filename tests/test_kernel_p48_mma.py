@@ -122,10 +122,10 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 128, 1, cpu) == pm.MmaConfig(13, 1)
     assert pm.pick_config(1536, 2048, 128, 9, cpu).variant == 13
     assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(13, 1)
-    assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 5
-    assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 5
-    assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 4
-    assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 4
+    assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 21
+    assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 21
+    assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 20
+    assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 20
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
@@ -266,10 +266,11 @@ def test_gpu_kernel_ignores_x_past_k_and_stale_staging(variant):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [0, 10, 11, 12, 13])
+@pytest.mark.parametrize("variant", [0, 10, 11, 12, 13, 15, 17, 19, 20, 21])
 def test_gpu_in_kernel_activation_quant_zero_rows_and_cuda_graph(variant):
     """All-zero and single-nonzero blocks quantize like the pre-pass; the W4A4 launch replays in a CUDA graph
-    (the decode variants: 10-12's rings wait on mbarriers)."""
+    (the bulk-copy rings wait on mbarriers: decode variants 10-13, warpgroup variants 15-19, which 17 and 19 also
+    stage with cp.async one chunk ahead, as do 20 and 21)."""
     native = _native_or_skip()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(5)
@@ -296,7 +297,7 @@ def test_gpu_in_kernel_activation_quant_zero_rows_and_cuda_graph(variant):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [10, 11, 12, 13])
+@pytest.mark.parametrize("variant", [10, 11, 12, 13, 16, 17, 19, 20, 21])
 @pytest.mark.parametrize("act_quant,split", [(False, 1), (True, 1), (False, 2)])
 def test_gpu_kernel_many_experts_few_active(variant, act_quant, split):
     """More experts than a CTA has threads, most without tokens (the first and the last with): variant 12 balances

@@ -317,21 +317,35 @@ struct Variant {
 // decoded weight fragment serves all NB tokens of a pass in one instruction.
 // PIPE: the activations are double-buffered and software-pipelined: every thread loads its part of the next
 // chunk into registers while the current one is computed and stores it at the next chunk boundary.
-template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false>
+// XMODE (needs BULK: the weight ring on mbarriers, so cp.async groups are free for the activations), the lean
+// paths: a staging map fixed at compile time (each thread one 8-column group of tokens t0, t0 + TS, ...: the
+// swizzled destination moves by a constant, so a staged unit is one load, four prmt and one 16-byte store),
+// warp-uniform skips past the tokens and the chunk's width, scales and metadata decoded once per record, and an
+// epilogue through one base pointer per thread. 1: the activations through registers, the first round of loads
+// issued before the barrier that frees the buffer; 2: each thread cp.async-copies its units of the next chunk
+// into a raw (natural-order) buffer one chunk ahead, so at the chunk boundary only the shared-memory K permutation
+// (raw -> swizzled) sits between the two barriers instead of the L2 latency of the loads. 3: 2 with the permutation
+// loop branch-free (columns past K zero-filled by the copy, units past the chunk's width permuted into columns no
+// wgmma of the chunk reads) and its addresses computed once per thread.
+template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false, int XMODE_ = 0>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool PIPE = PIPE_, BULK = false, CONTIG = false;
+  static constexpr int XMODE = XMODE_;
+  static constexpr bool PIPE = PIPE_, BULK = XMODE_ > 0, CONTIG = false;
   static constexpr int LEAN = 0;
   static constexpr int XS = KC;
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
-  static constexpr int kXBytes = (PIPE ? 2 : 1) * kXBuf * 2 + 1024;  // + slack: the swizzle needs a 1024-byte base
-  static constexpr int kSmem = kXBytes + W * S * RK * kRecBytes;
+  // + slack: the swizzle needs a 1024-byte base; PIPE: two swizzled buffers; XMODE >= 2: the swizzled and the raw one
+  static constexpr int kXBytes = (PIPE || XMODE >= 2 ? 2 : 1) * kXBuf * 2 + 1024;
+  static constexpr int kRingBytes = W * S * RK * kRecBytes;
+  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);  // + one mbarrier per warp and stage
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = true;
   static constexpr int kMinBlocks = kThreads <= 256 ? 2 : 1;  // 128 registers per thread either way
   static_assert(KC % (kRecK * RK) == 0 && KC % 64 == 0 && NB % 16 == 0 && NB <= 256, "bad variant");
   static_assert(!PIPE || (NB * KC / 8) % kThreads == 0, "a pipelined chunk must split evenly over the threads");
+  static_assert(!(PIPE && XMODE), "PIPE and XMODE are alternatives");
 };
 
 // Stage activations rows [t0, t0 + ntok) x columns [k0, k0 + kw) into shared memory, K-permuted per 8-group;
@@ -424,6 +438,52 @@ __device__ __forceinline__ void store_x(uint16_t* xs, const XChunk& ch, int j0, 
 __device__ __forceinline__ uint4 permute8(uint4 v) {
   return make_uint4(prmt(v.x, v.y, 0x5410), prmt(v.z, v.w, 0x5410), prmt(v.x, v.y, 0x7632), prmt(v.z, v.w, 0x7632));
 }
+
+__device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+// A read-only 16-byte global load kept in program order with the other volatile asm (the lean staging rounds:
+// the compiler would otherwise hoist every round's loads and spill).
+__device__ __forceinline__ uint4 ldg128(const void* src) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(src));
+  return v;
+}
+__device__ __forceinline__ uint4 lds128(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// The fixed staging map of the lean warpgroup paths (XMODE): thread = 8-column group c of tokens t0 + j TS,
+// j < N. A warp holds 32 consecutive groups of one token, so the skips below are warp-uniform. In the swizzled
+// layout (chunk c & 7 of row t at (c & 7) ^ (t & 7)) t & 7 stays t0 & 7 (TS is a multiple of 8), so unit j's
+// destination is unit 0's plus j * kDstStep bytes.
+template <class V>
+struct WgMap {
+  static constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::NB / TS;
+  static constexpr int kDstStep = TS * 128;  // bytes
+  static_assert(!V::XMODE || (V::kThreads % G == 0 && G % 32 == 0 && TS % 8 == 0 && V::NB % TS == 0),
+                "bad lean staging map");
+  int c, t0;
+  __device__ __forceinline__ WgMap() : c(threadIdx.x % G), t0(threadIdx.x / G) {}
+  __device__ __forceinline__ uint32_t dst(uint32_t xs_addr) const {
+    return xs_addr + 2 * ((c >> 3) * (V::NB * 64) + t0 * 64 + 8 * ((c & 7) ^ (t0 & 7)));
+  }
+  // units with a token (0 for a warp whose groups all lie past the chunk's width)
+  __device__ __forceinline__ int units(const XChunk& ch) const {
+    return 8 * (c & ~31) >= ch.kw || ch.ntok <= t0 ? 0 : (ch.ntok - t0 + TS - 1) / TS;
+  }
+  __device__ __forceinline__ const uint16_t* src(const Params& p, const XChunk& ch) const {
+    return p.x + (ch.row0 + t0) * p.x_stride + ch.k0 + 8 * c;
+  }
+};
 
 // LEAN staging under the fixed map (thread: column group c, tokens t0, t0 + TS, ...; a warp shares its token and
 // holds 32 consecutive groups): the iterations past the tokens and the warps past the chunk's width branch away
@@ -934,6 +994,46 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   cp_async_wait<0>();
 }
 
+// The chunk a cursor stands at, from the cursor's own count and row start (loaded when it took the unit).
+template <class V, bool QUANT>
+__device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
+  return XChunk{c.row0 + static_cast<long long>(c.tb) * V::NB, min(V::NB, c.cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
+                min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f};
+}
+
+// XMODE >= 2: the thread's units of chunk `ch` into the raw buffer (unit j of thread i at 16 (j kThreads + i)), one
+// cp.async group; units past the tokens are not copied; columns past K: XMODE 2 zeroes them when they are
+// permuted, 3 copies zeros (src-size 0: nothing is read, the row start stands in as the address).
+template <class V>
+__device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, const WgMap<V>& map, uint32_t raw) {
+  const int nu = map.units(ch);
+  if constexpr (V::XMODE == 3) {
+    const bool col_ok = ch.k0 + 8 * map.c < p.K;
+    const uint16_t* src = col_ok ? map.src(p, ch) : p.x + (ch.row0 + map.t0) * p.x_stride;
+    const uint32_t n = col_ok ? 16u : 0u;
+    const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
+#pragma unroll
+    for (int j = 0; j < WgMap<V>::N; ++j) {
+      if (j >= nu) break;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(raw + 16 * j * V::kThreads), "l"(src), "r"(n)
+                   : "memory");
+      src += step;
+    }
+  } else if (ch.k0 + 8 * map.c < p.K && 8 * map.c < ch.kw) {
+    const uint16_t* src = map.src(p, ch);
+    const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
+    const uint32_t dst = raw + 16 * threadIdx.x;
+#pragma unroll
+    for (int j = 0; j < WgMap<V>::N; ++j) {
+      if (j >= nu) break;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16 * j * V::kThreads), "l"(src)
+                   : "memory");
+      src += step;
+    }
+  }
+  cp_async_commit();
+}
+
 // The warpgroup kernel (WgVariant): the same units, cursors and weight ring as p48_mma_kernel with one row tile per
 // warp; per MMA step each warp decodes its 16 rows into A registers (double-buffered: one wgmma stays in flight
 // while the next step is decoded) and the warpgroup issues one wgmma.sp over all NB staged tokens.
@@ -942,6 +1042,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int NB = V::NB, W = V::W, S = V::S, KC = V::KC, RK = V::RK, ND = NB / 2;
   constexpr int kRecPerChunk = KC / kRecK;
+  constexpr bool LEANX = V::XMODE > 0;
   const int row_groups = (p.MT + W - 1) / W;
   const int kr_per = (p.KR + p.split - 1) / p.split;
   const int n_units = p.E * row_groups * p.split;
@@ -950,13 +1051,16 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   const uint32_t pad = (1024u - (smem_addr & 1023u)) & 1023u;
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem + pad);
   const uint32_t xs_addr = smem_addr + pad;
+  const uint32_t raw_addr = xs_addr + V::kXBuf * 2;  // XMODE 2: the raw buffer after the swizzled one
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * RK * kRecBytes);
+  const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
 
   Cursor prod{}, cons{};
   prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   if (!prod.valid) return;
+  if constexpr (V::BULK) prod.init_stride(p, row_groups);
   cons = prod;
   // PIPE: `xv` holds the thread's part of chunk `xch` (the one the consumer stages next), `stg` stands at it
   Cursor stg = prod;
@@ -968,8 +1072,22 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   }
   int xbuf = 0;
   int slot_p = 0, slot_c = 0;
+  uint32_t phase = 0;  // BULK: parity of the consumer's current pass over the ring
+  if constexpr (V::BULK) {
+    if (lane == 0) {
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) issue_step<V>(p, ring, 0, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
+      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
+      mbar_init_fence();
+    }
+    __syncwarp();
+  }
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
+  [[maybe_unused]] WgMap<V> map;
+  // XMODE 3: this thread's units in the swizzled and the raw buffer
+  [[maybe_unused]] const uint32_t x_dst = V::XMODE == 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
+  if constexpr (V::XMODE == 2) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, raw_addr);
+  if constexpr (V::XMODE == 3) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
 
   float acc[ND];
 #pragma unroll
@@ -977,34 +1095,121 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 
   while (cons.valid) {
     const int kr = cons.kr, tb = cons.tb;
-    const int cnt = __ldg(p.counts + cons.e);
-    const long long row0 = __ldg(p.row_start + cons.e);
+    const int cnt = LEANX ? cons.cnt : __ldg(p.counts + cons.e);
+    const long long row0 = LEANX ? cons.row0 : __ldg(p.row_start + cons.e);
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
-      wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
-      acc_fence(acc);
-      if constexpr (V::PIPE) {
-        // the other buffer was last read by the chunk before the previous one, whose wgmmas every warpgroup
-        // completed before the previous chunk's barrier
-        xbuf ^= 1;
-        store_x<V, QUANT>(xs + xbuf * V::kXBuf, xch, 0, xv);
-        fence_async_smem();
-        __syncthreads();
-        if (stg.valid) stg.next<NB, kRecPerChunk>(p, row_groups, kr_per, n_units);
-        if (stg.valid) {
-          xch = chunk_at<V, QUANT>(p, stg);
-          load_x<V>(p, xch, 0, xv);  // in flight while this chunk is computed
+      if constexpr (V::XMODE == 1) {
+        // lean register staging in rounds of RND units; the first round's loads fly while the warpgroups drain
+        constexpr int N = WgMap<V>::N, RND = NB > 64 ? 2 : N < 4 ? N : 4;  // 4 spill at 128 tokens
+        const XChunk ch = chunk_of<V, QUANT>(p, cons);
+        const int nu = map.units(ch);
+        const bool col_ok = ch.k0 + 8 * map.c < p.K;
+        const uint16_t* src = map.src(p, ch);
+        const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
+        const uint32_t dst = map.dst(xs_addr);
+        uint4 v[RND];
+#pragma unroll
+        for (int j = 0; j < RND; ++j) {
+          if (j >= nu) break;
+          v[j] = col_ok ? ldg128(src) : make_uint4(0, 0, 0, 0);
+          src += step;
         }
-      } else {
+        wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
+        acc_fence(acc);
         __syncthreads();
-        stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
+#pragma unroll
+        for (int j0 = 0; j0 < N; j0 += RND) {
+          if (j0 >= nu) break;  // warp-uniform
+          if (j0 > 0) {
+#pragma unroll
+            for (int j = 0; j < RND; ++j) {
+              if (j0 + j >= nu) break;
+              v[j] = col_ok ? ldg128(src) : make_uint4(0, 0, 0, 0);
+              src += step;
+            }
+          }
+#pragma unroll
+          for (int j = 0; j < RND; ++j) {
+            if (j0 + j >= nu) break;
+            if constexpr (QUANT) v[j] = nvfp4_block_values(v[j], ch.g);  // the warp is whole here
+            if (8 * map.c < ch.kw) sts128(dst + (j0 + j) * WgMap<V>::kDstStep, permute8(v[j]));
+          }
+        }
         fence_async_smem();
         __syncthreads();
+      } else if constexpr (V::XMODE == 2) {
+        Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
+        nx.next<NB, kRecPerChunk, true>(p, row_groups, kr_per, n_units);
+        const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
+        const int nu = map.units(ch);
+        const bool col_ok = ch.k0 + 8 * map.c < p.K;
+        const uint32_t dst = map.dst(xs_addr), raw = raw_addr + 16 * threadIdx.x;
+        cp_async_wait<0>();  // this thread's copies of the chunk have landed (it reads only its own units)
+        wgmma_wait<0>();
+        acc_fence(acc);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < WgMap<V>::N; ++j) {
+          if (j >= nu) break;  // warp-uniform
+          uint4 v = col_ok ? lds128(raw + 16 * j * V::kThreads) : make_uint4(0, 0, 0, 0);
+          if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
+          if (8 * map.c < ch.kw) sts128(dst + j * WgMap<V>::kDstStep, permute8(v));
+        }
+        fence_async_smem();
+        // the next chunk into the raw buffer (this thread has read its units of this one)
+        if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, raw_addr);
+        __syncthreads();
+      } else if constexpr (V::XMODE == 3) {
+        Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
+        nx.next<NB, kRecPerChunk, true>(p, row_groups, kr_per, n_units);
+        const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
+        const int nu = map.units(ch);
+        cp_async_wait<0>();  // this thread's copies of the chunk have landed (it reads only its own units)
+        wgmma_wait<0>();
+        acc_fence(acc);
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < WgMap<V>::N; ++j) {
+          if (j >= nu) break;  // warp-uniform
+          uint4 v = lds128(x_raw + 16 * j * V::kThreads);
+          if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
+          sts128(x_dst + j * WgMap<V>::kDstStep, permute8(v));
+        }
+        fence_async_smem();
+        if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
+        __syncthreads();
+      } else {
+        wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
+        acc_fence(acc);
+        if constexpr (V::PIPE) {
+          // the other buffer was last read by the chunk before the previous one, whose wgmmas every warpgroup
+          // completed before the previous chunk's barrier
+          xbuf ^= 1;
+          store_x<V, QUANT>(xs + xbuf * V::kXBuf, xch, 0, xv);
+          fence_async_smem();
+          __syncthreads();
+          if (stg.valid) stg.next<NB, kRecPerChunk>(p, row_groups, kr_per, n_units);
+          if (stg.valid) {
+            xch = chunk_at<V, QUANT>(p, stg);
+            load_x<V>(p, xch, 0, xv);  // in flight while this chunk is computed
+          }
+        } else {
+          __syncthreads();
+          stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
+          fence_async_smem();
+          __syncthreads();
+        }
       }
     }
-    cp_async_wait<S - 2>();
+    if constexpr (V::BULK) {
+      mbar_wait(bars + 8 * slot_c, phase);
+      phase ^= slot_c == S - 1;
+    } else {
+      cp_async_wait<S - 2>();
+    }
     __syncwarp();
-    issue_step<V>(p, ring, 0, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
+    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
     const uint8_t* step_rec = ring + slot_c * (RK * kRecBytes);
     slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
     const int nrec = min(RK, cons.nkr - kr);
@@ -1015,11 +1220,23 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
       uint32_t meta;
       uint2 sc;
       load_lane_share(step_rec + j * kRecBytes, lane, codes, meta, sc);
+      [[maybe_unused]] RecScales rs;
+      [[maybe_unused]] uint32_t emr[2];
+      if constexpr (LEANX) {  // scales and metadata once per record (as the BULK decode variants)
+        rs = record_scales(sc);
+        emr[0] = expand_meta_imad(prmt(meta, 0, 0x4140));
+        emr[1] = expand_meta_imad(prmt(meta, 0, 0x4342));
+      }
       const int col0 = (kr % kRecPerChunk + j) * kRecK;  // the record's first column in the staged chunk
       uint32_t a[2][4], em[2];
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        em[s & 1] = decode_step(codes, meta, sc, s, a[s & 1]);
+        if constexpr (LEANX) {
+          decode_step_hoisted(codes, rs, s, a[s & 1]);
+          em[s & 1] = emr[s >> 1];
+        } else {
+          em[s & 1] = decode_step(codes, meta, sc, s, a[s & 1]);
+        }
         const int col = col0 + 32 * s;
         const uint32_t b_addr = xs_addr + xbuf * (V::kXBuf * 2) + (col >> 6) * (NB * 128) + (col & 32) * 2;
         wgmma_fence();
@@ -1038,20 +1255,40 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
       acc_fence(acc);
       const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
       const int rt = cons.rg * W + warp;
+      if constexpr (LEANX) {  // one base pointer (tokens 2 t4 (+1), rows g (+8)), constant offsets
+        using T = std::conditional_t<OUT_BF16 && !ATOMIC, __nv_bfloat16, float>;
+        T* o = reinterpret_cast<T*>(p.out) + (row0 + tb * NB + 2 * t4) * p.out_stride + rt * 16 + g;
+        const long long s8 = 8 * p.out_stride;
+        const int tok = ntok - 2 * t4, mr = p.M - (rt * 16 + g);  // (rows past M include idle row tiles past MT)
+        const int ntiles = (ntok + 7) >> 3;
 #pragma unroll
-      for (int n = 0; n < NB / 8; ++n) {
+        for (int n = 0; n < NB / 8; ++n) {
+          if (n >= ntiles) break;  // warp-uniform
+          const int tn = tok - 8 * n;
+          if (tn > 0 && mr > 0) store_to<ATOMIC>(o, acc[4 * n] * alpha);
+          if (tn > 1 && mr > 0) store_to<ATOMIC>(o + p.out_stride, acc[4 * n + 1] * alpha);
+          if (tn > 0 && mr > 8) store_to<ATOMIC>(o + 8, acc[4 * n + 2] * alpha);
+          if (tn > 1 && mr > 8) store_to<ATOMIC>(o + p.out_stride + 8, acc[4 * n + 3] * alpha);
+          o += s8;
+        }
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int m = rt * 16 + g + 8 * (i >> 1);
-          const int tok = n * 8 + 2 * t4 + (i & 1);
-          if (rt < p.MT && m < p.M && tok < ntok) {
-            store_out<OUT_BF16, ATOMIC>(p, (row0 + tb * NB + tok) * p.out_stride + m, acc[4 * n + i] * alpha);
+        for (int i = 0; i < ND; ++i) acc[i] = 0.f;
+      } else {
+#pragma unroll
+        for (int n = 0; n < NB / 8; ++n) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int m = rt * 16 + g + 8 * (i >> 1);
+            const int tok = n * 8 + 2 * t4 + (i & 1);
+            if (rt < p.MT && m < p.M && tok < ntok) {
+              store_out<OUT_BF16, ATOMIC>(p, (row0 + tb * NB + tok) * p.out_stride + m, acc[4 * n + i] * alpha);
+            }
+            acc[4 * n + i] = 0.f;
           }
-          acc[4 * n + i] = 0.f;
         }
       }
     }
-    cons.next<NB, RK>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK, V::BULK>(p, row_groups, kr_per, n_units);
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
@@ -1064,7 +1301,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // bulk-copies each ring step, scales decoded once per record, a fixed staging map, the unit cursor moved by adds).
 // 11: 10 with the per-unit staging and epilogue trimmed (LEAN); 12: 11 walking contiguous ranges of active units,
 // re-using a staged chunk across an expert's row groups (CONTIG).
-// Picked: 11 (up to 8 rows per expert), 10 (up to 16), 5 (up to 64), 4 (above).
+// 13: 11 with the chunk's row start and count from the cursor, x loaded before the staging barrier. 14-19: the
+// warpgroup path with a 512-column chunk (14) and the lean staging (XMODE 1: 15, 16, 18; 2: 17, 19; 3: 20, 21).
+// Picked: 13 (up to 16 rows per expert), 19 (up to 64), 17 (above).
 #define MOESQ_P48_VARIANTS(X)         \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
   X(1, Variant<64, 2, 8, 4, 512>)      \
@@ -1079,7 +1318,15 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(10, Variant<16, 2, 8, 3, 1024, 2, true>) \
   X(11, Variant<16, 2, 8, 3, 1024, 2, true, true>) \
   X(12, Variant<16, 2, 8, 3, 1024, 2, true, true, true>) \
-  X(13, Variant<16, 2, 8, 3, 1024, 2, true, 2>)
+  X(13, Variant<16, 2, 8, 3, 1024, 2, true, 2>) \
+  X(14, WgVariant<128, 4, 3, 512, 2>)  \
+  X(15, WgVariant<128, 4, 3, 256, 2, false, 1>) \
+  X(16, WgVariant<128, 4, 3, 512, 2, false, 1>) \
+  X(17, WgVariant<128, 4, 3, 256, 2, false, 2>) \
+  X(18, WgVariant<64, 4, 3, 512, 2, false, 1>) \
+  X(19, WgVariant<64, 4, 3, 512, 2, false, 2>) \
+  X(20, WgVariant<128, 4, 3, 256, 2, false, 3>) \
+  X(21, WgVariant<64, 4, 3, 512, 2, false, 3>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
