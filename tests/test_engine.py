@@ -439,6 +439,29 @@ def test_routed_rows_are_each_experts_tokens_in_order(micro):
             assert rows.shape == (0, x.shape[-1]) and len(w) == 0 and routed.row_count(e) == 0
 
 
+@pytest.mark.gpu
+def test_routed_rows_past_the_device_budget_wait_on_the_host(micro, monkeypatch):
+    """When a block's per-token MoE inputs would take more than ROWS_GPU_FRACTION of the free device memory they
+    are kept on the host; an expert's rows, made on the device, are the same as when they stay there."""
+    import copy
+
+    import moesq_core.engine as engine
+    from moesq_core.engine import capture_layer_inputs, gather_experts
+
+    model, tok, adapter, path, calib = micro
+    model = copy.deepcopy(model).to("cuda")
+    block = adapter.blocks(model)[0]
+    store = StateStore(1 << 30, None)
+    kw = capture_layer_inputs(model, calib["train"], 3, store)
+    on_gpu = gather_experts(block, store, kw)
+    monkeypatch.setattr(engine, "ROWS_GPU_FRACTION", 0.0)
+    on_host = gather_experts(block, store, kw)
+    assert on_gpu.x.is_cuda and not on_host.x.is_cuda and torch.equal(on_host.x, on_gpu.x.cpu())
+    for e in range(block.num_experts):
+        (a, wa), (b, wb) = on_gpu.rows(e, torch.device("cuda")), on_host.rows(e, torch.device("cuda"))
+        assert b.is_cuda and torch.equal(a, b) and torch.equal(wa, wb)
+
+
 def test_expert_chunks_hold_every_expert_on_the_cpu():
     from moesq_core.engine import expert_chunks
 
