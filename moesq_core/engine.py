@@ -30,6 +30,7 @@ from . import distributed, packing
 from .formats import Format, QuantizedWeight
 from .methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method
 from .models import MoEAdapter, MoEBlock
+from .memory import consecutive_chunks
 from .progress import NullProgress, note, skip
 from .runtime.experts import MoesqExperts
 from .state_checkpoint import EVERY_S, StateCheckpoint
@@ -409,7 +410,7 @@ def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
     tokens: list[list[torch.Tensor]] = [[] for _ in range(E)]
     ws: list[list[torch.Tensor]] = [[] for _ in range(E)]
     total = [0] * E
-    offset, on_host = 0, False
+    offset, on_host, kept = 0, False, 0
     moe_inputs = map_batches(lambda h: _moe_inputs(block.layer, block.mlp, h, kwargs_by_bs[h.shape[0]]), states,
                              f"{stage}: routing layer {block.layer_index}")
     for x in moe_inputs:
@@ -429,7 +430,7 @@ def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
             start += n
         offset += x.shape[0]
         if not on_host and x.is_cuda:
-            kept = sum(p.numel() * p.element_size() for p in parts) + x.numel() * x.element_size()
+            kept += x.numel() * x.element_size()
             if kept > torch.cuda.mem_get_info(x.device)[0] * ROWS_GPU_FRACTION:
                 parts, on_host = [p.cpu() for p in parts], True
         parts.append(x.cpu() if on_host else x)
@@ -724,18 +725,8 @@ def expert_chunks(experts: list[int], rows: list[int], I: int, H: int, device: t
     ones included) and results (the method's working memory takes the rest); at least one expert a chunk."""
     if device.type != "cuda":
         return [list(experts)] if experts else []
-    budget = torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION
-    chunks: list[list[int]] = []
-    used = 0.0
-    for e, n in zip(experts, rows):
-        need = 3 * I * H * (4 + RESULT_BYTES_PER_WEIGHT) + n * H * 4
-        if chunks and used + need <= budget:
-            chunks[-1].append(e)
-            used += need
-        else:
-            chunks.append([e])
-            used = need
-    return chunks
+    need = [3 * I * H * (4 + RESULT_BYTES_PER_WEIGHT) + n * H * 4 for n in rows]
+    return consecutive_chunks(experts, need, torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION)
 
 
 def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int, device: torch.device) -> dict:

@@ -3,6 +3,9 @@ torch's caching allocator holds unused). Used to size work before it starts rath
 from __future__ import annotations
 
 import os
+from typing import Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 def available_memory_bytes() -> int | None:
@@ -29,3 +32,18 @@ def device_available_bytes(device) -> int | None:
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return available_memory_bytes()
+
+
+def consecutive_chunks(items: Sequence[T], sizes: Sequence[float], budget: float) -> list[list[T]]:
+    """`items` in order, cut into consecutive chunks whose sizes sum to at most `budget`; an item larger than
+    the budget gets a chunk of its own."""
+    chunks: list[list[T]] = []
+    used = 0.0
+    for item, size in zip(items, sizes):
+        if chunks and used + size <= budget:
+            chunks[-1].append(item)
+            used += size
+        else:
+            chunks.append([item])
+            used = size
+    return chunks

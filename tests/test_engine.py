@@ -462,6 +462,14 @@ def test_routed_rows_past_the_device_budget_wait_on_the_host(micro, monkeypatch)
         assert b.is_cuda and torch.equal(a, b) and torch.equal(wa, wb)
 
 
+def test_consecutive_chunks_fit_the_budget_in_order():
+    from moesq_core.memory import consecutive_chunks
+
+    assert consecutive_chunks("abcde", [2, 2, 1, 5, 1], 4) == [["a", "b"], ["c"], ["d"], ["e"]]
+    assert consecutive_chunks([1, 2], [9, 1], 4) == [[1], [2]]  # too large alone: a chunk of its own
+    assert consecutive_chunks([], [], 4) == []
+
+
 def test_expert_chunks_hold_every_expert_on_the_cpu():
     from moesq_core.engine import expert_chunks
 

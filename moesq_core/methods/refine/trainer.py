@@ -30,6 +30,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ...memory import consecutive_chunks
+
 from ...formats import P48, Format, PatternSet
 from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData
 from ...kernels import relax_triton, rows_add_triton, swiglu_quant_triton
@@ -372,15 +374,7 @@ def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -
         val = {ex.index: (0 if ex.x_val is None else ex.x_val.shape[0]) for ex in experts}
         blk = BlockRows(0, tuple(rows[i] for i in idx), tuple(val[i] for i in idx) if has_val else None)
         experts = [dataclasses.replace(ex, block=blk) for ex in experts]
-    chunks, cur, used = [], [], 0
-    for ex, n in zip(experts, need):
-        if cur and used + n > budget:
-            chunks.append(cur)
-            cur, used = [], 0
-        cur.append(ex)
-        used += n
-    chunks.append(cur)
-    return chunks
+    return consecutive_chunks(experts, need, budget)
 
 
 def expert_seed(seed: int, layer: int, expert: int, stream: str = "") -> int:
