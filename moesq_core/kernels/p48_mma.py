@@ -46,23 +46,16 @@ CODES_BYTES, META_BYTES, SCALE_BYTES = 512, 128, 64
 ALPHA_FOLD = 128.0  # the in-register decode yields e2m1 * s * 2^-7
 PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padded groups)
 # Per compiled kernel variant (index = MmaConfig.variant; native/src/p48_gemm.cu lists them): tokens per pass and
-# output rows per CTA. 0, 1: mma.sp per warp (8 warps x 2 row tiles); 2-9: wgmma.sp (2 or 4 warpgroups x 64 rows,
-# the staged tokens are the wgmma's N, so each weight fragment is decoded once per pass for all of them); 10: 0 with
-# fewer instructions per weight record (one lane bulk-copies a ring step, scales decoded once per record); 11: 10 with
-# the staging and epilogue trimmed per unit (warp-uniform skips past the tokens, one output base pointer); 12: 11 with
-# each CTA walking a contiguous range of the active experts' units, so a chunk of activations staged for one row group
-# serves the next ones; 13: 11 with the chunk's row start and count taken from the cursor and the activations loaded
-# before the staging barrier. pick_config chooses 13 (decode), 21 and 20 (4 warpgroups, 64 / 128 tokens; native/NOTES.md
-# has the head-to-head numbers); the others stay compiled and tested.
-# 14-19: the 4-warpgroup path again: 14 is 4 with a 512-column activation chunk (half the stagings, barriers and
-# wgmma drains per record); 15-19 the lean warpgroup staging (a fixed map: one load, four prmt, one 16-byte store
-# per staged unit; warp-uniform skips past the tokens; bulk-copy weight ring; scales and metadata once per record;
-# one-pointer epilogue), through registers (15: 128 tokens x 256 columns, 16: x 512, 18: 64 x 512) or copied one
-# chunk ahead with cp.async into a raw buffer and only K-permuted at the chunk boundary (17: 128 x 256, 19: 64 x 512);
-# 20, 21: 17, 19 with that permutation branch-free (the copy zero-fills columns past K) and its addresses hoisted.
-TOKEN_BLOCKS = (16, 64, 64, 128, 128, 64, 16, 128, 64, 64, 16, 16, 16, 16, 128, 128, 128, 128, 64, 64, 128, 64)
-ROWS_PER_CTA = (256, 256, 128, 128, 256, 256, 128, 256, 256, 128, 256, 256, 256, 256) + (256,) * 8
-MMA_INSTRUCTION = ("mma.sp", "mma.sp") + ("wgmma.sp",) * 8 + ("mma.sp",) * 4 + ("wgmma.sp",) * 8
+# output rows per CTA. 0: mma.sp per warp for decode (8 warps x 2 row tiles, 16 tokens per pass, the bulk-copy
+# ring); 1, 2: wgmma.sp with 4 warpgroups x 64 rows, 64 / 128 tokens per pass (the staged tokens are the wgmma's
+# N, so each weight fragment is decoded once per pass for all of them; the activations copied one chunk ahead and
+# K-permuted in shared memory); 3, 4: 1, 2 with the wgmma's N per token block rounded up from its token count;
+# 5, 6: 3, 4 with the next chunk copied straight into a second swizzled buffer and K-permuted in place (one barrier
+# per chunk). The variants that lost head to head were removed on 2026-12-02 (native/NOTES.md keeps their numbers
+# and results).
+TOKEN_BLOCKS = (16, 64, 128, 64, 128, 64, 128)
+ROWS_PER_CTA = (256,) * 7
+MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 6
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 
@@ -242,15 +235,14 @@ def _num_sms(device: torch.device) -> int:
 
 
 def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, device: torch.device) -> MmaConfig:
-    """mma.sp with 16 tokens per pass for decode-sized batches (the bulk-copy ring: variant 13, the trimmed per-unit
-    staging and epilogue with the chunk's row start and token count from the work cursor, which beat variants 10
-    and 11 on every decode row of the bench shapes head to head, W4A16 and W4A4, at N = 1 and 16), else wgmma.sp
-    with 4 warpgroups (256 rows per CTA, two records per step, the lean path with the activations copied one chunk
-    ahead and K-permuted in shared memory): 64 tokens per pass up to 64 rows per expert (21), 128 above (20). Their
-    first form (19, 17) beat the earlier picks 5 and 4 on every bench shape head to head (N = 32, 64: 1.36-1.46x,
-    N = 128, 256: 1.44-1.62x); 20 and 21 run the same code with fewer instructions per staged chunk (0.8-3.2 %
-    faster). Split K only when too few CTAs have work."""
-    variant = 13 if rows_per_expert <= 16 else 21 if rows_per_expert <= 64 else 20
+    """mma.sp with 16 tokens per pass for decode-sized batches (variant 0: the bulk-copy ring, the trimmed per-unit
+    staging and epilogue with the chunk's row start and token count from the work cursor; it beat every earlier
+    decode variant on every decode row of the bench shapes head to head, W4A16 and W4A4, at N = 1 and 16), else
+    wgmma.sp with 4 warpgroups (256 rows per CTA, two records per step, the activations copied one chunk ahead and
+    K-permuted in shared memory): 64 tokens per pass up to 64 rows per expert (1), 128 above (2); they beat the
+    earlier warpgroup picks on every bench shape head to head (N = 32, 64: 1.36-1.46x, N = 128, 256: 1.44-1.62x).
+    Split K only when too few CTAs have work."""
+    variant = 0 if rows_per_expert <= 16 else 1 if rows_per_expert <= 64 else 2
     ctas = max(1, active_experts) * math.ceil(M / ROWS_PER_CTA[variant])
     target = 2 * _num_sms(device)
     split = 1

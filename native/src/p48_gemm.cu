@@ -205,6 +205,27 @@ __device__ __forceinline__ void wgmma_sp(float (&d)[8], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
 }
 template <int SEL>
+__device__ __forceinline__ void wgmma_sp(float (&d)[16], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %23, 0;\n"
+      "wgmma.mma_async.sp.sync.aligned.m64n32k32.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15"
+      "}, {%16,%17,%18,%19}, %20, %21, %22, p, 1, 1, 0;\n}\n"
+      : MOESQ_D8(0), MOESQ_D8(8)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
+}
+template <int SEL>
+__device__ __forceinline__ void wgmma_sp(float (&d)[24], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %31, 0;\n"
+      "wgmma.mma_async.sp.sync.aligned.m64n48k32.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23"
+      "}, {%24,%25,%26,%27}, %28, %29, %30, p, 1, 1, 0;\n}\n"
+      : MOESQ_D8(0), MOESQ_D8(8), MOESQ_D8(16)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
+}
+template <int SEL>
 __device__ __forceinline__ void wgmma_sp(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %39, 0;\n"
@@ -213,6 +234,18 @@ __device__ __forceinline__ void wgmma_sp(float (&d)[32], const uint32_t (&a)[4],
       "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
       "}, {%32,%33,%34,%35}, %36, %37, %38, p, 1, 1, 0;\n}\n"
       : MOESQ_D8(0), MOESQ_D8(8), MOESQ_D8(16), MOESQ_D8(24)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
+}
+template <int SEL>
+__device__ __forceinline__ void wgmma_sp(float (&d)[48], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %55, 0;\n"
+      "wgmma.mma_async.sp.sync.aligned.m64n96k32.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47"
+      "}, {%48,%49,%50,%51}, %52, %53, %54, p, 1, 1, 0;\n}\n"
+      : MOESQ_D8(0), MOESQ_D8(8), MOESQ_D8(16), MOESQ_D8(24), MOESQ_D8(32), MOESQ_D8(40)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
 }
 template <int SEL>
@@ -326,16 +359,22 @@ struct Variant {
 // into a raw (natural-order) buffer one chunk ahead, so at the chunk boundary only the shared-memory K permutation
 // (raw -> swizzled) sits between the two barriers instead of the L2 latency of the loads. 3: 2 with the permutation
 // loop branch-free (columns past K zero-filled by the copy, units past the chunk's width permuted into columns no
-// wgmma of the chunk reads) and its addresses computed once per thread.
-template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false, int XMODE_ = 0>
+// wgmma of the chunk reads) and its addresses computed once per thread. 4: 3 with the copies going straight to their
+// swizzled places in a second swizzled buffer (no raw buffer), K-permuted in place at the boundary before the
+// wgmma drain, and one barrier per chunk instead of two.
+// TW (> 0): the wgmma's N per token block is its token count rounded up to a multiple of TW (at most NB), not NB:
+// an expert with few tokens does not pay the tensor-core work (and latency) of a full pass.
+template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false, int XMODE_ = 0, int TW_ = 0>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
-  static constexpr int XMODE = XMODE_;
+  static constexpr int XMODE = XMODE_, TW = TW_;
+  static_assert(TW == 0 || (TW % 16 == 0 && NB % TW == 0), "the token width step must divide NB");
   static constexpr bool PIPE = PIPE_, BULK = XMODE_ > 0, CONTIG = false;
   static constexpr int LEAN = 0;
   static constexpr int XS = KC;
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
-  // + slack: the swizzle needs a 1024-byte base; PIPE: two swizzled buffers; XMODE >= 2: the swizzled and the raw one
+  // + slack: the swizzle needs a 1024-byte base; PIPE, XMODE 4: two swizzled buffers; XMODE 2, 3: the swizzled and
+  // the raw one
   static constexpr int kXBytes = (PIPE || XMODE >= 2 ? 2 : 1) * kXBuf * 2 + 1024;
   static constexpr int kRingBytes = W * S * RK * kRecBytes;
   static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);  // + one mbarrier per warp and stage
@@ -1004,10 +1043,14 @@ __device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
 // XMODE >= 2: the thread's units of chunk `ch` into the raw buffer (unit j of thread i at 16 (j kThreads + i)), one
 // cp.async group; units past the tokens are not copied; columns past K: XMODE 2 zeroes them when they are
 // permuted, 3 copies zeros (src-size 0: nothing is read, the row start stands in as the address).
+// XMODE 4: the same copies (and zero fills) straight to the units' swizzled places in the next chunk's buffer
+// (`raw` = the thread's first unit there, unit j at + j WgMap::kDstStep); the K permutation, which stays inside a
+// 16-byte unit, is then done in place.
 template <class V>
 __device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, const WgMap<V>& map, uint32_t raw) {
   const int nu = map.units(ch);
-  if constexpr (V::XMODE == 3) {
+  if constexpr (V::XMODE >= 3) {
+    constexpr uint32_t kStep = V::XMODE == 4 ? WgMap<V>::kDstStep : 16 * V::kThreads;
     const bool col_ok = ch.k0 + 8 * map.c < p.K;
     const uint16_t* src = col_ok ? map.src(p, ch) : p.x + (ch.row0 + map.t0) * p.x_stride;
     const uint32_t n = col_ok ? 16u : 0u;
@@ -1015,7 +1058,7 @@ __device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, 
 #pragma unroll
     for (int j = 0; j < WgMap<V>::N; ++j) {
       if (j >= nu) break;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(raw + 16 * j * V::kThreads), "l"(src), "r"(n)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(raw + j * kStep), "l"(src), "r"(n)
                    : "memory");
       src += step;
     }
@@ -1032,6 +1075,17 @@ __device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, 
     }
   }
   cp_async_commit();
+}
+
+// Calls f(std::integral_constant<int, N>) with N = ntok rounded up to a multiple of TW, at most NB (TW = 0: NB).
+template <int TW, int NB, int N = TW, class F>
+__device__ __forceinline__ void with_token_width(int ntok, F&& f) {
+  if constexpr (TW == 0 || N >= NB)
+    f(std::integral_constant<int, NB>{});
+  else if (ntok <= N)
+    f(std::integral_constant<int, N>{});
+  else
+    with_token_width<TW, NB, N + TW>(ntok, f);
 }
 
 // The warpgroup kernel (WgVariant): the same units, cursors and weight ring as p48_mma_kernel with one row tile per
@@ -1085,9 +1139,13 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   for (int s = 0; s < S - 1; ++s) issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
   [[maybe_unused]] WgMap<V> map;
   // XMODE 3: this thread's units in the swizzled and the raw buffer
-  [[maybe_unused]] const uint32_t x_dst = V::XMODE == 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
+  [[maybe_unused]] const uint32_t x_dst = V::XMODE >= 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
   if constexpr (V::XMODE == 2) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, raw_addr);
   if constexpr (V::XMODE == 3) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
+  if constexpr (V::XMODE == 4) {
+    prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, map.dst(xs_addr));  // into buffer 0
+    xbuf = 1;  // flipped at every chunk boundary, the first included
+  }
 
   float acc[ND];
 #pragma unroll
@@ -1179,6 +1237,29 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         fence_async_smem();
         if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
         __syncthreads();
+      } else if constexpr (V::XMODE == 4) {
+        // this chunk's buffer holds the thread's own units unpermuted (copied one chunk ahead), while the
+        // wgmmas still in flight read the other buffer: permute in place first, then one barrier, after which
+        // every warpgroup's wgmmas of the previous chunk are done and its buffer takes the next chunk
+        xbuf ^= 1;
+        Cursor nx = cons;
+        nx.next<NB, kRecPerChunk, true>(p, row_groups, kr_per, n_units);
+        const XChunk ch = chunk_of<V, QUANT>(p, cons);
+        const int nu = map.units(ch);
+        const uint32_t cur = x_dst + xbuf * (V::kXBuf * 2);
+        cp_async_wait<0>();
+#pragma unroll
+        for (int j = 0; j < WgMap<V>::N; ++j) {
+          if (j >= nu) break;  // warp-uniform
+          uint4 v = lds128(cur + j * WgMap<V>::kDstStep);
+          if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
+          sts128(cur + j * WgMap<V>::kDstStep, permute8(v));
+        }
+        fence_async_smem();
+        wgmma_wait<0>();
+        acc_fence(acc);
+        __syncthreads();
+        if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + (xbuf ^ 1) * (V::kXBuf * 2));
       } else {
         wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
         acc_fence(acc);
@@ -1213,6 +1294,10 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
     const uint8_t* step_rec = ring + slot_c * (RK * kRecBytes);
     slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
     const int nrec = min(RK, cons.nkr - kr);
+    // the step's records, one wgmma per 32 columns over NWC tokens (the first NWC / 2 accumulators)
+    auto records = [&](auto nwc) {
+    constexpr int NWD = decltype(nwc)::value / 2;
+    float(&accw)[NWD] = reinterpret_cast<float(&)[NWD]>(acc);
 #pragma unroll
     for (int j = 0; j < RK; ++j) {
       if (RK > 1 && j >= nrec) break;
@@ -1242,14 +1327,16 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         wgmma_fence();
         acc_fence(acc);
         if (s & 1)
-          wgmma_sp<1>(acc, a[1], kDescSw128 | ((b_addr >> 4) & 0x3FFFu), em[1]);
+          wgmma_sp<1>(accw, a[1], kDescSw128 | ((b_addr >> 4) & 0x3FFFu), em[1]);
         else
-          wgmma_sp<0>(acc, a[0], kDescSw128 | ((b_addr >> 4) & 0x3FFFu), em[0]);
+          wgmma_sp<0>(accw, a[0], kDescSw128 | ((b_addr >> 4) & 0x3FFFu), em[0]);
         wgmma_commit();
         wgmma_wait<1>();  // the wgmma of step s - 1 is done: its A registers may be decoded into again
         acc_fence(acc);
       }
     }
+    };
+    with_token_width<V::TW, NB>(ntok, records);
     if (kr + RK >= cons.nkr) {  // end of a token block: write its outputs
       wgmma_wait<0>();
       acc_fence(acc);
@@ -1294,39 +1381,24 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   cp_async_wait<0>();
 }
 
-// The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call):
-// 0: decode (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per row
-// tile and step); 1: mma.sp with 64 tokens per pass; 2-9: the warpgroup path (WgVariant<tokens, warpgroups,
-// stages, K chunk, records per step, pipelined staging>); 10: 0 with fewer instructions per record (BULK: one lane
-// bulk-copies each ring step, scales decoded once per record, a fixed staging map, the unit cursor moved by adds).
-// 11: 10 with the per-unit staging and epilogue trimmed (LEAN); 12: 11 walking contiguous ranges of active units,
-// re-using a staged chunk across an expert's row groups (CONTIG).
-// 13: 11 with the chunk's row start and count from the cursor, x loaded before the staging barrier. 14-19: the
-// warpgroup path with a 512-column chunk (14) and the lean staging (XMODE 1: 15, 16, 18; 2: 17, 19; 3: 20, 21).
-// Picked: 13 (up to 16 rows per expert), 19 (up to 64), 17 (above).
-#define MOESQ_P48_VARIANTS(X)         \
-  X(0, Variant<16, 2, 8, 3, 1024, 2>)  \
-  X(1, Variant<64, 2, 8, 4, 512>)      \
-  X(2, WgVariant<64, 2, 4, 512, 2>)    \
-  X(3, WgVariant<128, 2, 4, 256, 2>)   \
-  X(4, WgVariant<128, 4, 3, 256, 2>)   \
-  X(5, WgVariant<64, 4, 3, 512, 2>)    \
-  X(6, WgVariant<16, 2, 3, 1024, 4>)    \
-  X(7, WgVariant<128, 4, 6, 128, 1, true>) \
-  X(8, WgVariant<64, 4, 3, 256, 2, true>)  \
-  X(9, WgVariant<64, 2, 6, 128, 1, true>) \
-  X(10, Variant<16, 2, 8, 3, 1024, 2, true>) \
-  X(11, Variant<16, 2, 8, 3, 1024, 2, true, true>) \
-  X(12, Variant<16, 2, 8, 3, 1024, 2, true, true, true>) \
-  X(13, Variant<16, 2, 8, 3, 1024, 2, true, 2>) \
-  X(14, WgVariant<128, 4, 3, 512, 2>)  \
-  X(15, WgVariant<128, 4, 3, 256, 2, false, 1>) \
-  X(16, WgVariant<128, 4, 3, 512, 2, false, 1>) \
-  X(17, WgVariant<128, 4, 3, 256, 2, false, 2>) \
-  X(18, WgVariant<64, 4, 3, 512, 2, false, 1>) \
-  X(19, WgVariant<64, 4, 3, 512, 2, false, 2>) \
-  X(20, WgVariant<128, 4, 3, 256, 2, false, 3>) \
-  X(21, WgVariant<64, 4, 3, 512, 2, false, 3>)
+// The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call; the
+// earlier variants that lost head to head were removed on 2026-12-02, native/NOTES.md keeps their numbers and
+// results, and this list renumbered: 0 was 13, 1 was 21, 2 was 20):
+// 0: decode, mma.sp (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per
+// row tile and step, the bulk-copy ring, the trimmed per-unit staging and epilogue, the chunk's row start and count
+// from the cursor); 1, 2: wgmma.sp with 4 warpgroups (256 rows per CTA), 64 / 128 tokens per pass, the lean staging
+// (each thread cp.async-copies its units of the next chunk into a raw buffer, K-permuted at the chunk boundary);
+// 3, 4: 1, 2 with the wgmma's N per token block rounded up from its token count (steps of 16 / 32), not the pass;
+// 5, 6: 3, 4 with the next chunk copied straight into the swizzled layout of a second buffer and K-permuted in place
+// at the boundary (XMODE 4: one barrier per chunk, the permutation before the wgmma drain).
+#define MOESQ_P48_VARIANTS(X)                            \
+  X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
+  X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
+  X(2, WgVariant<128, 4, 3, 256, 2, false, 3>)           \
+  X(3, WgVariant<64, 4, 3, 512, 2, false, 3, 16>)        \
+  X(4, WgVariant<128, 4, 3, 256, 2, false, 3, 32>)       \
+  X(5, WgVariant<64, 4, 3, 512, 2, false, 4, 16>)        \
+  X(6, WgVariant<128, 4, 3, 256, 2, false, 4, 32>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
