@@ -51,11 +51,12 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # N, so each weight fragment is decoded once per pass for all of them; the activations copied one chunk ahead and
 # K-permuted in shared memory); 3, 4: 1, 2 with the wgmma's N per token block rounded up from its token count;
 # 5, 6: 3, 4 with the next chunk copied straight into a second swizzled buffer and K-permuted in place (one barrier
-# per chunk). The variants that lost head to head were removed on 2026-12-02 (native/NOTES.md keeps their numbers
-# and results).
-TOKEN_BLOCKS = (16, 64, 128, 64, 128, 64, 128)
-ROWS_PER_CTA = (256,) * 7
-MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 6
+# per chunk); 7, 8: 5, 6 without the wgmma drain at the chunk boundary (the next chunk copied in mid-chunk, once an
+# mbarrier says every warp is done with its buffer). The variants that lost head to head were removed on 2026-12-02
+# (native/NOTES.md keeps their numbers and results).
+TOKEN_BLOCKS = (16,) + (64, 128) * 4
+ROWS_PER_CTA = (256,) * 9
+MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 8
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 

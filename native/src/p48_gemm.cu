@@ -59,8 +59,11 @@ __device__ __forceinline__ void cp_async_wait() {
 // The BULK ring: an mbarrier per stage (one arrival: the producer lane's expect_tx; the bulk copies complete
 // the transaction bytes), waited on by parity.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint32_t bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count = 1) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -361,7 +364,9 @@ struct Variant {
 // loop branch-free (columns past K zero-filled by the copy, units past the chunk's width permuted into columns no
 // wgmma of the chunk reads) and its addresses computed once per thread. 4: 3 with the copies going straight to their
 // swizzled places in a second swizzled buffer (no raw buffer), K-permuted in place at the boundary before the
-// wgmma drain, and one barrier per chunk instead of two.
+// wgmma drain, and one barrier per chunk instead of two. 5: 4 without the drain: each warp marks the other buffer
+// free on an mbarrier once its first wgmma of a chunk has waited out the previous chunk's, and the next chunk is
+// copied in after that (mid-chunk), so the tensor cores keep the previous chunk's last wgmmas across the boundary.
 // TW (> 0): the wgmma's N per token block is its token count rounded up to a multiple of TW (at most NB), not NB:
 // an expert with few tokens does not pay the tensor-core work (and latency) of a full pass.
 template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false, int XMODE_ = 0, int TW_ = 0>
@@ -377,7 +382,8 @@ struct WgVariant {
   // the raw one
   static constexpr int kXBytes = (PIPE || XMODE >= 2 ? 2 : 1) * kXBuf * 2 + 1024;
   static constexpr int kRingBytes = W * S * RK * kRecBytes;
-  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);  // + one mbarrier per warp and stage
+  // + one mbarrier per warp and stage; XMODE 5: + one per activation buffer ("free again")
+  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0) + (XMODE == 5 ? 16 : 0);
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = true;
@@ -1140,9 +1146,20 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   [[maybe_unused]] WgMap<V> map;
   // XMODE 3: this thread's units in the swizzled and the raw buffer
   [[maybe_unused]] const uint32_t x_dst = V::XMODE >= 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
+  // XMODE 5: "buffer b free again" mbarriers (one arrival per warp) and the CTA's chunk count (-1: none yet)
+  [[maybe_unused]] const uint32_t xfree = smem_u32(smem + V::kXBytes + V::kRingBytes + W * S * 8);
+  [[maybe_unused]] int cidx = -1;
+  if constexpr (V::XMODE == 5) {
+    if (threadIdx.x == 0) {
+      mbar_init(xfree, W);
+      mbar_init(xfree + 8, W);
+      mbar_init_fence();
+    }
+    // the first use is after the first chunk's barrier
+  }
   if constexpr (V::XMODE == 2) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, raw_addr);
   if constexpr (V::XMODE == 3) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
-  if constexpr (V::XMODE == 4) {
+  if constexpr (V::XMODE >= 4) {
     prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, map.dst(xs_addr));  // into buffer 0
     xbuf = 1;  // flipped at every chunk boundary, the first included
   }
@@ -1260,6 +1277,23 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         acc_fence(acc);
         __syncthreads();
         if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + (xbuf ^ 1) * (V::kXBuf * 2));
+      } else if constexpr (V::XMODE == 5) {
+        // as 4, without the wgmma drain: the next chunk is copied in mid-chunk, once the other buffer is free
+        xbuf ^= 1;
+        ++cidx;
+        const XChunk ch = chunk_of<V, QUANT>(p, cons);
+        const int nu = map.units(ch);
+        const uint32_t cur = x_dst + xbuf * (V::kXBuf * 2);
+        cp_async_wait<0>();
+#pragma unroll
+        for (int j = 0; j < WgMap<V>::N; ++j) {
+          if (j >= nu) break;  // warp-uniform
+          uint4 v = lds128(cur + j * WgMap<V>::kDstStep);
+          if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
+          sts128(cur + j * WgMap<V>::kDstStep, permute8(v));
+        }
+        fence_async_smem();
+        __syncthreads();
       } else {
         wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
         acc_fence(acc);
@@ -1333,6 +1367,20 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         wgmma_commit();
         wgmma_wait<1>();  // the wgmma of step s - 1 is done: its A registers may be decoded into again
         acc_fence(acc);
+        if constexpr (V::XMODE == 5) {
+          // the first wgmma of a chunk waited out this warp's last one of the previous chunk: its buffer is free
+          if (s == 0 && j == 0 && kr % kRecPerChunk == 0 && cidx > 0 && lane == 0) mbar_arrive(xfree + 8 * (xbuf ^ 1));
+        }
+      }
+      if constexpr (V::XMODE == 5) {
+        if (j == 0 && kr % kRecPerChunk == 0) {  // the next chunk into the other buffer, once every warp freed it
+          Cursor nx = cons;
+          nx.next<NB, kRecPerChunk, true>(p, row_groups, kr_per, n_units);
+          if (nx.valid) {
+            if (cidx > 0) mbar_wait(xfree + 8 * (xbuf ^ 1), ((cidx - 1) >> 1) & 1);
+            prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + (xbuf ^ 1) * (V::kXBuf * 2));
+          }
+        }
       }
     }
     };
@@ -1390,7 +1438,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // (each thread cp.async-copies its units of the next chunk into a raw buffer, K-permuted at the chunk boundary);
 // 3, 4: 1, 2 with the wgmma's N per token block rounded up from its token count (steps of 16 / 32), not the pass;
 // 5, 6: 3, 4 with the next chunk copied straight into the swizzled layout of a second buffer and K-permuted in place
-// at the boundary (XMODE 4: one barrier per chunk, the permutation before the wgmma drain).
+// at the boundary (XMODE 4: one barrier per chunk, the permutation before the wgmma drain); 7, 8: 5, 6 without
+// the drain (XMODE 5: the next chunk copied in mid-chunk once an mbarrier says every warp is done with its buffer).
 #define MOESQ_P48_VARIANTS(X)                            \
   X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
   X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
@@ -1398,7 +1447,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(3, WgVariant<64, 4, 3, 512, 2, false, 3, 16>)        \
   X(4, WgVariant<128, 4, 3, 256, 2, false, 3, 32>)       \
   X(5, WgVariant<64, 4, 3, 512, 2, false, 4, 16>)        \
-  X(6, WgVariant<128, 4, 3, 256, 2, false, 4, 32>)
+  X(6, WgVariant<128, 4, 3, 256, 2, false, 4, 32>)       \
+  X(7, WgVariant<64, 4, 3, 512, 2, false, 5, 16>)        \
+  X(8, WgVariant<128, 4, 3, 256, 2, false, 5, 32>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
