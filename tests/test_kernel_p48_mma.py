@@ -122,10 +122,12 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 128, 1, cpu) == pm.MmaConfig(0, 1)
     assert pm.pick_config(1536, 2048, 128, 9, cpu).variant == 0
     assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(0, 1)
-    assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 1
-    assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 1
-    assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 2
-    assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 2
+    assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 5
+    assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 5
+    assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 6
+    assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 6
+    assert pm.pick_config(1536, 2048, 5000, 256, cpu).variant == 2  # too many experts to sort in the kernel
+    assert all(pm.ORDERS_EXPERTS[v] for v in (5, 6, 7, 8)) and not any(pm.ORDERS_EXPERTS[:5])
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
@@ -308,6 +310,37 @@ def test_gpu_kernel_many_experts_few_active(variant, act_quant, split):
     for e, n in ((0, 3), (1, 16), (7, 1), (130, 9), (255, 2), (256, 5), (257, 16), (299, 1)):
         counts[e] = n
     _gpu_case(300, 264, 640, counts, act_quant, split, variant, torch.float32, seed=int(torch.randint(0, 99, (1,), generator=gen)))
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if pm.ORDERS_EXPERTS[v]])
+@pytest.mark.parametrize("split", [1, 2])
+def test_gpu_ordered_deal_sorts_more_experts_than_threads_with_ties(variant, split):
+    """The variants that deal units by decreasing token count sort the experts in the kernel: more experts than
+    a CTA has threads (several rounds of the rank pass), many equal counts (ties go by index), empty experts."""
+    gen = torch.Generator().manual_seed(700 + variant)
+    choices = torch.tensor([0, 0, 1, 5, 64, 65, 130])
+    counts = choices[torch.randint(0, len(choices), (700,), generator=gen)].tolist()
+    _gpu_case(700, 40, 160, counts, False, split, variant, torch.float32, seed=variant)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_gpu_ordered_deal_refuses_more_experts_than_it_can_sort():
+    native = _native_or_skip()
+    dev = torch.device("cuda")
+    E = pm.MAX_ORDER_EXPERTS + 1
+    t = random_p48_tensors(E, 16, 32, torch.Generator().manual_seed(0), "cpu")
+    W = pm.P48MmaWeights.from_packed(t, dev)
+    x = torch.zeros(E, 32, dtype=torch.bfloat16, device=dev)
+    rs = torch.arange(E, dtype=torch.int32, device=dev)
+    cnt = torch.ones(E, dtype=torch.int32, device=dev)
+    ordered = next(v for v in VARIANTS if pm.ORDERS_EXPERTS[v])
+    with pytest.raises(RuntimeError, match="sorts at most"):
+        pm.p48_mma_gemm_rows(x, W, rs, cnt, W.global_scale, torch.zeros(E, 16, device=dev),
+                             pm.MmaConfig(ordered, 1), native)
+    assert pm.pick_config(16, 32, E, 128, dev).variant not in (5, 6, 7, 8)
 
 
 @pytest.mark.gpu

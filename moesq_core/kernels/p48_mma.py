@@ -50,13 +50,14 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # ring); 1, 2: wgmma.sp with 4 warpgroups x 64 rows, 64 / 128 tokens per pass (the staged tokens are the wgmma's
 # N, so each weight fragment is decoded once per pass for all of them; the activations copied one chunk ahead and
 # K-permuted in shared memory); 3, 4: 1, 2 with the wgmma's N per token block rounded up from its token count;
-# 5, 6: 3, 4 with the next chunk copied straight into a second swizzled buffer and K-permuted in place (one barrier
-# per chunk); 7, 8: 5, 6 without the wgmma drain at the chunk boundary (the next chunk copied in mid-chunk, once an
-# mbarrier says every warp is done with its buffer). The variants that lost head to head were removed on 2026-12-02
-# (native/NOTES.md keeps their numbers and results).
+# 5, 6: 1, 2 with the units dealt to the CTAs by decreasing token count in a snake order (each CTA sorts the experts,
+# at most MAX_ORDER_EXPERTS), so no CTA draws mostly long units; 7, 8: 3, 4 dealt that way. The variants that lost
+# head to head were removed on 2026-12-02 (native/NOTES.md keeps their numbers and results).
 TOKEN_BLOCKS = (16,) + (64, 128) * 4
 ROWS_PER_CTA = (256,) * 9
 MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 8
+ORDERS_EXPERTS = (False,) * 5 + (True,) * 4
+MAX_ORDER_EXPERTS = 4096
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 
@@ -240,10 +241,13 @@ def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, dev
     staging and epilogue with the chunk's row start and token count from the work cursor; it beat every earlier
     decode variant on every decode row of the bench shapes head to head, W4A16 and W4A4, at N = 1 and 16), else
     wgmma.sp with 4 warpgroups (256 rows per CTA, two records per step, the activations copied one chunk ahead and
-    K-permuted in shared memory): 64 tokens per pass up to 64 rows per expert (1), 128 above (2); they beat the
-    earlier warpgroup picks on every bench shape head to head (N = 32, 64: 1.36-1.46x, N = 128, 256: 1.44-1.62x).
+    K-permuted in shared memory, the units dealt to the CTAs by decreasing token count): 64 tokens per pass up to
+    64 rows per expert (5), 128 above (6); without that deal (1, 2) where there are too many experts to sort.
     Split K only when too few CTAs have work."""
-    variant = 0 if rows_per_expert <= 16 else 1 if rows_per_expert <= 64 else 2
+    if rows_per_expert <= 16:
+        variant = 0
+    else:
+        variant = (1 if rows_per_expert <= 64 else 2) + (4 if active_experts <= MAX_ORDER_EXPERTS else 0)
     ctas = max(1, active_experts) * math.ceil(M / ROWS_PER_CTA[variant])
     target = 2 * _num_sms(device)
     split = 1

@@ -31,6 +31,7 @@ constexpr int kMetaOff = 512;
 constexpr int kScaleOff = 640;
 constexpr int kRecChunks = kRecBytes / 16;
 constexpr float kAlphaFold = 128.f;  // the decode yields e2m1 * s * 2^-7 (exact: alpha * 2^7 rounds like alpha)
+constexpr int kMaxOrderE = 4096;     // experts a CTA can sort for an ORDER variant (8 KB of shared memory)
 
 struct Params {
   const uint8_t* records;
@@ -59,11 +60,8 @@ __device__ __forceinline__ void cp_async_wait() {
 // The BULK ring: an mbarrier per stage (one arrival: the producer lane's expect_tx; the bulk copies complete
 // the transaction bytes), waited on by parity.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count = 1) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+__device__ __forceinline__ void mbar_init(uint32_t bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
 }
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
@@ -334,7 +332,7 @@ template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = fa
           bool CONTIG_ = false>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool BULK = BULK_, CONTIG = CONTIG_;
+  static constexpr bool BULK = BULK_, CONTIG = CONTIG_, ORDER = false;
   static constexpr int LEAN = LEAN_;
   static_assert((!LEAN || BULK) && (!CONTIG || LEAN), "LEAN needs BULK, CONTIG needs LEAN");
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
@@ -362,28 +360,31 @@ struct Variant {
 // into a raw (natural-order) buffer one chunk ahead, so at the chunk boundary only the shared-memory K permutation
 // (raw -> swizzled) sits between the two barriers instead of the L2 latency of the loads. 3: 2 with the permutation
 // loop branch-free (columns past K zero-filled by the copy, units past the chunk's width permuted into columns no
-// wgmma of the chunk reads) and its addresses computed once per thread. 4: 3 with the copies going straight to their
-// swizzled places in a second swizzled buffer (no raw buffer), K-permuted in place at the boundary before the
-// wgmma drain, and one barrier per chunk instead of two. 5: 4 without the drain: each warp marks the other buffer
-// free on an mbarrier once its first wgmma of a chunk has waited out the previous chunk's, and the next chunk is
-// copied in after that (mid-chunk), so the tensor cores keep the previous chunk's last wgmmas across the boundary.
+// wgmma of the chunk reads) and its addresses computed once per thread.
 // TW (> 0): the wgmma's N per token block is its token count rounded up to a multiple of TW (at most NB), not NB:
 // an expert with few tokens does not pay the tensor-core work (and latency) of a full pass.
-template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false, int XMODE_ = 0, int TW_ = 0>
+// ORDER: the CTAs walk the units of the experts with tokens by decreasing token count, dealt out in a snake
+// (round r gives unit r G + b to CTA b for even r, r G + G - 1 - b for odd r; G CTAs) instead of unit b, b + G, ...
+// in expert order: each CTA then gets a like mix of long and short units (the round-robin deal let a CTA draw
+// mostly long ones whenever the token counts repeat with a period that meets G, and the kernel waited for it).
+// Each CTA sorts the experts itself at the start (E <= kMaxOrderE).
+template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false, int XMODE_ = 0, int TW_ = 0,
+          bool ORDER_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
   static constexpr int XMODE = XMODE_, TW = TW_;
+  static constexpr bool ORDER = ORDER_;
   static_assert(TW == 0 || (TW % 16 == 0 && NB % TW == 0), "the token width step must divide NB");
   static constexpr bool PIPE = PIPE_, BULK = XMODE_ > 0, CONTIG = false;
   static constexpr int LEAN = 0;
   static constexpr int XS = KC;
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
-  // + slack: the swizzle needs a 1024-byte base; PIPE, XMODE 4: two swizzled buffers; XMODE 2, 3: the swizzled and
-  // the raw one
+  // + slack: the swizzle needs a 1024-byte base; PIPE: two swizzled buffers; XMODE >= 2: the swizzled and the raw one
   static constexpr int kXBytes = (PIPE || XMODE >= 2 ? 2 : 1) * kXBuf * 2 + 1024;
   static constexpr int kRingBytes = W * S * RK * kRecBytes;
-  // + one mbarrier per warp and stage; XMODE 5: + one per activation buffer ("free again")
-  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0) + (XMODE == 5 ? 16 : 0);
+  // + one mbarrier per warp and stage (BULK), + the experts in unit order (ORDER: 16-bit indices)
+  static constexpr int kOrderOff = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);
+  static constexpr int kSmem = kOrderOff + (ORDER ? 2 * kMaxOrderE : 0);
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = true;
@@ -667,12 +668,35 @@ struct Cursor {
     }
     return false;
   }
-  template <int NB, int STEP, bool INCR = false, bool CONTIG = false>
-  __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units) {
+  // ORDER: the CTA's k-th unit (u = k) and on until one has work: position k G + b (k even) or k G + G - 1 - b
+  // (k odd) of the units of the experts with tokens, listed by `order` (16-bit expert indices in shared memory at
+  // address `order`, decreasing token count); n_units: the number of those units.
+  template <int NB>
+  __device__ __forceinline__ void take_ordered(const Params& p, int k, int row_groups, int kr_per, int n_units,
+                                               uint32_t order) {
+    const int per_e = row_groups * p.split;
+    for (;; ++k) {
+      const int pos = k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+      if (pos >= n_units) break;
+      const int se = pos / per_e, rem = pos - se * per_e;
+      const int rgu = rem / p.split, zu = rem - rgu * p.split;
+      uint16_t eu;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(order + 2 * se));
+      if (take<NB>(p, eu, zu, kr_per)) {  // else an empty K slice (split > KR / kr_per)
+        u = k, e = eu, rg = rgu, z = zu;
+        return;
+      }
+    }
+    valid = false;
+  }
+  template <int NB, int STEP, bool INCR = false, bool CONTIG = false, bool ORDER = false>
+  __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
     if ((kr += STEP) < nkr) return;
     kr = 0;
     if (++tb < ntb) return;
-    if constexpr (CONTIG) {
+    if constexpr (ORDER) {
+      take_ordered<NB>(p, u + 1, row_groups, kr_per, n_units, order);
+    } else if constexpr (CONTIG) {
       step_contig<NB>(p, row_groups, kr_per);
     } else if constexpr (INCR) {
       for (;;) {
@@ -804,7 +828,8 @@ __device__ __forceinline__ int contig_range(const Params& p, int per_e, int& e0,
 // with one bulk copy counted on the slot's mbarrier at `bars`) and advance the cursor and the slot.
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
-                                           int warp, int lane, int row_groups, int kr_per, int n_units) {
+                                           int warp, int lane, int row_groups, int kr_per, int n_units,
+                                           uint32_t order = 0) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
@@ -827,7 +852,7 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
         }
       }
     }
-    prod.next<V::NB, RK, V::BULK, V::CONTIG>(p, row_groups, kr_per, n_units);
+    prod.next<V::NB, RK, V::BULK, V::CONTIG, V::ORDER>(p, row_groups, kr_per, n_units, order);
   }
   if constexpr (!V::BULK) cp_async_commit();
   slot = slot == V::S - 1 ? 0 : slot + 1;
@@ -1049,14 +1074,10 @@ __device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
 // XMODE >= 2: the thread's units of chunk `ch` into the raw buffer (unit j of thread i at 16 (j kThreads + i)), one
 // cp.async group; units past the tokens are not copied; columns past K: XMODE 2 zeroes them when they are
 // permuted, 3 copies zeros (src-size 0: nothing is read, the row start stands in as the address).
-// XMODE 4: the same copies (and zero fills) straight to the units' swizzled places in the next chunk's buffer
-// (`raw` = the thread's first unit there, unit j at + j WgMap::kDstStep); the K permutation, which stays inside a
-// 16-byte unit, is then done in place.
 template <class V>
 __device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, const WgMap<V>& map, uint32_t raw) {
   const int nu = map.units(ch);
-  if constexpr (V::XMODE >= 3) {
-    constexpr uint32_t kStep = V::XMODE == 4 ? WgMap<V>::kDstStep : 16 * V::kThreads;
+  if constexpr (V::XMODE == 3) {
     const bool col_ok = ch.k0 + 8 * map.c < p.K;
     const uint16_t* src = col_ok ? map.src(p, ch) : p.x + (ch.row0 + map.t0) * p.x_stride;
     const uint32_t n = col_ok ? 16u : 0u;
@@ -1064,7 +1085,7 @@ __device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, 
 #pragma unroll
     for (int j = 0; j < WgMap<V>::N; ++j) {
       if (j >= nu) break;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(raw + j * kStep), "l"(src), "r"(n)
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(raw + 16 * j * V::kThreads), "l"(src), "r"(n)
                    : "memory");
       src += step;
     }
@@ -1105,7 +1126,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   constexpr bool LEANX = V::XMODE > 0;
   const int row_groups = (p.MT + W - 1) / W;
   const int kr_per = (p.KR + p.split - 1) / p.split;
-  const int n_units = p.E * row_groups * p.split;
+  // ORDER: the units of the experts with tokens only (set below, once they are counted)
+  int n_units = p.E * row_groups * p.split;
 
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t pad = (1024u - (smem_addr & 1023u)) & 1023u;
@@ -1117,10 +1139,38 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   uint8_t* ring = smem + V::kXBytes + warp * (S * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
 
+  [[maybe_unused]] const uint32_t order = smem_addr + V::kOrderOff;  // ORDER: the experts in unit order
+  if constexpr (V::ORDER) {
+    // the experts with tokens by decreasing count (ties: index order): rank of e = how many come before it; the
+    // counts sit in the activation buffer until the first chunk is staged
+    int* s_cnt = reinterpret_cast<int*>(smem + pad);
+    for (int e = threadIdx.x; e < p.E; e += V::kThreads) s_cnt[e] = __ldg(p.counts + e);
+    __syncthreads();
+    int active = 0;
+    for (int b = 0; b < p.E; b += V::kThreads) {
+      const int e = b + threadIdx.x;
+      const int c = e < p.E ? s_cnt[e] : 0;
+      if (c > 0) {
+        int rank = 0;
+        for (int f = 0; f < p.E; ++f) {
+          const int cf = s_cnt[f];
+          rank += cf > c || (cf == c && f < e);
+        }
+        asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(order + 2 * rank), "h"(static_cast<uint16_t>(e)) : "memory");
+      }
+      active += __syncthreads_count(c > 0);
+    }
+    n_units = active * row_groups * p.split;
+    __syncthreads();  // the order is complete, and the counts' space is free again
+  }
+
   Cursor prod{}, cons{};
-  prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+  if constexpr (V::ORDER)
+    prod.take_ordered<NB>(p, 0, row_groups, kr_per, n_units, order);
+  else
+    prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   if (!prod.valid) return;
-  if constexpr (V::BULK) prod.init_stride(p, row_groups);
+  if constexpr (V::BULK && !V::ORDER) prod.init_stride(p, row_groups);
   cons = prod;
   // PIPE: `xv` holds the thread's part of chunk `xch` (the one the consumer stages next), `stg` stands at it
   Cursor stg = prod;
@@ -1142,27 +1192,13 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
     __syncwarp();
   }
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
+  for (int s = 0; s < S - 1; ++s)
+    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order);
   [[maybe_unused]] WgMap<V> map;
   // XMODE 3: this thread's units in the swizzled and the raw buffer
-  [[maybe_unused]] const uint32_t x_dst = V::XMODE >= 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
-  // XMODE 5: "buffer b free again" mbarriers (one arrival per warp) and the CTA's chunk count (-1: none yet)
-  [[maybe_unused]] const uint32_t xfree = smem_u32(smem + V::kXBytes + V::kRingBytes + W * S * 8);
-  [[maybe_unused]] int cidx = -1;
-  if constexpr (V::XMODE == 5) {
-    if (threadIdx.x == 0) {
-      mbar_init(xfree, W);
-      mbar_init(xfree + 8, W);
-      mbar_init_fence();
-    }
-    // the first use is after the first chunk's barrier
-  }
+  [[maybe_unused]] const uint32_t x_dst = V::XMODE == 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
   if constexpr (V::XMODE == 2) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, raw_addr);
   if constexpr (V::XMODE == 3) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
-  if constexpr (V::XMODE >= 4) {
-    prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, map.dst(xs_addr));  // into buffer 0
-    xbuf = 1;  // flipped at every chunk boundary, the first included
-  }
 
   float acc[ND];
 #pragma unroll
@@ -1215,7 +1251,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         __syncthreads();
       } else if constexpr (V::XMODE == 2) {
         Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
-        nx.next<NB, kRecPerChunk, true>(p, row_groups, kr_per, n_units);
+        nx.next<NB, kRecPerChunk, true, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
         const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
         const int nu = map.units(ch);
         const bool col_ok = ch.k0 + 8 * map.c < p.K;
@@ -1237,7 +1273,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         __syncthreads();
       } else if constexpr (V::XMODE == 3) {
         Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
-        nx.next<NB, kRecPerChunk, true>(p, row_groups, kr_per, n_units);
+        nx.next<NB, kRecPerChunk, true, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
         const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
         const int nu = map.units(ch);
         cp_async_wait<0>();  // this thread's copies of the chunk have landed (it reads only its own units)
@@ -1253,46 +1289,6 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         }
         fence_async_smem();
         if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
-        __syncthreads();
-      } else if constexpr (V::XMODE == 4) {
-        // this chunk's buffer holds the thread's own units unpermuted (copied one chunk ahead), while the
-        // wgmmas still in flight read the other buffer: permute in place first, then one barrier, after which
-        // every warpgroup's wgmmas of the previous chunk are done and its buffer takes the next chunk
-        xbuf ^= 1;
-        Cursor nx = cons;
-        nx.next<NB, kRecPerChunk, true>(p, row_groups, kr_per, n_units);
-        const XChunk ch = chunk_of<V, QUANT>(p, cons);
-        const int nu = map.units(ch);
-        const uint32_t cur = x_dst + xbuf * (V::kXBuf * 2);
-        cp_async_wait<0>();
-#pragma unroll
-        for (int j = 0; j < WgMap<V>::N; ++j) {
-          if (j >= nu) break;  // warp-uniform
-          uint4 v = lds128(cur + j * WgMap<V>::kDstStep);
-          if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
-          sts128(cur + j * WgMap<V>::kDstStep, permute8(v));
-        }
-        fence_async_smem();
-        wgmma_wait<0>();
-        acc_fence(acc);
-        __syncthreads();
-        if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + (xbuf ^ 1) * (V::kXBuf * 2));
-      } else if constexpr (V::XMODE == 5) {
-        // as 4, without the wgmma drain: the next chunk is copied in mid-chunk, once the other buffer is free
-        xbuf ^= 1;
-        ++cidx;
-        const XChunk ch = chunk_of<V, QUANT>(p, cons);
-        const int nu = map.units(ch);
-        const uint32_t cur = x_dst + xbuf * (V::kXBuf * 2);
-        cp_async_wait<0>();
-#pragma unroll
-        for (int j = 0; j < WgMap<V>::N; ++j) {
-          if (j >= nu) break;  // warp-uniform
-          uint4 v = lds128(cur + j * WgMap<V>::kDstStep);
-          if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
-          sts128(cur + j * WgMap<V>::kDstStep, permute8(v));
-        }
-        fence_async_smem();
         __syncthreads();
       } else {
         wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
@@ -1324,7 +1320,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
       cp_async_wait<S - 2>();
     }
     __syncwarp();
-    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units);
+    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order);
     const uint8_t* step_rec = ring + slot_c * (RK * kRecBytes);
     slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
     const int nrec = min(RK, cons.nkr - kr);
@@ -1367,20 +1363,6 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         wgmma_commit();
         wgmma_wait<1>();  // the wgmma of step s - 1 is done: its A registers may be decoded into again
         acc_fence(acc);
-        if constexpr (V::XMODE == 5) {
-          // the first wgmma of a chunk waited out this warp's last one of the previous chunk: its buffer is free
-          if (s == 0 && j == 0 && kr % kRecPerChunk == 0 && cidx > 0 && lane == 0) mbar_arrive(xfree + 8 * (xbuf ^ 1));
-        }
-      }
-      if constexpr (V::XMODE == 5) {
-        if (j == 0 && kr % kRecPerChunk == 0) {  // the next chunk into the other buffer, once every warp freed it
-          Cursor nx = cons;
-          nx.next<NB, kRecPerChunk, true>(p, row_groups, kr_per, n_units);
-          if (nx.valid) {
-            if (cidx > 0) mbar_wait(xfree + 8 * (xbuf ^ 1), ((cidx - 1) >> 1) & 1);
-            prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + (xbuf ^ 1) * (V::kXBuf * 2));
-          }
-        }
       }
     }
     };
@@ -1423,7 +1405,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         }
       }
     }
-    cons.next<NB, RK, V::BULK>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK, V::BULK, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
@@ -1437,19 +1419,17 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // from the cursor); 1, 2: wgmma.sp with 4 warpgroups (256 rows per CTA), 64 / 128 tokens per pass, the lean staging
 // (each thread cp.async-copies its units of the next chunk into a raw buffer, K-permuted at the chunk boundary);
 // 3, 4: 1, 2 with the wgmma's N per token block rounded up from its token count (steps of 16 / 32), not the pass;
-// 5, 6: 3, 4 with the next chunk copied straight into the swizzled layout of a second buffer and K-permuted in place
-// at the boundary (XMODE 4: one barrier per chunk, the permutation before the wgmma drain); 7, 8: 5, 6 without
-// the drain (XMODE 5: the next chunk copied in mid-chunk once an mbarrier says every warp is done with its buffer).
+// 5, 6: 1, 2 with the units dealt to the CTAs by decreasing token count in a snake (ORDER); 7, 8: 3, 4 with ORDER.
 #define MOESQ_P48_VARIANTS(X)                            \
   X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
   X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
   X(2, WgVariant<128, 4, 3, 256, 2, false, 3>)           \
   X(3, WgVariant<64, 4, 3, 512, 2, false, 3, 16>)        \
   X(4, WgVariant<128, 4, 3, 256, 2, false, 3, 32>)       \
-  X(5, WgVariant<64, 4, 3, 512, 2, false, 4, 16>)        \
-  X(6, WgVariant<128, 4, 3, 256, 2, false, 4, 32>)       \
-  X(7, WgVariant<64, 4, 3, 512, 2, false, 5, 16>)        \
-  X(8, WgVariant<128, 4, 3, 256, 2, false, 5, 32>)
+  X(5, WgVariant<64, 4, 3, 512, 2, false, 3, 0, true>)   \
+  X(6, WgVariant<128, 4, 3, 256, 2, false, 3, 0, true>)  \
+  X(7, WgVariant<64, 4, 3, 512, 2, false, 3, 16, true>)  \
+  X(8, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
@@ -1488,6 +1468,17 @@ int launch(const moesq_p48_args& a) {
   return 0;
 }
 
+bool orders_experts(int variant) {
+  switch (variant) {
+#define MOESQ_P48_ORDER(n, ...) \
+  case n:                       \
+    return __VA_ARGS__::ORDER;
+    MOESQ_P48_VARIANTS(MOESQ_P48_ORDER)
+#undef MOESQ_P48_ORDER
+  }
+  return false;
+}
+
 template <class V>
 void info(moesq_p48_variant_info* i) {
   *i = moesq_p48_variant_info{V::NB, V::R, V::W, V::S, V::KC, V::kSmem};
@@ -1521,6 +1512,10 @@ int moesq_p48_gemm(int variant, const moesq_p48_args* args) {
     return 1;
   }
   const moesq_p48_args& a = *args;
+  if (a.E > kMaxOrderE && orders_experts(variant)) {
+    moesq::set_last_error("p48 variant %d sorts at most %d experts (got E=%d)", variant, kMaxOrderE, a.E);
+    return 1;
+  }
   if (a.E <= 0 || a.M <= 0 || a.K <= 0 || a.K % 32 || a.MT != (a.M + 15) / 16 || a.KR != (a.K + kRecK - 1) / kRecK ||
       a.split < 1 || a.split > a.KR || (a.split > 1 && a.out_bf16) || 1LL * a.E * a.MT * a.KR >= (1LL << 31)) {
     moesq::set_last_error("p48 kernel: bad problem E=%d M=%d K=%d MT=%d KR=%d split=%d out_bf16=%d", a.E, a.M, a.K,
