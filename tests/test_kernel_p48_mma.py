@@ -120,14 +120,15 @@ def test_from_packed_rejects_bad_input():
 def test_pick_config_splits_only_small_grids():
     cpu = torch.device("cpu")
     assert pm.pick_config(1536, 2048, 128, 1, cpu) == pm.MmaConfig(0, 1)
-    assert pm.pick_config(1536, 2048, 128, 9, cpu).variant == 0
-    assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(0, 1)
+    assert pm.pick_config(1536, 2048, 128, 3, cpu).variant == 0
+    assert pm.pick_config(1536, 2048, 128, 9, cpu).variant == 9
+    assert pm.pick_config(1536, 2048, 128, 16, cpu) == pm.MmaConfig(9, 1)
     assert pm.pick_config(1536, 2048, 128, 17, cpu).variant == 5
     assert pm.pick_config(1536, 2048, 128, 64, cpu).variant == 5
     assert pm.pick_config(1536, 2048, 128, 65, cpu).variant == 6
     assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 6
     assert pm.pick_config(1536, 2048, 5000, 256, cpu).variant == 2  # too many experts to sort in the kernel
-    assert all(pm.ORDERS_EXPERTS[v] for v in (5, 6, 7, 8)) and not any(pm.ORDERS_EXPERTS[:5])
+    assert all(pm.ORDERS_EXPERTS[v] for v in (5, 6, 7, 8, 9)) and not any(pm.ORDERS_EXPERTS[:5])
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
@@ -340,7 +341,8 @@ def test_gpu_ordered_deal_refuses_more_experts_than_it_can_sort():
     with pytest.raises(RuntimeError, match="sorts at most"):
         pm.p48_mma_gemm_rows(x, W, rs, cnt, W.global_scale, torch.zeros(E, 16, device=dev),
                              pm.MmaConfig(ordered, 1), native)
-    assert pm.pick_config(16, 32, E, 128, dev).variant not in (5, 6, 7, 8)
+    assert not pm.ORDERS_EXPERTS[pm.pick_config(16, 32, E, 128, dev).variant]
+    assert not pm.ORDERS_EXPERTS[pm.pick_config(16, 32, E, 8, dev).variant]
 
 
 @pytest.mark.gpu

@@ -51,12 +51,13 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # N, so each weight fragment is decoded once per pass for all of them; the activations copied one chunk ahead and
 # K-permuted in shared memory); 3, 4: 1, 2 with the wgmma's N per token block rounded up from its token count;
 # 5, 6: 1, 2 with the units dealt to the CTAs by decreasing token count in a snake order (each CTA sorts the experts,
-# at most MAX_ORDER_EXPERTS), so no CTA draws mostly long units; 7, 8: 3, 4 dealt that way. The variants that lost
+# at most MAX_ORDER_EXPERTS), so no CTA draws mostly long units; 7, 8: 3, 4 dealt that way; 9: 0 dealt that way.
+# The variants that lost
 # head to head were removed on 2026-12-02 (native/NOTES.md keeps their numbers and results).
-TOKEN_BLOCKS = (16,) + (64, 128) * 4
-ROWS_PER_CTA = (256,) * 9
-MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 8
-ORDERS_EXPERTS = (False,) * 5 + (True,) * 4
+TOKEN_BLOCKS = (16,) + (64, 128) * 4 + (16,)
+ROWS_PER_CTA = (256,) * 10
+MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 8 + ("mma.sp",)
+ORDERS_EXPERTS = (False,) * 5 + (True,) * 5
 MAX_ORDER_EXPERTS = 4096
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
@@ -245,7 +246,7 @@ def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, dev
     64 rows per expert (5), 128 above (6); without that deal (1, 2) where there are too many experts to sort.
     Split K only when too few CTAs have work."""
     if rows_per_expert <= 16:
-        variant = 0
+        variant = 9 if rows_per_expert >= 4 and active_experts <= MAX_ORDER_EXPERTS else 0
     else:
         variant = (1 if rows_per_expert <= 64 else 2) + (4 if active_experts <= MAX_ORDER_EXPERTS else 0)
     ctas = max(1, active_experts) * math.ceil(M / ROWS_PER_CTA[variant])

@@ -328,20 +328,24 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // LEAN = 2: also the chunk's row start and token count from the cursor (loaded when it takes the unit, not at the
 // staging, where 11 waited on up to three dependent global loads), and the activations loaded into registers
 // before the barrier that frees the shared buffer (their latency overlaps the wait for the other warps).
+// ORDER (BULK only): the units dealt to the CTAs by decreasing token count in a snake, as WgVariant's ORDER.
 template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false, int LEAN_ = 0,
-          bool CONTIG_ = false>
+          bool CONTIG_ = false, bool ORDER_ = false>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool BULK = BULK_, CONTIG = CONTIG_, ORDER = false;
+  static constexpr bool BULK = BULK_, CONTIG = CONTIG_, ORDER = ORDER_;
   static constexpr int LEAN = LEAN_;
   static_assert((!LEAN || BULK) && (!CONTIG || LEAN), "LEAN needs BULK, CONTIG needs LEAN");
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
-  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);  // + one mbarrier per warp and stage
+  // + one mbarrier per warp and stage (BULK), + the experts in unit order (ORDER: 16-bit indices)
+  static constexpr int kOrderOff = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);
+  static constexpr int kSmem = kOrderOff + (ORDER ? 2 * kMaxOrderE : 0);
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
+  static_assert(!ORDER || (BULK && !CONTIG && kXBytes >= 4 * kMaxOrderE), "ORDER: a BULK ring, counts fit the buffer");
   static constexpr int kMinBlocks = kThreads <= 128 ? 4 : 2;  // at most 128 registers per thread
   static_assert(KC % (kRecK * RK) == 0 && NB % 8 == 0, "bad variant");
 };
@@ -823,6 +827,31 @@ __device__ __forceinline__ int contig_range(const Params& p, int per_e, int& e0,
   return static_cast<int>(t - s);
 }
 
+// ORDER: the experts with tokens by decreasing count (ties: index order) into `order` (16-bit indices in shared
+// memory): the rank of e is how many come before it. `tmp` holds the counts meanwhile (4 E bytes of shared memory
+// that are free until the first chunk is staged). Every thread of the CTA calls it; returns the experts with tokens.
+template <class V>
+__device__ __forceinline__ int sort_experts(const Params& p, int* tmp, uint32_t order) {
+  for (int e = threadIdx.x; e < p.E; e += V::kThreads) tmp[e] = __ldg(p.counts + e);
+  __syncthreads();
+  int active = 0;
+  for (int b = 0; b < p.E; b += V::kThreads) {
+    const int e = b + threadIdx.x;
+    const int c = e < p.E ? tmp[e] : 0;
+    if (c > 0) {
+      int rank = 0;
+      for (int f = 0; f < p.E; ++f) {
+        const int cf = tmp[f];
+        rank += cf > c || (cf == c && f < e);
+      }
+      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(order + 2 * rank), "h"(static_cast<uint16_t>(e)) : "memory");
+    }
+    active += __syncthreads_count(c > 0);
+  }
+  __syncthreads();  // the order is complete, and the counts' space is free again
+  return active;
+}
+
 // The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (one
 // commit group per step, empty once the cursor is past the last unit; BULK: lane 0 copies each row tile's records
 // with one bulk copy counted on the slot's mbarrier at `bars`) and advance the cursor and the slot.
@@ -865,7 +894,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   constexpr int kRecPerChunk = KC / kRecK;
   const int row_groups = (p.MT + W * R - 1) / (W * R);
   const int kr_per = (p.KR + p.split - 1) / p.split;
-  const int n_units = p.E * row_groups * p.split;
+  int n_units = p.E * row_groups * p.split;  // ORDER: the units of the experts with tokens only (set below)
 
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -873,8 +902,13 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
 
+  [[maybe_unused]] const uint32_t order = smem_u32(smem) + V::kOrderOff;  // ORDER: the experts in unit order
+  if constexpr (V::ORDER) n_units = sort_experts<V>(p, reinterpret_cast<int*>(smem), order) * row_groups * p.split;
+
   Cursor prod{}, cons{};
-  if constexpr (V::CONTIG) {
+  if constexpr (V::ORDER) {
+    prod.take_ordered<NB>(p, 0, row_groups, kr_per, n_units, order);
+  } else if constexpr (V::CONTIG) {
     int e0 = 0, rem = 0;
     const int n = contig_range<V>(p, row_groups * p.split, e0, rem);
     prod.start_contig<NB>(p, e0, rem, n, row_groups, kr_per);
@@ -882,7 +916,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   }
   if (!prod.valid) return;
-  if constexpr (V::BULK && !V::CONTIG) prod.init_stride(p, row_groups);
+  if constexpr (V::BULK && !V::CONTIG && !V::ORDER) prod.init_stride(p, row_groups);
   cons = prod;
   int slot_p = 0, slot_c = 0;
   int staged_e = -1, staged_tb = 0, staged_k = 0;  // CONTIG: the chunk in shared memory
@@ -896,7 +930,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     __syncwarp();
   }
 
-  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
+  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -1059,7 +1093,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
         }
       }
     }
-    cons.next<NB, RK, V::BULK, V::CONTIG>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK, V::BULK, V::CONTIG, V::ORDER>(p, row_groups, kr_per, n_units, order);
   }
   cp_async_wait<0>();
 }
@@ -1141,27 +1175,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 
   [[maybe_unused]] const uint32_t order = smem_addr + V::kOrderOff;  // ORDER: the experts in unit order
   if constexpr (V::ORDER) {
-    // the experts with tokens by decreasing count (ties: index order): rank of e = how many come before it; the
-    // counts sit in the activation buffer until the first chunk is staged
-    int* s_cnt = reinterpret_cast<int*>(smem + pad);
-    for (int e = threadIdx.x; e < p.E; e += V::kThreads) s_cnt[e] = __ldg(p.counts + e);
-    __syncthreads();
-    int active = 0;
-    for (int b = 0; b < p.E; b += V::kThreads) {
-      const int e = b + threadIdx.x;
-      const int c = e < p.E ? s_cnt[e] : 0;
-      if (c > 0) {
-        int rank = 0;
-        for (int f = 0; f < p.E; ++f) {
-          const int cf = s_cnt[f];
-          rank += cf > c || (cf == c && f < e);
-        }
-        asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(order + 2 * rank), "h"(static_cast<uint16_t>(e)) : "memory");
-      }
-      active += __syncthreads_count(c > 0);
-    }
-    n_units = active * row_groups * p.split;
-    __syncthreads();  // the order is complete, and the counts' space is free again
+    n_units = sort_experts<V>(p, reinterpret_cast<int*>(smem + pad), order) * row_groups * p.split;
   }
 
   Cursor prod{}, cons{};
@@ -1419,7 +1433,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // from the cursor); 1, 2: wgmma.sp with 4 warpgroups (256 rows per CTA), 64 / 128 tokens per pass, the lean staging
 // (each thread cp.async-copies its units of the next chunk into a raw buffer, K-permuted at the chunk boundary);
 // 3, 4: 1, 2 with the wgmma's N per token block rounded up from its token count (steps of 16 / 32), not the pass;
-// 5, 6: 1, 2 with the units dealt to the CTAs by decreasing token count in a snake (ORDER); 7, 8: 3, 4 with ORDER.
+// 5, 6: 1, 2 with the units dealt to the CTAs by decreasing token count in a snake (ORDER); 7, 8: 3, 4 with ORDER;
+// 9: 0 with ORDER.
 #define MOESQ_P48_VARIANTS(X)                            \
   X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
   X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
@@ -1429,7 +1444,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(5, WgVariant<64, 4, 3, 512, 2, false, 3, 0, true>)   \
   X(6, WgVariant<128, 4, 3, 256, 2, false, 3, 0, true>)  \
   X(7, WgVariant<64, 4, 3, 512, 2, false, 3, 16, true>)  \
-  X(8, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>)
+  X(8, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>) \
+  X(9, Variant<16, 2, 8, 3, 1024, 2, true, 2, false, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
