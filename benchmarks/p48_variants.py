@@ -1,6 +1,6 @@
 """p48 sparse-tensor-core kernel variants head to head in one process (H100/H200), with torch's fp8 grouped GEMM.
 
-    python benchmarks/p48_variants.py --variants 2 4 --N 64 128 256 --out DIR
+    python benchmarks/p48_variants.py --variants 2 3 --N 64 128 256 --out DIR
     python benchmarks/p48_variants.py --profile 2 --N 128 --shape 0      # one launch, for `ncu -k regex:p48 -c 1`
 
 Rows: the kernel bench's shapes (Qwen3-30B-A3B with G = 128, Kimi-K2.5 with G = 48) x N, token counts
@@ -31,7 +31,7 @@ SHAPES = [("Qwen3-30B-A3B gate/up", 1536, 2048, 128), ("Qwen3-30B-A3B down", 204
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--variants", type=int, nargs="+", default=[1, 3])
+    ap.add_argument("--variants", type=int, nargs="+", default=[2, 3])
     ap.add_argument("--N", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--shape", type=int, nargs="+", default=list(range(len(SHAPES))), help="indices into SHAPES")
     ap.add_argument("--repeats", type=int, default=20)

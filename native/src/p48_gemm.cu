@@ -216,17 +216,6 @@ __device__ __forceinline__ void wgmma_sp(float (&d)[16], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
 }
 template <int SEL>
-__device__ __forceinline__ void wgmma_sp(float (&d)[24], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %31, 0;\n"
-      "wgmma.mma_async.sp.sync.aligned.m64n48k32.f32.bf16.bf16 {"
-      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
-      "%16,%17,%18,%19,%20,%21,%22,%23"
-      "}, {%24,%25,%26,%27}, %28, %29, %30, p, 1, 1, 0;\n}\n"
-      : MOESQ_D8(0), MOESQ_D8(8), MOESQ_D8(16)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(e), "n"(SEL), "n"(1));
-}
-template <int SEL>
 __device__ __forceinline__ void wgmma_sp(float (&d)[32], const uint32_t (&a)[4], uint64_t desc, uint32_t e) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %39, 0;\n"
@@ -328,24 +317,20 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // LEAN = 2: also the chunk's row start and token count from the cursor (loaded when it takes the unit, not at the
 // staging, where 11 waited on up to three dependent global loads), and the activations loaded into registers
 // before the barrier that frees the shared buffer (their latency overlaps the wait for the other warps).
-// ORDER (BULK only): the units dealt to the CTAs by decreasing token count in a snake, as WgVariant's ORDER.
 template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false, int LEAN_ = 0,
-          bool CONTIG_ = false, bool ORDER_ = false>
+          bool CONTIG_ = false>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool BULK = BULK_, CONTIG = CONTIG_, ORDER = ORDER_;
+  static constexpr bool BULK = BULK_, CONTIG = CONTIG_, ORDER = false;  // ORDER: see WgVariant
   static constexpr int LEAN = LEAN_;
   static_assert((!LEAN || BULK) && (!CONTIG || LEAN), "LEAN needs BULK, CONTIG needs LEAN");
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
-  // + one mbarrier per warp and stage (BULK), + the experts in unit order (ORDER: 16-bit indices)
-  static constexpr int kOrderOff = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);
-  static constexpr int kSmem = kOrderOff + (ORDER ? 2 * kMaxOrderE : 0);
+  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);  // + one mbarrier per warp and stage
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
-  static_assert(!ORDER || (BULK && !CONTIG && kXBytes >= 4 * kMaxOrderE), "ORDER: a BULK ring, counts fit the buffer");
   static constexpr int kMinBlocks = kThreads <= 128 ? 4 : 2;  // at most 128 registers per thread
   static_assert(KC % (kRecK * RK) == 0 && NB % 8 == 0, "bad variant");
 };
@@ -392,6 +377,7 @@ struct WgVariant {
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = true;
+  static_assert(!ORDER || kXBuf * 2 >= 4 * kMaxOrderE, "ORDER sorts the counts in the activation buffer");
   static constexpr int kMinBlocks = kThreads <= 256 ? 2 : 1;  // 128 registers per thread either way
   static_assert(KC % (kRecK * RK) == 0 && KC % 64 == 0 && NB % 16 == 0 && NB <= 256, "bad variant");
   static_assert(!PIPE || (NB * KC / 8) % kThreads == 0, "a pipelined chunk must split evenly over the threads");
@@ -894,7 +880,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   constexpr int kRecPerChunk = KC / kRecK;
   const int row_groups = (p.MT + W * R - 1) / (W * R);
   const int kr_per = (p.KR + p.split - 1) / p.split;
-  int n_units = p.E * row_groups * p.split;  // ORDER: the units of the experts with tokens only (set below)
+  const int n_units = p.E * row_groups * p.split;
 
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -902,13 +888,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
 
-  [[maybe_unused]] const uint32_t order = smem_u32(smem) + V::kOrderOff;  // ORDER: the experts in unit order
-  if constexpr (V::ORDER) n_units = sort_experts<V>(p, reinterpret_cast<int*>(smem), order) * row_groups * p.split;
-
   Cursor prod{}, cons{};
-  if constexpr (V::ORDER) {
-    prod.take_ordered<NB>(p, 0, row_groups, kr_per, n_units, order);
-  } else if constexpr (V::CONTIG) {
+  if constexpr (V::CONTIG) {
     int e0 = 0, rem = 0;
     const int n = contig_range<V>(p, row_groups * p.split, e0, rem);
     prod.start_contig<NB>(p, e0, rem, n, row_groups, kr_per);
@@ -916,7 +897,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   }
   if (!prod.valid) return;
-  if constexpr (V::BULK && !V::CONTIG && !V::ORDER) prod.init_stride(p, row_groups);
+  if constexpr (V::BULK && !V::CONTIG) prod.init_stride(p, row_groups);
   cons = prod;
   int slot_p = 0, slot_c = 0;
   int staged_e = -1, staged_tb = 0, staged_k = 0;  // CONTIG: the chunk in shared memory
@@ -930,7 +911,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     __syncwarp();
   }
 
-  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order); };
+  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -1093,7 +1074,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
         }
       }
     }
-    cons.next<NB, RK, V::BULK, V::CONTIG, V::ORDER>(p, row_groups, kr_per, n_units, order);
+    cons.next<NB, RK, V::BULK, V::CONTIG>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
 }
@@ -1426,26 +1407,19 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 }
 
 // The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call; the
-// earlier variants that lost head to head were removed on 2026-12-02, native/NOTES.md keeps their numbers and
-// results, and this list renumbered: 0 was 13, 1 was 21, 2 was 20):
+// variants that lost head to head were removed on 2026-12-02, native/NOTES.md keeps their numbers and results, and
+// this list renumbered: 0 was 13, 1 was 21, 2 was 20):
 // 0: decode, mma.sp (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per
 // row tile and step, the bulk-copy ring, the trimmed per-unit staging and epilogue, the chunk's row start and count
 // from the cursor); 1, 2: wgmma.sp with 4 warpgroups (256 rows per CTA), 64 / 128 tokens per pass, the lean staging
 // (each thread cp.async-copies its units of the next chunk into a raw buffer, K-permuted at the chunk boundary);
-// 3, 4: 1, 2 with the wgmma's N per token block rounded up from its token count (steps of 16 / 32), not the pass;
-// 5, 6: 1, 2 with the units dealt to the CTAs by decreasing token count in a snake (ORDER); 7, 8: 3, 4 with ORDER;
-// 9: 0 with ORDER.
+// 3: 2 with the units dealt to the CTAs by decreasing token count in a snake (ORDER) and the wgmma's N per token
+// block rounded up from its token count in steps of 32 (TW).
 #define MOESQ_P48_VARIANTS(X)                            \
   X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
   X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
   X(2, WgVariant<128, 4, 3, 256, 2, false, 3>)           \
-  X(3, WgVariant<64, 4, 3, 512, 2, false, 3, 16>)        \
-  X(4, WgVariant<128, 4, 3, 256, 2, false, 3, 32>)       \
-  X(5, WgVariant<64, 4, 3, 512, 2, false, 3, 0, true>)   \
-  X(6, WgVariant<128, 4, 3, 256, 2, false, 3, 0, true>)  \
-  X(7, WgVariant<64, 4, 3, 512, 2, false, 3, 16, true>)  \
-  X(8, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>) \
-  X(9, Variant<16, 2, 8, 3, 1024, 2, true, 2, false, true>)
+  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
