@@ -1437,6 +1437,10 @@ auto pick_kernel(const moesq_p48_args& a) {
 
 template <class V>
 int launch(const moesq_p48_args& a) {
+  if (V::ORDER && a.E > kMaxOrderE) {
+    moesq::set_last_error("p48 kernel sorts at most %d experts (got E=%d)", kMaxOrderE, a.E);
+    return 1;
+  }
   Params p{static_cast<const uint8_t*>(a.records), a.E, static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
            a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global};
   auto kernel = a.act_global != nullptr ? pick_kernel<V, true>(a) : pick_kernel<V, false>(a);
@@ -1456,17 +1460,6 @@ int launch(const moesq_p48_args& a) {
     return 3;
   }
   return 0;
-}
-
-bool orders_experts(int variant) {
-  switch (variant) {
-#define MOESQ_P48_ORDER(n, ...) \
-  case n:                       \
-    return __VA_ARGS__::ORDER;
-    MOESQ_P48_VARIANTS(MOESQ_P48_ORDER)
-#undef MOESQ_P48_ORDER
-  }
-  return false;
 }
 
 template <class V>
@@ -1502,10 +1495,6 @@ int moesq_p48_gemm(int variant, const moesq_p48_args* args) {
     return 1;
   }
   const moesq_p48_args& a = *args;
-  if (a.E > kMaxOrderE && orders_experts(variant)) {
-    moesq::set_last_error("p48 variant %d sorts at most %d experts (got E=%d)", variant, kMaxOrderE, a.E);
-    return 1;
-  }
   if (a.E <= 0 || a.M <= 0 || a.K <= 0 || a.K % 32 || a.MT != (a.M + 15) / 16 || a.KR != (a.K + kRecK - 1) / kRecK ||
       a.split < 1 || a.split > a.KR || (a.split > 1 && a.out_bf16) || 1LL * a.E * a.MT * a.KR >= (1LL << 31)) {
     moesq::set_last_error("p48 kernel: bad problem E=%d M=%d K=%d MT=%d KR=%d split=%d out_bf16=%d", a.E, a.M, a.K,

@@ -30,11 +30,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ...memory import consecutive_chunks
-
 from ...formats import P48, Format, PatternSet
 from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData
 from ...kernels import relax_triton, rows_add_triton, swiglu_quant_triton
+from ...memory import consecutive_chunks
 from . import objective, relaxation
 
 log = logging.getLogger(__name__)
