@@ -331,7 +331,7 @@ struct Variant {
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
-  static constexpr int kMinBlocks = kThreads <= 128 ? 4 : 2;  // at most 128 registers per thread
+  static constexpr int kMinBlocks = kThreads <= 128 ? 4 : kThreads <= 256 ? 2 : 1;  // at most 128 registers per thread
   static_assert(KC % (kRecK * RK) == 0 && NB % 8 == 0, "bad variant");
 };
 
@@ -1419,7 +1419,10 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
   X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
   X(2, WgVariant<128, 4, 3, 256, 2, false, 3>)           \
-  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>)
+  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>) \
+  X(4, WgVariant<128, 4, 3, 256, 2, false, 3, 64, true>)  \
+  X(5, WgVariant<128, 4, 3, 256, 1, false, 3, 32, true>)  \
+  X(6, Variant<16, 2, 16, 3, 1024, 2, true, 2>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
