@@ -37,6 +37,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fused", action="store_true", help="also W4A4 with the quantization in the kernel")
+    ap.add_argument("--x-permuted", action="store_true",
+                    help="hand the kernel the activations in its K order (as the runtime's down GEMM gets them)")
     ap.add_argument("--profile", type=int, default=None, help="run this variant once per row (for ncu), no timing")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args(argv)
@@ -51,6 +53,8 @@ def main(argv=None) -> int:
             for n in args.N:
                 prob, gen, _ = new_row(name, M, K, G, n, 0, device)
                 ours = P48Bench(prob, gen, device, native)
+                if args.x_permuted:
+                    ours.use_permuted_activations()
                 ours.config = pm.MmaConfig(args.profile, ours.config.split)
                 run = ours.call(ours.add_copy(), False, True)
                 run()
@@ -59,6 +63,7 @@ def main(argv=None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     result = {**run_header("p48-nvfp4", device, args.repeats), "variants": args.variants, "rounds": args.rounds,
+              "x_permuted": args.x_permuted,
               "ptx_info": native.p48_variants(), "rows": []}
     for i in args.shape:
         name, M, K, G = SHAPES[i]
@@ -69,6 +74,8 @@ def main(argv=None) -> int:
             del f
             torch.cuda.empty_cache()
             ours = P48Bench(prob, gen, device, native)
+            if args.x_permuted:
+                ours.use_permuted_activations()
             ours.add_copy()
             split = ours.config.split
             row["picked"] = ours.config.__dict__
@@ -121,7 +128,8 @@ def markdown(result: dict) -> str:
     lines = [f"# p48 kernel variants head to head ({', '.join('v' + v for v in vs)})", "",
              f"{result['date']} · {result['gpu']} · torch {result['torch']} · commit `{result['commit']}` · median of "
              f"{result['repeats']} CUDA-graph replays, best of {result['rounds']} rounds (alternating order), W4A16 "
-             "bf16 output" + (", W4A4 fused = quantization in the kernel" if fused else ""), "",
+             "bf16 output" + (", W4A4 fused = quantization in the kernel" if fused else "")
+             + (", activations handed over in the kernel's K order" if result.get("x_permuted") else ""), "",
              "| shape | G | N | fp8 µs | " + " | ".join(f"v{v} µs" for v in vs) + " | "
              + " | ".join(f"v{v} TB/s" for v in vs) + " | " + " | ".join(f"v{v} vs fp8" for v in vs)
              + (" | " + " | ".join(f"v{v} fused µs" for v in vs) if fused else "") + " | bit-equal |",

@@ -117,6 +117,16 @@ def test_from_packed_rejects_bad_input():
         pm.stack_gate_up(gate, up)
 
 
+def test_k_order_is_the_kernels_staging_permutation():
+    """k_order(n): per 8-group [e0 e2 e4 e6 | e1 e3 e5 e7] (the pairs' first halves, then their second halves:
+    paired 4:8 as 2:4), a permutation of range(n); n must be a multiple of 8."""
+    assert pm.k_order(16).tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]
+    order = pm.k_order(1056)
+    assert sorted(order.tolist()) == list(range(1056))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        pm.k_order(12)
+
+
 def test_pick_config_splits_only_small_grids():
     cpu = torch.device("cpu")
     assert pm.pick_config(1536, 2048, 128, 1, cpu) == pm.MmaConfig(0, 1)
@@ -128,7 +138,7 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 3
     assert pm.pick_config(2048, 768, 128, 128, cpu).variant == 2  # short units: the sort does not pay
     assert pm.pick_config(1536, 2048, 5000, 256, cpu).variant == 2  # too many experts to sort in the kernel
-    assert pm.ORDERS_EXPERTS == (False, False, False, True, True, True, False)
+    assert pm.ORDERS_EXPERTS == (False, False, False, True)
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
@@ -190,6 +200,37 @@ def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed, sprea
 ])
 def test_gpu_kernel_matches_reference(E, M, K, counts, act_quant, split, variant):
     _gpu_case(E, M, K, counts, act_quant, split, variant, torch.float32, seed=E + M + K)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("E,M,K,counts", [
+    (5, 200, 352, [1, 40, 17, 0, 130]),  # K not a multiple of 128 (a narrow last chunk), several token passes
+    (3, 136, 1056, [128, 33, 97]),  # five 256-column chunks, the last narrow: both swizzled buffers in turn
+    (17, 72, 416, [1, 16, 17, 31, 32, 33, 48, 49, 63, 64, 65, 96, 97, 127, 128, 129, 200]),
+])
+def test_gpu_permuted_activations_give_the_same_outputs(E, M, K, counts, fused, variant):
+    """x handed over in the kernel's K order (x_permuted) gives the natural call's outputs bit for bit, poisoned
+    rows untouched: W4A16 (where the 128-token passes copy such chunks straight into their swizzled buffers) and
+    W4A4 with the quantization in the kernel."""
+    native = _native_or_skip()
+    if not pm.takes_permuted_activations(native):
+        pytest.skip("this build of the native module predates x_permuted")
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(E * K + M)
+    t = random_p48_tensors(E, M, K, gen, "cpu")
+    case = P48GroupedCase(_unstack(t), counts, fused, gen, 2.0 if fused else 0.0)
+    W = pm.P48MmaWeights.from_packed(t, dev)
+    cfg, alpha = pm.MmaConfig(variant, 1), case.alpha(W.global_scale)
+    act_global = case.act_global if fused else None
+    natural, permuted = case.output(True), case.output(True)
+    pm.p48_mma_gemm_rows(case.x, W, case.row_start, case.counts, alpha, natural, cfg, native, act_global)
+    xp = case.x[:, pm.k_order(K, dev)].contiguous()
+    pm.p48_mma_gemm_rows(xp, W, case.row_start, case.counts, alpha, permuted, cfg, native, act_global, x_permuted=True)
+    case.check(permuted, 2e-5, True)
+    torch.testing.assert_close(permuted, natural, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.gpu

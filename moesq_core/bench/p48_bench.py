@@ -92,6 +92,7 @@ class P48Bench:
         out_dtype = torch.float32 if self.config.split > 1 else torch.bfloat16
         self.out = torch.zeros(G * C, prob.M, dtype=out_dtype, device=device)
         self.copies: list = []
+        self.x_permuted = False  # native: x handed over in the kernel's K order (use_permuted_activations)
         self.raw0: dict | None = None
         self.dec = None  # p48_reference decode of copy 0's first two experts, made once
 
@@ -107,6 +108,13 @@ class P48Bench:
         self.copies.append(w)
         return w
 
+    def use_permuted_activations(self) -> None:
+        """Hand the kernel x in its K order (what the runtime's down GEMM receives: the gate/up weight rows are
+        put in that order at load time, so the SwiGLU output arrives permuted); self.x stays natural for the
+        reference."""
+        self.xr = self.xr[:, self.pm.k_order(self.prob.K, self.device)].contiguous()
+        self.x_permuted = True
+
     @property
     def weight_bytes(self) -> int:
         return self.copies[0].nbytes
@@ -116,7 +124,7 @@ class P48Bench:
             self.pt.p48_gemm_rows(x, w, self.row_start, self.counts, alpha, self.out, self.config, use_asm)
         else:
             self.pm.p48_mma_gemm_rows(x, w, self.row_start, self.counts, alpha, self.out, self.config, self.native,
-                                      act_global)
+                                      act_global, self.x_permuted)
 
     def call(self, w, act_quant: bool, use_asm: bool, fused: bool = False):
         """The timed closure; fused (native only): W4A4 with the quantization inside the kernel."""

@@ -53,10 +53,10 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # (each CTA sorts the experts, at most MAX_ORDER_EXPERTS) and the wgmma's N per token block rounded up from its
 # token count (steps of 32). The variants that lost head to head were removed on 2026-12-02 (native/NOTES.md keeps
 # their numbers and results).
-TOKEN_BLOCKS = (16, 64, 128, 128, 128, 128, 16)
-ROWS_PER_CTA = (256,) * 6 + (512,)
-MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 5 + ("mma.sp",)
-ORDERS_EXPERTS = (False, False, False, True, True, True, False)
+TOKEN_BLOCKS = (16, 64, 128, 128)
+ROWS_PER_CTA = (256,) * 4
+MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3
+ORDERS_EXPERTS = (False, False, False, True)
 MAX_ORDER_EXPERTS = 4096
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
@@ -273,9 +273,19 @@ def load_native():
     return mod if hasattr(mod, "p48_gemm") else None
 
 
+def k_order(n: int, device=None) -> torch.Tensor:
+    """The kernel's K order of n columns (n % 8 == 0): position j holds natural column k_order(n)[j], each 8-group
+    as [e0 e2 e4 e6 | e1 e3 e5 e7] (paired 4:8 as 2:4). x[:, k_order(K)] is what `x_permuted` takes; a weight
+    whose rows are so ordered writes its outputs in that order."""
+    if n % 8:
+        raise ValueError(f"k_order: {n} columns is not a multiple of 8")
+    group = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7], device=device)
+    return (torch.arange(0, n, 8, device=device).unsqueeze(1) + group).reshape(-1)
+
+
 def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor, counts: torch.Tensor,
                       alpha: torch.Tensor, out: torch.Tensor, config: MmaConfig, native=None,
-                      act_global: torch.Tensor | None = None) -> torch.Tensor:
+                      act_global: torch.Tensor | None = None, x_permuted: bool = False) -> torch.Tensor:
     """Grouped GEMM over expert row segments (p48_triton.p48_gemm_rows's convention): for each expert e, rows
     row_start[e] .. row_start[e]+counts[e] of x [R, K] (bf16) times w[e]^T, times alpha[e], into out [R, M]
     (float32 and zero-initialised when config.split > 1). No host synchronisation.
@@ -283,7 +293,11 @@ def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor
     act_global (float32 [E], every value > 0): W4A4 with the NVFP4 activation quantization inside the kernel:
     it quantizes each staged row of x with act_global[e] exactly as p48_triton.nvfp4_quantize_rows does, so the
     result equals that pre-pass followed by this GEMM bit for bit (x must hold the bf16 activations the
-    pre-pass would read; alpha stays 1/(g_w * g_a))."""
+    pre-pass would read; alpha stays 1/(g_w * g_a)).
+
+    x_permuted: x holds the activations in the kernel's K order (x_natural[:, k_order(K)]), e.g. the SwiGLU of a
+    gate/up GEMM whose weight rows were put in that order at load time; the result is the same bit for bit, and
+    the 128-token passes stage such a chunk with one copy instead of a copy and a permutation."""
     mod = native if native is not None else load_native()
     if mod is None:
         raise RuntimeError("the p48 sparse-tensor-core kernel needs an sm_90 GPU and the native module")
@@ -294,19 +308,30 @@ def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor
     if not _folds_alpha(mod):  # a module built from older sources wants the decode's 2^7 in alpha
         alpha = alpha * ALPHA_FOLD
     args = (config.variant, w.records, x, row_start, counts, alpha, out, w.out_features, w.in_features, config.split)
+    kwargs = {}
+    if x_permuted:
+        if not takes_permuted_activations(mod):
+            raise RuntimeError("this build of the native module cannot take K-permuted activations: rebuild it "
+                               "(python -m moesq_core.kernels.native_build)")
+        kwargs["x_permuted"] = True
     if act_global is None:  # W4A16 (or a pre-quantized x): the call every build of the module takes
-        mod.p48_gemm(*args)
+        mod.p48_gemm(*args, **kwargs)
     else:
         if not quantizes_activations(mod):
             raise RuntimeError("this build of the native module cannot quantize activations in the p48 kernel: "
                                "rebuild it (python -m moesq_core.kernels.native_build) or quantize x first")
-        mod.p48_gemm(*args, act_global.float().contiguous())
+        mod.p48_gemm(*args, act_global.float().contiguous(), **kwargs)
     return out
 
 
 def _folds_alpha(native) -> bool:
     """Whether the native module applies the decode's 2^7 itself (saves a launch per call); older builds do not."""
     return "alpha as given" in (getattr(getattr(native, "p48_gemm", None), "__doc__", None) or "")
+
+
+def takes_permuted_activations(native) -> bool:
+    """Whether the native module's p48 kernel takes `x_permuted` (older builds do not)."""
+    return "x_permuted" in (getattr(getattr(native, "p48_gemm", None), "__doc__", None) or "")
 
 
 def quantizes_activations(native) -> bool:

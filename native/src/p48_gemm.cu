@@ -45,6 +45,7 @@ struct Params {
   long long x_stride, out_stride;
   int split;
   const float* act_global;  // W4A4: per-expert activation global scale (> 0); unused in W4A16
+  int x_perm;               // x arrives K-permuted ([e0 e2 e4 e6 | e1 e3 e5 e7] per 8-group): staged as it is
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -331,7 +332,7 @@ struct Variant {
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
-  static constexpr int kMinBlocks = kThreads <= 128 ? 4 : kThreads <= 256 ? 2 : 1;  // at most 128 registers per thread
+  static constexpr int kMinBlocks = kThreads <= 128 ? 4 : 2;  // at most 128 registers per thread
   static_assert(KC % (kRecK * RK) == 0 && NB % 8 == 0, "bad variant");
 };
 
@@ -396,7 +397,15 @@ struct XChunk {
   long long row0;
   int ntok, k0, kw;
   float g;  // W4A4: the expert's activation global scale
+  int permuted;  // Params::x_perm: the activations already come in the staged K order
 };
+
+// K-permutes one 16-byte group (8 columns) per 8-group: [e0 e2 e4 e6 | e1 e3 e5 e7].
+__device__ __forceinline__ uint4 permute8(uint4 v) {
+  return make_uint4(prmt(v.x, v.y, 0x5410), prmt(v.z, v.w, 0x5410), prmt(v.x, v.y, 0x7632), prmt(v.z, v.w, 0x7632));
+}
+// A 16-byte group of activations in the order the MMAs read (the chunk's activations may arrive permuted).
+__device__ __forceinline__ uint4 staged_order(const XChunk& ch, uint4 v) { return ch.permuted ? v : permute8(v); }
 
 // Thread-to-chunk map of the staging: 16-byte group c (8 columns) of token t, for iteration j of the thread.
 // BULK: a map fixed at compile time (KC / 8 groups per token: shifts, not a division by the chunk's width); the
@@ -459,20 +468,11 @@ __device__ __forceinline__ void store_x(uint16_t* xs, const XChunk& ch, int j0, 
     int t, c;
     x_slot<V>(ch, j0 + j, t, c);
     if (t < ch.ntok && (!V::BULK || 8 * c < ch.kw)) {
-      uint4 o;
-      o.x = prmt(v[j].x, v[j].y, 0x5410);  // e0 e2
-      o.y = prmt(v[j].z, v[j].w, 0x5410);  // e4 e6
-      o.z = prmt(v[j].x, v[j].y, 0x7632);  // e1 e3
-      o.w = prmt(v[j].z, v[j].w, 0x7632);  // e5 e7
+      const uint4 o = staged_order(ch, v[j]);
       uint16_t* dst = V::SWZ ? xs + (c >> 3) * (V::NB * 64) + t * 64 + 8 * ((c & 7) ^ (t & 7)) : xs + t * V::XS + 8 * c;
       *reinterpret_cast<uint4*>(dst) = o;
     }
   }
-}
-
-// K-permutes one 16-byte group (8 columns) per 8-group: [e0 e2 e4 e6 | e1 e3 e5 e7].
-__device__ __forceinline__ uint4 permute8(uint4 v) {
-  return make_uint4(prmt(v.x, v.y, 0x5410), prmt(v.z, v.w, 0x5410), prmt(v.x, v.y, 0x7632), prmt(v.z, v.w, 0x7632));
 }
 
 __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
@@ -552,7 +552,7 @@ struct LeanStage {
     for (int j = 0; j < N; ++j) {
       if (j >= nj) break;
       if constexpr (QUANT) v[j] = nvfp4_block_values(v[j], ch.g);  // the warp is whole here (uniform branches)
-      if (8 * c < ch.kw) *reinterpret_cast<uint4*>(dst + j * TS * V::XS) = permute8(v[j]);
+      if (8 * c < ch.kw) *reinterpret_cast<uint4*>(dst + j * TS * V::XS) = staged_order(ch, v[j]);
     }
   }
 };
@@ -714,10 +714,10 @@ template <class V, bool QUANT>
 __device__ __forceinline__ XChunk chunk_at(const Params& p, const Cursor& c) {
   if constexpr (V::LEAN >= 2)  // the cursor's own count and row start (loaded when it took the unit)
     return XChunk{c.row0 + static_cast<long long>(c.tb) * V::NB, min(V::NB, c.cnt - c.tb * V::NB),
-                  (c.kr0 + c.kr) * kRecK, min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f};
+                  (c.kr0 + c.kr) * kRecK, min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
   const int cnt = __ldg(p.counts + c.e);
   return XChunk{__ldg(p.row_start + c.e) + c.tb * V::NB, min(V::NB, cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
-                min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f};
+                min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
 }
 
 // The lane's share of a record in the ring: its 16 B of codes, 4 B of metadata and its row pair's 8 B of scales.
@@ -1083,13 +1083,15 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
 template <class V, bool QUANT>
 __device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
   return XChunk{c.row0 + static_cast<long long>(c.tb) * V::NB, min(V::NB, c.cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
-                min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f};
+                min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
 }
 
 // XMODE >= 2: the thread's units of chunk `ch` into the raw buffer (unit j of thread i at 16 (j kThreads + i)), one
 // cp.async group; units past the tokens are not copied; columns past K: XMODE 2 zeroes them when they are
 // permuted, 3 copies zeros (src-size 0: nothing is read, the row start stands in as the address).
-template <class V>
+// SWIZZLED (XMODE 3, activations that arrive K-permuted): straight to the unit's place in a swizzled buffer
+// (`raw` = the thread's first place there, WgMap::dst), which is all the staging such a chunk needs.
+template <class V, bool SWIZZLED = false>
 __device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, const WgMap<V>& map, uint32_t raw) {
   const int nu = map.units(ch);
   if constexpr (V::XMODE == 3) {
@@ -1100,8 +1102,8 @@ __device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, 
 #pragma unroll
     for (int j = 0; j < WgMap<V>::N; ++j) {
       if (j >= nu) break;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(raw + 16 * j * V::kThreads), "l"(src), "r"(n)
-                   : "memory");
+      const uint32_t dst = SWIZZLED ? raw + j * WgMap<V>::kDstStep : raw + 16 * j * V::kThreads;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
       src += step;
     }
   } else if (ch.k0 + 8 * map.c < p.K && 8 * map.c < ch.kw) {
@@ -1193,7 +1195,16 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   // XMODE 3: this thread's units in the swizzled and the raw buffer
   [[maybe_unused]] const uint32_t x_dst = V::XMODE == 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
   if constexpr (V::XMODE == 2) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, raw_addr);
-  if constexpr (V::XMODE == 3) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
+  // XMODE 3 with K-permuted activations (W4A16): the chunks go straight to two swizzled buffers in turn (the raw
+  // buffer is the second), `xnext` the one the next chunk lands in; no permutation pass and one barrier per chunk
+  [[maybe_unused]] const bool direct = V::XMODE == 3 && !QUANT && p.x_perm;
+  [[maybe_unused]] int xnext = 0;
+  if constexpr (V::XMODE == 3) {
+    if (direct)
+      prefetch_raw<V, true>(p, chunk_of<V, QUANT>(p, cons), map, x_dst);
+    else
+      prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
+  }
 
   float acc[ND];
 #pragma unroll
@@ -1239,7 +1250,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
           for (int j = 0; j < RND; ++j) {
             if (j0 + j >= nu) break;
             if constexpr (QUANT) v[j] = nvfp4_block_values(v[j], ch.g);  // the warp is whole here
-            if (8 * map.c < ch.kw) sts128(dst + (j0 + j) * WgMap<V>::kDstStep, permute8(v[j]));
+            if (8 * map.c < ch.kw) sts128(dst + (j0 + j) * WgMap<V>::kDstStep, staged_order(ch, v[j]));
           }
         }
         fence_async_smem();
@@ -1260,7 +1271,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
           if (j >= nu) break;  // warp-uniform
           uint4 v = col_ok ? lds128(raw + 16 * j * V::kThreads) : make_uint4(0, 0, 0, 0);
           if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
-          if (8 * map.c < ch.kw) sts128(dst + j * WgMap<V>::kDstStep, permute8(v));
+          if (8 * map.c < ch.kw) sts128(dst + j * WgMap<V>::kDstStep, staged_order(ch, v));
         }
         fence_async_smem();
         // the next chunk into the raw buffer (this thread has read its units of this one)
@@ -1269,22 +1280,34 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
       } else if constexpr (V::XMODE == 3) {
         Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
         nx.next<NB, kRecPerChunk, true, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
-        const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
-        const int nu = map.units(ch);
-        cp_async_wait<0>();  // this thread's copies of the chunk have landed (it reads only its own units)
-        wgmma_wait<0>();
-        acc_fence(acc);
-        __syncthreads();
+        if (direct) {
+          cp_async_wait<0>();  // this thread's copies of the chunk have landed in buffer xnext
+          fence_async_smem();
+          wgmma_wait<0>();  // (the other buffer, which the next chunk overwrites, was this warpgroup's last chunk)
+          acc_fence(acc);
+          __syncthreads();
+          xbuf = xnext;
+          xnext ^= 1;
+          if (nx.valid)
+            prefetch_raw<V, true>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + xnext * (V::kXBuf * 2));
+        } else {
+          const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
+          const int nu = map.units(ch);
+          cp_async_wait<0>();  // this thread's copies of the chunk have landed (it reads only its own units)
+          wgmma_wait<0>();
+          acc_fence(acc);
+          __syncthreads();
 #pragma unroll
-        for (int j = 0; j < WgMap<V>::N; ++j) {
-          if (j >= nu) break;  // warp-uniform
-          uint4 v = lds128(x_raw + 16 * j * V::kThreads);
-          if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
-          sts128(x_dst + j * WgMap<V>::kDstStep, permute8(v));
+          for (int j = 0; j < WgMap<V>::N; ++j) {
+            if (j >= nu) break;  // warp-uniform
+            uint4 v = lds128(x_raw + 16 * j * V::kThreads);
+            if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
+            sts128(x_dst + j * WgMap<V>::kDstStep, staged_order(ch, v));
+          }
+          fence_async_smem();
+          if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
+          __syncthreads();
         }
-        fence_async_smem();
-        if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
-        __syncthreads();
       } else {
         wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
         acc_fence(acc);
@@ -1419,10 +1442,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
   X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
   X(2, WgVariant<128, 4, 3, 256, 2, false, 3>)           \
-  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>) \
-  X(4, WgVariant<128, 4, 3, 256, 2, false, 3, 64, true>)  \
-  X(5, WgVariant<128, 4, 3, 256, 1, false, 3, 32, true>)  \
-  X(6, Variant<16, 2, 16, 3, 1024, 2, true, 2>)
+  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
@@ -1445,7 +1465,7 @@ int launch(const moesq_p48_args& a) {
     return 1;
   }
   Params p{static_cast<const uint8_t*>(a.records), a.E, static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
-           a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global};
+           a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global, a.x_perm};
   auto kernel = a.act_global != nullptr ? pick_kernel<V, true>(a) : pick_kernel<V, false>(a);
   const long long units = static_cast<long long>(a.E) * ((a.MT + V::W * V::R - 1) / (V::W * V::R)) * a.split;
   int sms = 0, per_sm = 0;

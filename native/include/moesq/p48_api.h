@@ -8,8 +8,10 @@
  *                                      16 rows x 128 columns: 512 B of E2M1 codes (2 kept per 4-group), 128 B
  *                                      of 2:4 metadata (4 bits per 8-group), 64 B of UE4M3 block scales,
  *                                      ordered so that each lane's part of a record is contiguous.
- *     x       bfloat16 [rows, K]       activations in natural K order (row stride x_stride elements); the
- *                                      kernel applies the paired-4:8 -> 2:4 K permutation while staging
+ *     x       bfloat16 [rows, K]       activations (row stride x_stride elements) in natural K order, and the
+ *                                      kernel applies the paired-4:8 -> 2:4 K permutation while staging; or,
+ *                                      with x_perm, already in that order (each 8-group as e0 e2 e4 e6 e1 e3
+ *                                      e5 e7, e.g. the output of a GEMM whose weight rows were so permuted)
  *     row_start, counts int32 [E]      read on the device (CUDA-graph safe)
  *     alpha   float32 [E]              epilogue factor (the kernel itself applies the 2^7 of its
  *                                      in-register decode)
@@ -45,6 +47,7 @@ typedef struct {
   int split;    /* K slices per (expert, row-tile group); > 1 accumulates with atomics into float32 out */
   int device;
   void* stream;
+  int x_perm; /* 1: x arrives K-permuted (staged as it is) */
 } moesq_p48_args;
 
 typedef struct {
