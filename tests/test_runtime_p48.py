@@ -11,6 +11,7 @@ import torch
 from conftest import (assert_experts_module_rejects_bad_inputs, assert_graph_replays, rel, routing,
                       run_triton_interpreted)
 from moesq_core.formats import get_format
+from moesq_core.kernels import p48_mma as pm
 from moesq_core.packing import pack, unpack
 from moesq_core.runtime.experts import MoesqExperts
 from moesq_core.runtime.p48_hopper import P48HopperExperts
@@ -220,10 +221,21 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kerne
     ref_ = P48HopperExperts.from_packed(packed, act_quant, "cpu")
     fast = P48HopperExperts.from_packed(packed, act_quant, "cuda", kernel=kernel)
     assert fast.kernel == kernel
+    # sparse-mma: both GEMMs take their inputs in the kernel's K order (scatter; gate/up rows stored permuted)
+    assert fast.in_permuted == fast.mid_permuted == (kernel == "sparse-mma")
     T, k = 9, 3
     xs = [torch.randn(T, 128) for _ in range(3)]
     routes = [routing(T, 8, k, seed=s) for s in range(3)]
     got = assert_graph_replays(fast, ref_, xs, routes, tol=1e-2, eager_tol=1e-6)
+    if kernel == "sparse-mma":
+        # the natural order through the same kernels gives the same outputs (the permutation is exact)
+        natural = P48HopperExperts.from_packed(packed, act_quant, "cuda", kernel=kernel)
+        natural.in_permuted = False
+        natural.gate_up = pm.P48MmaWeights.from_packed(
+            pm.stack_gate_up([t["gate"] for t in packed], [t["up"] for t in packed]), "cuda", "gate/up")
+        natural.mid_permuted = False
+        x, (idx, w) = xs[0].to(torch.bfloat16).cuda(), routes[0]
+        assert rel(natural(x, idx.cuda(), w.cuda()).float().cpu(), fast(x, idx.cuda(), w.cuda()).float().cpu()) <= 1e-6
     if act_quant and kernel == "sparse-mma":
         # expert 3 has no static input scale: its bf16 rows are quantized inside the gate/up GEMM, which must
         # give the operands of the separate quantization pass (outputs equal up to the order of split-K's atomics)

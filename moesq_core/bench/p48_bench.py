@@ -240,7 +240,11 @@ def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, s
             for label in mma_methods:
                 row["methods"][label] = {"error": "the native module cannot run here (needs sm_90 and nvcc)"}
         else:
-            _bench_kernel(row, P48Bench(prob, gen, device, native), mma_methods, N, repeats, "p48_mma_config")
+            ours = P48Bench(prob, gen, device, native)
+            if p48_mma.takes_permuted_activations(native) and prob.K % 8 == 0:
+                ours.use_permuted_activations()  # as the runtime hands them over (scatter, SwiGLU)
+            row["p48_mma_x_permuted"] = ours.x_permuted
+            _bench_kernel(row, ours, mma_methods, N, repeats, "p48_mma_config")
     base = {k: row["methods"][k]["us"] for k in BASELINE_NAMES if "us" in row["methods"].get(k, {})}
     for label in P48_METHODS:
         rec = row["methods"].get(label, {})
@@ -303,6 +307,9 @@ def bench_p48(shapes, G, N, out_dir: Path, repeats: int = 50, log=print,
         "token_pattern": "{N, 3N/4, N/2, N/4} repeated over G experts (each >= 1)",
         "timing": "moesq_core.bench.harness.graph_time: CUDA-graph replay, median; weight copies rotated "
                   "so a replay streams >= 256 MiB",
+        "p48_mma_activations": "in the kernel's K order where the module takes it (p48_mma.k_order), as "
+                               "moesq's runtime hands them over: its scatter writes the hidden states so and its "
+                               "gate/up rows are stored so, which puts the SwiGLU output in that order",
         "methods": {k: BASELINES[k].description for k in BASELINE_NAMES} | {k: P48_METHODS[k] for k in methods},
         "copy_bandwidth_TBps": COPY_BANDWIDTH_TBPS,
         "rows": [],
@@ -343,7 +350,9 @@ def markdown(result: dict) -> str:
         "CUDA-graph replays (median)",
         "",
         f"Tokens per expert: {result['token_pattern']}. µs per grouped GEMM; TB/s = the method's weight bytes / "
-        "time (p48: packed bytes, 2.75 bits/weight).",
+        "time (p48: packed bytes, 2.75 bits/weight)."
+        + (" p48_mma: activations in the kernel's K order, as moesq's runtime hands them over."
+           if any(r.get("p48_mma_x_permuted") for r in result["rows"]) else ""),
         "",
         "| shape | G | N | " + " | ".join(cols) + " | " + " | ".join(f"{m} TB/s | {m} vs fp8" for m in ratio_cols) + " |",
         "|---|---|---|" + "---|" * len(cols) + "---|---|" * len(ratio_cols),

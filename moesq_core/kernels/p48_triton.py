@@ -424,8 +424,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _route_scatter_kernel(x_ptr, idx_ptr, offsets_ptr, cursor_ptr, slot_row_ptr, row_expert_ptr, xs_ptr, g_ptr,
-                              H, stride_x, stride_xs, TOPK: tl.constexpr, NBLK: tl.constexpr, QUANT: tl.constexpr):
-        """One program per (token, slot): claim a row of its expert's segment, copy (and quantize) the token."""
+                              H, stride_x, stride_xs, TOPK: tl.constexpr, NBLK: tl.constexpr, QUANT: tl.constexpr,
+                              PERM: tl.constexpr = False):
+        """One program per (token, slot): claim a row of its expert's segment, copy (and quantize) the token.
+        PERM (H % 8 == 0): the row in the sparse-MMA kernel's K order (p48_mma.k_order: each 8-group as e0 e2 e4
+        e6 e1 e3 e5 e7); a 32-column block holds the same values either way, so the quantization is unchanged."""
         p = tl.program_id(0)
         tok = p // TOPK
         e = tl.load(idx_ptr + p)
@@ -438,7 +441,11 @@ if HAS_TRITON:
         for h0 in range(0, H, NBLK * 32):
             hc = h0 + cols
             msk = hc < H
-            x = tl.load(x_ptr + tok.to(tl.int64) * stride_x + hc, mask=msk, other=0.0)
+            src = hc
+            if PERM:
+                i8 = hc % 8
+                src = hc - i8 + tl.where(i8 < 4, 2 * i8, 2 * i8 - 7)
+            x = tl.load(x_ptr + tok.to(tl.int64) * stride_x + src, mask=msk, other=0.0)
             if QUANT:
                 q = _nvfp4_unscaled(x.to(tl.float32)[None, :, :], g + tl.zeros((1, 1), tl.float32))
                 tl.store(xs_ptr + row.to(tl.int64) * stride_xs + hc[None, :, :], q.to(xs_ptr.dtype.element_ty),

@@ -63,6 +63,10 @@ class P48HopperExperts(nn.Module):
         self.quant_in_kernel = True  # W4A4, dynamic input scales, sparse-mma: the GEMM quantizes (False: pre-pass)
         self.kernel = "reference" if reference else "triton"  # or "sparse-mma" (native, sm_90)
         self._native = None
+        # sparse-mma: the GEMM inputs arrive in the kernel's K order (p48_mma.k_order): the scatter writes the
+        # hidden states so, and the gate/up rows are stored so, which puts the SwiGLU output, down's input, in it
+        self.in_permuted = False
+        self.mid_permuted = False
 
     @classmethod
     def from_packed(cls, packed: list[dict[str, dict[str, torch.Tensor]]], act_quant: bool, device=None,
@@ -94,7 +98,15 @@ class P48HopperExperts(nn.Module):
                 raise RuntimeError("kernel='sparse-mma' needs an sm_90 GPU and the native module (nvcc, CUTLASS)")
             if native is not None:
                 mod.kernel, mod._native = "sparse-mma", native
-                gate_up = pm.stack_gate_up([t["gate"] for t in packed], [t["up"] for t in packed])
+                permuted = pm.takes_permuted_activations(native)
+                mod.in_permuted = permuted and hidden % 8 == 0
+                mod.mid_permuted = permuted and inter % 8 == 0
+                gate, up = [t["gate"] for t in packed], [t["up"] for t in packed]
+                if mod.mid_permuted:
+                    order = pm.k_order(inter)
+                    gate, up = [pm.permute_rows(t, order) for t in gate], [pm.permute_rows(t, order) for t in up]
+                gate_up = pm.stack_gate_up(gate, up)
+                del gate, up
                 mod.gate_up = pm.P48MmaWeights.from_packed(gate_up, device, "gate/up")
                 mod.down = pm.P48MmaWeights.from_packed([t["down"] for t in packed], device, "down")
                 del gate_up
@@ -151,7 +163,8 @@ class P48HopperExperts(nn.Module):
         quant_in = aq and self.static_in
         xs = torch.empty(R, H, dtype=torch.bfloat16 if (not aq or quant_in) else hidden.dtype, device=dev)
         pt._route_scatter_kernel[(R,)](hidden, flat, offsets, cursor, slot_row, row_expert, xs, self.g_in,
-                                       H, hidden.stride(0), xs.stride(0), TOPK=k, NBLK=8, QUANT=quant_in, num_warps=4)
+                                       H, hidden.stride(0), xs.stride(0), TOPK=k, NBLK=8, QUANT=quant_in,
+                                       PERM=self.in_permuted, num_warps=4)
         g_in = self.g_in
         active = min(E, R)
         per = R / active
@@ -165,7 +178,8 @@ class P48HopperExperts(nn.Module):
             if not in_kernel:
                 xs = pt.nvfp4_quantize_rows(xs, row_expert, g_in)
         alpha = 1.0 / (self.gate_up.global_scale * g_in) if aq else 1.0 / self.gate_up.global_scale
-        y1 = self._gemm(xs, self.gate_up, offsets, counts, alpha, active, per, g_in if in_kernel else None)
+        y1 = self._gemm(xs, self.gate_up, offsets, counts, alpha, active, per, g_in if in_kernel else None,
+                        self.in_permuted)
         quant_mid = aq and self.static_mid
         z = torch.empty(R, I, dtype=torch.bfloat16 if (not aq or quant_mid) else torch.float32, device=dev)
         BR = 8
@@ -176,7 +190,7 @@ class P48HopperExperts(nn.Module):
             g_mid = pt.dynamic_group_global(z, row_expert, self.g_mid)
             z = pt.nvfp4_quantize_rows(z, row_expert, g_mid)
         alpha = 1.0 / (self.down.global_scale * g_mid) if aq else 1.0 / self.down.global_scale
-        y2 = self._gemm(z, self.down, offsets, counts, alpha, active, per)
+        y2 = self._gemm(z, self.down, offsets, counts, alpha, active, per, x_permuted=self.mid_permuted)
         wts = wts.contiguous()
         BH = 256
         pt._combine_kernel[(T, pt.triton.cdiv(H, BH))](y2, slot_row, wts, out, H, y2.stride(0), out.stride(0),
@@ -184,15 +198,17 @@ class P48HopperExperts(nn.Module):
         return out
 
     def _gemm(self, x: torch.Tensor, w, offsets: torch.Tensor, counts: torch.Tensor, alpha: torch.Tensor,
-              active: int, per: float, act_global: torch.Tensor | None = None) -> torch.Tensor:
+              active: int, per: float, act_global: torch.Tensor | None = None,
+              x_permuted: bool = False) -> torch.Tensor:
         """One grouped GEMM over the experts' row segments of x -> float32 [R, out]; act_global (sparse-mma
-        only): the kernel quantizes x to NVFP4 with these per-expert global scales."""
+        only): the kernel quantizes x to NVFP4 with these per-expert global scales; x_permuted (sparse-mma only):
+        x is in the kernel's K order."""
         R, K = x.shape
         M = w.out_features
         if self.kernel == "sparse-mma":
             cfg = pm.pick_config(M, K, active, per, x.device)
             y = (torch.zeros if cfg.split > 1 else torch.empty)(R, M, dtype=torch.float32, device=x.device)
-            return pm.p48_mma_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self._native, act_global)
+            return pm.p48_mma_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self._native, act_global, x_permuted)
         cfg = pt.pick_config(M, K, active, per, x.device)
         y = (torch.zeros if cfg.split > 1 else torch.empty)(R, M, dtype=torch.float32, device=x.device)
         return pt.p48_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self.use_asm)
