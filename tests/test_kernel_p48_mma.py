@@ -127,6 +127,24 @@ def test_k_order_is_the_kernels_staging_permutation():
         pm.k_order(12)
 
 
+def test_permute_rows_moves_whole_rows_and_keeps_the_scales():
+    """Release tensors of one projection (with the per-tensor scales the packer writes) in a new row order: row j
+    is row order[j] in every per-row tensor, bit for bit; the decoded weight is the natural one's rows."""
+    from moesq_core.kernels import p48_reference as ref
+
+    t = {k: v[0] for k, v in random_p48_tensors(1, 24, 64, torch.Generator().manual_seed(3), "cpu").items()}
+    t["input_global_scale"] = torch.tensor([7.5])
+    order = pm.k_order(24)
+    moved = pm.permute_rows(t, order)
+    assert set(moved) == set(t)
+    for s in pm.ROW_SUFFIXES:
+        assert torch.equal(moved[s].view(torch.uint8), t[s].view(torch.uint8)[order])
+    for s in ("weight_global_scale", "input_global_scale"):
+        assert moved[s] is t[s]
+    natural, permuted = (ref.decode_p48(d, "gate") for d in (t, moved))
+    assert torch.equal(permuted.codes, natural.codes[order]) and torch.equal(permuted.scales, natural.scales[order])
+
+
 def test_pick_config_splits_only_small_grids():
     cpu = torch.device("cpu")
     assert pm.pick_config(1536, 2048, 128, 1, cpu) == pm.MmaConfig(0, 1)

@@ -131,10 +131,13 @@ class P48MmaWeights:
         return cls(build_records(op), g.reshape(E).float().to(dev), M, K)
 
 
+ROW_SUFFIXES = ("weight_sparse_packed", "weight_sparse_mask", "weight_scale")  # one row per output feature
+
+
 def permute_rows(packed: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
     """One projection's release tensors with its output rows in `order` (row j = row order[j]): its GEMM then
-    writes its outputs in that order."""
-    return {s: (t if s == "weight_global_scale" else t.index_select(0, order.to(t.device))) for s, t in packed.items()}
+    writes its outputs in that order. The per-tensor scales pass through."""
+    return {s: (t.index_select(0, order.to(t.device)) if s in ROW_SUFFIXES else t) for s, t in packed.items()}
 
 
 def stack_gate_up(gate: list[dict[str, torch.Tensor]], up: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
