@@ -260,3 +260,34 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kerne
         idx2, w2 = routing(T2, 8, k, seed=9)
         fast(torch.randn(T2, 128, dtype=torch.bfloat16, device="cuda"), idx2.cuda(), w2.cuda())
         assert len(passes) == 5
+
+
+_SCATTER_PERM_SCRIPT = r"""
+import torch
+from moesq_core.kernels import p48_mma as pm, p48_triton as pt
+torch.manual_seed(0)
+T, k, E, H = 7, 3, 5, 96 + 64  # H not a multiple of the kernel's 256-column step
+x = torch.randn(T, H).to(torch.bfloat16) * 3
+idx = torch.randint(0, E, (T * k,), dtype=torch.int32)
+counts = torch.bincount(idx.long(), minlength=E).to(torch.int32)
+offsets = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+g = torch.rand(E) * 100 + 50
+for quant in (False, True):
+    outs = []
+    for perm in (False, True):
+        cursor, slot_row, row_expert = torch.zeros(E, dtype=torch.int32), torch.empty(T * k, dtype=torch.int32), torch.empty(T * k, dtype=torch.int32)
+        xs = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16)
+        pt._route_scatter_kernel[(T * k,)](x, idx, offsets, cursor, slot_row, row_expert, xs, g, H, x.stride(0),
+                                           xs.stride(0), TOPK=k, NBLK=8, QUANT=quant, PERM=perm)
+        outs.append((xs, slot_row, row_expert))
+    (nat, s0, r0), (per, s1, r1) = outs
+    assert torch.equal(s0, s1) and torch.equal(r0, r1)
+    assert torch.equal(per.view(torch.int16), nat[:, pm.k_order(H)].view(torch.int16)), quant
+print("OK")
+"""
+
+
+def test_route_scatter_writes_the_kernel_k_order_under_interpreter():
+    """The routing scatter with PERM writes each row in the sparse-MMA kernel's K order: the natural row's values
+    at p48_mma.k_order, bit for bit, NVFP4-quantized (32-column blocks) or not; same slots either way."""
+    assert run_triton_interpreted(_SCATTER_PERM_SCRIPT).strip().endswith("OK")
