@@ -230,18 +230,14 @@ def render_accuracy_gpu() -> str:
 
 
 # -- GPU speed ---------------------------------------------------------------------------------------------
-E2E_FILE = "e2e_decode_h200_2026-12-01_f98a79e.json"
+E2E_FILE = "e2e_decode_h200_2026-12-02_b86c724.json"
 SOLVER_FILE = "solvers_h200_2026-12-01_9c83099.json"
 SOLVER_KIMI_FILE = "solvers_h200_2026-12-01_5147589.json"  # Kimi-K2 chunk, CG tolerance 1e-5
 REFINE_FILE = "refine_h200_2026-12-01_202e777.json"
 REFINE_BEFORE_FILE = "refine_h200_2026-12-01_75a3a44.json"
 S24_FILE = "s24_fp8_kernel_bench.json"
-P48_FILE = "p48_kernel_bench_h200_2026-12-02_998d476.json"  # the native kernel (no Triton columns)
+P48_FILE = "p48_kernel_bench_h200_2026-12-02_254d957.json"  # the native kernel (no Triton columns)
 P48_TRITON_FILE = "p48_kernel_bench_h200_2026-12-01_8b05f4d.json"  # the Triton kernel's last measurement
-# Today's picks head to head with torch's fp8 grouped GEMM in one process: the file's variant numbers (07a3205) for
-# pick_config's variants 1, 2 and 3 of the current tree (8 there is 3 here), at N = 32 ... 256.
-P48_PICKS_FILE = "p48_variants_h200_2026-12-02_07a3205.json"
-P48_PICKS_COLUMN = {1: "1", 2: "2", 3: "8"}
 
 
 def render_decode() -> str:
@@ -273,7 +269,9 @@ def render_kernels() -> str:
                  f"N ≥ 256: geomean {t['N_ge_256']['geomean']:.2f}× "
                  f"({s24['targets_fast_accum']['N_ge_256']['geomean']:.2f}× with fast accumulation)",
                  link(S24_FILE.replace(".json", ".md"))])
-    kernels = {"p48_mma_w4a16": ("p48-nvfp4 sparse-tensor-core grouped GEMM, the full sweep (`mma.sp` up to 16 rows per expert, `wgmma.sp` above, as picked at 998d476; W4A16; the runtime's on sm_90)", P48_FILE),
+    kernels = {"p48_mma_w4a16": ("p48-nvfp4 sparse-tensor-core grouped GEMM (`mma.sp` up to 16 rows per expert, "
+                                 "`wgmma.sp` above, as `pick_config` picks; W4A16, activations in the kernel's K "
+                                 "order as the runtime hands them over; the runtime's on sm_90)", P48_FILE),
                "p48_w4a16": ("p48-nvfp4 Triton grouped GEMM (W4A16; the fallback)", P48_TRITON_FILE)}
     for m, (name, f) in kernels.items():
         p48 = load(f)
@@ -281,27 +279,11 @@ def render_kernels() -> str:
         def col(n_ok, key):
             return [r["methods"][m][key] for r in p48["rows"] if n_ok(r["N"]) and m in r["methods"]]
         tbps, vs8 = col(lambda n: n <= 16, "weight_TBps"), col(lambda n: n <= 16, "speedup_vs_fp8")
-        at128 = col(lambda n: n == 128, "speedup_vs_fp8")
+        larger = [(n, col(lambda x, n=n: x == n, "speedup_vs_fp8")) for n in (64, 128, 256)]
         rows.append([name, f"N ≤ 16: {min(tbps):.2f}–{max(tbps):.2f} TB/s of packed bytes, {min(vs8):.2f}–{max(vs8):.2f}× "
-                           f"torch fp8; N = 128: {min(at128):.2f}–{max(at128):.2f}× fp8",
+                           "torch fp8; " + "; ".join(f"N = {n}: {min(v):.2f}–{max(v):.2f}× fp8" for n, v in larger if v),
                      link(f.replace(".json", ".md"))])
-    rows.append(["p48-nvfp4 sparse-tensor-core grouped GEMM above 16 rows per expert, the current picks head to head",
-                 "; ".join(f"N = {n}: {lo:.2f}–{hi:.2f}× fp8" for n, (lo, hi) in _picked_vs_fp8().items()),
-                 link(P48_PICKS_FILE.replace(".json", ".md"))])
     return table(["kernel", "measured on an H200", "file"], rows)
-
-
-def _picked_vs_fp8() -> dict[int, tuple[float, float]]:
-    """Per N, the range over the bench shapes of fp8 time / the time of the variant pick_config takes there."""
-    import torch
-
-    from moesq_core.kernels import p48_mma as pm
-
-    out: dict[int, list[float]] = {}
-    for r in load(P48_PICKS_FILE)["rows"]:
-        v = pm.pick_config(r["M"], r["K"], r["G"], r["N"], torch.device("cpu")).variant
-        out.setdefault(r["N"], []).append(r["methods"][P48_PICKS_COLUMN[v]]["vs_fp8"])
-    return {n: (min(x), max(x)) for n, x in sorted(out.items())}
 
 
 def render_compression() -> str:
