@@ -280,9 +280,9 @@ def render_kernels() -> str:
             return [r["methods"][m][key] for r in p48["rows"] if n_ok(r["N"]) and m in r["methods"]]
         tbps, vs8 = col(lambda n: n <= 16, "weight_TBps"), col(lambda n: n <= 16, "speedup_vs_fp8")
         larger = [(n, col(lambda x, n=n: x == n, "speedup_vs_fp8")) for n in (64, 128, 256)]
+        above = "; ".join(f"N = {n}: {min(v):.2f}–{max(v):.2f}× fp8" for n, v in larger if v)
         rows.append([name, f"N ≤ 16: {min(tbps):.2f}–{max(tbps):.2f} TB/s of packed bytes, {min(vs8):.2f}–{max(vs8):.2f}× "
-                           "torch fp8; " + "; ".join(f"N = {n}: {min(v):.2f}–{max(v):.2f}× fp8" for n, v in larger if v),
-                     link(f.replace(".json", ".md"))])
+                           f"torch fp8; {above}", link(f.replace(".json", ".md"))])
     return table(["kernel", "measured on an H200", "file"], rows)
 
 

@@ -275,7 +275,8 @@ g = torch.rand(E) * 100 + 50
 for quant in (False, True):
     outs = []
     for perm in (False, True):
-        cursor, slot_row, row_expert = torch.zeros(E, dtype=torch.int32), torch.empty(T * k, dtype=torch.int32), torch.empty(T * k, dtype=torch.int32)
+        cursor = torch.zeros(E, dtype=torch.int32)
+        slot_row, row_expert = (torch.empty(T * k, dtype=torch.int32) for _ in range(2))
         xs = torch.full((T * k, H), float("nan"), dtype=torch.bfloat16)
         pt._route_scatter_kernel[(T * k,)](x, idx, offsets, cursor, slot_row, row_expert, xs, g, H, x.stride(0),
                                            xs.stride(0), TOPK=k, NBLK=8, QUANT=quant, PERM=perm)

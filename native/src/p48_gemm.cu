@@ -714,7 +714,8 @@ template <class V, bool QUANT>
 __device__ __forceinline__ XChunk chunk_at(const Params& p, const Cursor& c) {
   if constexpr (V::LEAN >= 2)  // the cursor's own count and row start (loaded when it took the unit)
     return XChunk{c.row0 + static_cast<long long>(c.tb) * V::NB, min(V::NB, c.cnt - c.tb * V::NB),
-                  (c.kr0 + c.kr) * kRecK, min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
+                  (c.kr0 + c.kr) * kRecK, min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f,
+                  p.x_perm};
   const int cnt = __ldg(p.counts + c.e);
   return XChunk{__ldg(p.row_start + c.e) + c.tb * V::NB, min(V::NB, cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
                 min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
