@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--fused", action="store_true", help="also W4A4 with the quantization in the kernel")
     ap.add_argument("--x-permuted", action="store_true",
-                    help="hand the kernel the activations in its K order (as the runtime's down GEMM gets them)")
+                    help="hand the kernel the activations in its K order (as the runtime's GEMMs get them)")
     ap.add_argument("--profile", type=int, default=None, help="run this variant once per row (for ncu), no timing")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args(argv)

@@ -223,7 +223,7 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kerne
     fast = P48HopperExperts.from_packed(packed, act_quant, "cuda", kernel=kernel)
     assert fast.kernel == kernel
     # sparse-mma: both GEMMs take their inputs in the kernel's K order (scatter; gate/up rows stored permuted)
-    assert fast.in_permuted == fast.mid_permuted == (kernel == "sparse-mma")
+    assert fast.k_ordered == (kernel == "sparse-mma")
     T, k = 9, 3
     xs = [torch.randn(T, 128) for _ in range(3)]
     routes = [routing(T, 8, k, seed=s) for s in range(3)]
@@ -231,10 +231,9 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kerne
     if kernel == "sparse-mma":
         # the natural order through the same kernels gives the same outputs (the permutation is exact)
         natural = P48HopperExperts.from_packed(packed, act_quant, "cuda", kernel=kernel)
-        natural.in_permuted = False
+        natural.k_ordered = False
         natural.gate_up = pm.P48MmaWeights.from_packed(
             pm.stack_gate_up([t["gate"] for t in packed], [t["up"] for t in packed]), "cuda", "gate/up")
-        natural.mid_permuted = False
         x, (idx, w) = xs[0].to(torch.bfloat16).cuda(), routes[0]
         assert rel(natural(x, idx.cuda(), w.cuda()).float().cpu(), fast(x, idx.cuda(), w.cuda()).float().cpu()) <= 1e-6
     if act_quant and kernel == "sparse-mma":

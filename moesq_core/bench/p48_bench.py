@@ -109,9 +109,9 @@ class P48Bench:
         return w
 
     def use_permuted_activations(self) -> None:
-        """Hand the kernel x in its K order (what the runtime's down GEMM receives: the gate/up weight rows are
-        put in that order at load time, so the SwiGLU output arrives permuted); self.x stays natural for the
-        reference."""
+        """Hand the kernel x in its K order, as the runtime's GEMMs receive it (the scatter writes the hidden
+        states so; the gate/up weight rows are stored so, which puts the SwiGLU output in it); self.x stays natural
+        for the reference."""
         self.xr = self.xr[:, self.pm.k_order(self.prob.K, self.device)].contiguous()
         self.x_permuted = True
 
@@ -241,7 +241,7 @@ def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, s
                 row["methods"][label] = {"error": "the native module cannot run here (needs sm_90 and nvcc)"}
         else:
             ours = P48Bench(prob, gen, device, native)
-            if p48_mma.takes_permuted_activations(native) and prob.K % 8 == 0:
+            if p48_mma.takes_permuted_activations(native):
                 ours.use_permuted_activations()  # as the runtime hands them over (scatter, SwiGLU)
             row["p48_mma_x_permuted"] = ours.x_permuted
             _bench_kernel(row, ours, mma_methods, N, repeats, "p48_mma_config")

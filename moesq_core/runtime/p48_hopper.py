@@ -63,10 +63,9 @@ class P48HopperExperts(nn.Module):
         self.quant_in_kernel = True  # W4A4, dynamic input scales, sparse-mma: the GEMM quantizes (False: pre-pass)
         self.kernel = "reference" if reference else "triton"  # or "sparse-mma" (native, sm_90)
         self._native = None
-        # sparse-mma: the GEMM inputs arrive in the kernel's K order (p48_mma.k_order): the scatter writes the
+        # sparse-mma: both GEMM inputs arrive in the kernel's K order (p48_mma.k_order): the scatter writes the
         # hidden states so, and the gate/up rows are stored so, which puts the SwiGLU output, down's input, in it
-        self.in_permuted = False
-        self.mid_permuted = False
+        self.k_ordered = False
 
     @classmethod
     def from_packed(cls, packed: list[dict[str, dict[str, torch.Tensor]]], act_quant: bool, device=None,
@@ -98,11 +97,9 @@ class P48HopperExperts(nn.Module):
                 raise RuntimeError("kernel='sparse-mma' needs an sm_90 GPU and the native module (nvcc, CUTLASS)")
             if native is not None:
                 mod.kernel, mod._native = "sparse-mma", native
-                permuted = pm.takes_permuted_activations(native)
-                mod.in_permuted = permuted and hidden % 8 == 0
-                mod.mid_permuted = permuted and inter % 8 == 0
+                mod.k_ordered = pm.takes_permuted_activations(native)  # widths are multiples of the 32-block
                 gate, up = [t["gate"] for t in packed], [t["up"] for t in packed]
-                if mod.mid_permuted:
+                if mod.k_ordered:
                     order = pm.k_order(inter)
                     gate, up = [pm.permute_rows(t, order) for t in gate], [pm.permute_rows(t, order) for t in up]
                 gate_up = pm.stack_gate_up(gate, up)
@@ -164,7 +161,7 @@ class P48HopperExperts(nn.Module):
         xs = torch.empty(R, H, dtype=torch.bfloat16 if (not aq or quant_in) else hidden.dtype, device=dev)
         pt._route_scatter_kernel[(R,)](hidden, flat, offsets, cursor, slot_row, row_expert, xs, self.g_in,
                                        H, hidden.stride(0), xs.stride(0), TOPK=k, NBLK=8, QUANT=quant_in,
-                                       PERM=self.in_permuted, num_warps=4)
+                                       PERM=self.k_ordered, num_warps=4)
         g_in = self.g_in
         active = min(E, R)
         per = R / active
@@ -179,7 +176,7 @@ class P48HopperExperts(nn.Module):
                 xs = pt.nvfp4_quantize_rows(xs, row_expert, g_in)
         alpha = 1.0 / (self.gate_up.global_scale * g_in) if aq else 1.0 / self.gate_up.global_scale
         y1 = self._gemm(xs, self.gate_up, offsets, counts, alpha, active, per, g_in if in_kernel else None,
-                        self.in_permuted)
+                        self.k_ordered)
         quant_mid = aq and self.static_mid
         z = torch.empty(R, I, dtype=torch.bfloat16 if (not aq or quant_mid) else torch.float32, device=dev)
         BR = 8
@@ -190,7 +187,7 @@ class P48HopperExperts(nn.Module):
             g_mid = pt.dynamic_group_global(z, row_expert, self.g_mid)
             z = pt.nvfp4_quantize_rows(z, row_expert, g_mid)
         alpha = 1.0 / (self.down.global_scale * g_mid) if aq else 1.0 / self.down.global_scale
-        y2 = self._gemm(z, self.down, offsets, counts, alpha, active, per, x_permuted=self.mid_permuted)
+        y2 = self._gemm(z, self.down, offsets, counts, alpha, active, per, x_permuted=self.k_ordered)
         wts = wts.contiguous()
         BH = 256
         pt._combine_kernel[(T, pt.triton.cdiv(H, BH))](y2, slot_row, wts, out, H, y2.stride(0), out.stride(0),

@@ -1087,13 +1087,13 @@ __device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
                 min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
 }
 
-// XMODE >= 2: the thread's units of chunk `ch` into the raw buffer (unit j of thread i at 16 (j kThreads + i)), one
-// cp.async group; units past the tokens are not copied; columns past K: XMODE 2 zeroes them when they are
-// permuted, 3 copies zeros (src-size 0: nothing is read, the row start stands in as the address).
-// SWIZZLED (XMODE 3, activations that arrive K-permuted): straight to the unit's place in a swizzled buffer
-// (`raw` = the thread's first place there, WgMap::dst), which is all the staging such a chunk needs.
+// XMODE >= 2: the thread's units of chunk `ch` into the raw buffer at `buf` (unit j of thread i at
+// 16 (j kThreads + i)), one cp.async group; units past the tokens are not copied; columns past K: XMODE 2 zeroes
+// them when they are permuted, 3 copies zeros (src-size 0: nothing is read, the row start stands in as the address).
+// SWIZZLED (XMODE 3, activations that arrive K-permuted): straight to the units' places in a swizzled buffer
+// (`buf` = the thread's first place there, WgMap::dst), which is all the staging such a chunk needs.
 template <class V, bool SWIZZLED = false>
-__device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, const WgMap<V>& map, uint32_t raw) {
+__device__ __forceinline__ void prefetch_chunk(const Params& p, const XChunk& ch, const WgMap<V>& map, uint32_t buf) {
   const int nu = map.units(ch);
   if constexpr (V::XMODE == 3) {
     const bool col_ok = ch.k0 + 8 * map.c < p.K;
@@ -1103,14 +1103,14 @@ __device__ __forceinline__ void prefetch_raw(const Params& p, const XChunk& ch, 
 #pragma unroll
     for (int j = 0; j < WgMap<V>::N; ++j) {
       if (j >= nu) break;
-      const uint32_t dst = SWIZZLED ? raw + j * WgMap<V>::kDstStep : raw + 16 * j * V::kThreads;
+      const uint32_t dst = SWIZZLED ? buf + j * WgMap<V>::kDstStep : buf + 16 * j * V::kThreads;
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
       src += step;
     }
   } else if (ch.k0 + 8 * map.c < p.K && 8 * map.c < ch.kw) {
     const uint16_t* src = map.src(p, ch);
     const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
-    const uint32_t dst = raw + 16 * threadIdx.x;
+    const uint32_t dst = buf + 16 * threadIdx.x;
 #pragma unroll
     for (int j = 0; j < WgMap<V>::N; ++j) {
       if (j >= nu) break;
@@ -1195,16 +1195,16 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   [[maybe_unused]] WgMap<V> map;
   // XMODE 3: this thread's units in the swizzled and the raw buffer
   [[maybe_unused]] const uint32_t x_dst = V::XMODE == 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
-  if constexpr (V::XMODE == 2) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, raw_addr);
+  if constexpr (V::XMODE == 2) prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, cons), map, raw_addr);
   // XMODE 3 with K-permuted activations (W4A16): the chunks go straight to two swizzled buffers in turn (the raw
   // buffer is the second), `xnext` the one the next chunk lands in; no permutation pass and one barrier per chunk
   [[maybe_unused]] const bool direct = V::XMODE == 3 && !QUANT && p.x_perm;
   [[maybe_unused]] int xnext = 0;
   if constexpr (V::XMODE == 3) {
     if (direct)
-      prefetch_raw<V, true>(p, chunk_of<V, QUANT>(p, cons), map, x_dst);
+      prefetch_chunk<V, true>(p, chunk_of<V, QUANT>(p, cons), map, x_dst);
     else
-      prefetch_raw<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
+      prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
   }
 
   float acc[ND];
@@ -1276,7 +1276,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
         }
         fence_async_smem();
         // the next chunk into the raw buffer (this thread has read its units of this one)
-        if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, raw_addr);
+        if (nx.valid) prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, nx), map, raw_addr);
         __syncthreads();
       } else if constexpr (V::XMODE == 3) {
         Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
@@ -1290,7 +1290,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
           xbuf = xnext;
           xnext ^= 1;
           if (nx.valid)
-            prefetch_raw<V, true>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + xnext * (V::kXBuf * 2));
+            prefetch_chunk<V, true>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + xnext * (V::kXBuf * 2));
         } else {
           const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
           const int nu = map.units(ch);
@@ -1306,7 +1306,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
             sts128(x_dst + j * WgMap<V>::kDstStep, staged_order(ch, v));
           }
           fence_async_smem();
-          if (nx.valid) prefetch_raw<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
+          if (nx.valid) prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
           __syncthreads();
         }
       } else {
