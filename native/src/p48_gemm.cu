@@ -15,6 +15,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "moesq/p48_api.h"
@@ -64,12 +65,6 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast
 __device__ __forceinline__ void mbar_init(uint32_t bar) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(bar));
 }
-__device__ __forceinline__ void mbar_init_count(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
 __device__ __forceinline__ void mbar_init_fence() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
@@ -81,6 +76,16 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "@!done bra WAIT;\n}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
+}
+// Programmatic dependent launch (the kernels are launched with programmatic stream serialization): a CTA may
+// start while the previous grid on the stream still runs; it waits for that grid (its completion and memory)
+// before reading anything the grid may have written (counts, row starts, activations) or writing its outputs,
+// and lets the next grid launch as soon as every CTA has begun.
+__device__ __forceinline__ void wait_previous_grid() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void allow_next_grid() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// `bytes` (a multiple of 16, 16-byte aligned) of global memory towards L2 (no shared memory, no completion).
+__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 // `bytes` (a multiple of 16) from global to shared memory (both 16-byte aligned), counted on mbarrier `bar`.
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
@@ -324,27 +329,17 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // LEAN = 2: also the chunk's row start and token count from the cursor (loaded when it takes the unit, not at the
 // staging, where 11 waited on up to three dependent global loads), and the activations loaded into registers
 // before the barrier that frees the shared buffer (their latency overlaps the wait for the other warps).
-// SX (> 0; LEAN = 2, x in the kernel's K order, W4A16): no chunk staging. The activations of each ring step (NB
-// tokens x RK records' columns) travel in a CTA-wide ring of SX slots beside the weights: each warp's producer lane
-// bulk-copies its tokens' rows (warp, warp + W, ...) of the step into the slot (a full mbarrier of W arrivals and
-// the copies' bytes) once every warp has released the slot's previous step (an empty mbarrier of W arrivals). KC
-// is then one step's columns; a problem the ring cannot take (x natural, W4A4, K % 128, unaligned x rows) runs
-// Fallback, the same variant with KC_FALLBACK-column chunk staging.
 template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false, int LEAN_ = 0,
-          bool CONTIG_ = false, int SX_ = 0, int KC_FALLBACK_ = 1024>
+          bool CONTIG_ = false>
 struct Variant {
-  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, SX = SX_;
+  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
   static constexpr bool BULK = BULK_, CONTIG = CONTIG_, ORDER = false;  // ORDER: see WgVariant
   static constexpr int LEAN = LEAN_;
   static_assert((!LEAN || BULK) && (!CONTIG || LEAN), "LEAN needs BULK, CONTIG needs LEAN");
-  static_assert(!SX || (LEAN >= 2 && !CONTIG && KC == RK * kRecK && NB % W == 0), "bad activation ring");
-  using Fallback = Variant<NB_, R_, W_, S_, KC_FALLBACK_, RK_, BULK_, LEAN_, CONTIG_>;
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
-  static constexpr int kXSlotBytes = NB * XS * 2;
-  static constexpr int kXBytes = (SX ? SX : 1) * kXSlotBytes;
+  static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
-  // + one mbarrier per warp and stage; SX: + a full and an empty mbarrier per activation slot
-  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0) + SX * 16;
+  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);  // + one mbarrier per warp and stage
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
@@ -382,7 +377,7 @@ struct WgVariant {
   static constexpr bool ORDER = ORDER_;
   static_assert(TW == 0 || (TW % 16 == 0 && NB % TW == 0), "the token width step must divide NB");
   static constexpr bool PIPE = PIPE_, BULK = XMODE_ > 0, CONTIG = false;
-  static constexpr int LEAN = 0, SX = 0;
+  static constexpr int LEAN = 0;
   static constexpr int XS = KC;
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   // + slack: the swizzle needs a 1024-byte base; PIPE: two swizzled buffers; XMODE >= 2: the swizzled and the raw one
@@ -855,20 +850,31 @@ __device__ __forceinline__ int sort_experts(const Params& p, int* tmp, uint32_t 
   return active;
 }
 
+// Before waiting for the previous grid: the weight records of the first ring steps of the CTA's first unit
+// (unit blockIdx.x, were its expert to have tokens: the counts may be the previous grid's output) towards L2,
+// one prefetch per row tile from the warp's lane 0, so the ring's first copies do not wait for DRAM.
+template <class V>
+__device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_groups, int kr_per, int warp, int lane) {
+  constexpr int R = V::R, W = V::W;
+  const int per_e = row_groups * p.split;
+  if (lane != 0 || blockIdx.x >= p.E * per_e) return;
+  const int e = blockIdx.x / per_e, rem = blockIdx.x - e * per_e, rg = rem / p.split, z = rem - rg * p.split;
+  const int k0 = z * kr_per, nk = min(min(p.KR, k0 + kr_per) - k0, (V::S - 1) * V::RK);
+  if (nk <= 0) return;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int rt = min(rg * (W * R) + r * W + warp, p.MT - 1);
+    prefetch_l2(p.records + ((static_cast<long long>(e) * p.MT + rt) * p.KR + k0) * kRecBytes, nk * kRecBytes);
+  }
+}
+
 // The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (one
 // commit group per step, empty once the cursor is past the last unit; BULK: lane 0 copies each row tile's records
 // with one bulk copy counted on the slot's mbarrier at `bars`) and advance the cursor and the slot.
-// The activation ring (Variant SX > 0): shared addresses of slot 0 and of the mbarriers (full 0..SX-1, then
-// empty 0..SX-1), and the steps this warp has produced.
-struct XRing {
-  uint32_t buf, bars;
-  int step;
-};
-
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
                                            int warp, int lane, int row_groups, int kr_per, int n_units,
-                                           uint32_t order = 0, XRing* xr = nullptr) {
+                                           uint32_t order = 0) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
@@ -890,26 +896,7 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
             if (RK == 1 || c < chunks) cp_async16(dst + r * RK * kRecBytes + 16 * c, src + 16 * c);
         }
       }
-      if constexpr (V::SX > 0) {  // the step's activations: this warp's token rows, once the slot is free
-        constexpr int SX = V::SX, NB = V::NB, RPW = V::NB / W;
-        const int xs = xr->step % SX;
-        const uint32_t full = xr->bars + 8 * xs;
-        if (xr->step >= SX) mbar_wait(xr->bars + 8 * (SX + xs), (xr->step / SX - 1) & 1);
-        const int ntok = min(NB, prod.cnt - prod.tb * NB);
-        const uint32_t row_bytes = min(RK, prod.nkr - prod.kr) * (2 * kRecK);
-        int rows = 0;
-#pragma unroll
-        for (int i = 0; i < RPW; ++i) rows += warp + i * W < ntok;
-        mbar_expect_tx(full, rows * row_bytes);
-        const uint16_t* src = p.x + static_cast<long long>(prod.row0 + prod.tb * NB + warp) * p.x_stride +
-                              (prod.kr0 + prod.kr) * kRecK;
-        const uint32_t dst = xr->buf + xs * V::kXSlotBytes + warp * (2 * V::XS);
-#pragma unroll
-        for (int i = 0; i < RPW; ++i)
-          if (warp + i * W < ntok) bulk_copy(dst + i * W * (2 * V::XS), src + i * W * p.x_stride, row_bytes, full);
-      }
     }
-    if constexpr (V::SX > 0) ++xr->step;
     prod.next<V::NB, RK, V::BULK, V::CONTIG, V::ORDER>(p, row_groups, kr_per, n_units, order);
   }
   if constexpr (!V::BULK) cp_async_commit();
@@ -931,6 +918,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
 
+  if constexpr (!V::CONTIG) prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
+  wait_previous_grid();
+  allow_next_grid();
   Cursor prod{}, cons{};
   if constexpr (V::CONTIG) {
     int e0 = 0, rem = 0;
@@ -953,21 +943,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     }
     __syncwarp();
   }
-  // SX: the activation ring at the start of shared memory, its mbarriers after the warps'
-  XRing xr{smem_u32(smem), smem_u32(smem + V::kXBytes + V::kRingBytes + W * S * 8), 0};
-  int xc = 0;  // SX: the steps this warp has consumed
-  if constexpr (V::SX > 0) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int i = 0; i < 2 * V::SX; ++i) mbar_init_count(xr.bars + 8 * i, W);
-      mbar_init_fence();
-    }
-    __syncthreads();
-  }
 
-  auto issue = [&]() {
-    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, 0, &xr);
-  };
+  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -988,7 +965,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     const int cnt = V::BULK ? cons.cnt : __ldg(p.counts + cons.e);
     const long long row0 = V::BULK ? 0 : __ldg(p.row_start + cons.e);  // BULK: read at the epilogue only
     const int ntok = min(NB, cnt - tb * NB);
-    if (!V::SX && kr % kRecPerChunk == 0) {
+    if (kr % kRecPerChunk == 0) {
       // CONTIG: the next row group of an expert reads the chunk already staged (the key is CTA-uniform)
       const int k = cons.kr0 + kr;
       if (!V::CONTIG || cons.e != staged_e || tb != staged_tb || k != staged_k) {
@@ -1012,12 +989,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     } else {
       cp_async_wait<S - 2>();
     }
-    if constexpr (V::SX > 0) mbar_wait(xr.bars + 8 * (xc % V::SX), (xc / V::SX) & 1);
     __syncwarp();  // every lane is done with the slot the producer refills now
     issue();
     const uint8_t* step_rec = ring + slot_c * (R * RK * kRecBytes);
-    // SX: the step's activations are slot xc % SX of the activation ring (KC = the step's columns)
-    const uint32_t x_addr = xs_lane_addr + (V::SX ? (xc % (V::SX ? V::SX : 1)) * V::kXSlotBytes : 0);
     slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
     const int nrec = min(RK, cons.nkr - kr);
     const int ntiles = (ntok + 7) >> 3;
@@ -1044,7 +1018,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
           }
         }
         const uint16_t* xk = xs_lane + (kr % kRecPerChunk + j) * kRecK;
-        const uint32_t xk_addr = x_addr + (kr % kRecPerChunk + j) * (2 * kRecK);  // BULK: 32-bit addresses
+        const uint32_t xk_addr = xs_lane_addr + (kr % kRecPerChunk + j) * (2 * kRecK);  // BULK: 32-bit addresses
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           uint32_t a[R][4], em[R];
@@ -1084,11 +1058,6 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
         records(std::integral_constant<int, NT>{});
     } else {
       records(std::integral_constant<int, NT>{});
-    }
-    if constexpr (V::SX > 0) {  // release the activation slot (every lane's ldmatrix of it is done)
-      __syncwarp();
-      if (lane == 0) mbar_arrive(xr.bars + 8 * (V::SX + xc % V::SX));
-      ++xc;
     }
     if (V::LEAN && kr + RK >= cons.nkr) {  // end of a token block: write its outputs (one base pointer)
       const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
@@ -1220,6 +1189,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   uint8_t* ring = smem + V::kXBytes + warp * (S * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
 
+  if constexpr (!V::ORDER) prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
+  wait_previous_grid();
+  allow_next_grid();
   [[maybe_unused]] const uint32_t order = smem_addr + V::kOrderOff;  // ORDER: the experts in unit order
   if constexpr (V::ORDER) {
     n_units = sort_experts<V>(p, reinterpret_cast<int*>(smem + pad), order) * row_groups * p.split;
@@ -1506,9 +1478,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
   X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
   X(2, WgVariant<128, 4, 3, 256, 2, false, 3>)           \
-  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>) \
-  X(4, Variant<16, 2, 8, 3, 256, 2, true, 2, false, 3>)  \
-  X(5, Variant<16, 2, 8, 3, 256, 2, true, 2, false, 5>)
+  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
@@ -1530,19 +1500,9 @@ int launch(const moesq_p48_args& a) {
     moesq::set_last_error("p48 kernel sorts at most %d experts (got E=%d)", kMaxOrderE, a.E);
     return 1;
   }
-  if constexpr (V::SX > 0) {  // the activation ring copies whole 16-byte-aligned K-ordered rows of W4A16 steps
-    if (a.act_global != nullptr || !a.x_perm || a.K % kRecK || a.x_stride % 8 ||
-        reinterpret_cast<uintptr_t>(a.x) % 16)
-      return launch<typename V::Fallback>(a);
-  }
   Params p{static_cast<const uint8_t*>(a.records), a.E, static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
            a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global, a.x_perm};
-  auto kernel = [&] {
-    if constexpr (V::SX > 0)
-      return pick_kernel<V, false>(a);
-    else
-      return a.act_global != nullptr ? pick_kernel<V, true>(a) : pick_kernel<V, false>(a);
-  }();
+  auto kernel = a.act_global != nullptr ? pick_kernel<V, true>(a) : pick_kernel<V, false>(a);
   const long long units = static_cast<long long>(a.E) * ((a.MT + V::W * V::R - 1) / (V::W * V::R)) * a.split;
   int sms = 0, per_sm = 0;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, V::kSmem);
@@ -1551,8 +1511,20 @@ int launch(const moesq_p48_args& a) {
   if (err == cudaSuccess) {
     // Persistent: one wave of CTAs walks all units (experts without tokens are skipped on the device).
     const int grid = static_cast<int>(units < 1LL * sms * per_sm ? units : 1LL * sms * per_sm);
-    kernel<<<grid > 0 ? grid : 1, V::kThreads, V::kSmem, static_cast<cudaStream_t>(a.stream)>>>(p);
-    err = cudaGetLastError();
+    // programmatic stream serialization: the kernel waits for the previous grid itself (wait_previous_grid);
+    // MOESQ_P48_PDL=0 launches it plainly (for measuring what the overlap gives)
+    const char* pdl = std::getenv("MOESQ_P48_PDL");
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(grid > 0 ? grid : 1);
+    cfg.blockDim = dim3(V::kThreads);
+    cfg.dynamicSmemBytes = V::kSmem;
+    cfg.stream = static_cast<cudaStream_t>(a.stream);
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl != nullptr && pdl[0] == '0' ? 0 : 1;
+    err = cudaLaunchKernelEx(&cfg, kernel, p);
   }
   if (err != cudaSuccess) {
     moesq::set_last_error("p48 kernel launch failed: %s", cudaGetErrorString(err));
