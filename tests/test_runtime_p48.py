@@ -225,7 +225,8 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kerne
     # sparse-mma: both GEMMs take their inputs in the kernel's K order (scatter; gate/up rows stored permuted)
     assert fast.k_ordered == (kernel == "sparse-mma")
     T, k = 9, 3
-    xs = [torch.randn(T, 128) for _ in range(3)]
+    gen = torch.Generator().manual_seed(5)  # inputs fixed: the CPU reference tolerance is for bf16 rounding
+    xs = [torch.randn(T, 128, generator=gen) for _ in range(3)]
     routes = [routing(T, 8, k, seed=s) for s in range(3)]
     got = assert_graph_replays(fast, ref_, xs, routes, tol=1e-2, eager_tol=1e-6)
     if kernel == "sparse-mma":

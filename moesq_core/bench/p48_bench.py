@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -310,6 +311,9 @@ def bench_p48(shapes, G, N, out_dir: Path, repeats: int = 50, log=print,
         "p48_mma_activations": "in the kernel's K order where the module takes it (p48_mma.k_order), as "
                                "moesq's runtime hands them over: its scatter writes the hidden states so and its "
                                "gate/up rows are stored so, which puts the SwiGLU output in that order",
+        # the native launcher's default (MOESQ_P48_PDL=0 launches plainly)
+        "p48_mma_programmatic_launch": any(m in MMA_METHODS for m in methods)
+                                       and os.environ.get("MOESQ_P48_PDL", "1") != "0",
         "methods": {k: BASELINES[k].description for k in BASELINE_NAMES} | {k: P48_METHODS[k] for k in methods},
         "copy_bandwidth_TBps": COPY_BANDWIDTH_TBPS,
         "rows": [],
@@ -352,7 +356,10 @@ def markdown(result: dict) -> str:
         f"Tokens per expert: {result['token_pattern']}. µs per grouped GEMM; TB/s = the method's weight bytes / "
         "time (p48: packed bytes, 2.75 bits/weight)."
         + (" p48_mma: activations in the kernel's K order, as moesq's runtime hands them over."
-           if any(r.get("p48_mma_x_permuted") for r in result["rows"]) else ""),
+           if any(r.get("p48_mma_x_permuted") for r in result["rows"]) else "")
+        + (" p48_mma launches use programmatic dependent launch (each call waits for the previous grid before it "
+           "reads its inputs; back-to-back calls overlap one's launch and first weight loads with the other's tail)."
+           if result.get("p48_mma_programmatic_launch") else ""),
         "",
         "| shape | G | N | " + " | ".join(cols) + " | " + " | ".join(f"{m} TB/s | {m} vs fp8" for m in ratio_cols) + " |",
         "|---|---|---|" + "---|" * len(cols) + "---|---|" * len(ratio_cols),

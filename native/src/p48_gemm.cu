@@ -329,16 +329,11 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // LEAN = 2: also the chunk's row start and token count from the cursor (loaded when it takes the unit, not at the
 // staging, where 11 waited on up to three dependent global loads), and the activations loaded into registers
 // before the barrier that frees the shared buffer (their latency overlaps the wait for the other warps).
-// SNAKE (LEAN only): the units dealt in a snake (round r gives unit r G + b to CTA b for even r, r G + G - 1 - b
-// for odd r; G CTAs) instead of b, b + G, ...: with ~3 units per CTA, a round-robin deal whose stride meets the
-// period of the token counts hands some CTAs only the experts with the most tokens, and the kernel waits for them.
 template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false, int LEAN_ = 0,
-          bool CONTIG_ = false, bool SNAKE_ = false>
+          bool CONTIG_ = false>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
   static constexpr bool BULK = BULK_, CONTIG = CONTIG_, ORDER = false;  // ORDER: see WgVariant
-  static constexpr bool SNAKE = SNAKE_;
-  static_assert(!SNAKE || (LEAN_ && !CONTIG_), "SNAKE needs LEAN and no CONTIG");
   static constexpr int LEAN = LEAN_;
   static_assert((!LEAN || BULK) && (!CONTIG || LEAN), "LEAN needs BULK, CONTIG needs LEAN");
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
@@ -379,7 +374,7 @@ template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false, in
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
   static constexpr int XMODE = XMODE_, TW = TW_;
-  static constexpr bool ORDER = ORDER_, SNAKE = false;  // (ORDER deals the sorted units in a snake itself)
+  static constexpr bool ORDER = ORDER_;
   static_assert(TW == 0 || (TW % 16 == 0 && NB % TW == 0), "the token width step must divide NB");
   static constexpr bool PIPE = PIPE_, BULK = XMODE_ > 0, CONTIG = false;
   static constexpr int LEAN = 0;
@@ -674,11 +669,10 @@ struct Cursor {
     }
     return false;
   }
-  // ORDER / SNAKE: the CTA's k-th unit (u = k) and on until one has work: position k G + b (k even) or
-  // k G + G - 1 - b (k odd) of the units, in expert order (SORTED false) or of the units of the experts with tokens
-  // listed by `order` (16-bit expert indices in shared memory at address `order`, decreasing token count);
-  // n_units: the number of those units.
-  template <int NB, bool SORTED = true>
+  // ORDER: the CTA's k-th unit (u = k) and on until one has work: position k G + b (k even) or k G + G - 1 - b
+  // (k odd) of the units of the experts with tokens, listed by `order` (16-bit expert indices in shared memory at
+  // address `order`, decreasing token count); n_units: the number of those units.
+  template <int NB>
   __device__ __forceinline__ void take_ordered(const Params& p, int k, int row_groups, int kr_per, int n_units,
                                                uint32_t order) {
     const int per_e = row_groups * p.split;
@@ -687,8 +681,8 @@ struct Cursor {
       if (pos >= n_units) break;
       const int se = pos / per_e, rem = pos - se * per_e;
       const int rgu = rem / p.split, zu = rem - rgu * p.split;
-      uint16_t eu = se;
-      if constexpr (SORTED) asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(order + 2 * se));
+      uint16_t eu;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(order + 2 * se));
       if (take<NB>(p, eu, zu, kr_per)) {  // else an empty K slice (split > KR / kr_per)
         u = k, e = eu, rg = rgu, z = zu;
         return;
@@ -696,15 +690,13 @@ struct Cursor {
     }
     valid = false;
   }
-  template <int NB, int STEP, bool INCR = false, bool CONTIG = false, bool ORDER = false, bool SNAKE = false>
+  template <int NB, int STEP, bool INCR = false, bool CONTIG = false, bool ORDER = false>
   __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
     if ((kr += STEP) < nkr) return;
     kr = 0;
     if (++tb < ntb) return;
     if constexpr (ORDER) {
       take_ordered<NB>(p, u + 1, row_groups, kr_per, n_units, order);
-    } else if constexpr (SNAKE) {
-      take_ordered<NB, false>(p, u + 1, row_groups, kr_per, n_units, 0);
     } else if constexpr (CONTIG) {
       step_contig<NB>(p, row_groups, kr_per);
     } else if constexpr (INCR) {
@@ -905,7 +897,7 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
         }
       }
     }
-    prod.next<V::NB, RK, V::BULK, V::CONTIG, V::ORDER, V::SNAKE>(p, row_groups, kr_per, n_units, order);
+    prod.next<V::NB, RK, V::BULK, V::CONTIG, V::ORDER>(p, row_groups, kr_per, n_units, order);
   }
   if constexpr (!V::BULK) cp_async_commit();
   slot = slot == V::S - 1 ? 0 : slot + 1;
@@ -934,13 +926,11 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     int e0 = 0, rem = 0;
     const int n = contig_range<V>(p, row_groups * p.split, e0, rem);
     prod.start_contig<NB>(p, e0, rem, n, row_groups, kr_per);
-  } else if constexpr (V::SNAKE) {
-    prod.take_ordered<NB, false>(p, 0, row_groups, kr_per, n_units, 0);
   } else {
     prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   }
   if (!prod.valid) return;
-  if constexpr (V::BULK && !V::CONTIG && !V::SNAKE) prod.init_stride(p, row_groups);
+  if constexpr (V::BULK && !V::CONTIG) prod.init_stride(p, row_groups);
   cons = prod;
   int slot_p = 0, slot_c = 0;
   int staged_e = -1, staged_tb = 0, staged_k = 0;  // CONTIG: the chunk in shared memory
@@ -1117,7 +1107,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
         }
       }
     }
-    cons.next<NB, RK, V::BULK, V::CONTIG, false, V::SNAKE>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK, V::BULK, V::CONTIG>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
 }
@@ -1488,8 +1478,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
   X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
   X(2, WgVariant<128, 4, 3, 256, 2, false, 3>)           \
-  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>) \
-  X(4, Variant<16, 2, 8, 3, 1024, 2, true, 2, false, true>)
+  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
