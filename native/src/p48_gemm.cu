@@ -350,18 +350,14 @@ struct Variant {
 // Warpgroup variants (wgmma.sp m64nNBk32): WG warpgroups, each warp streams one row tile (the 16 rows it holds in
 // the warpgroup's 64-row A operand), the activations are B in shared memory (wgmma's swizzled layout), so each
 // decoded weight fragment serves all NB tokens of a pass in one instruction.
-// PIPE: the activations are double-buffered and software-pipelined: every thread loads its part of the next
-// chunk into registers while the current one is computed and stores it at the next chunk boundary.
-// XMODE (needs BULK: the weight ring on mbarriers, so cp.async groups are free for the activations), the lean
-// paths: a staging map fixed at compile time (each thread one 8-column group of tokens t0, t0 + TS, ...: the
-// swizzled destination moves by a constant, so a staged unit is one load, four prmt and one 16-byte store),
-// warp-uniform skips past the tokens and the chunk's width, scales and metadata decoded once per record, and an
-// epilogue through one base pointer per thread. 1: the activations through registers, the first round of loads
-// issued before the barrier that frees the buffer; 2: each thread cp.async-copies its units of the next chunk
-// into a raw (natural-order) buffer one chunk ahead, so at the chunk boundary only the shared-memory K permutation
-// (raw -> swizzled) sits between the two barriers instead of the L2 latency of the loads. 3: 2 with the permutation
-// loop branch-free (columns past K zero-filled by the copy, units past the chunk's width permuted into columns no
-// wgmma of the chunk reads) and its addresses computed once per thread.
+// The weight ring is the mbarrier one (BULK), so cp.async groups are free for the activations: a staging map fixed
+// at compile time (each thread one 8-column group of tokens t0, t0 + TS, ...: the swizzled destination moves by a
+// constant), warp-uniform skips past the tokens, scales and metadata decoded once per record, and an epilogue
+// through one base pointer per thread. Each thread cp.async-copies its units of the next chunk into a raw
+// (natural-order) buffer one chunk ahead (columns past K zero-filled by the copy), so at the chunk boundary only the
+// shared-memory K permutation (raw -> swizzled; units past the chunk's width go to columns no wgmma of the chunk
+// reads) sits between the two barriers instead of the L2 latency of the loads; activations that arrive K-permuted
+// (W4A16) are copied straight to their swizzled places in two buffers in turn, one barrier per chunk.
 // TW (> 0): the wgmma's N per token block is its token count rounded up to a multiple of TW (at most NB), not NB:
 // an expert with few tokens does not pay the tensor-core work (and latency) of a full pass.
 // ORDER: the CTAs walk the units of the experts with tokens by decreasing token count, dealt out in a snake
@@ -369,31 +365,26 @@ struct Variant {
 // in expert order: each CTA then gets a like mix of long and short units (the round-robin deal let a CTA draw
 // mostly long ones whenever the token counts repeat with a period that meets G, and the kernel waited for it).
 // Each CTA sorts the experts itself at the start (E <= kMaxOrderE).
-template <int NB_, int WG_, int S_, int KC_, int RK_ = 1, bool PIPE_ = false, int XMODE_ = 0, int TW_ = 0,
-          bool ORDER_ = false>
+template <int NB_, int WG_, int S_, int KC_, int RK_, int TW_ = 0, bool ORDER_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
-  static constexpr int XMODE = XMODE_, TW = TW_;
+  static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
   static_assert(TW == 0 || (TW % 16 == 0 && NB % TW == 0), "the token width step must divide NB");
-  static constexpr bool PIPE = PIPE_, BULK = XMODE_ > 0, CONTIG = false;
+  static constexpr bool BULK = true, CONTIG = false;
   static constexpr int LEAN = 0;
-  static constexpr int XS = KC;
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
-  // + slack: the swizzle needs a 1024-byte base; PIPE: two swizzled buffers; XMODE >= 2: the swizzled and the raw one
-  static constexpr int kXBytes = (PIPE || XMODE >= 2 ? 2 : 1) * kXBuf * 2 + 1024;
+  // the swizzled and the raw buffer (or the second swizzled one) + slack: the swizzle needs a 1024-byte base
+  static constexpr int kXBytes = 2 * kXBuf * 2 + 1024;
   static constexpr int kRingBytes = W * S * RK * kRecBytes;
-  // + one mbarrier per warp and stage (BULK), + the experts in unit order (ORDER: 16-bit indices)
-  static constexpr int kOrderOff = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);
+  // + one mbarrier per warp and stage, + the experts in unit order (ORDER: 16-bit indices)
+  static constexpr int kOrderOff = kXBytes + kRingBytes + W * S * 8;
   static constexpr int kSmem = kOrderOff + (ORDER ? 2 * kMaxOrderE : 0);
   static constexpr int kThreads = W * 32;
-  static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = true;
   static_assert(!ORDER || kXBuf * 2 >= 4 * kMaxOrderE, "ORDER sorts the counts in the activation buffer");
   static constexpr int kMinBlocks = kThreads <= 256 ? 2 : 1;  // 128 registers per thread either way
   static_assert(KC % (kRecK * RK) == 0 && KC % 64 == 0 && NB % 16 == 0 && NB <= 256, "bad variant");
-  static_assert(!PIPE || (NB * KC / 8) % kThreads == 0, "a pipelined chunk must split evenly over the threads");
-  static_assert(!(PIPE && XMODE), "PIPE and XMODE are alternatives");
 };
 
 // Stage activations rows [t0, t0 + ntok) x columns [k0, k0 + kw) into shared memory, K-permuted per 8-group;
@@ -516,8 +507,7 @@ template <class V>
 struct WgMap {
   static constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::NB / TS;
   static constexpr int kDstStep = TS * 128;  // bytes
-  static_assert(!V::XMODE || (V::kThreads % G == 0 && G % 32 == 0 && TS % 8 == 0 && V::NB % TS == 0),
-                "bad lean staging map");
+  static_assert(V::kThreads % G == 0 && G % 32 == 0 && TS % 8 == 0 && V::NB % TS == 0, "bad lean staging map");
   int c, t0;
   __device__ __forceinline__ WgMap() : c(threadIdx.x % G), t0(threadIdx.x / G) {}
   __device__ __forceinline__ uint32_t dst(uint32_t xs_addr) const {
@@ -1119,37 +1109,24 @@ __device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
                 min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
 }
 
-// XMODE >= 2: the thread's units of chunk `ch` into the raw buffer at `buf` (unit j of thread i at
-// 16 (j kThreads + i)), one cp.async group; units past the tokens are not copied; columns past K: XMODE 2 zeroes
-// them when they are permuted, 3 copies zeros (src-size 0: nothing is read, the row start stands in as the address).
-// SWIZZLED (XMODE 3, activations that arrive K-permuted): straight to the units' places in a swizzled buffer
-// (`buf` = the thread's first place there, WgMap::dst), which is all the staging such a chunk needs.
+// The thread's units of chunk `ch` into the raw buffer at `buf` (unit j of thread i at 16 (j kThreads + i)), one
+// cp.async group; units past the tokens are not copied; columns past K are copied as zeros (src-size 0: nothing is
+// read, the row start stands in as the address). SWIZZLED (activations that arrive K-permuted): straight to the
+// units' places in a swizzled buffer (`buf` = the thread's first place there, WgMap::dst), which is all the staging
+// such a chunk needs.
 template <class V, bool SWIZZLED = false>
 __device__ __forceinline__ void prefetch_chunk(const Params& p, const XChunk& ch, const WgMap<V>& map, uint32_t buf) {
   const int nu = map.units(ch);
-  if constexpr (V::XMODE == 3) {
-    const bool col_ok = ch.k0 + 8 * map.c < p.K;
-    const uint16_t* src = col_ok ? map.src(p, ch) : p.x + (ch.row0 + map.t0) * p.x_stride;
-    const uint32_t n = col_ok ? 16u : 0u;
-    const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
+  const bool col_ok = ch.k0 + 8 * map.c < p.K;
+  const uint16_t* src = col_ok ? map.src(p, ch) : p.x + (ch.row0 + map.t0) * p.x_stride;
+  const uint32_t n = col_ok ? 16u : 0u;
+  const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
 #pragma unroll
-    for (int j = 0; j < WgMap<V>::N; ++j) {
-      if (j >= nu) break;
-      const uint32_t dst = SWIZZLED ? buf + j * WgMap<V>::kDstStep : buf + 16 * j * V::kThreads;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-      src += step;
-    }
-  } else if (ch.k0 + 8 * map.c < p.K && 8 * map.c < ch.kw) {
-    const uint16_t* src = map.src(p, ch);
-    const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
-    const uint32_t dst = buf + 16 * threadIdx.x;
-#pragma unroll
-    for (int j = 0; j < WgMap<V>::N; ++j) {
-      if (j >= nu) break;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst + 16 * j * V::kThreads), "l"(src)
-                   : "memory");
-      src += step;
-    }
+  for (int j = 0; j < WgMap<V>::N; ++j) {
+    if (j >= nu) break;
+    const uint32_t dst = SWIZZLED ? buf + j * WgMap<V>::kDstStep : buf + 16 * j * V::kThreads;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+    src += step;
   }
   cp_async_commit();
 }
@@ -1173,7 +1150,6 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int NB = V::NB, W = V::W, S = V::S, KC = V::KC, RK = V::RK, ND = NB / 2;
   constexpr int kRecPerChunk = KC / kRecK;
-  constexpr bool LEANX = V::XMODE > 0;
   const int row_groups = (p.MT + W - 1) / W;
   const int kr_per = (p.KR + p.split - 1) / p.split;
   // ORDER: the units of the experts with tokens only (set below, once they are counted)
@@ -1183,7 +1159,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   const uint32_t pad = (1024u - (smem_addr & 1023u)) & 1023u;
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem + pad);
   const uint32_t xs_addr = smem_addr + pad;
-  const uint32_t raw_addr = xs_addr + V::kXBuf * 2;  // XMODE 2: the raw buffer after the swizzled one
+  const uint32_t raw_addr = xs_addr + V::kXBuf * 2;  // the raw buffer after the swizzled one
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * RK * kRecBytes);
@@ -1205,42 +1181,29 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   if (!prod.valid) return;
   if constexpr (V::BULK && !V::ORDER) prod.init_stride(p, row_groups);
   cons = prod;
-  // PIPE: `xv` holds the thread's part of chunk `xch` (the one the consumer stages next), `stg` stands at it
-  Cursor stg = prod;
-  uint4 xv[V::PIPE ? V::kXIters : 1];
-  XChunk xch{};
-  if constexpr (V::PIPE) {
-    xch = chunk_at<V, QUANT>(p, stg);
-    load_x<V>(p, xch, 0, xv);
-  }
   int xbuf = 0;
   int slot_p = 0, slot_c = 0;
-  uint32_t phase = 0;  // BULK: parity of the consumer's current pass over the ring
-  if constexpr (V::BULK) {
-    if (lane == 0) {
+  uint32_t phase = 0;  // parity of the consumer's current pass over the ring
+  if (lane == 0) {
 #pragma unroll
-      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
-      mbar_init_fence();
-    }
-    __syncwarp();
+    for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
+    mbar_init_fence();
   }
+  __syncwarp();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s)
     issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order);
-  [[maybe_unused]] WgMap<V> map;
-  // XMODE 3: this thread's units in the swizzled and the raw buffer
-  [[maybe_unused]] const uint32_t x_dst = V::XMODE == 3 ? map.dst(xs_addr) : 0u, x_raw = raw_addr + 16 * threadIdx.x;
-  if constexpr (V::XMODE == 2) prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, cons), map, raw_addr);
-  // XMODE 3 with K-permuted activations (W4A16): the chunks go straight to two swizzled buffers in turn (the raw
-  // buffer is the second), `xnext` the one the next chunk lands in; no permutation pass and one barrier per chunk
-  [[maybe_unused]] const bool direct = V::XMODE == 3 && !QUANT && p.x_perm;
-  [[maybe_unused]] int xnext = 0;
-  if constexpr (V::XMODE == 3) {
-    if (direct)
-      prefetch_chunk<V, true>(p, chunk_of<V, QUANT>(p, cons), map, x_dst);
-    else
-      prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
-  }
+  const WgMap<V> map;
+  // this thread's units in the swizzled and the raw buffer
+  const uint32_t x_dst = map.dst(xs_addr), x_raw = raw_addr + 16 * threadIdx.x;
+  // K-permuted activations (W4A16): the chunks go straight to two swizzled buffers in turn (the raw buffer is the
+  // second), `xnext` the one the next chunk lands in; no permutation pass and one barrier per chunk
+  const bool direct = !QUANT && p.x_perm;
+  int xnext = 0;
+  if (direct)
+    prefetch_chunk<V, true>(p, chunk_of<V, QUANT>(p, cons), map, x_dst);
+  else
+    prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, cons), map, x_raw);
 
   float acc[ND];
 #pragma unroll
@@ -1248,56 +1211,25 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 
   while (cons.valid) {
     const int kr = cons.kr, tb = cons.tb;
-    const int cnt = LEANX ? cons.cnt : __ldg(p.counts + cons.e);
-    const long long row0 = LEANX ? cons.row0 : __ldg(p.row_start + cons.e);
+    const int cnt = cons.cnt;
+    const long long row0 = cons.row0;
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
-      if constexpr (V::XMODE == 1) {
-        // lean register staging in rounds of RND units; the first round's loads fly while the warpgroups drain
-        constexpr int N = WgMap<V>::N, RND = NB > 64 ? 2 : N < 4 ? N : 4;  // 4 spill at 128 tokens
-        const XChunk ch = chunk_of<V, QUANT>(p, cons);
-        const int nu = map.units(ch);
-        const bool col_ok = ch.k0 + 8 * map.c < p.K;
-        const uint16_t* src = map.src(p, ch);
-        const long long step = static_cast<long long>(WgMap<V>::TS) * p.x_stride;
-        const uint32_t dst = map.dst(xs_addr);
-        uint4 v[RND];
-#pragma unroll
-        for (int j = 0; j < RND; ++j) {
-          if (j >= nu) break;
-          v[j] = col_ok ? ldg128(src) : make_uint4(0, 0, 0, 0);
-          src += step;
-        }
-        wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
+      Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
+      nx.next<NB, kRecPerChunk, true, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
+      if (direct) {
+        cp_async_wait<0>();  // this thread's copies of the chunk have landed in buffer xnext
+        fence_async_smem();
+        wgmma_wait<0>();  // (the other buffer, which the next chunk overwrites, was this warpgroup's last chunk)
         acc_fence(acc);
         __syncthreads();
-#pragma unroll
-        for (int j0 = 0; j0 < N; j0 += RND) {
-          if (j0 >= nu) break;  // warp-uniform
-          if (j0 > 0) {
-#pragma unroll
-            for (int j = 0; j < RND; ++j) {
-              if (j0 + j >= nu) break;
-              v[j] = col_ok ? ldg128(src) : make_uint4(0, 0, 0, 0);
-              src += step;
-            }
-          }
-#pragma unroll
-          for (int j = 0; j < RND; ++j) {
-            if (j0 + j >= nu) break;
-            if constexpr (QUANT) v[j] = nvfp4_block_values(v[j], ch.g);  // the warp is whole here
-            if (8 * map.c < ch.kw) sts128(dst + (j0 + j) * WgMap<V>::kDstStep, staged_order(ch, v[j]));
-          }
-        }
-        fence_async_smem();
-        __syncthreads();
-      } else if constexpr (V::XMODE == 2) {
-        Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
-        nx.next<NB, kRecPerChunk, true, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
+        xbuf = xnext;
+        xnext ^= 1;
+        if (nx.valid)
+          prefetch_chunk<V, true>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + xnext * (V::kXBuf * 2));
+      } else {
         const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
         const int nu = map.units(ch);
-        const bool col_ok = ch.k0 + 8 * map.c < p.K;
-        const uint32_t dst = map.dst(xs_addr), raw = raw_addr + 16 * threadIdx.x;
         cp_async_wait<0>();  // this thread's copies of the chunk have landed (it reads only its own units)
         wgmma_wait<0>();
         acc_fence(acc);
@@ -1305,74 +1237,17 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 #pragma unroll
         for (int j = 0; j < WgMap<V>::N; ++j) {
           if (j >= nu) break;  // warp-uniform
-          uint4 v = col_ok ? lds128(raw + 16 * j * V::kThreads) : make_uint4(0, 0, 0, 0);
+          uint4 v = lds128(x_raw + 16 * j * V::kThreads);
           if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
-          if (8 * map.c < ch.kw) sts128(dst + j * WgMap<V>::kDstStep, staged_order(ch, v));
+          sts128(x_dst + j * WgMap<V>::kDstStep, staged_order(ch, v));
         }
         fence_async_smem();
-        // the next chunk into the raw buffer (this thread has read its units of this one)
-        if (nx.valid) prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, nx), map, raw_addr);
+        if (nx.valid) prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
         __syncthreads();
-      } else if constexpr (V::XMODE == 3) {
-        Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
-        nx.next<NB, kRecPerChunk, true, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
-        if (direct) {
-          cp_async_wait<0>();  // this thread's copies of the chunk have landed in buffer xnext
-          fence_async_smem();
-          wgmma_wait<0>();  // (the other buffer, which the next chunk overwrites, was this warpgroup's last chunk)
-          acc_fence(acc);
-          __syncthreads();
-          xbuf = xnext;
-          xnext ^= 1;
-          if (nx.valid)
-            prefetch_chunk<V, true>(p, chunk_of<V, QUANT>(p, nx), map, x_dst + xnext * (V::kXBuf * 2));
-        } else {
-          const XChunk ch = chunk_of<V, QUANT>(p, cons);  // the chunk the raw buffer holds
-          const int nu = map.units(ch);
-          cp_async_wait<0>();  // this thread's copies of the chunk have landed (it reads only its own units)
-          wgmma_wait<0>();
-          acc_fence(acc);
-          __syncthreads();
-#pragma unroll
-          for (int j = 0; j < WgMap<V>::N; ++j) {
-            if (j >= nu) break;  // warp-uniform
-            uint4 v = lds128(x_raw + 16 * j * V::kThreads);
-            if constexpr (QUANT) v = nvfp4_block_values(v, ch.g);
-            sts128(x_dst + j * WgMap<V>::kDstStep, staged_order(ch, v));
-          }
-          fence_async_smem();
-          if (nx.valid) prefetch_chunk<V>(p, chunk_of<V, QUANT>(p, nx), map, x_raw);
-          __syncthreads();
-        }
-      } else {
-        wgmma_wait<0>();  // no wgmma of this thread's warpgroup reads the previous chunk any more
-        acc_fence(acc);
-        if constexpr (V::PIPE) {
-          // the other buffer was last read by the chunk before the previous one, whose wgmmas every warpgroup
-          // completed before the previous chunk's barrier
-          xbuf ^= 1;
-          store_x<V, QUANT>(xs + xbuf * V::kXBuf, xch, 0, xv);
-          fence_async_smem();
-          __syncthreads();
-          if (stg.valid) stg.next<NB, kRecPerChunk>(p, row_groups, kr_per, n_units);
-          if (stg.valid) {
-            xch = chunk_at<V, QUANT>(p, stg);
-            load_x<V>(p, xch, 0, xv);  // in flight while this chunk is computed
-          }
-        } else {
-          __syncthreads();
-          stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
-          fence_async_smem();
-          __syncthreads();
-        }
       }
     }
-    if constexpr (V::BULK) {
-      mbar_wait(bars + 8 * slot_c, phase);
-      phase ^= slot_c == S - 1;
-    } else {
-      cp_async_wait<S - 2>();
-    }
+    mbar_wait(bars + 8 * slot_c, phase);
+    phase ^= slot_c == S - 1;
     __syncwarp();
     issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order);
     const uint8_t* step_rec = ring + slot_c * (RK * kRecBytes);
@@ -1389,23 +1264,15 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
       uint32_t meta;
       uint2 sc;
       load_lane_share(step_rec + j * kRecBytes, lane, codes, meta, sc);
-      [[maybe_unused]] RecScales rs;
-      [[maybe_unused]] uint32_t emr[2];
-      if constexpr (LEANX) {  // scales and metadata once per record (as the BULK decode variants)
-        rs = record_scales(sc);
-        emr[0] = expand_meta_imad(prmt(meta, 0, 0x4140));
-        emr[1] = expand_meta_imad(prmt(meta, 0, 0x4342));
-      }
+      // scales and metadata once per record (as the decode variant)
+      const RecScales rs = record_scales(sc);
+      const uint32_t emr[2] = {expand_meta_imad(prmt(meta, 0, 0x4140)), expand_meta_imad(prmt(meta, 0, 0x4342))};
       const int col0 = (kr % kRecPerChunk + j) * kRecK;  // the record's first column in the staged chunk
       uint32_t a[2][4], em[2];
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        if constexpr (LEANX) {
-          decode_step_hoisted(codes, rs, s, a[s & 1]);
-          em[s & 1] = emr[s >> 1];
-        } else {
-          em[s & 1] = decode_step(codes, meta, sc, s, a[s & 1]);
-        }
+        decode_step_hoisted(codes, rs, s, a[s & 1]);
+        em[s & 1] = emr[s >> 1];
         const int col = col0 + 32 * s;
         const uint32_t b_addr = xs_addr + xbuf * (V::kXBuf * 2) + (col >> 6) * (NB * 128) + (col & 32) * 2;
         wgmma_fence();
@@ -1426,38 +1293,24 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
       acc_fence(acc);
       const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
       const int rt = cons.rg * W + warp;
-      if constexpr (LEANX) {  // one base pointer (tokens 2 t4 (+1), rows g (+8)), constant offsets
-        using T = std::conditional_t<OUT_BF16 && !ATOMIC, __nv_bfloat16, float>;
-        T* o = reinterpret_cast<T*>(p.out) + (row0 + tb * NB + 2 * t4) * p.out_stride + rt * 16 + g;
-        const long long s8 = 8 * p.out_stride;
-        const int tok = ntok - 2 * t4, mr = p.M - (rt * 16 + g);  // (rows past M include idle row tiles past MT)
-        const int ntiles = (ntok + 7) >> 3;
+      // one base pointer (tokens 2 t4 (+1), rows g (+8)), constant offsets
+      using T = std::conditional_t<OUT_BF16 && !ATOMIC, __nv_bfloat16, float>;
+      T* o = reinterpret_cast<T*>(p.out) + (row0 + tb * NB + 2 * t4) * p.out_stride + rt * 16 + g;
+      const long long s8 = 8 * p.out_stride;
+      const int tok = ntok - 2 * t4, mr = p.M - (rt * 16 + g);  // (rows past M include idle row tiles past MT)
+      const int ntiles = (ntok + 7) >> 3;
 #pragma unroll
-        for (int n = 0; n < NB / 8; ++n) {
-          if (n >= ntiles) break;  // warp-uniform
-          const int tn = tok - 8 * n;
-          if (tn > 0 && mr > 0) store_to<ATOMIC>(o, acc[4 * n] * alpha);
-          if (tn > 1 && mr > 0) store_to<ATOMIC>(o + p.out_stride, acc[4 * n + 1] * alpha);
-          if (tn > 0 && mr > 8) store_to<ATOMIC>(o + 8, acc[4 * n + 2] * alpha);
-          if (tn > 1 && mr > 8) store_to<ATOMIC>(o + p.out_stride + 8, acc[4 * n + 3] * alpha);
-          o += s8;
-        }
-#pragma unroll
-        for (int i = 0; i < ND; ++i) acc[i] = 0.f;
-      } else {
-#pragma unroll
-        for (int n = 0; n < NB / 8; ++n) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int m = rt * 16 + g + 8 * (i >> 1);
-            const int tok = n * 8 + 2 * t4 + (i & 1);
-            if (rt < p.MT && m < p.M && tok < ntok) {
-              store_out<OUT_BF16, ATOMIC>(p, (row0 + tb * NB + tok) * p.out_stride + m, acc[4 * n + i] * alpha);
-            }
-            acc[4 * n + i] = 0.f;
-          }
-        }
+      for (int n = 0; n < NB / 8; ++n) {
+        if (n >= ntiles) break;  // warp-uniform
+        const int tn = tok - 8 * n;
+        if (tn > 0 && mr > 0) store_to<ATOMIC>(o, acc[4 * n] * alpha);
+        if (tn > 1 && mr > 0) store_to<ATOMIC>(o + p.out_stride, acc[4 * n + 1] * alpha);
+        if (tn > 0 && mr > 8) store_to<ATOMIC>(o + 8, acc[4 * n + 2] * alpha);
+        if (tn > 1 && mr > 8) store_to<ATOMIC>(o + p.out_stride + 8, acc[4 * n + 3] * alpha);
+        o += s8;
       }
+#pragma unroll
+      for (int i = 0; i < ND; ++i) acc[i] = 0.f;
     }
     cons.next<NB, RK, V::BULK, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
   }
@@ -1476,9 +1329,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // block rounded up from its token count in steps of 32 (TW).
 #define MOESQ_P48_VARIANTS(X)                            \
   X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
-  X(1, WgVariant<64, 4, 3, 512, 2, false, 3>)            \
-  X(2, WgVariant<128, 4, 3, 256, 2, false, 3>)           \
-  X(3, WgVariant<128, 4, 3, 256, 2, false, 3, 32, true>)
+  X(1, WgVariant<64, 4, 3, 512, 2>)                      \
+  X(2, WgVariant<128, 4, 3, 256, 2>)                     \
+  X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
