@@ -3,9 +3,10 @@
 // Paired 4:8 is 2:4 after permuting K inside every 8-group to [e0 e2 e4 e6 | e1 e3 e5 e7]. The weights are the
 // sparse A operand (16 output rows per MMA), the activations B (8 tokens per MMA). A persistent grid walks work
 // units (one expert, W*R row tiles of 16 rows, one K slice); per pass a CTA stages up to NB tokens x KC columns
-// of activations in shared memory (permuting K on the way) and every warp streams its row tiles' weight records through a private
-// cp.async ring (records are laid out at load time so that one record is one contiguous 704-byte copy and each
-// lane's share of it is contiguous: 16 B of codes, 4 B of metadata, 8 B of scales). Each weight record is
+// of activations in shared memory (permuting K on the way unless they arrive permuted) and every warp streams its
+// row tiles' weight records through a private ring of bulk copies (records are laid out at load time so that one
+// record is one contiguous 704-byte copy and each lane's share of it is contiguous: 16 B of codes, 4 B of
+// metadata, 8 B of scales). Launched with programmatic dependent launch (see wait_previous_grid). Each weight record is
 // decoded once into bf16 fragments (E2M1 bits placed in bf16 fields, times the UE4M3 scale * 2^119 by a bf16x2
 // FMA: exact, the values are e2m1 * s * 2^-7) and used for every 8-token tile of the pass.
 // W4A4 (act_global given): the staging also fake-quantizes the activations to NVFP4 (32-column blocks, the
@@ -49,17 +50,13 @@ struct Params {
   int x_perm;               // x arrives K-permuted ([e0 e2 e4 e6 | e1 e3 e5 e7] per 8-group): staged as it is
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// The BULK ring: an mbarrier per stage (one arrival: the producer lane's expect_tx; the bulk copies complete
+// The weight ring: an mbarrier per stage (one arrival: the producer lane's expect_tx; the bulk copies complete
 // the transaction bytes), waited on by parity.
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbar_init(uint32_t bar) {
@@ -107,12 +104,6 @@ __device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t y
   return d;
 }
 
-__device__ __forceinline__ uint32_t bf16x2_fma(uint32_t a, uint32_t b, uint32_t c) {
-  uint32_t d;
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
-}
-
 // One code word (8 E2M1 codes, per 16-bit half (low codes, high codes) register r's magnitude at bits
 // {0, 3, 6, 11}[r] and sign at {9, 10, 15, 14}[r]) -> A register r = bf16x2(lo, hi) of e2m1 * 2^-126 (bf16
 // fields: magnitude at bits 6..8, sign at 15; registers 0 and 2 need one shift or none), then times the row's
@@ -124,24 +115,8 @@ __device__ __forceinline__ void decode_fields(uint32_t w, uint32_t (&f)[4]) {
   f[2] = w & kField;
   f[3] = and_or(w >> 5, kMag, (w << 1) & kSign);
 }
-__device__ __forceinline__ void decode_regs(uint32_t w, uint32_t s_lo, uint32_t s_hi, uint32_t (&a)[4]) {
-  constexpr uint32_t kSign = 0x80008000u;
-  uint32_t f[4];
-  decode_fields(w, f);
-  a[0] = bf16x2_fma(f[0], s_lo, kSign);
-  a[1] = bf16x2_fma(f[1], s_hi, kSign);
-  a[2] = bf16x2_fma(f[2], s_lo, kSign);
-  a[3] = bf16x2_fma(f[3], s_hi, kSign);
-}
-
-// A scale byte pair of the record layout (exponent-5 / mantissa-3 re-encoding of UE4M3 without subnormals,
-// see p48_mma.py) -> bf16x2 (s * 2^119, s * 2^119) for the byte selected by `sel` (prmt selector 0x4b4b).
-__device__ __forceinline__ uint32_t scale_pair(uint32_t word, uint32_t sel) {
-  return prmt(word, 0, sel) * 16u + 0x76007600u;
-}
-
-// bf16x2 a * (h, h), h = half H of s (the lo/hi selection is an operand modifier of the multiply), + -0: the
-// product of decode_regs.
+// bf16x2 a * (h, h), h = half H of s (the lo/hi selection is an operand modifier of the multiply), + -0: decoded
+// fields (decode_fields) times the row's scale; the fma keeps bf16 subnormals (no flush), so it is exact.
 template <int H>
 __device__ __forceinline__ uint32_t bf16x2_mul_half(uint32_t a, uint32_t s) {
   uint32_t d;
@@ -156,7 +131,7 @@ __device__ __forceinline__ uint32_t bf16x2_mul_half(uint32_t a, uint32_t s) {
   return d;
 }
 
-// A record's four scale words (decoded once per record, BULK): bf16x2 (step 2i, step 2i + 1) of s * 2^119 for
+// A record's four scale words (decoded once per record): bf16x2 (step 2i, step 2i + 1) of s * 2^119 for
 // row g (lo[i]) and row g + 8 (hi[i]); the scale bytes of step s are bytes 2 (s & 1) (row g) and 2 (s & 1) + 1
 // (row g + 8) of word s >> 1.
 struct RecScales {
@@ -167,14 +142,9 @@ __device__ __forceinline__ RecScales record_scales(uint2 sc) {
                    {prmt(sc.x, 0, 0x4341) * 16u + 0x76007600u, prmt(sc.y, 0, 0x4341) * 16u + 0x76007600u}};
 }
 
-// Two compact metadata bytes (n_a | n_b << 4 each; bytes at bit 0 and 16 of x) -> one mma.sp metadata
-// register: every 8-group's 2:4 nibble repeated for its two 4-groups.
-__device__ __forceinline__ uint32_t expand_meta(uint32_t x) {
-  const uint32_t y = (x & 0x000F000Fu) | ((x << 4) & 0x0F000F00u);
-  return y | (y << 4);
-}
-
-// expand_meta with one op less (BULK): x + 15 (x & 0xF0) moves n_b up by 4, times 17 repeats each nibble.
+// Two compact metadata bytes (n_a | n_b << 4 each; bytes at bit 0 and 16 of x) -> one mma.sp metadata register:
+// every 8-group's 2:4 nibble repeated for its two 4-groups (x + 15 (x & 0xF0) moves n_b up by 4, times 17 repeats
+// each nibble).
 __device__ __forceinline__ uint32_t expand_meta_imad(uint32_t x) { return (x + (x & 0x00F000F0u) * 15u) * 17u; }
 
 template <int SEL>
@@ -274,7 +244,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&b)[4], uint32_t s) {
                : "=r"(b[0]), "=r"(b[1]), "=r"(b[2]), "=r"(b[3])
                : "r"(s));
 }
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&b)[4], const void* smem) { ldmatrix_x4(b, smem_u32(smem)); }
 
 // x in [2^-9, 448] -> the nearest UE4M3 value, ties to even (as torch's float8_e4m3fn cast of the clamped
 // scale): 3 mantissa bits from 2^-6 up, multiples of 2^-9 below.
@@ -313,33 +282,24 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
   return make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// NB tokens per pass, R row tiles per warp, W warps, S ring stages per warp, KC activation columns per chunk,
-// RK consecutive K records per row tile and step (one contiguous copy; the per-step work of the producer,
-// the cursor and the loop is shared by RK records).
-// BULK: lane 0 fills a ring step with one bulk copy per row tile (cp.async.bulk, completion counted on the
-// stage's mbarrier) instead of every lane issuing 16-byte cp.async with its own address math, and the decode
-// turns each record's scales into bf16x2 pairs once (both steps of a pair in one register) instead of per step:
-// fewer instructions per weight byte, which is what bounds decode.
-// LEAN (BULK only): per unit, the staging skips its iterations past the tokens and the warps whose column groups
-// lie past the chunk (warp-uniform branches instead of predicated-off loads and stores), and the epilogue writes
-// through a per-thread base pointer with constant offsets (skipping the second token tile at <= 8 tokens).
-// CONTIG (LEAN only): each CTA walks a contiguous range of the units of experts with tokens (ranges balanced on
-// the device from the counts), so consecutive units are row groups of one expert, and a chunk of activations
-// already staged for the previous unit is not staged again (pays where one chunk covers the K slice).
-// LEAN = 2: also the chunk's row start and token count from the cursor (loaded when it takes the unit, not at the
-// staging, where 11 waited on up to three dependent global loads), and the activations loaded into registers
-// before the barrier that frees the shared buffer (their latency overlaps the wait for the other warps).
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_ = 1, bool BULK_ = false, int LEAN_ = 0,
-          bool CONTIG_ = false>
+// The decode variant (mma.sp): NB tokens per pass, R row tiles per warp, W warps, S ring stages per warp, KC
+// activation columns per chunk, RK consecutive K records per row tile and step (one contiguous copy; the per-step
+// work of the producer, the cursor and the loop is shared by RK records). Lane 0 of each warp fills a ring step
+// with one bulk copy per row tile (cp.async.bulk, completion counted on the stage's mbarrier) and the decode turns
+// each record's scales into bf16x2 pairs once (both steps of a pair in one register): fewer instructions per weight
+// byte, which is what bounds decode. Per unit, the staging (LeanStage) skips its iterations past the tokens and the
+// warps whose column groups lie past the chunk (warp-uniform branches), takes the chunk's row start and token count
+// from the cursor (loaded when it takes the unit) and loads the activations into registers before the barrier that
+// frees the shared buffer (their latency overlaps the wait for the other warps); the epilogue writes through a
+// per-thread base pointer with constant offsets (skipping the second token tile at <= 8 tokens).
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
-  static constexpr bool BULK = BULK_, CONTIG = CONTIG_, ORDER = false;  // ORDER: see WgVariant
-  static constexpr int LEAN = LEAN_;
-  static_assert((!LEAN || BULK) && (!CONTIG || LEAN), "LEAN needs BULK, CONTIG needs LEAN");
+  static constexpr bool ORDER = false;  // ORDER: see WgVariant
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
-  static constexpr int kSmem = kXBytes + kRingBytes + (BULK ? W * S * 8 : 0);  // + one mbarrier per warp and stage
+  static constexpr int kSmem = kXBytes + kRingBytes + W * S * 8;  // + one mbarrier per warp and stage
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
@@ -350,7 +310,7 @@ struct Variant {
 // Warpgroup variants (wgmma.sp m64nNBk32): WG warpgroups, each warp streams one row tile (the 16 rows it holds in
 // the warpgroup's 64-row A operand), the activations are B in shared memory (wgmma's swizzled layout), so each
 // decoded weight fragment serves all NB tokens of a pass in one instruction.
-// The weight ring is the mbarrier one (BULK), so cp.async groups are free for the activations: a staging map fixed
+// The weight ring is the mbarrier one, so cp.async groups are free for the activations: a staging map fixed
 // at compile time (each thread one 8-column group of tokens t0, t0 + TS, ...: the swizzled destination moves by a
 // constant), warp-uniform skips past the tokens, scales and metadata decoded once per record, and an epilogue
 // through one base pointer per thread. Each thread cp.async-copies its units of the next chunk into a raw
@@ -370,9 +330,7 @@ struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
-  static_assert(TW == 0 || (TW % 16 == 0 && NB % TW == 0), "the token width step must divide NB");
-  static constexpr bool BULK = true, CONTIG = false;
-  static constexpr int LEAN = 0;
+  static_assert(TW == 0 || (TW % 16 == 0 && NB % (TW ? TW : 1) == 0), "the token width step must divide NB");
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   // the swizzled and the raw buffer (or the second swizzled one) + slack: the swizzle needs a 1024-byte base
   static constexpr int kXBytes = 2 * kXBuf * 2 + 1024;
@@ -387,14 +345,12 @@ struct WgVariant {
   static_assert(KC % (kRecK * RK) == 0 && KC % 64 == 0 && NB % 16 == 0 && NB <= 256, "bad variant");
 };
 
-// Stage activations rows [t0, t0 + ntok) x columns [k0, k0 + kw) into shared memory, K-permuted per 8-group;
-// columns >= K are zeros (the padded weight columns are zero, and 0 * garbage could be NaN). In rounds of at
-// most 8 16-byte loads per thread (registers). QUANT: NVFP4-quantized with global scale g on the way; a
-// 32-column block is the four consecutive lanes with c = 4q..4q+3 of one token (kw is a multiple of 128 and
-// the thread count of 32, so the four share t).
-// V::SWZ (warpgroup variants): the B operand layout of wgmma (K-major, 128-byte swizzle): 64-column K blocks of
-// NB rows x 128 B each, the 16-byte chunk c of row t at chunk c ^ (t & 7); else rows of V::XS elements.
-// One chunk of staged activations, rows [row0, row0 + ntok) x columns [k0, k0 + kw), kw a multiple of 128.
+// One chunk of staged activations, rows [row0, row0 + ntok) x columns [k0, k0 + kw), kw a multiple of 128: in
+// shared memory K-permuted per 8-group; columns >= K are zeros (the padded weight columns are zero, and
+// 0 * garbage could be NaN). QUANT: NVFP4-quantized with global scale g on the way; a 32-column block is the four
+// consecutive lanes with c = 4q..4q+3 of one token. Layouts: rows of V::XS elements (decode variant, ldmatrix), or
+// wgmma's B operand (warpgroup variants; K-major, 128-byte swizzle): 64-column K blocks of NB rows x 128 B each,
+// the 16-byte chunk c of row t at chunk c ^ (t & 7).
 struct XChunk {
   long long row0;
   int ntok, k0, kw;
@@ -409,86 +365,9 @@ __device__ __forceinline__ uint4 permute8(uint4 v) {
 // A 16-byte group of activations in the order the MMAs read (the chunk's activations may arrive permuted).
 __device__ __forceinline__ uint4 staged_order(const XChunk& ch, uint4 v) { return ch.permuted ? v : permute8(v); }
 
-// Thread-to-chunk map of the staging: 16-byte group c (8 columns) of token t, for iteration j of the thread.
-// BULK: a map fixed at compile time (KC / 8 groups per token: shifts, not a division by the chunk's width); the
-// groups past the chunk's width are skipped.
-template <class V>
-__device__ __forceinline__ void x_slot(const XChunk& ch, int j, int& t, int& c) {
-  const int groups = V::BULK ? V::KC / 8 : ch.kw / 8;
-  const int idx = threadIdx.x + j * V::kThreads;
-  t = idx / groups;
-  c = idx - t * groups;
-}
-
-// Loads iterations [j0, j0 + N) of a chunk into registers; columns >= K and rows >= ntok read as zeros (the
-// padded weight columns are zero, and 0 * garbage could be NaN).
-template <class V, int N>
-__device__ __forceinline__ void load_x(const Params& p, const XChunk& ch, int j0, uint4 (&v)[N]) {
-  if constexpr (V::BULK) {  // the fixed map: the thread's column group is the same in every iteration
-    constexpr int G = V::KC / 8, TS = V::kThreads / G;
-    static_assert(V::kThreads % G == 0, "the fixed staging map needs whole tokens per round");
-    const int c = threadIdx.x % G, t0 = threadIdx.x / G + j0 * TS;
-    const bool col_ok = 8 * c < ch.kw && ch.k0 + 8 * c < p.K;
-    const uint16_t* src = p.x + (ch.row0 + t0) * p.x_stride + ch.k0 + 8 * c;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      v[j] = make_uint4(0, 0, 0, 0);
-      if (col_ok && t0 + j * TS < ch.ntok) v[j] = __ldg(reinterpret_cast<const uint4*>(src + j * TS * p.x_stride));
-    }
-    return;
-  }
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    int t, c;
-    x_slot<V>(ch, j0 + j, t, c);
-    v[j] = make_uint4(0, 0, 0, 0);
-    if (t < ch.ntok && ch.k0 + 8 * c < p.K && (!V::BULK || 8 * c < ch.kw))
-      v[j] = __ldg(reinterpret_cast<const uint4*>(p.x + (ch.row0 + t) * p.x_stride + ch.k0 + 8 * c));
-  }
-}
-
-// Stores iterations [j0, j0 + N) K-permuted per 8-group (and, QUANT, NVFP4-quantized with global scale ch.g on
-// the way; a 32-column block is the four consecutive lanes with c = 4q..4q+3 of one token: kw is a multiple of
-// 128 and the thread count of 32, so the four share t). V::SWZ (warpgroup variants): the B operand layout of
-// wgmma (K-major, 128-byte swizzle): 64-column K blocks of NB rows x 128 B each, the 16-byte chunk c of row t at
-// chunk c ^ (t & 7); else rows of V::XS elements.
-template <class V, bool QUANT, int N>
-__device__ __forceinline__ void store_x(uint16_t* xs, const XChunk& ch, int j0, uint4 (&v)[N]) {
-  if constexpr (QUANT) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      // a warp holds whole 32-column blocks, so one whose rows are all past the tokens, or (BULK's fixed map)
-      // whose column groups all lie past the chunk's width, skips the work (the branch is warp-uniform: the
-      // block's amax shuffles stay complete)
-      int t, c;
-      x_slot<V>(ch, j0 + j, t, c);
-      if (__any_sync(0xFFFFFFFFu, t < ch.ntok && 8 * c < ch.kw)) v[j] = nvfp4_block_values(v[j], ch.g);
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < N; ++j) {
-    int t, c;
-    x_slot<V>(ch, j0 + j, t, c);
-    if (t < ch.ntok && (!V::BULK || 8 * c < ch.kw)) {
-      const uint4 o = staged_order(ch, v[j]);
-      uint16_t* dst = V::SWZ ? xs + (c >> 3) * (V::NB * 64) + t * 64 + 8 * ((c & 7) ^ (t & 7)) : xs + t * V::XS + 8 * c;
-      *reinterpret_cast<uint4*>(dst) = o;
-    }
-  }
-}
-
 __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
-}
-// A read-only 16-byte global load kept in program order with the other volatile asm (the lean staging rounds:
-// the compiler would otherwise hoist every round's loads and spill).
-__device__ __forceinline__ uint4 ldg128(const void* src) {
-  uint4 v;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(src));
-  return v;
 }
 __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   uint4 v;
@@ -499,7 +378,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t addr) {
   return v;
 }
 
-// The fixed staging map of the lean warpgroup paths (XMODE): thread = 8-column group c of tokens t0 + j TS,
+// The fixed staging map of the warpgroup variants: thread = 8-column group c of tokens t0 + j TS,
 // j < N. A warp holds 32 consecutive groups of one token, so the skips below are warp-uniform. In the swizzled
 // layout (chunk c & 7 of row t at (c & 7) ^ (t & 7)) t & 7 stays t0 & 7 (TS is a multiple of 8), so unit j's
 // destination is unit 0's plus j * kDstStep bytes.
@@ -522,10 +401,10 @@ struct WgMap {
   }
 };
 
-// LEAN staging under the fixed map (thread: column group c, tokens t0, t0 + TS, ...; a warp shares its token and
-// holds 32 consecutive groups): the iterations past the tokens and the warps past the chunk's width branch away
-// (warp-uniform) instead of running predicated off; one 64-bit source pointer per thread, advanced by a stride.
-// Writes exactly what stage_x writes. In two halves (LEAN = 2 puts a barrier between them).
+// The decode variant's staging under a fixed map (thread: column group c, tokens t0, t0 + TS, ...; a warp shares
+// its token and holds 32 consecutive groups): the iterations past the tokens and the warps past the chunk's width
+// branch away (warp-uniform) instead of running predicated off; one 64-bit source pointer per thread, advanced by
+// a stride. In two halves (load, then store), with the barrier that frees the buffer between them.
 template <class V>
 struct LeanStage {
   static constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::kXIters;
@@ -558,33 +437,6 @@ struct LeanStage {
   }
 };
 
-template <class V, bool QUANT>
-__device__ __forceinline__ void stage_x_lean(const Params& p, uint16_t* xs, const XChunk& ch) {
-  LeanStage<V> st;
-  st.load(p, ch);
-  st.template store<QUANT>(xs, ch);
-}
-
-// Stages a whole chunk into shared memory, in rounds of at most 8 16-byte loads per thread (registers).
-template <class V, bool QUANT>
-__device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, const XChunk& ch) {
-  if constexpr (V::LEAN) {
-    stage_x_lean<V, QUANT>(p, xs, ch);
-    return;
-  }
-  // 8 loads in flight, 4 where 8 spill (the 64-token variant under QUANT, the 128-token warpgroup variants)
-  constexpr int kMaxRound = (QUANT && V::NB > 16) || V::NB > 64 ? 4 : 8;
-  constexpr int kRound = V::kXIters < kMaxRound ? V::kXIters : kMaxRound;
-  static_assert(V::kXIters % kRound == 0, "staging rounds must cover the chunk exactly");
-#pragma unroll
-  for (int j0 = 0; j0 < V::kXIters; j0 += kRound) {
-    uint4 v[kRound];
-    load_x<V>(p, ch, j0, v);
-    store_x<V, QUANT>(xs, ch, j0, v);
-  }
-}
-
-
 // Walks the CTA's work units (expert, group of W*R row tiles, K slice; units blockIdx.x, + gridDim.x, ...)
 // step by step: for each unit, each token block of NB tokens, each step of STEP 128-column records of the K slice
 // (the last step of a slice may hold fewer).
@@ -593,40 +445,11 @@ __device__ __forceinline__ void stage_x(const Params& p, uint16_t* xs, const XCh
 struct Cursor {
   int u, e, rg, kr0, nkr, ntb, tb, kr;
   int cnt;  // the expert's tokens
-  // INCR (BULK variants): the unit as (e, rg, z) and gridDim.x in the same mixed radix (experts, row groups, K
-  // slices), so that moving on by gridDim.x units is a few adds instead of two integer divisions
+  // the unit as (e, rg, z) and gridDim.x in the same mixed radix (experts, row groups, K slices), so that moving
+  // on by gridDim.x units is a few adds instead of two integer divisions
   int z, de, drg, dz;
-  int left;  // CONTIG: units left in the CTA's range, this one included
-  int row0;  // the expert's first activation row (LEAN = 2 reads it here; dead, and not loaded, elsewhere)
+  int row0;  // the expert's first activation row
   bool valid;
-
-  // CONTIG: stand at unit (e, rem) of the range (e has tokens), `n` units long.
-  template <int NB>
-  __device__ __forceinline__ void start_contig(const Params& p, int e0, int rem, int n, int row_groups, int kr_per) {
-    valid = n > 0;
-    if (!valid) return;
-    e = e0, rg = rem / p.split, z = rem - rg * p.split, left = n;
-    if (!take<NB>(p, e, z, kr_per)) step_contig<NB>(p, row_groups, kr_per);
-  }
-  // CONTIG: the next unit of the range with work (experts without tokens are not in the range's count).
-  template <int NB>
-  __device__ __forceinline__ void step_contig(const Params& p, int row_groups, int kr_per) {
-    for (;;) {
-      if (--left <= 0) {
-        valid = false;
-        return;
-      }
-      if (++z == p.split) {
-        z = 0;
-        if (++rg == row_groups) {
-          rg = 0;
-          do ++e;
-          while (__ldg(p.counts + e) <= 0);  // the range ends at an expert with tokens
-        }
-      }
-      if (take<NB>(p, e, z, kr_per)) return;  // else an empty K slice (split > KR / kr_per)
-    }
-  }
 
   template <int NB>
   __device__ __forceinline__ void seek(const Params& p, int unit, int row_groups, int kr_per, int n_units) {
@@ -680,16 +503,14 @@ struct Cursor {
     }
     valid = false;
   }
-  template <int NB, int STEP, bool INCR = false, bool CONTIG = false, bool ORDER = false>
+  template <int NB, int STEP, bool ORDER = false>
   __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
     if ((kr += STEP) < nkr) return;
     kr = 0;
     if (++tb < ntb) return;
     if constexpr (ORDER) {
       take_ordered<NB>(p, u + 1, row_groups, kr_per, n_units, order);
-    } else if constexpr (CONTIG) {
-      step_contig<NB>(p, row_groups, kr_per);
-    } else if constexpr (INCR) {
+    } else {
       for (;;) {
         z += dz;
         int carry = z >= p.split;
@@ -704,21 +525,15 @@ struct Cursor {
         }
         if (take<NB>(p, e, z, kr_per)) return;
       }
-    } else {
-      seek<NB>(p, u + gridDim.x, row_groups, kr_per, n_units);
     }
   }
 };
 
-// The chunk a cursor stands at (its first record must start a chunk).
+// The chunk a cursor stands at (its first record must start a chunk), from the cursor's own count and row start
+// (loaded when it took the unit).
 template <class V, bool QUANT>
-__device__ __forceinline__ XChunk chunk_at(const Params& p, const Cursor& c) {
-  if constexpr (V::LEAN >= 2)  // the cursor's own count and row start (loaded when it took the unit)
-    return XChunk{c.row0 + static_cast<long long>(c.tb) * V::NB, min(V::NB, c.cnt - c.tb * V::NB),
-                  (c.kr0 + c.kr) * kRecK, min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f,
-                  p.x_perm};
-  const int cnt = __ldg(p.counts + c.e);
-  return XChunk{__ldg(p.row_start + c.e) + c.tb * V::NB, min(V::NB, cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
+__device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
+  return XChunk{c.row0 + static_cast<long long>(c.tb) * V::NB, min(V::NB, c.cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
                 min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
 }
 
@@ -729,18 +544,8 @@ __device__ __forceinline__ void load_lane_share(const uint8_t* rec, int lane, ui
   sc = *reinterpret_cast<const uint2*>(rec + kScaleOff + 8 * (lane >> 2));
 }
 
-// MMA step s (32 columns) of a record: the four A registers and the metadata register.
-__device__ __forceinline__ uint32_t decode_step(const uint4& codes, uint32_t meta, uint2 sc, int s, uint32_t (&a)[4]) {
-  const uint32_t w = s == 0 ? codes.x : s == 1 ? codes.y : s == 2 ? codes.z : codes.w;
-  const uint32_t sw = s < 2 ? sc.x : sc.y;
-  const uint32_t s_lo = scale_pair(sw, (s & 1) ? 0x4242 : 0x4040);  // row g
-  const uint32_t s_hi = scale_pair(sw, (s & 1) ? 0x4343 : 0x4141);  // row g + 8
-  decode_regs(w, s_lo, s_hi, a);
-  return expand_meta(prmt(meta, 0, (s >> 1) ? 0x4342 : 0x4140));
-}
-
-// decode_step with the record's scales and metadata registers decoded once (BULK): em[s >> 1] is the metadata
-// of steps 2i and 2i + 1 (the same register; the selector differs).
+// MMA step s (32 columns) of a record: the four A registers, with the record's scales decoded once (RecScales);
+// the metadata register of steps 2i and 2i + 1 is the same (expand_meta_imad, once per record; the selector differs).
 __device__ __forceinline__ void decode_step_hoisted(const uint4& codes, const RecScales& rs, int s, uint32_t (&a)[4]) {
   const uint32_t w = s == 0 ? codes.x : s == 1 ? codes.y : s == 2 ? codes.z : codes.w;
   uint32_t f[4];
@@ -755,7 +560,7 @@ __device__ __forceinline__ void decode_step_hoisted(const uint4& codes, const Re
   }
 }
 
-// One output element through a typed pointer (LEAN): a bf16 or fp32 store, or an fp32 atomic add (split K).
+// One output element through a typed pointer: a bf16 or fp32 store, or an fp32 atomic add (split K).
 template <bool ATOMIC, class T>
 __device__ __forceinline__ void store_to(T* o, float v) {
   if constexpr (ATOMIC)
@@ -764,55 +569,6 @@ __device__ __forceinline__ void store_to(T* o, float v) {
     *o = __float2bfloat16_rn(v);
   else
     *o = v;
-}
-
-// One output element: plain bf16 or fp32 store, or an fp32 atomic add (split K).
-template <bool OUT_BF16, bool ATOMIC>
-__device__ __forceinline__ void store_out(const Params& p, long long off, float v) {
-  if (ATOMIC)
-    atomicAdd(reinterpret_cast<float*>(p.out) + off, v);
-  else if (OUT_BF16)
-    reinterpret_cast<__nv_bfloat16*>(p.out)[off] = __float2bfloat16_rn(v);
-  else
-    reinterpret_cast<float*>(p.out)[off] = v;
-}
-
-// CONTIG: this CTA's range of units, balanced over the grid: the units (row groups x K slices) of the experts with
-// tokens, in order, split into gridDim.x contiguous ranges. Returns the range's length; e0 / rem: its first unit.
-// Every thread of the CTA must call it (block-wide counts; the results are CTA-uniform).
-template <class V>
-__device__ __forceinline__ int contig_range(const Params& p, int per_e, int& e0, int& rem) {
-  __shared__ int s_warp[V::W], s_e;
-  int active = 0;
-  for (int b = 0; b < p.E; b += V::kThreads) {
-    const int e = b + threadIdx.x;
-    active += __syncthreads_count(e < p.E && __ldg(p.counts + e) > 0);
-  }
-  const long long units = 1LL * active * per_e;
-  const long long s = units * blockIdx.x / gridDim.x, t = units * (blockIdx.x + 1) / gridDim.x;
-  if (s >= t) return 0;
-  const int ae = static_cast<int>(s / per_e);  // the range starts in the ae-th expert with tokens
-  rem = static_cast<int>(s - 1LL * ae * per_e);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int b = 0, before = 0; b < p.E; b += V::kThreads) {
-    const int e = b + threadIdx.x;
-    const bool act = e < p.E && __ldg(p.counts + e) > 0;
-    const uint32_t bal = __ballot_sync(0xFFFFFFFFu, act);
-    if (lane == 0) s_warp[warp] = __popc(bal);
-    __syncthreads();
-    int rank = before + __popc(bal & ((1u << lane) - 1u)), round = 0;
-#pragma unroll
-    for (int w = 0; w < V::W; ++w) {
-      rank += w < warp ? s_warp[w] : 0;
-      round += s_warp[w];
-    }
-    if (act && rank == ae) s_e = e;
-    __syncthreads();
-    before += round;
-    if (before > ae) break;  // CTA-uniform
-  }
-  e0 = s_e;
-  return static_cast<int>(t - s);
 }
 
 // ORDER: the experts with tokens by decreasing count (ties: index order) into `order` (16-bit indices in shared
@@ -858,9 +614,9 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
   }
 }
 
-// The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (one
-// commit group per step, empty once the cursor is past the last unit; BULK: lane 0 copies each row tile's records
-// with one bulk copy counted on the slot's mbarrier at `bars`) and advance the cursor and the slot.
+// The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (lane 0, one
+// bulk copy per row tile counted on the slot's mbarrier at `bars`; nothing once the cursor is past the last unit)
+// and advance the cursor and the slot.
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
                                            int warp, int lane, int row_groups, int kr_per, int n_units,
@@ -869,27 +625,19 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
     const int chunks = min(RK, prod.nkr - prod.kr) * kRecChunks;  // the step's records are contiguous
-    if (!V::BULK || lane == 0) {
-      if (V::BULK) mbar_expect_tx(bars + 8 * slot, R * 16 * chunks);
+    if (lane == 0) {
+      mbar_expect_tx(bars + 8 * slot, R * 16 * chunks);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const int rt = min(prod.rg * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
-        // BULK: the record index in 32 bits (the launcher checks E * MT * KR < 2^31)
+        // the record index in 32 bits (the launcher checks E * MT * KR < 2^31)
         const uint8_t* src =
-            V::BULK ? p.records + static_cast<unsigned long long>(static_cast<uint32_t>((prod.e * p.MT + rt) * p.KR + prod.kr0 + prod.kr)) * kRecBytes
-                    : p.records + ((static_cast<long long>(prod.e) * p.MT + rt) * p.KR + prod.kr0 + prod.kr) * kRecBytes;
-        if constexpr (V::BULK) {
-          bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
-        } else {
-#pragma unroll
-          for (int c = lane; c < RK * kRecChunks; c += 32)
-            if (RK == 1 || c < chunks) cp_async16(dst + r * RK * kRecBytes + 16 * c, src + 16 * c);
-        }
+            p.records + static_cast<unsigned long long>(static_cast<uint32_t>((prod.e * p.MT + rt) * p.KR + prod.kr0 + prod.kr)) * kRecBytes;
+        bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
       }
     }
-    prod.next<V::NB, RK, V::BULK, V::CONTIG, V::ORDER>(p, row_groups, kr_per, n_units, order);
+    prod.next<V::NB, RK, V::ORDER>(p, row_groups, kr_per, n_units, order);
   }
-  if constexpr (!V::BULK) cp_async_commit();
   slot = slot == V::S - 1 ? 0 : slot + 1;
 }
 
@@ -906,33 +654,24 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
-  const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
+  const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
 
-  if constexpr (!V::CONTIG) prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
+  prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
   wait_previous_grid();
   allow_next_grid();
   Cursor prod{}, cons{};
-  if constexpr (V::CONTIG) {
-    int e0 = 0, rem = 0;
-    const int n = contig_range<V>(p, row_groups * p.split, e0, rem);
-    prod.start_contig<NB>(p, e0, rem, n, row_groups, kr_per);
-  } else {
-    prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
-  }
+  prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   if (!prod.valid) return;
-  if constexpr (V::BULK && !V::CONTIG) prod.init_stride(p, row_groups);
+  prod.init_stride(p, row_groups);
   cons = prod;
   int slot_p = 0, slot_c = 0;
-  int staged_e = -1, staged_tb = 0, staged_k = 0;  // CONTIG: the chunk in shared memory
-  uint32_t phase = 0;  // BULK: parity of the consumer's current pass over the ring
-  if constexpr (V::BULK) {
-    if (lane == 0) {
+  uint32_t phase = 0;  // parity of the consumer's current pass over the ring
+  if (lane == 0) {
 #pragma unroll
-      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
-      mbar_init_fence();
-    }
-    __syncwarp();
+    for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
+    mbar_init_fence();
   }
+  __syncwarp();
 
   auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
 #pragma unroll
@@ -947,46 +686,29 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
 
   // ldmatrix row address of this lane: token (lane & 7) of an 8-token tile, 8 columns at (lane >> 3) * 8.
-  const uint16_t* xs_lane = xs + (lane & 7) * V::XS + (lane >> 3) * 8;
-  const uint32_t xs_lane_addr = smem_u32(xs_lane);
+  const uint32_t xs_lane_addr = smem_u32(xs + (lane & 7) * V::XS + (lane >> 3) * 8);
 
   while (cons.valid) {
     const int kr = cons.kr, tb = cons.tb;
-    const int cnt = V::BULK ? cons.cnt : __ldg(p.counts + cons.e);
-    const long long row0 = V::BULK ? 0 : __ldg(p.row_start + cons.e);  // BULK: read at the epilogue only
-    const int ntok = min(NB, cnt - tb * NB);
+    const int ntok = min(NB, cons.cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
-      // CONTIG: the next row group of an expert reads the chunk already staged (the key is CTA-uniform)
-      const int k = cons.kr0 + kr;
-      if (!V::CONTIG || cons.e != staged_e || tb != staged_tb || k != staged_k) {
-        if constexpr (V::LEAN >= 2) {
-          const XChunk ch = chunk_at<V, QUANT>(p, cons);
-          LeanStage<V> st;
-          st.load(p, ch);   // in flight while the other warps finish the previous chunk
-          __syncthreads();  // every warp is done with the previous chunk
-          st.template store<QUANT>(xs, ch);
-        } else {
-          __syncthreads();  // every warp is done with the previous chunk
-          stage_x<V, QUANT>(p, xs, chunk_at<V, QUANT>(p, cons));
-        }
-        __syncthreads();
-        staged_e = cons.e, staged_tb = tb, staged_k = k;
-      }
+      const XChunk ch = chunk_of<V, QUANT>(p, cons);
+      LeanStage<V> st;
+      st.load(p, ch);   // in flight while the other warps finish the previous chunk
+      __syncthreads();  // every warp is done with the previous chunk
+      st.template store<QUANT>(xs, ch);
+      __syncthreads();
     }
-    if constexpr (V::BULK) {
-      mbar_wait(bars + 8 * slot_c, phase);
-      phase ^= slot_c == S - 1;
-    } else {
-      cp_async_wait<S - 2>();
-    }
+    mbar_wait(bars + 8 * slot_c, phase);
+    phase ^= slot_c == S - 1;
     __syncwarp();  // every lane is done with the slot the producer refills now
     issue();
     const uint8_t* step_rec = ring + slot_c * (R * RK * kRecBytes);
     slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
     const int nrec = min(RK, cons.nkr - kr);
     const int ntiles = (ntok + 7) >> 3;
-    // the step's records against NTA 8-token tiles (BULK: a warp-uniform branch drops the second tile's MMAs at
-    // up to 8 tokens instead of predicating them off; they would still be issued)
+    // the step's records against NTA 8-token tiles (a warp-uniform branch drops the second tile's MMAs at up to 8
+    // tokens instead of predicating them off; they would still be issued)
     auto records = [&](auto nta) {
       constexpr int NTA = decltype(nta)::value;
 #pragma unroll
@@ -994,41 +716,31 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
         if (RK > 1 && j >= nrec) break;
         const uint8_t* rec = step_rec + j * kRecBytes;
         uint4 codes[R];
-        uint32_t meta[R];
-        uint2 sc[R];
         RecScales rs[R];
         uint32_t emr[R][2];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          load_lane_share(rec + r * RK * kRecBytes, lane, codes[r], meta[r], sc[r]);
-          if constexpr (V::BULK) {
-            rs[r] = record_scales(sc[r]);
-            emr[r][0] = expand_meta_imad(prmt(meta[r], 0, 0x4140));
-            emr[r][1] = expand_meta_imad(prmt(meta[r], 0, 0x4342));
-          }
+          uint32_t meta;
+          uint2 sc;
+          load_lane_share(rec + r * RK * kRecBytes, lane, codes[r], meta, sc);
+          rs[r] = record_scales(sc);
+          emr[r][0] = expand_meta_imad(prmt(meta, 0, 0x4140));
+          emr[r][1] = expand_meta_imad(prmt(meta, 0, 0x4342));
         }
-        const uint16_t* xk = xs_lane + (kr % kRecPerChunk + j) * kRecK;
-        const uint32_t xk_addr = xs_lane_addr + (kr % kRecPerChunk + j) * (2 * kRecK);  // BULK: 32-bit addresses
+        const uint32_t xk_addr = xs_lane_addr + (kr % kRecPerChunk + j) * (2 * kRecK);
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           uint32_t a[R][4], em[R];
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            if constexpr (V::BULK) {
-              decode_step_hoisted(codes[r], rs[r], s, a[r]);
-              em[r] = emr[r][s >> 1];
-            } else {
-              em[r] = decode_step(codes[r], meta[r], sc[r], s, a[r]);
-            }
+            decode_step_hoisted(codes[r], rs[r], s, a[r]);
+            em[r] = emr[r][s >> 1];
           }
 #pragma unroll
           for (int n = 0; n < NTA; ++n) {
             if (n < ntiles) {
               uint32_t b[4];
-              if constexpr (V::BULK)
-                ldmatrix_x4(b, xk_addr + 2 * (n * 8 * V::XS + s * 32));
-              else
-                ldmatrix_x4(b, xk + n * 8 * V::XS + s * 32);
+              ldmatrix_x4(b, xk_addr + 2 * (n * 8 * V::XS + s * 32));
 #pragma unroll
               for (int r = 0; r < R; ++r) {
                 if (s & 1)
@@ -1041,7 +753,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
         }
       }
     };
-    if constexpr (V::BULK && NT > 1) {
+    if constexpr (NT > 1) {
       if (ntiles == 1)
         records(std::integral_constant<int, 1>{});
       else
@@ -1049,12 +761,11 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     } else {
       records(std::integral_constant<int, NT>{});
     }
-    if (V::LEAN && kr + RK >= cons.nkr) {  // end of a token block: write its outputs (one base pointer)
+    if (kr + RK >= cons.nkr) {  // end of a token block: write its outputs (one base pointer)
       const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
       using T = std::conditional_t<OUT_BF16 && !ATOMIC, __nv_bfloat16, float>;
       // the lane's outputs: tokens n * 8 + 2 t4 (+ 1) x rows 16 rt + g (+ 8)
-      const int erow0 = V::LEAN >= 2 ? cons.row0 : __ldg(p.row_start + cons.e);
-      T* const base = reinterpret_cast<T*>(p.out) + (erow0 + tb * NB + 2 * t4) * p.out_stride + g;
+      T* const base = reinterpret_cast<T*>(p.out) + (cons.row0 + tb * NB + 2 * t4) * p.out_stride + g;
       const long long s8 = 8 * p.out_stride;
       const int tok = ntok - 2 * t4;  // the lane's tokens are 0 (+1) below this, per tile
 #pragma unroll
@@ -1077,36 +788,10 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
       }
-    } else if (kr + RK >= cons.nkr) {  // end of a token block: write its outputs
-      const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
-      const long long out_row0 = V::BULK ? __ldg(p.row_start + cons.e) : row0;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int rt = cons.rg * (W * R) + r * W + warp;
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int m = rt * 16 + g + 8 * (i >> 1);
-            const int tok = n * 8 + 2 * t4 + (i & 1);
-            if (rt < p.MT && m < p.M && tok < ntok) {
-              store_out<OUT_BF16, ATOMIC>(p, (out_row0 + tb * NB + tok) * p.out_stride + m, acc[r][n][i] * alpha);
-            }
-            acc[r][n][i] = 0.f;
-          }
-        }
-      }
     }
-    cons.next<NB, RK, V::BULK, V::CONTIG>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
-}
-
-// The chunk a cursor stands at, from the cursor's own count and row start (loaded when it took the unit).
-template <class V, bool QUANT>
-__device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
-  return XChunk{c.row0 + static_cast<long long>(c.tb) * V::NB, min(V::NB, c.cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
-                min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
 }
 
 // The thread's units of chunk `ch` into the raw buffer at `buf` (unit j of thread i at 16 (j kThreads + i)), one
@@ -1157,13 +842,12 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 
   const uint32_t smem_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const uint32_t pad = (1024u - (smem_addr & 1023u)) & 1023u;
-  uint16_t* xs = reinterpret_cast<uint16_t*>(smem + pad);
   const uint32_t xs_addr = smem_addr + pad;
   const uint32_t raw_addr = xs_addr + V::kXBuf * 2;  // the raw buffer after the swizzled one
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * RK * kRecBytes);
-  const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // BULK: the warp's mbarriers
+  const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
 
   if constexpr (!V::ORDER) prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
   wait_previous_grid();
@@ -1179,7 +863,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   else
     prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   if (!prod.valid) return;
-  if constexpr (V::BULK && !V::ORDER) prod.init_stride(p, row_groups);
+  if constexpr (!V::ORDER) prod.init_stride(p, row_groups);
   cons = prod;
   int xbuf = 0;
   int slot_p = 0, slot_c = 0;
@@ -1216,7 +900,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
       Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
-      nx.next<NB, kRecPerChunk, true, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
+      nx.next<NB, kRecPerChunk, V::ORDER>(p, row_groups, kr_per, n_units, order);
       if (direct) {
         cp_async_wait<0>();  // this thread's copies of the chunk have landed in buffer xnext
         fence_async_smem();
@@ -1312,7 +996,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 #pragma unroll
       for (int i = 0; i < ND; ++i) acc[i] = 0.f;
     }
-    cons.next<NB, RK, V::BULK, false, V::ORDER>(p, row_groups, kr_per, n_units, order);
+    cons.next<NB, RK, V::ORDER>(p, row_groups, kr_per, n_units, order);
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
@@ -1328,7 +1012,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // 3: 2 with the units dealt to the CTAs by decreasing token count in a snake (ORDER) and the wgmma's N per token
 // block rounded up from its token count in steps of 32 (TW).
 #define MOESQ_P48_VARIANTS(X)                            \
-  X(0, Variant<16, 2, 8, 3, 1024, 2, true, 2>)           \
+  X(0, Variant<16, 2, 8, 3, 1024, 2>)                    \
   X(1, WgVariant<64, 4, 3, 512, 2>)                      \
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)
