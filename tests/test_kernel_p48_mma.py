@@ -285,6 +285,37 @@ def test_gpu_k_ordered_w4a16_equals_natural(E, M, K, counts, split, out_dtype, v
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("variant", VARIANTS)
+def test_gpu_programmatic_launch_reads_what_the_previous_kernel_wrote(variant, monkeypatch):
+    """The kernels are launched so that they may start while the previous kernel runs (MOESQ_P48_PDL, on by
+    default): the activations, counts and row starts written by the kernels just before (a long elementwise kernel,
+    then small copies) must be what the GEMM reads; the plain launch gives the same outputs bit for bit."""
+    native = _native_or_skip()
+    dev = torch.device("cuda")
+    E, M, K, counts = 6, 264, 1024, [16, 1, 0, 97, 8, 33]
+    gen = torch.Generator().manual_seed(3)
+    t = random_p48_tensors(E, M, K, gen, "cpu")
+    case = P48GroupedCase(_unstack(t), counts, False, gen, 0.0)
+    W = pm.P48MmaWeights.from_packed(t, dev)
+    cfg, alpha = pm.MmaConfig(variant, 1), case.alpha(W.global_scale)
+    outs = []
+    for pdl in ("1", "0", "1"):
+        monkeypatch.setenv("MOESQ_P48_PDL", pdl)
+        x = torch.zeros_like(case.x)
+        cnt, start = torch.zeros_like(case.counts), torch.zeros_like(case.row_start)
+        big = torch.empty(1 << 26, device=dev).uniform_()  # keeps the stream busy right before the writes
+        big.mul_(2).add_(1)
+        x.copy_(case.x), cnt.copy_(case.counts), start.copy_(case.row_start)
+        out = case.output(True)
+        pm.p48_mma_gemm_rows(x, W, start, cnt, alpha, out, cfg, native)
+        case.check(out, 2e-5, True)
+        outs.append(out)
+    for o in outs[1:]:
+        torch.testing.assert_close(o, outs[0], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_kernel_bf16_output(variant):
     _gpu_case(4, 520, 1024, [9, 16, 0, 77], False, 1, variant, torch.bfloat16, seed=11)
 
