@@ -156,7 +156,7 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 3
     assert pm.pick_config(2048, 768, 128, 128, cpu).variant == 2  # short units: the sort does not pay
     assert pm.pick_config(1536, 2048, 5000, 256, cpu).variant == 2  # too many experts to sort in the kernel
-    assert pm.ORDERS_EXPERTS == (False, False, False, True)
+    assert pm.ORDERS_EXPERTS == (False, False, False, True, False)
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
@@ -215,6 +215,9 @@ def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed, sprea
     (1, 48, 64, [1]),  # N = 1
     # token counts on both sides of every wgmma width step (32) and pass (64 / 128), stale rows between
     (17, 136, 416, [1, 16, 17, 31, 32, 33, 48, 49, 63, 64, 65, 96, 97, 127, 128, 129, 200]),
+    # five 256-row groups (two per unit in variant 4: the last unit holds one), one chunk per K slice (re-used by a
+    # unit's second row group up to 16 tokens), several token passes
+    (6, 1160, 768, [3, 16, 0, 17, 1, 40]),
 ])
 def test_gpu_kernel_matches_reference(E, M, K, counts, act_quant, split, variant):
     _gpu_case(E, M, K, counts, act_quant, split, variant, torch.float32, seed=E + M + K)

@@ -53,10 +53,10 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # (each CTA sorts the experts, at most MAX_ORDER_EXPERTS) and the wgmma's N per token block rounded up from its
 # token count (steps of 32). The variants that lost head to head were removed on 2026-12-02 (native/NOTES.md keeps
 # their numbers and results).
-TOKEN_BLOCKS = (16, 64, 128, 128)
-ROWS_PER_CTA = (256,) * 4
-MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3
-ORDERS_EXPERTS = (False, False, False, True)
+TOKEN_BLOCKS = (16, 64, 128, 128, 16)
+ROWS_PER_CTA = (256,) * 5
+MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",)
+ORDERS_EXPERTS = (False, False, False, True, False)
 MAX_ORDER_EXPERTS = 4096
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)

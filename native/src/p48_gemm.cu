@@ -292,9 +292,9 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // from the cursor (loaded when it takes the unit) and loads the activations into registers before the barrier that
 // frees the shared buffer (their latency overlaps the wait for the other warps); the epilogue writes through a
 // per-thread base pointer with constant offsets (skipping the second token tile at <= 8 tokens).
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_>
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1>
 struct Variant {
-  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_;
+  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_;
   static constexpr bool ORDER = false;  // ORDER: see WgVariant
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
@@ -327,7 +327,7 @@ struct Variant {
 // Each CTA sorts the experts itself at the start (E <= kMaxOrderE).
 template <int NB_, int WG_, int S_, int KC_, int RK_, int TW_ = 0, bool ORDER_ = false>
 struct WgVariant {
-  static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_;
+  static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_, P = 1;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
   static_assert(TW == 0 || (TW % 16 == 0 && NB % (TW ? TW : 1) == 0), "the token width step must divide NB");
@@ -449,7 +449,11 @@ struct Cursor {
   // on by gridDim.x units is a few adds instead of two integer divisions
   int z, de, drg, dz;
   int row0;  // the expert's first activation row
+  int sub;   // P > 1: the row group within the unit (the unit's row groups are rg P .. rg P + P - 1)
   bool valid;
+
+  template <int P>
+  __device__ __forceinline__ int row_group() const { return P == 1 ? rg : rg * P + sub; }
 
   template <int NB>
   __device__ __forceinline__ void seek(const Params& p, int unit, int row_groups, int kr_per, int n_units) {
@@ -503,11 +507,20 @@ struct Cursor {
     }
     valid = false;
   }
-  template <int NB, int STEP, bool ORDER = false>
-  __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
+  // P > 1: rg counts units of P row groups; all_row_groups is the number of row groups (the last unit may hold fewer)
+  template <int NB, int STEP, bool ORDER = false, int P = 1>
+  __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0,
+                                       int all_row_groups = 0) {
     if ((kr += STEP) < nkr) return;
     kr = 0;
     if (++tb < ntb) return;
+    if constexpr (P > 1) {  // the unit's next row group: same expert, K slice and tokens
+      if (sub + 1 < P && rg * P + sub + 1 < all_row_groups) {
+        ++sub, tb = 0;
+        return;
+      }
+      sub = 0;
+    }
     if constexpr (ORDER) {
       take_ordered<NB>(p, u + 1, row_groups, kr_per, n_units, order);
     } else {
@@ -609,7 +622,7 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
   if (nk <= 0) return;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int rt = min(rg * (W * R) + r * W + warp, p.MT - 1);
+    const int rt = min(rg * V::P * (W * R) + r * W + warp, p.MT - 1);
     prefetch_l2(p.records + ((static_cast<long long>(e) * p.MT + rt) * p.KR + k0) * kRecBytes, nk * kRecBytes);
   }
 }
@@ -620,7 +633,7 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
                                            int warp, int lane, int row_groups, int kr_per, int n_units,
-                                           uint32_t order = 0) {
+                                           uint32_t order = 0, int all_row_groups = 0) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
@@ -629,14 +642,14 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
       mbar_expect_tx(bars + 8 * slot, R * 16 * chunks);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int rt = min(prod.rg * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
+        const int rt = min(prod.row_group<V::P>() * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
         // the record index in 32 bits (the launcher checks E * MT * KR < 2^31)
         const uint8_t* src =
             p.records + static_cast<unsigned long long>(static_cast<uint32_t>((prod.e * p.MT + rt) * p.KR + prod.kr0 + prod.kr)) * kRecBytes;
         bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
       }
     }
-    prod.next<V::NB, RK, V::ORDER>(p, row_groups, kr_per, n_units, order);
+    prod.next<V::NB, RK, V::ORDER, V::P>(p, row_groups, kr_per, n_units, order, all_row_groups);
   }
   slot = slot == V::S - 1 ? 0 : slot + 1;
 }
@@ -645,8 +658,9 @@ template <class V, bool OUT_BF16, bool ATOMIC, bool QUANT>
 __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Params p) {
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int NB = V::NB, R = V::R, W = V::W, S = V::S, KC = V::KC, RK = V::RK, NT = NB / 8;
-  constexpr int kRecPerChunk = KC / kRecK;
-  const int row_groups = (p.MT + W * R - 1) / (W * R);
+  constexpr int kRecPerChunk = KC / kRecK, P = V::P;
+  const int all_row_groups = (p.MT + W * R - 1) / (W * R);
+  const int row_groups = P == 1 ? all_row_groups : (all_row_groups + P - 1) / P;  // units per expert and K slice
   const int kr_per = (p.KR + p.split - 1) / p.split;
   const int n_units = p.E * row_groups * p.split;
 
@@ -673,7 +687,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   }
   __syncwarp();
 
-  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
+  auto issue = [&]() {
+    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, 0, all_row_groups);
+  };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -691,7 +707,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   while (cons.valid) {
     const int kr = cons.kr, tb = cons.tb;
     const int ntok = min(NB, cons.cnt - tb * NB);
-    if (kr % kRecPerChunk == 0) {
+    // P > 1: a unit's later row groups re-use the chunk when it holds the whole K slice and token block
+    if (kr % kRecPerChunk == 0 && (P == 1 || cons.sub == 0 || cons.ntb > 1 || cons.nkr > kRecPerChunk)) {
       const XChunk ch = chunk_of<V, QUANT>(p, cons);
       LeanStage<V> st;
       st.load(p, ch);   // in flight while the other warps finish the previous chunk
@@ -770,7 +787,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       const int tok = ntok - 2 * t4;  // the lane's tokens are 0 (+1) below this, per tile
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int rt = cons.rg * (W * R) + r * W + warp;
+        const int rt = cons.row_group<P>() * (W * R) + r * W + warp;
         const int mr = p.M - (rt * 16 + g);  // rows 0 and 8 of the lane exist below this
         T* o = base + rt * 16;
 #pragma unroll
@@ -789,7 +806,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
           for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
       }
     }
-    cons.next<NB, RK>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK, false, P>(p, row_groups, kr_per, n_units, 0, all_row_groups);
   }
   cp_async_wait<0>();
 }
@@ -1015,7 +1032,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(0, Variant<16, 2, 8, 3, 1024, 2>)                    \
   X(1, WgVariant<64, 4, 3, 512, 2>)                      \
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
-  X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)
+  X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
+  X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
@@ -1040,7 +1058,8 @@ int launch(const moesq_p48_args& a) {
   Params p{static_cast<const uint8_t*>(a.records), a.E, static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
            a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global, a.x_perm};
   auto kernel = a.act_global != nullptr ? pick_kernel<V, true>(a) : pick_kernel<V, false>(a);
-  const long long units = static_cast<long long>(a.E) * ((a.MT + V::W * V::R - 1) / (V::W * V::R)) * a.split;
+  const int row_groups = (a.MT + V::W * V::R - 1) / (V::W * V::R);
+  const long long units = static_cast<long long>(a.E) * ((row_groups + V::P - 1) / V::P) * a.split;
   int sms = 0, per_sm = 0;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, V::kSmem);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device);
