@@ -160,6 +160,23 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
+def test_pick_config_pairs_row_groups_only_where_the_chunk_is_reused_and_the_walk_not_longer():
+    cpu = torch.device("cpu")
+    assert pm.ROW_GROUPS_PER_UNIT[4] == 2 and pm.TOKEN_BLOCKS[4] == pm.TOKEN_BLOCKS[0]
+    # Qwen3-30B-A3B down (K = 768: one chunk), every expert with tokens: 1024 single or 512 paired units on 264 CTAs
+    assert pm.pick_config(2048, 768, 128, 1, cpu) == pm.MmaConfig(4, 1)
+    assert pm.pick_config(2048, 768, 128, 16, cpu) == pm.MmaConfig(4, 1)
+    assert pm.pick_config(2048, 768, 128, 17, cpu).variant == 1
+    # 640 units: 3 row groups for the busiest CTA, 2 pairs (4) if paired
+    assert pm.pick_config(2048, 768, 80, 1.6, cpu) == pm.MmaConfig(0, 1)
+    # few experts: split K already spreads them, pairs would double the walk
+    assert pm.pick_config(2048, 768, 8, 1, cpu).variant == 0
+    # K past one chunk (nothing to re-use), one row group per expert
+    assert pm.pick_config(1536, 2048, 128, 16, cpu).variant == 0
+    assert pm.pick_config(7168, 2048, 48, 1, cpu).variant == 0
+    assert pm.pick_config(256, 768, 128, 1, cpu).variant == 0
+
+
 # ------------------------------------------------------------------------------------------ GPU kernel
 
 
@@ -347,6 +364,7 @@ def test_gpu_variants_agree_bit_for_bit_and_match_the_table():
     table = native.p48_variants()
     assert [v["tokens_per_block"] for v in table] == list(pm.TOKEN_BLOCKS)
     assert [16 * v["warps"] * v["row_tiles_per_warp"] for v in table] == list(pm.ROWS_PER_CTA)
+    assert [v["row_groups_per_unit"] for v in table] == list(pm.ROW_GROUPS_PER_UNIT)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(21)
     counts = [1, 0, 200, 64, 17, 129, 8]

@@ -51,10 +51,13 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # N, so each weight fragment is decoded once per pass for all of them; the activations copied one chunk ahead and
 # K-permuted in shared memory); 3: 2 with the units dealt to the CTAs by decreasing token count in a snake order
 # (each CTA sorts the experts, at most MAX_ORDER_EXPERTS) and the wgmma's N per token block rounded up from its
-# token count (steps of 32). The variants that lost head to head were removed on 2026-12-02 (native/NOTES.md keeps
-# their numbers and results).
+# token count (steps of 32); 4: 0 with two 256-row groups per unit of work, so that the unit's second row group
+# re-uses the staged activation chunk when it holds the whole K slice. The variants that lost head to head were
+# removed on 2026-12-02 (native/NOTES.md keeps their numbers and results).
 TOKEN_BLOCKS = (16, 64, 128, 128, 16)
 ROWS_PER_CTA = (256,) * 5
+ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2)
+DECODE_CHUNK_K = 1024  # activation columns variants 0 and 4 stage at a time
 MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",)
 ORDERS_EXPERTS = (False, False, False, True, False)
 MAX_ORDER_EXPERTS = 4096
@@ -254,7 +257,9 @@ def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, dev
     the units dealt by decreasing token count and the wgmma's N fitted to each expert's tokens (3), where K >= 1024
     (on the H200 it beat 2 on the bench's gate/up and Kimi down shapes, by up to 1.28x at N = 256, and lost 6-7 % on
     Qwen3-30B-A3B down, K = 768, whose many short units were already balanced and do not repay the sort) and the
-    experts are few enough to sort, else without them (2). Split K only when too few CTAs have work."""
+    experts are few enough to sort, else without them (2). Split K only when too few CTAs have work.
+    Decode-sized batches take variant 4 instead of 0 when a unit's K slice fits one staged chunk and two row groups
+    per unit do not lengthen the busiest CTA's walk (_row_group_pairs_pay)."""
     if rows_per_expert <= 16:
         variant = 0
     elif rows_per_expert <= 64:
@@ -266,7 +271,22 @@ def pick_config(M: int, K: int, active_experts: int, rows_per_expert: float, dev
     split = 1
     if ctas < target:
         split = max(1, min(math.ceil(K / RECORD_K), math.ceil(target / ctas), 4))
+    if variant == 0 and _row_group_pairs_pay(M, K, active_experts, split, target):
+        variant = 4
     return MmaConfig(variant, split)
+
+
+def _row_group_pairs_pay(M: int, K: int, active_experts: int, split: int, ctas: int) -> bool:
+    """Variant 4 stages a unit's activations once for its two row groups, which only works when one chunk holds the
+    unit's K slice (on the H200 at Qwen3-30B-A3B down, K = 768: 27.8 -> 26.6 us at 1 token per expert, 31.3 -> 29.5
+    at 16; 1.2-1.3x slower where K > 1024, with nothing re-used and half as many units to deal). Its units are
+    twice as long, so it is taken only when the busiest of `ctas` CTAs walks no more row groups than with one per
+    unit."""
+    if math.ceil(math.ceil(K / RECORD_K) / split) * RECORD_K > DECODE_CHUNK_K:
+        return False
+    groups = math.ceil(M / ROWS_PER_CTA[0])
+    slices = max(1, active_experts) * split
+    return groups > 1 and 2 * math.ceil(slices * math.ceil(groups / 2) / ctas) <= math.ceil(slices * groups / ctas)
 
 
 def load_native():

@@ -161,6 +161,7 @@ py::list p48_variants() {
     d["stages"] = info.stages;
     d["k_chunk"] = info.k_chunk;
     d["smem_bytes"] = info.smem_bytes;
+    d["row_groups_per_unit"] = info.row_groups_per_unit;
     out.append(d);
   }
   return out;

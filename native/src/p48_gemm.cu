@@ -292,6 +292,8 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // from the cursor (loaded when it takes the unit) and loads the activations into registers before the barrier that
 // frees the shared buffer (their latency overlaps the wait for the other warps); the epilogue writes through a
 // per-thread base pointer with constant offsets (skipping the second token tile at <= 8 tokens).
+// P: row groups (of W R row tiles) per unit, walked one after the other; when the unit's K slice fits one chunk and
+// its tokens one block, the later row groups re-use the staged chunk (no staging, no barrier).
 template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_;
@@ -1027,7 +1029,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // from the cursor); 1, 2: wgmma.sp with 4 warpgroups (256 rows per CTA), 64 / 128 tokens per pass, the lean staging
 // (each thread cp.async-copies its units of the next chunk into a raw buffer, K-permuted at the chunk boundary);
 // 3: 2 with the units dealt to the CTAs by decreasing token count in a snake (ORDER) and the wgmma's N per token
-// block rounded up from its token count in steps of 32 (TW).
+// block rounded up from its token count in steps of 32 (TW); 4: 0 with two row groups per unit (P), the second
+// re-using the staged chunk when it holds the unit's K slice (Qwen3-30B-A3B down, K = 768).
 #define MOESQ_P48_VARIANTS(X)                            \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)                    \
   X(1, WgVariant<64, 4, 3, 512, 2>)                      \
@@ -1091,7 +1094,7 @@ int launch(const moesq_p48_args& a) {
 
 template <class V>
 void info(moesq_p48_variant_info* i) {
-  *i = moesq_p48_variant_info{V::NB, V::R, V::W, V::S, V::KC, V::kSmem};
+  *i = moesq_p48_variant_info{V::NB, V::R, V::W, V::S, V::KC, V::kSmem, V::P};
 }
 
 }  // namespace

@@ -57,6 +57,7 @@ typedef struct {
   int stages; /* weight records in flight per warp (cp.async ring) */
   int k_chunk; /* activation columns staged per pass */
   int smem_bytes;
+  int row_groups_per_unit; /* groups of 16 * warps * row_tiles_per_warp rows a CTA takes per unit of work */
 } moesq_p48_variant_info;
 
 int moesq_p48_num_variants(void);
