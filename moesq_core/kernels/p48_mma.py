@@ -284,9 +284,10 @@ def _row_group_pairs_pay(M: int, K: int, active_experts: int, split: int, ctas: 
     unit."""
     if math.ceil(math.ceil(K / RECORD_K) / split) * RECORD_K > DECODE_CHUNK_K:
         return False
-    groups = math.ceil(M / ROWS_PER_CTA[0])
+    groups, per_unit = math.ceil(M / ROWS_PER_CTA[4]), ROW_GROUPS_PER_UNIT[4]
     slices = max(1, active_experts) * split
-    return groups > 1 and 2 * math.ceil(slices * math.ceil(groups / 2) / ctas) <= math.ceil(slices * groups / ctas)
+    walk = per_unit * math.ceil(slices * math.ceil(groups / per_unit) / ctas)
+    return groups > 1 and walk <= math.ceil(slices * groups / ctas)
 
 
 def load_native():

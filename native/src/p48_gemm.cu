@@ -509,15 +509,14 @@ struct Cursor {
     }
     valid = false;
   }
-  // P > 1: rg counts units of P row groups; all_row_groups is the number of row groups (the last unit may hold fewer)
-  template <int NB, int STEP, bool ORDER = false, int P = 1>
-  __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0,
-                                       int all_row_groups = 0) {
+  // P > 1: rg counts units of P row groups of GROUP_TILES row tiles each (the last unit may hold fewer)
+  template <int NB, int STEP, bool ORDER = false, int P = 1, int GROUP_TILES = 1>
+  __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
     if ((kr += STEP) < nkr) return;
     kr = 0;
     if (++tb < ntb) return;
     if constexpr (P > 1) {  // the unit's next row group: same expert, K slice and tokens
-      if (sub + 1 < P && rg * P + sub + 1 < all_row_groups) {
+      if (sub + 1 < P && (rg * P + sub + 1) * GROUP_TILES < p.MT) {
         ++sub, tb = 0;
         return;
       }
@@ -635,7 +634,7 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
                                            int warp, int lane, int row_groups, int kr_per, int n_units,
-                                           uint32_t order = 0, int all_row_groups = 0) {
+                                           uint32_t order = 0) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
@@ -651,7 +650,7 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
         bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
       }
     }
-    prod.next<V::NB, RK, V::ORDER, V::P>(p, row_groups, kr_per, n_units, order, all_row_groups);
+    prod.next<V::NB, RK, V::ORDER, V::P, W * R>(p, row_groups, kr_per, n_units, order);
   }
   slot = slot == V::S - 1 ? 0 : slot + 1;
 }
@@ -661,8 +660,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   extern __shared__ __align__(16) uint8_t smem[];
   constexpr int NB = V::NB, R = V::R, W = V::W, S = V::S, KC = V::KC, RK = V::RK, NT = NB / 8;
   constexpr int kRecPerChunk = KC / kRecK, P = V::P;
-  const int all_row_groups = (p.MT + W * R - 1) / (W * R);
-  const int row_groups = P == 1 ? all_row_groups : (all_row_groups + P - 1) / P;  // units per expert and K slice
+  const int row_groups = (p.MT + W * R * P - 1) / (W * R * P);  // units per expert and K slice
   const int kr_per = (p.KR + p.split - 1) / p.split;
   const int n_units = p.E * row_groups * p.split;
 
@@ -689,9 +687,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   }
   __syncwarp();
 
-  auto issue = [&]() {
-    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, 0, all_row_groups);
-  };
+  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -808,7 +804,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
           for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
       }
     }
-    cons.next<NB, RK, false, P>(p, row_groups, kr_per, n_units, 0, all_row_groups);
+    cons.next<NB, RK, false, P, W * R>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
 }
