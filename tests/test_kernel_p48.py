@@ -248,6 +248,30 @@ def test_plain_triton_kernel_under_interpreter():
     assert worst < 1e-6
 
 
+_ACT_QUANT_SCRIPT = """
+import torch
+import moesq_core.kernels.p48_triton as pt
+import moesq_core.kernels.p48_reference as ref
+torch.manual_seed(0)
+# 37 rows (a partial row block) x 416 columns (three full 128-column blocks and a partial one)
+x = torch.randn(37, 416) * torch.exp(torch.randn(37, 1) * 3)
+groups = torch.randint(0, 4, (37,), dtype=torch.int32)
+g = torch.tensor([10.0, 300.0, 4000.0, 1e5])
+got = pt.nvfp4_quantize_rows(x, groups, g).float()
+bad = 0
+for r in range(37):
+    want, _ = ref.quantize_act_unscaled(x[r : r + 1], g[groups[r]])
+    bad += int(not torch.equal(got[r : r + 1], want))
+print("BAD", bad)
+"""
+
+
+def test_activation_quant_kernel_under_interpreter():
+    """The NVFP4 pre-pass (one program per 16 rows x 128 columns) equals the reference quantizer bit for bit,
+    including the partial row and column blocks."""
+    assert int(run_triton_interpreted(_ACT_QUANT_SCRIPT).split("BAD")[1]) == 0
+
+
 # ------------------------------------------------------------------------------------------ GPU kernel
 
 

@@ -407,20 +407,18 @@ if HAS_TRITON:
     @triton.jit
     def _act_quant_kernel(x_ptr, out_ptr, row_g_ptr, g_ptr, R, K, stride_x, stride_o,
                           BR: tl.constexpr, NBLK: tl.constexpr):
-        """out[r] = NVFP4 unscaled values of x[r] under global scale g[row_g[r]] (bf16, exact)."""
-        pid = tl.program_id(0)
-        rows = pid * BR + tl.arange(0, BR)
+        """out[r] = NVFP4 unscaled values of x[r] under global scale g[row_g[r]] (bf16, exact).
+        One BR x (NBLK*32) block per program: at decode sizes a K loop per row block left the GPU nearly idle
+        (a few programs each making K/128 dependent load round trips)."""
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
         r_ok = rows < R
         gi = tl.load(row_g_ptr + rows, mask=r_ok, other=0)
-        g = tl.load(g_ptr + gi, mask=r_ok, other=1.0)
-        g2 = g[:, None]
-        cols = tl.arange(0, NBLK)[:, None] * 32 + tl.arange(0, 32)[None, :]
-        for k0 in range(0, K, NBLK * 32):
-            kc = k0 + cols
-            msk = r_ok[:, None, None] & (kc < K)[None, :, :]
-            x = tl.load(x_ptr + rows[:, None, None].to(tl.int64) * stride_x + kc[None, :, :], mask=msk, other=0.0)
-            q = _nvfp4_unscaled(x.to(tl.float32), g2)
-            tl.store(out_ptr + rows[:, None, None].to(tl.int64) * stride_o + kc[None, :, :], q.to(tl.bfloat16), mask=msk)
+        g2 = tl.load(g_ptr + gi, mask=r_ok, other=1.0)[:, None]
+        kc = tl.program_id(1) * (NBLK * 32) + tl.arange(0, NBLK)[:, None] * 32 + tl.arange(0, 32)[None, :]
+        msk = r_ok[:, None, None] & (kc < K)[None, :, :]
+        x = tl.load(x_ptr + rows[:, None, None].to(tl.int64) * stride_x + kc[None, :, :], mask=msk, other=0.0)
+        q = _nvfp4_unscaled(x.to(tl.float32), g2)
+        tl.store(out_ptr + rows[:, None, None].to(tl.int64) * stride_o + kc[None, :, :], q.to(tl.bfloat16), mask=msk)
 
     @triton.jit
     def _route_scatter_kernel(x_ptr, idx_ptr, offsets_ptr, cursor_ptr, slot_row_ptr, row_expert_ptr, xs_ptr, g_ptr,
@@ -609,8 +607,9 @@ def nvfp4_quantize_rows(x: torch.Tensor, row_group: torch.Tensor, group_global: 
         raise ValueError(f"NVFP4 activations need K % 32 == 0, got {K}")
     out = torch.empty(R, K, dtype=torch.bfloat16, device=x.device) if out is None else out
     BR, NBLK = 16, 4
-    _act_quant_kernel[(triton.cdiv(R, BR),)](x, out, row_group, group_global.float().contiguous(), R, K,
-                                             x.stride(0), out.stride(0), BR=BR, NBLK=NBLK, num_warps=4)
+    _act_quant_kernel[(triton.cdiv(R, BR), triton.cdiv(K, NBLK * 32))](
+        x, out, row_group, group_global.float().contiguous(), R, K, x.stride(0), out.stride(0), BR=BR, NBLK=NBLK,
+        num_warps=4)
     return out
 
 
