@@ -54,12 +54,12 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # token count (steps of 32); 4: 0 with two 256-row groups per unit of work, so that the unit's second row group
 # re-uses the staged activation chunk when it holds the whole K slice. The variants that lost head to head were
 # removed on 2026-12-02 (native/NOTES.md keeps their numbers and results).
-TOKEN_BLOCKS = (16, 64, 128, 128, 16, 16, 16)
-ROWS_PER_CTA = (256,) * 7
-ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2, 1, 2)
+TOKEN_BLOCKS = (16, 64, 128, 128, 16)
+ROWS_PER_CTA = (256,) * 5
+ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2)
 DECODE_CHUNK_K = 1024  # activation columns variants 0 and 4 stage at a time
-MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",) * 3
-ORDERS_EXPERTS = (False, False, False, True, False, False, False)
+MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",)
+ORDERS_EXPERTS = (False, False, False, True, False)
 MAX_ORDER_EXPERTS = 4096
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)

@@ -294,13 +294,10 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // per-thread base pointer with constant offsets (skipping the second token tile at <= 8 tokens).
 // P: row groups (of W R row tiles) per unit, walked one after the other; when the unit's K slice fits one chunk and
 // its tokens one block, the later row groups re-use the staged chunk (no staging, no barrier).
-// EARLY: the cursor loads the expert's row start and alpha with its count (one L2 round trip when it takes a unit)
-// instead of the row start after the count's branch and alpha at the epilogue.
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, bool EARLY_ = false>
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_;
   static constexpr bool ORDER = false;  // ORDER: see WgVariant
-  static constexpr bool EARLY = EARLY_;
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
@@ -447,11 +444,8 @@ struct LeanStage {
 // (the last step of a slice may hold fewer).
 // Units of experts without tokens are skipped. The producer (cp.async ring) and the consumer (MMA) each keep
 // one cursor; the producer runs S - 1 records ahead, across unit boundaries, so the weight stream never drains.
-// EARLY: see Variant (alpha is then the expert's epilogue scale).
-template <bool EARLY = false>
-struct CursorT {
+struct Cursor {
   int u, e, rg, kr0, nkr, ntb, tb, kr;
-  float alpha;
   int cnt;  // the expert's tokens
   // the unit as (e, rg, z) and gridDim.x in the same mixed radix (experts, row groups, K slices), so that moving
   // on by gridDim.x units is a few adds instead of two integer divisions
@@ -486,14 +480,10 @@ struct CursorT {
   template <int NB>
   __device__ __forceinline__ bool take(const Params& p, int eu, int zu, int kr_per) {
     const int c = __ldg(p.counts + eu);
-    int r0 = 0;
-    float al = 0.f;
-    if constexpr (EARLY) r0 = __ldg(p.row_start + eu), al = __ldg(p.alpha + eu);  // eu < E: in bounds
     const int k0 = zu * kr_per, nk = min(p.KR, k0 + kr_per) - k0;
     if (c > 0 && nk > 0) {
       cnt = c, kr0 = k0, nkr = nk, ntb = (c + NB - 1) / NB, tb = 0, kr = 0, valid = true;
-      row0 = EARLY ? r0 : __ldg(p.row_start + eu);
-      alpha = al;
+      row0 = __ldg(p.row_start + eu);
       return true;
     }
     return false;
@@ -552,12 +542,11 @@ struct CursorT {
     }
   }
 };
-using Cursor = CursorT<>;
 
 // The chunk a cursor stands at (its first record must start a chunk), from the cursor's own count and row start
 // (loaded when it took the unit).
-template <class V, bool QUANT, class C>
-__device__ __forceinline__ XChunk chunk_of(const Params& p, const C& c) {
+template <class V, bool QUANT>
+__device__ __forceinline__ XChunk chunk_of(const Params& p, const Cursor& c) {
   return XChunk{c.row0 + static_cast<long long>(c.tb) * V::NB, min(V::NB, c.cnt - c.tb * V::NB), (c.kr0 + c.kr) * kRecK,
                 min(V::KC, (c.nkr - c.kr) * kRecK), QUANT ? __ldg(p.act_global + c.e) : 0.f, p.x_perm};
 }
@@ -642,8 +631,8 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
 // The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (lane 0, one
 // bulk copy per row tile counted on the slot's mbarrier at `bars`; nothing once the cursor is past the last unit)
 // and advance the cursor and the slot.
-template <class V, class C>
-__device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, C& prod,
+template <class V>
+__device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
                                            int warp, int lane, int row_groups, int kr_per, int n_units,
                                            uint32_t order = 0) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
@@ -654,14 +643,14 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
       mbar_expect_tx(bars + 8 * slot, R * 16 * chunks);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int rt = min(prod.template row_group<V::P>() * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
+        const int rt = min(prod.row_group<V::P>() * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
         // the record index in 32 bits (the launcher checks E * MT * KR < 2^31)
         const uint8_t* src =
             p.records + static_cast<unsigned long long>(static_cast<uint32_t>((prod.e * p.MT + rt) * p.KR + prod.kr0 + prod.kr)) * kRecBytes;
         bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
       }
     }
-    prod.template next<V::NB, RK, V::ORDER, V::P, W * R>(p, row_groups, kr_per, n_units, order);
+    prod.next<V::NB, RK, V::ORDER, V::P, W * R>(p, row_groups, kr_per, n_units, order);
   }
   slot = slot == V::S - 1 ? 0 : slot + 1;
 }
@@ -684,8 +673,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
   wait_previous_grid();
   allow_next_grid();
-  CursorT<V::EARLY> prod{}, cons{};
-  prod.template seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+  Cursor prod{}, cons{};
+  prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   if (!prod.valid) return;
   prod.init_stride(p, row_groups);
   cons = prod;
@@ -788,7 +777,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       records(std::integral_constant<int, NT>{});
     }
     if (kr + RK >= cons.nkr) {  // end of a token block: write its outputs (one base pointer)
-      const float alpha = (V::EARLY ? cons.alpha : __ldg(p.alpha + cons.e)) * kAlphaFold;
+      const float alpha = __ldg(p.alpha + cons.e) * kAlphaFold;
       using T = std::conditional_t<OUT_BF16 && !ATOMIC, __nv_bfloat16, float>;
       // the lane's outputs: tokens n * 8 + 2 t4 (+ 1) x rows 16 rt + g (+ 8)
       T* const base = reinterpret_cast<T*>(p.out) + (cons.row0 + tb * NB + 2 * t4) * p.out_stride + g;
@@ -796,7 +785,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       const int tok = ntok - 2 * t4;  // the lane's tokens are 0 (+1) below this, per tile
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int rt = cons.template row_group<P>() * (W * R) + r * W + warp;
+        const int rt = cons.row_group<P>() * (W * R) + r * W + warp;
         const int mr = p.M - (rt * 16 + g);  // rows 0 and 8 of the lane exist below this
         T* o = base + rt * 16;
 #pragma unroll
@@ -815,7 +804,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
           for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
       }
     }
-    cons.template next<NB, RK, false, P, W * R>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK, false, P, W * R>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
 }
@@ -1043,9 +1032,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(1, WgVariant<64, 4, 3, 512, 2>)                      \
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
-  X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
-  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, true>)           \
-  X(6, Variant<16, 2, 8, 3, 1024, 2, 2, true>)
+  X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
