@@ -253,14 +253,14 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kerne
         assert rel(fast(x, idx.cuda(), w.cuda()).float().cpu(), with_pass) <= 1e-6
         assert len(passes) == 3  # the down input only
         assert rel(got, with_pass) <= 1e-6
-        # past decode sizes (here 24 rows per expert) the separate pass quantizes the gate/up input again
-        from moesq_core.runtime.p48_hopper import IN_KERNEL_QUANT_MAX_ROWS
-
-        T2 = 64
-        assert T2 * k / 8 > IN_KERNEL_QUANT_MAX_ROWS
-        idx2, w2 = routing(T2, 8, k, seed=9)
-        fast(torch.randn(T2, 128, dtype=torch.bfloat16, device="cuda"), idx2.cuda(), w2.cuda())
-        assert len(passes) == 5
+        # at 24 rows per expert too
+        idx2, w2 = routing(64, 8, k, seed=9)
+        x2 = torch.randn(64, 128, dtype=torch.bfloat16, device="cuda")
+        in_kernel = fast(x2, idx2.cuda(), w2.cuda()).float().cpu()
+        assert len(passes) == 4
+        fast.quant_in_kernel = False
+        assert rel(fast(x2, idx2.cuda(), w2.cuda()).float().cpu(), in_kernel) <= 1e-6
+        assert len(passes) == 6
 
 
 _SCATTER_PERM_SCRIPT = r"""

@@ -17,12 +17,13 @@ On a CUDA device one forward is seven launches and no host synchronisation, so i
 
 An expert whose input_global_scale is 0 (no calibration data reached it) is quantized with the dynamic scale
 of its rows in this call (as the reference MoesqExperts does); that takes an extra amax pass, chosen at load
-time. At decode sizes (≤ IN_KERNEL_QUANT_MAX_ROWS rows per expert on average) the gate/up GEMM on the sparse
-tensor cores then quantizes its bf16 input itself (the kernel's in-staging NVFP4 quantization, the same operands
-bit for bit) instead of a separate quantization pass, which is faster above that; with
-static scales the routing scatter already quantizes for free, and the SwiGLU output of a dynamic expert is
-float32, which the kernel does not read, so those keep their producer-side quantization. With `reference=True` (the default off CUDA) the module runs moesq_core.kernels.p48_reference instead,
-which defines the numerics the GPU path reproduces up to fp32 summation order.
+time, then a separate quantization pass (p48_triton.nvfp4_quantize_rows); with static scales the routing scatter
+already quantizes for free. `quant_in_kernel = True` has the gate/up GEMM on the sparse tensor cores quantize its
+bf16 input itself instead (the kernel's in-staging NVFP4 quantization, the same operands bit for bit); it is off
+because the pass plus the W4A16 GEMM is faster at every measured size on H200 (Qwen3-30B-A3B gate/up, 1 token
+per expert: 51.8 vs 53.6 µs; Kimi-K2.5 gate/up: 150.6 vs 166.9 µs; benchmarks/results/p48_kernel_bench_*).
+With `reference=True` (the default off CUDA) the module runs moesq_core.kernels.p48_reference instead, which
+defines the numerics the GPU path reproduces up to fp32 summation order.
 """
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ from ..kernels import p48_triton as pt
 from ..naming import PROJECTIONS
 
 PROJ_KEYS = PROJECTIONS
-IN_KERNEL_QUANT_MAX_ROWS = 4  # mean rows per active expert up to which the GEMM quantizes its input itself
 
 
 def _global_scales(packed: list[dict[str, dict[str, torch.Tensor]]], proj: str) -> torch.Tensor:
@@ -60,7 +60,7 @@ class P48HopperExperts(nn.Module):
         self.gate_up: pt.P48GemmWeights | pm.P48MmaWeights | None = None
         self.down: pt.P48GemmWeights | pm.P48MmaWeights | None = None
         self.use_asm: bool | None = None  # None = the kernel default (inline PTX expansion on CUDA)
-        self.quant_in_kernel = True  # W4A4, dynamic input scales, sparse-mma: the GEMM quantizes (False: pre-pass)
+        self.quant_in_kernel = False  # W4A4, dynamic input scales, sparse-mma: True = the GEMM quantizes (module doc)
         self.kernel = "reference" if reference else "triton"  # or "sparse-mma" (native, sm_90)
         self._native = None
         # sparse-mma: both GEMM inputs arrive in the kernel's K order (p48_mma.k_order): the scatter writes the
@@ -165,11 +165,9 @@ class P48HopperExperts(nn.Module):
         g_in = self.g_in
         active = min(E, R)
         per = R / active
-        # bf16 rows quantized by the GEMM give exactly the operands of the pre-pass (p48_mma.p48_mma_gemm_rows);
-        # it pays at decode sizes only (H200: faster at 1 row per expert, slower from 16; p48_kernel_bench_*)
+        # bf16 rows quantized by the GEMM give exactly the operands of the pre-pass (p48_mma.p48_mma_gemm_rows)
         in_kernel = (aq and not quant_in and self.quant_in_kernel and self.kernel == "sparse-mma"
-                     and xs.dtype == torch.bfloat16 and pm.quantizes_activations(self._native)
-                     and per <= IN_KERNEL_QUANT_MAX_ROWS)
+                     and xs.dtype == torch.bfloat16 and pm.quantizes_activations(self._native))
         if aq and not quant_in:
             g_in = pt.dynamic_group_global(xs, row_expert, self.g_in)
             if not in_kernel:
