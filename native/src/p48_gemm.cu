@@ -34,9 +34,9 @@ constexpr int kScaleOff = 640;
 constexpr int kRecChunks = kRecBytes / 16;
 constexpr float kAlphaFold = 128.f;  // the decode yields e2m1 * s * 2^-7 (exact: alpha * 2^7 rounds like alpha)
 constexpr int kMaxOrderE = 4096;     // experts a CTA can sort for an ORDER variant (8 KB of shared memory)
-// DynQueue's shared block: kDynSlots unit indices, the number of experts with tokens at byte 32, their indices
-// (16-bit) from kDynOrderOff
-constexpr int kDynSlots = 8, kDynOrderOff = 48;
+// DynQueue's shared block: kDynSlots 8-byte slots {k, unit} (the CTA's k-th unit), the number of experts with tokens
+// at byte 64, their indices (16-bit) from kDynOrderOff
+constexpr int kDynSlots = 8, kDynCountOff = 64, kDynOrderOff = 80;
 
 struct Params {
   const uint8_t* records;
@@ -446,18 +446,19 @@ struct LeanStage {
 };
 
 // DynQueue (DYN variants): the CTAs take their units from a counter in global memory instead of the fixed deal
-// (unit b, b + G, ... for CTA b of G), so a CTA that drew short units (experts with few tokens) takes more: with a
+// (unit b, b + G, ... for CTA b of G), so a CTA that drew short units (experts with few tokens) takes more: with the
 // fixed deal the busiest SM ran 12 % above the mean at Qwen3-30B-A3B gate/up with 16 tokens (Nsight Compute).
 // Units are numbered over the experts with tokens only (each CTA lists them once, one ballot per 32 experts), so no
-// claim is spent on an idle expert. CTA b's first unit is b; thread 0 claims each later one three units ahead (the
-// atomic's round trip overlaps a unit of work) and publishes it in a shared slot before the CTA barrier of the
-// staging at the start of a unit: at unit j's barrier unit j + 3 becomes visible, and no warp's producer (at most
-// S = 3 ring steps ahead, each unit at least one step) looks past it before unit j + 1's barrier. The last CTA to
-// finish sets the counter back to 0 for the next launch (which reads it only after wait_previous_grid).
+// claim is spent on an idle expert. CTA b's first unit is b. Warp 0's producer claims the CTA's next unit when it
+// steps onto the last ring step of the current one (the atomic's round trip overlaps that step) and publishes it in
+// a shared slot, tagged with the CTA's unit count, when it steps past; every cursor entering a unit waits for its
+// slot's tag. A claim is so made a few ring steps before the CTA runs out of work, late enough to balance.
+// The last CTA to finish sets the counter back to 0 for the next launch (which reads it after wait_previous_grid).
 template <class V>
-__device__ __forceinline__ int dyn_setup(const Params& p, uint32_t dyn, int per_e, int& claim) {
+__device__ __forceinline__ int dyn_setup(const Params& p, uint32_t dyn, int per_e) {
   const int lane = threadIdx.x & 31;
-  if (threadIdx.x == 0) claim = atomicAdd(p.queue, 3);  // the CTA's units 1-3, in flight during the scan
+  if (threadIdx.x < kDynSlots)  // no unit published yet (tags -1)
+    asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(dyn + 8 * threadIdx.x), "r"(-1), "r"(0) : "memory");
   if (threadIdx.x < 32) {
     int n = 0;
     for (int e0 = 0; e0 < p.E; e0 += 256) {
@@ -474,27 +475,26 @@ __device__ __forceinline__ int dyn_setup(const Params& p, uint32_t dyn, int per_
         n += __popc(m);
       }
     }
-    if (lane == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dyn + 32), "r"(n) : "memory");
-  }
-  if (threadIdx.x == 0) {
-    const int first = static_cast<int>(gridDim.x) + claim;
-    asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(dyn), "r"(static_cast<int>(blockIdx.x)),
-                 "r"(first), "r"(first + 1), "r"(first + 2)
-                 : "memory");
-    claim = atomicAdd(p.queue, 1);  // unit 4, published at unit 1's staging
+    if (lane == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dyn + kDynCountOff), "r"(n) : "memory");
   }
   __syncthreads();
   int n;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(n) : "r"(dyn + 32) : "memory");
+  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(n) : "r"(dyn + kDynCountOff) : "memory");
   return n * per_e;
 }
 
-// At the staging barrier that starts the CTA's unit k >= 1 (thread 0): publish unit k + 3 and claim the next.
-__device__ __forceinline__ void dyn_publish(const Params& p, uint32_t dyn, int k, int& claim) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dyn + 4 * ((k + 3) & (kDynSlots - 1))),
-               "r"(static_cast<int>(gridDim.x) + claim)
-               : "memory");
-  claim = atomicAdd(p.queue, 1);
+// The CTA's k-th unit, once warp 0 has published it (tag k in its slot; one 64-bit access, so tag and unit agree).
+__device__ __forceinline__ int dyn_unit(uint32_t dyn, int k) {
+  unsigned long long v;
+  do {
+    asm volatile("ld.volatile.shared.b64 %0, [%1];\n" : "=l"(v) : "r"(dyn + 8 * (k & (kDynSlots - 1))) : "memory");
+  } while (static_cast<int>(v & 0xFFFFFFFFull) != k);
+  return static_cast<int>(v >> 32);
+}
+
+__device__ __forceinline__ void dyn_publish(uint32_t dyn, int k, int unit) {
+  const unsigned long long v = (static_cast<unsigned long long>(static_cast<uint32_t>(unit)) << 32) | static_cast<uint32_t>(k);
+  asm volatile("st.volatile.shared.b64 [%0], %1;\n" ::"r"(dyn + 8 * (k & (kDynSlots - 1))), "l"(v) : "memory");
 }
 
 // Thread 0 when its CTA is done: count it; the last CTA resets the queue. Its own last claim has returned (the
@@ -517,7 +517,7 @@ __device__ __forceinline__ void dyn_finish(const Params& p, int claim) {
 // one cursor; the producer runs S - 1 records ahead, across unit boundaries, so the weight stream never drains.
 struct Cursor {
   int u, e, rg, kr0, nkr, ntb, tb, kr;
-  int k;  // DYN: the CTA's unit count so far (its k-th unit is in queue slot k % kDynSlots)
+  int k;  // DYN: the CTA's unit count so far (its k-th unit is published in slot k % kDynSlots)
   int cnt;  // the expert's tokens
   // the unit as (e, rg, z) and gridDim.x in the same mixed radix (experts, row groups, K slices), so that moving
   // on by gridDim.x units is a few adds instead of two integer divisions
@@ -581,6 +581,11 @@ struct Cursor {
     }
     valid = false;
   }
+  // Whether the cursor stands at the last ring step of its unit (the next `next` leaves it).
+  template <int STEP, int P, int GROUP_TILES>
+  __device__ __forceinline__ bool last_step(const Params& p) const {
+    return kr + STEP >= nkr && tb + 1 >= ntb && (P == 1 || sub + 1 >= P || (rg * P + sub + 1) * GROUP_TILES >= p.MT);
+  }
   // DYN: unit `unit` of the experts with tokens (listed at `dyn`, see DynQueue), or past the last one.
   template <int NB>
   __device__ __forceinline__ void take_dyn(const Params& p, int unit, int row_groups, int kr_per, int n_units,
@@ -613,9 +618,7 @@ struct Cursor {
     }
     if constexpr (DYN) {
       ++k;
-      int unit;
-      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(unit) : "r"(order + 4 * (k & (kDynSlots - 1))) : "memory");
-      take_dyn<NB>(p, unit, row_groups, kr_per, n_units, order);
+      take_dyn<NB>(p, dyn_unit(order, k), row_groups, kr_per, n_units, order);
     } else if constexpr (ORDER) {
       take_ordered<NB>(p, u + 1, row_groups, kr_per, n_units, order);
     } else {
@@ -724,11 +727,13 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
 
 // The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (lane 0, one
 // bulk copy per row tile counted on the slot's mbarrier at `bars`; nothing once the cursor is past the last unit)
-// and advance the cursor and the slot.
+// and advance the cursor and the slot. DYN (`order` = the DynQueue block, `claim` = thread 0's pending claim): warp 0
+// publishes the CTA's next unit when the step leaves a unit, and claims the one after when it reaches a unit's last
+// step.
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
                                            int warp, int lane, int row_groups, int kr_per, int n_units,
-                                           uint32_t order = 0) {
+                                           uint32_t order = 0, int* claim = nullptr) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
@@ -744,7 +749,15 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
         bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
       }
     }
+    if constexpr (V::DYN) {
+      if (warp == 0 && prod.last_step<RK, V::P, W * R>(p)) {
+        if (lane == 0) dyn_publish(order, prod.k + 1, static_cast<int>(gridDim.x) + *claim);
+        __syncwarp();
+      }
+    }
     prod.next<V::NB, RK, V::ORDER, V::P, W * R, V::DYN>(p, row_groups, kr_per, n_units, order);
+    if constexpr (V::DYN)
+      if (warp == 0 && lane == 0 && prod.valid && prod.last_step<RK, V::P, W * R>(p)) *claim = atomicAdd(p.queue, 1);
   }
   slot = slot == V::S - 1 ? 0 : slot + 1;
 }
@@ -764,19 +777,20 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
   const uint32_t dyn = smem_u32(smem + V::kXBytes + V::kRingBytes + W * S * 8);    // DYN: the DynQueue block
-  int claim = 0;  // DYN, thread 0: the queue position of the CTA's next unit to publish
+  int claim = 0;  // DYN, thread 0: the queue position claimed for the CTA's next unit
 
   prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
   wait_previous_grid();
   allow_next_grid();
   Cursor prod{}, cons{};
   if constexpr (V::DYN) {
-    n_units = dyn_setup<V>(p, dyn, row_groups * ((p.KR + kr_per - 1) / kr_per), claim);
+    n_units = dyn_setup<V>(p, dyn, row_groups * ((p.KR + kr_per - 1) / kr_per));
     prod.take_dyn<NB>(p, blockIdx.x, row_groups, kr_per, n_units, dyn);
     if (!prod.valid) {
       dyn_finish(p, claim);
       return;
     }
+    if (threadIdx.x == 0 && prod.last_step<RK, P, W * R>(p)) claim = atomicAdd(p.queue, 1);
   } else {
     prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
     if (!prod.valid) return;
@@ -792,7 +806,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   }
   __syncwarp();
 
-  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, dyn); };
+  auto issue = [&]() {
+    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, dyn, &claim);
+  };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -814,9 +830,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     if (kr % kRecPerChunk == 0 && (P == 1 || cons.sub == 0 || cons.ntb > 1 || cons.nkr > kRecPerChunk)) {
       const XChunk ch = chunk_of<V, QUANT>(p, cons);
       LeanStage<V> st;
-      st.load(p, ch);  // in flight while the other warps finish the previous chunk
-      if constexpr (V::DYN)
-        if (threadIdx.x == 0 && kr == 0 && tb == 0 && cons.sub == 0 && cons.k > 0) dyn_publish(p, dyn, cons.k, claim);
+      st.load(p, ch);   // in flight while the other warps finish the previous chunk
       __syncthreads();  // every warp is done with the previous chunk
       st.template store<QUANT>(xs, ch);
       __syncthreads();
