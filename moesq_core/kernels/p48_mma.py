@@ -53,15 +53,13 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # (each CTA sorts the experts, at most MAX_ORDER_EXPERTS) and the wgmma's N per token block rounded up from its
 # token count (steps of 32); 4: 0 with two 256-row groups per unit of work, so that the unit's second row group
 # re-uses the staged activation chunk when it holds the whole K slice. The variants that lost head to head were
-# removed on 2026-12-02 (native/NOTES.md keeps their numbers and results). 5, 6: 0 and 4 with the CTAs taking
-# their units from a queue in global memory (P48MmaWeights.work_queue) instead of a fixed deal.
-TOKEN_BLOCKS = (16, 64, 128, 128, 16, 16, 16)
-ROWS_PER_CTA = (256,) * 7
-ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2, 1, 2)
+# removed on 2026-12-02 (native/NOTES.md keeps their numbers and results).
+TOKEN_BLOCKS = (16, 64, 128, 128, 16)
+ROWS_PER_CTA = (256,) * 5
+ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2)
 DECODE_CHUNK_K = 1024  # activation columns variants 0 and 4 stage at a time
-MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",) * 3
-ORDERS_EXPERTS = (False,) * 3 + (True,) + (False,) * 3
-TAKES_WORK_QUEUE = (False,) * 5 + (True, True)
+MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",)
+ORDERS_EXPERTS = (False, False, False, True, False)
 MAX_ORDER_EXPERTS = 4096
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
@@ -90,14 +88,6 @@ class P48MmaWeights:
     global_scale: torch.Tensor  # float32 [E]
     out_features: int
     in_features: int
-    # int32 [2] zeros for the kernel variants whose CTAs take their units from a queue (each launch leaves it at
-    # zero); one per weight, so GEMMs of different weights never share one (made here, not while a CUDA graph is
-    # being captured)
-    work_queue: torch.Tensor | None = None
-
-    def __post_init__(self):
-        if self.work_queue is None:
-            self.work_queue = torch.zeros(2, dtype=torch.int32, device=self.records.device)
 
     @property
     def num_experts(self) -> int:
@@ -348,7 +338,7 @@ def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor
     if not _folds_alpha(mod):  # a module built from older sources wants the decode's 2^7 in alpha
         alpha = alpha * ALPHA_FOLD
     args = (config.variant, w.records, x, row_start, counts, alpha, out, w.out_features, w.in_features, config.split)
-    kwargs = {"work_queue": w.work_queue} if uses_work_queue(mod) else {}
+    kwargs = {}
     if x_permuted:
         if not takes_permuted_activations(mod):
             raise RuntimeError("this build of the native module cannot take K-permuted activations: rebuild it "
@@ -367,11 +357,6 @@ def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor
 def _folds_alpha(native) -> bool:
     """Whether the native module applies the decode's 2^7 itself (saves a launch per call); older builds do not."""
     return "alpha as given" in (getattr(getattr(native, "p48_gemm", None), "__doc__", None) or "")
-
-
-def uses_work_queue(native) -> bool:
-    """Whether the native module's p48 kernel takes `work_queue` (older builds do not)."""
-    return "work_queue" in (getattr(getattr(native, "p48_gemm", None), "__doc__", None) or "")
 
 
 def takes_permuted_activations(native) -> bool:

@@ -101,8 +101,7 @@ void compress(const at::Tensor& dense, at::Tensor& values, at::Tensor& meta) {
 // With act_global (float32 [E]) the kernel fake-quantizes x to NVFP4 while staging it (W4A4).
 void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, const at::Tensor& row_start,
               const at::Tensor& counts, const at::Tensor& alpha, at::Tensor& out, int64_t M, int64_t K,
-              int64_t split, const std::optional<at::Tensor>& act_global, bool x_permuted,
-              const std::optional<at::Tensor>& work_queue) {
+              int64_t split, const std::optional<at::Tensor>& act_global, bool x_permuted) {
   TORCH_CHECK_VALUE(records.is_cuda(), "records must be on a CUDA device, got ", records.device());
   TORCH_CHECK_VALUE(records.dim() == 4 && x.dim() == 2 && out.dim() == 2,
                     "records [E, MT, KR, 704], x [rows, K] and out [rows, M] expected");
@@ -125,7 +124,6 @@ void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, c
   check_tensor("counts", counts, {at::kInt}, {E}, dev);
   check_tensor("alpha", alpha, {at::kFloat}, {E}, dev);
   if (act_global) check_tensor("act_global", *act_global, {at::kFloat}, {E}, dev);
-  if (work_queue) check_tensor("work_queue", *work_queue, {at::kInt}, {2}, dev);
   const c10::cuda::CUDAGuard guard(dev);
   moesq_p48_args a{};
   a.records = records.data_ptr();
@@ -145,7 +143,6 @@ void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, c
   a.out_bf16 = out.scalar_type() == at::kBFloat16;
   a.split = int(split);
   a.x_perm = x_permuted ? 1 : 0;
-  a.queue = work_queue ? work_queue->data_ptr<int>() : nullptr;
   a.device = dev.index();
   a.stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   raise_if(moesq_p48_gemm(int(variant), &a), "p48 kernel");
@@ -165,7 +162,6 @@ py::list p48_variants() {
     d["k_chunk"] = info.k_chunk;
     d["smem_bytes"] = info.smem_bytes;
     d["row_groups_per_unit"] = info.row_groups_per_unit;
-    d["work_queue"] = bool(info.work_queue);
     out.append(d);
   }
   return out;
@@ -209,11 +205,10 @@ PYBIND11_MODULE(_moesq_native, m) {
         "Raise unless the CUDA device can run the kernels (compute capability 9.0).");
   m.def("p48_gemm", &p48_gemm, py::arg("variant"), py::arg("records"), py::arg("x"), py::arg("row_start"),
         py::arg("counts"), py::arg("alpha"), py::arg("out"), py::arg("M"), py::arg("K"), py::arg("split") = 1,
-        py::arg("act_global") = py::none(), py::arg("x_permuted") = false, py::arg("work_queue") = py::none(),
+        py::arg("act_global") = py::none(), py::arg("x_permuted") = false,
         "p48-nvfp4 grouped GEMM on the 2:4 sparse tensor cores (alpha as given: the kernel applies the decode's "
         "2^7; act_global: NVFP4 activations quantized in the kernel, W4A4; x_permuted: x already in the kernel's "
-        "K order; work_queue: int32 [2] zeros, needed by the variants that take their units from a queue, left "
-        "as zeros); see moesq_core.kernels.p48_mma.");
+        "K order); see moesq_core.kernels.p48_mma.");
   m.def("p48_variants", &p48_variants, "The compiled p48 kernel variants (tokens per pass, warps, stages, ...).");
   m.def("s24_variants", &variants, "The compiled kernel variants (index, name, tile shape, schedule, ...).");
 }

@@ -34,9 +34,6 @@ constexpr int kScaleOff = 640;
 constexpr int kRecChunks = kRecBytes / 16;
 constexpr float kAlphaFold = 128.f;  // the decode yields e2m1 * s * 2^-7 (exact: alpha * 2^7 rounds like alpha)
 constexpr int kMaxOrderE = 4096;     // experts a CTA can sort for an ORDER variant (8 KB of shared memory)
-// DynQueue's shared block: kDynSlots 8-byte slots {k, unit} (the CTA's k-th unit), the number of experts with tokens
-// at byte 64, their indices (16-bit) from kDynOrderOff
-constexpr int kDynSlots = 8, kDynCountOff = 64, kDynOrderOff = 80;
 
 struct Params {
   const uint8_t* records;
@@ -51,7 +48,6 @@ struct Params {
   int split;
   const float* act_global;  // W4A4: per-expert activation global scale (> 0); unused in W4A16
   int x_perm;               // x arrives K-permuted ([e0 e2 e4 e6 | e1 e3 e5 e7] per 8-group): staged as it is
-  int* queue;               // DYN variants: {units handed out, CTAs done}, 0 between launches (the last CTA resets it)
 };
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -298,11 +294,10 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // per-thread base pointer with constant offsets (skipping the second token tile at <= 8 tokens).
 // P: row groups (of W R row tiles) per unit, walked one after the other; when the unit's K slice fits one chunk and
 // its tokens one block, the later row groups re-use the staged chunk (no staging, no barrier).
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, bool DYN_ = false>
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_;
   static constexpr bool ORDER = false;  // ORDER: see WgVariant
-  static constexpr bool DYN = DYN_;     // DYN: see DynQueue
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
@@ -337,7 +332,6 @@ struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_, P = 1;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
-  static constexpr bool DYN = false;
   static_assert(TW == 0 || (TW % 16 == 0 && NB % (TW ? TW : 1) == 0), "the token width step must divide NB");
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   // the swizzled and the raw buffer (or the second swizzled one) + slack: the swizzle needs a 1024-byte base
@@ -445,71 +439,6 @@ struct LeanStage {
   }
 };
 
-// DynQueue (DYN variants): the CTAs take their units from a counter in global memory instead of the fixed deal
-// (unit b, b + G, ... for CTA b of G), so a CTA that drew short units (experts with few tokens) takes more: with the
-// fixed deal the busiest SM ran 12 % above the mean at Qwen3-30B-A3B gate/up with 16 tokens (Nsight Compute).
-// Units are numbered over the experts with tokens only (each CTA lists them once, one ballot per 32 experts), so no
-// claim is spent on an idle expert. CTA b's first unit is b. Warp 0's producer claims the CTA's next unit when it
-// steps onto the last ring step of the current one (the atomic's round trip overlaps that step) and publishes it in
-// a shared slot, tagged with the CTA's unit count, when it steps past; every cursor entering a unit waits for its
-// slot's tag. A claim is so made a few ring steps before the CTA runs out of work, late enough to balance.
-// The last CTA to finish sets the counter back to 0 for the next launch (which reads it after wait_previous_grid).
-template <class V>
-__device__ __forceinline__ int dyn_setup(const Params& p, uint32_t dyn, int per_e) {
-  const int lane = threadIdx.x & 31;
-  if (threadIdx.x < kDynSlots)  // no unit published yet (tags -1)
-    asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(dyn + 8 * threadIdx.x), "r"(-1), "r"(0) : "memory");
-  if (threadIdx.x < 32) {
-    int n = 0;
-    for (int e0 = 0; e0 < p.E; e0 += 256) {
-      int c[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) c[j] = e0 + 32 * j + lane < p.E ? __ldg(p.counts + e0 + 32 * j + lane) : 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t m = __ballot_sync(0xFFFFFFFFu, c[j] > 0);
-        if (c[j] > 0) {
-          const uint32_t at = dyn + kDynOrderOff + 2 * (n + __popc(m & ((1u << lane) - 1u)));
-          asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"(static_cast<uint16_t>(e0 + 32 * j + lane)) : "memory");
-        }
-        n += __popc(m);
-      }
-    }
-    if (lane == 0) asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(dyn + kDynCountOff), "r"(n) : "memory");
-  }
-  __syncthreads();
-  int n;
-  asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(n) : "r"(dyn + kDynCountOff) : "memory");
-  return n * per_e;
-}
-
-// The CTA's k-th unit, once warp 0 has published it (tag k in its slot; one 64-bit access, so tag and unit agree).
-__device__ __forceinline__ int dyn_unit(uint32_t dyn, int k) {
-  unsigned long long v;
-  do {
-    asm volatile("ld.volatile.shared.b64 %0, [%1];\n" : "=l"(v) : "r"(dyn + 8 * (k & (kDynSlots - 1))) : "memory");
-  } while (static_cast<int>(v & 0xFFFFFFFFull) != k);
-  return static_cast<int>(v >> 32);
-}
-
-__device__ __forceinline__ void dyn_publish(uint32_t dyn, int k, int unit) {
-  const unsigned long long v = (static_cast<unsigned long long>(static_cast<uint32_t>(unit)) << 32) | static_cast<uint32_t>(k);
-  asm volatile("st.volatile.shared.b64 [%0], %1;\n" ::"r"(dyn + 8 * (k & (kDynSlots - 1))), "l"(v) : "memory");
-}
-
-// Thread 0 when its CTA is done: count it; the last CTA resets the queue. Its own last claim has returned (the
-// register is read), and the fence orders it before the count.
-__device__ __forceinline__ void dyn_finish(const Params& p, int claim) {
-  if (threadIdx.x != 0) return;
-  asm volatile("" ::"r"(claim));
-  __threadfence();
-  if (atomicAdd(p.queue + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-    __threadfence();
-    atomicExch(p.queue, 0);
-    atomicExch(p.queue + 1, 0);
-  }
-}
-
 // Walks the CTA's work units (expert, group of W*R row tiles, K slice; units blockIdx.x, + gridDim.x, ...)
 // step by step: for each unit, each token block of NB tokens, each step of STEP 128-column records of the K slice
 // (the last step of a slice may hold fewer).
@@ -517,7 +446,6 @@ __device__ __forceinline__ void dyn_finish(const Params& p, int claim) {
 // one cursor; the producer runs S - 1 records ahead, across unit boundaries, so the weight stream never drains.
 struct Cursor {
   int u, e, rg, kr0, nkr, ntb, tb, kr;
-  int k;  // DYN: the CTA's unit count so far (its k-th unit is published in slot k % kDynSlots)
   int cnt;  // the expert's tokens
   // the unit as (e, rg, z) and gridDim.x in the same mixed radix (experts, row groups, K slices), so that moving
   // on by gridDim.x units is a few adds instead of two integer divisions
@@ -581,30 +509,8 @@ struct Cursor {
     }
     valid = false;
   }
-  // Whether the cursor stands at the last ring step of its unit (the next `next` leaves it).
-  template <int STEP, int P, int GROUP_TILES>
-  __device__ __forceinline__ bool last_step(const Params& p) const {
-    return kr + STEP >= nkr && tb + 1 >= ntb && (P == 1 || sub + 1 >= P || (rg * P + sub + 1) * GROUP_TILES >= p.MT);
-  }
-  // DYN: unit `unit` of the experts with tokens (listed at `dyn`, see DynQueue), or past the last one.
-  template <int NB>
-  __device__ __forceinline__ void take_dyn(const Params& p, int unit, int row_groups, int kr_per, int n_units,
-                                           uint32_t dyn) {
-    if (unit >= n_units) {
-      valid = false;
-      return;
-    }
-    const int slices = (p.KR + kr_per - 1) / kr_per, per_e = row_groups * slices;
-    const int a = unit / per_e, rem = unit - a * per_e;
-    const int rgu = rem / slices, zu = rem - rgu * slices;
-    uint16_t eu;
-    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(dyn + kDynOrderOff + 2 * a));
-    take<NB>(p, eu, zu, kr_per);  // the expert has tokens and the slice records: it succeeds
-    u = unit, e = eu, rg = rgu, z = zu;
-  }
   // P > 1: rg counts units of P row groups of GROUP_TILES row tiles each (the last unit may hold fewer)
-  // DYN: the next unit is the CTA's next one from the queue (`order` = the DynQueue block's address)
-  template <int NB, int STEP, bool ORDER = false, int P = 1, int GROUP_TILES = 1, bool DYN = false>
+  template <int NB, int STEP, bool ORDER = false, int P = 1, int GROUP_TILES = 1>
   __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
     if ((kr += STEP) < nkr) return;
     kr = 0;
@@ -616,10 +522,7 @@ struct Cursor {
       }
       sub = 0;
     }
-    if constexpr (DYN) {
-      ++k;
-      take_dyn<NB>(p, dyn_unit(order, k), row_groups, kr_per, n_units, order);
-    } else if constexpr (ORDER) {
+    if constexpr (ORDER) {
       take_ordered<NB>(p, u + 1, row_groups, kr_per, n_units, order);
     } else {
       for (;;) {
@@ -727,13 +630,11 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
 
 // The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (lane 0, one
 // bulk copy per row tile counted on the slot's mbarrier at `bars`; nothing once the cursor is past the last unit)
-// and advance the cursor and the slot. DYN (`order` = the DynQueue block, `claim` = thread 0's pending claim): warp 0
-// publishes the CTA's next unit when the step leaves a unit, and claims the one after when it reaches a unit's last
-// step.
+// and advance the cursor and the slot.
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
                                            int warp, int lane, int row_groups, int kr_per, int n_units,
-                                           uint32_t order = 0, int* claim = nullptr) {
+                                           uint32_t order = 0) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
@@ -749,15 +650,7 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
         bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
       }
     }
-    if constexpr (V::DYN) {
-      if (warp == 0 && prod.last_step<RK, V::P, W * R>(p)) {
-        if (lane == 0) dyn_publish(order, prod.k + 1, static_cast<int>(gridDim.x) + *claim);
-        __syncwarp();
-      }
-    }
-    prod.next<V::NB, RK, V::ORDER, V::P, W * R, V::DYN>(p, row_groups, kr_per, n_units, order);
-    if constexpr (V::DYN)
-      if (warp == 0 && lane == 0 && prod.valid && prod.last_step<RK, V::P, W * R>(p)) *claim = atomicAdd(p.queue, 1);
+    prod.next<V::NB, RK, V::ORDER, V::P, W * R>(p, row_groups, kr_per, n_units, order);
   }
   slot = slot == V::S - 1 ? 0 : slot + 1;
 }
@@ -769,33 +662,21 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   constexpr int kRecPerChunk = KC / kRecK, P = V::P;
   const int row_groups = (p.MT + W * R * P - 1) / (W * R * P);  // units per expert and K slice
   const int kr_per = (p.KR + p.split - 1) / p.split;
-  int n_units = p.E * row_groups * p.split;
+  const int n_units = p.E * row_groups * p.split;
 
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
-  const uint32_t dyn = smem_u32(smem + V::kXBytes + V::kRingBytes + W * S * 8);    // DYN: the DynQueue block
-  int claim = 0;  // DYN, thread 0: the queue position claimed for the CTA's next unit
 
   prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
   wait_previous_grid();
   allow_next_grid();
   Cursor prod{}, cons{};
-  if constexpr (V::DYN) {
-    n_units = dyn_setup<V>(p, dyn, row_groups * ((p.KR + kr_per - 1) / kr_per));
-    prod.take_dyn<NB>(p, blockIdx.x, row_groups, kr_per, n_units, dyn);
-    if (!prod.valid) {
-      dyn_finish(p, claim);
-      return;
-    }
-    if (threadIdx.x == 0 && prod.last_step<RK, P, W * R>(p)) claim = atomicAdd(p.queue, 1);
-  } else {
-    prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
-    if (!prod.valid) return;
-    prod.init_stride(p, row_groups);
-  }
+  prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+  if (!prod.valid) return;
+  prod.init_stride(p, row_groups);
   cons = prod;
   int slot_p = 0, slot_c = 0;
   uint32_t phase = 0;  // parity of the consumer's current pass over the ring
@@ -806,9 +687,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   }
   __syncwarp();
 
-  auto issue = [&]() {
-    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, dyn, &claim);
-  };
+  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -925,10 +804,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
           for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
       }
     }
-    cons.next<NB, RK, false, P, W * R, V::DYN>(p, row_groups, kr_per, n_units, dyn);
+    cons.next<NB, RK, false, P, W * R>(p, row_groups, kr_per, n_units);
   }
   cp_async_wait<0>();
-  if constexpr (V::DYN) dyn_finish(p, claim);
 }
 
 // The thread's units of chunk `ch` into the raw buffer at `buf` (unit j of thread i at 16 (j kThreads + i)), one
@@ -1148,16 +1026,13 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // (each thread cp.async-copies its units of the next chunk into a raw buffer, K-permuted at the chunk boundary);
 // 3: 2 with the units dealt to the CTAs by decreasing token count in a snake (ORDER) and the wgmma's N per token
 // block rounded up from its token count in steps of 32 (TW); 4: 0 with two row groups per unit (P), the second
-// re-using the staged chunk when it holds the unit's K slice (Qwen3-30B-A3B down, K = 768); 5, 6: 0 and 4 with the
-// units taken from a queue (DYN, DynQueue) instead of dealt.
+// re-using the staged chunk when it holds the unit's K slice (Qwen3-30B-A3B down, K = 768).
 #define MOESQ_P48_VARIANTS(X)                            \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)                    \
   X(1, WgVariant<64, 4, 3, 512, 2>)                      \
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
-  X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
-  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, true>)           \
-  X(6, Variant<16, 2, 8, 3, 1024, 2, 2, true>)
+  X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
@@ -1175,26 +1050,19 @@ auto pick_kernel(const moesq_p48_args& a) {
 
 template <class V>
 int launch(const moesq_p48_args& a) {
-  if ((V::ORDER || V::DYN) && a.E > kMaxOrderE) {
-    moesq::set_last_error("p48 kernel variant sorts or lists at most %d experts (got E=%d)", kMaxOrderE, a.E);
-    return 1;
-  }
-  if (V::DYN && a.queue == nullptr) {
-    moesq::set_last_error("p48 kernel variant takes its units from a work queue: pass one (int32 [2], zeros)");
+  if (V::ORDER && a.E > kMaxOrderE) {
+    moesq::set_last_error("p48 kernel sorts at most %d experts (got E=%d)", kMaxOrderE, a.E);
     return 1;
   }
   Params p{static_cast<const uint8_t*>(a.records), a.E, static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
-           a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global, a.x_perm,
-           a.queue};
-  // DYN: the DynQueue block after the variant's own shared memory
-  const int smem = V::kSmem + (V::DYN ? (kDynOrderOff + 2 * a.E + 15) / 16 * 16 : 0);
+           a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global, a.x_perm};
   auto kernel = a.act_global != nullptr ? pick_kernel<V, true>(a) : pick_kernel<V, false>(a);
   const int row_groups = (a.MT + V::W * V::R - 1) / (V::W * V::R);
   const long long units = static_cast<long long>(a.E) * ((row_groups + V::P - 1) / V::P) * a.split;
   int sms = 0, per_sm = 0;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, V::kSmem);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, V::kThreads, smem);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, V::kThreads, V::kSmem);
   if (err == cudaSuccess) {
     // Persistent: one wave of CTAs walks all units (experts without tokens are skipped on the device).
     const int grid = static_cast<int>(units < 1LL * sms * per_sm ? units : 1LL * sms * per_sm);
@@ -1207,7 +1075,7 @@ int launch(const moesq_p48_args& a) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(grid > 0 ? grid : 1);
     cfg.blockDim = dim3(V::kThreads);
-    cfg.dynamicSmemBytes = smem;
+    cfg.dynamicSmemBytes = V::kSmem;
     cfg.stream = static_cast<cudaStream_t>(a.stream);
     cfg.attrs = attr;
     cfg.numAttrs = pdl != nullptr && pdl[0] == '0' ? 0 : 1;
@@ -1222,7 +1090,7 @@ int launch(const moesq_p48_args& a) {
 
 template <class V>
 void info(moesq_p48_variant_info* i) {
-  *i = moesq_p48_variant_info{V::NB, V::R, V::W, V::S, V::KC, V::kSmem, V::P, V::DYN ? 1 : 0};
+  *i = moesq_p48_variant_info{V::NB, V::R, V::W, V::S, V::KC, V::kSmem, V::P};
 }
 
 }  // namespace

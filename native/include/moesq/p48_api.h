@@ -48,8 +48,6 @@ typedef struct {
   int device;
   void* stream;
   int x_perm; /* 1: x arrives K-permuted (staged as it is) */
-  int* queue; /* variants that take their units from a queue: int32 [2] on the device, zeros between launches
-                 (each launch leaves it so); one per stream of launches, NULL for the others */
 } moesq_p48_args;
 
 typedef struct {
@@ -60,7 +58,6 @@ typedef struct {
   int k_chunk; /* activation columns staged per pass */
   int smem_bytes;
   int row_groups_per_unit; /* groups of 16 * warps * row_tiles_per_warp rows a CTA takes per unit of work */
-  int work_queue;          /* 1: the CTAs take their units from `queue` (moesq_p48_args), which it needs */
 } moesq_p48_variant_info;
 
 int moesq_p48_num_variants(void);
