@@ -2,9 +2,12 @@
 
     python benchmarks/p48_variants.py --variants 2 3 --N 64 128 256 --out DIR
     python benchmarks/p48_variants.py --profile 2 --N 128 --shape 0      # one launch, for `ncu -k regex:p48 -c 1`
+    python benchmarks/p48_variants.py --variants 0 5 --N 16 64 --routed 8 --out DIR   # counts of a routed batch
 
 Rows: the kernel bench's shapes (Qwen3-30B-A3B with G = 128, Kimi-K2.5 with G = 48) x N, token counts
-{N, 3N/4, N/2, N/4} per expert, as moesq_core.bench.p48_bench. Per row: the fp8 baseline once, then every variant
+{N, 3N/4, N/2, N/4} per expert, as moesq_core.bench.p48_bench; with --routed k instead those of a batch of N
+tokens routed to k experts each, uniformly at random (seeded; some experts get none, as in serving; TB/s then still
+counts every expert's bytes, so compare the µs). Per row: the fp8 baseline once, then every variant
 (W4A16; with --fused also W4A4 quantized in the kernel) checked against p48_reference and timed with
 moesq_core.bench.harness.graph_time (CUDA graphs, weight copies rotated past L2, median), in `--rounds` rounds
 of alternating order; each variant's W4A16 output is compared bit for bit with the first variant's. Writes
@@ -39,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fused", action="store_true", help="also W4A4 with the quantization in the kernel")
     ap.add_argument("--x-permuted", action="store_true",
                     help="hand the kernel the activations in its K order (as the runtime's GEMMs get them)")
+    ap.add_argument("--routed", type=int, default=None, metavar="K",
+                    help="token counts of N tokens routed to K experts each at random, not the bench's pattern")
     ap.add_argument("--profile", type=int, default=None, help="run this variant once per row (for ncu), no timing")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args(argv)
@@ -63,12 +68,15 @@ def main(argv=None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     result = {**run_header("p48-nvfp4", device, args.repeats), "variants": args.variants, "rounds": args.rounds,
-              "x_permuted": args.x_permuted,
+              "x_permuted": args.x_permuted, "routed_top_k": args.routed,
               "ptx_info": native.p48_variants(), "rows": []}
     for i in args.shape:
         name, M, K, G = SHAPES[i]
         for n in args.N:
             prob, gen, row = new_row(name, M, K, G, n, 0, device)
+            if args.routed is not None:
+                prob.counts = routed_counts(n, G, args.routed, seed=n * 7919 + G)
+                row.update(tokens=prob.tokens, routed_top_k=args.routed, counts=prob.counts)
             f = BASELINES["fp8_grouped_mm"](prob, gen, device)
             row["fp8_us"] = round(time_method(f, args.repeats).median_us, 3)
             del f
@@ -122,6 +130,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def routed_counts(tokens: int, experts: int, top_k: int, seed: int) -> list[int]:
+    """Tokens per expert when each of `tokens` tokens picks `top_k` distinct experts uniformly at random."""
+    if not 1 <= top_k <= experts:
+        raise SystemExit(f"--routed: top-k {top_k} must lie in [1, {experts}]")
+    gen = torch.Generator().manual_seed(seed)
+    picks = torch.rand(tokens, experts, generator=gen).argsort(dim=1)[:, :top_k]
+    return torch.bincount(picks.flatten(), minlength=experts).tolist()
+
+
 def markdown(result: dict) -> str:
     vs = [str(v) for v in result["variants"]]
     fused = any("fused_us" in r["methods"][v] for r in result["rows"] for v in vs)
@@ -129,7 +146,9 @@ def markdown(result: dict) -> str:
              f"{result['date']} · {result['gpu']} · torch {result['torch']} · commit `{result['commit']}` · median of "
              f"{result['repeats']} CUDA-graph replays, best of {result['rounds']} rounds (alternating order), W4A16 "
              "bf16 output" + (", W4A4 fused = quantization in the kernel" if fused else "")
-             + (", activations handed over in the kernel's K order" if result.get("x_permuted") else ""), "",
+             + (", activations handed over in the kernel's K order" if result.get("x_permuted") else "")
+             + (f", token counts of N tokens routed to {result['routed_top_k']} experts each at random (TB/s over every"
+                " expert's bytes)" if result.get("routed_top_k") else ""), "",
              "| shape | G | N | fp8 µs | " + " | ".join(f"v{v} µs" for v in vs) + " | "
              + " | ".join(f"v{v} TB/s" for v in vs) + " | " + " | ".join(f"v{v} vs fp8" for v in vs)
              + (" | " + " | ".join(f"v{v} fused µs" for v in vs) if fused else "") + " | bit-equal |",

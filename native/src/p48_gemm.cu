@@ -294,14 +294,22 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // per-thread base pointer with constant offsets (skipping the second token tile at <= 8 tokens).
 // P: row groups (of W R row tiles) per unit, walked one after the other; when the unit's K slice fits one chunk and
 // its tokens one block, the later row groups re-use the staged chunk (no staging, no barrier).
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1>
+// DEAL: how the CTAs share the units. 0: unit b, b + G, ... to CTA b (G CTAs) in expert order, experts without
+// tokens skipped where they fall; 1 (SORTED): the units of the experts with tokens only, listed by decreasing
+// 8-token tiles (the unit's cost at decode: classes 1, 2, 3, >= 4 tiles; ties in expert order), positions b, b + G,
+// ...: a CTA no longer draws only the long units when the token counts repeat with a period that meets G, nor
+// many or few units by where the empty experts fall; 2: as 1 in a snake (round r gives r G + G - 1 - b for odd r).
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0>
 struct Variant {
-  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_;
-  static constexpr bool ORDER = false;  // ORDER: see WgVariant
+  static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_, DEAL = DEAL_;
+  static constexpr bool ORDER = DEAL > 0;  // the units of the experts with tokens, in a listed order
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
-  static constexpr int kSmem = kXBytes + kRingBytes + W * S * 8;  // + one mbarrier per warp and stage
+  // + one mbarrier per warp and stage, + the experts in deal order (16-bit indices)
+  static constexpr int kOrderOff = kXBytes + kRingBytes + W * S * 8;
+  static constexpr int kSmem = kOrderOff + (ORDER ? 2 * kMaxOrderE : 0);
+  static_assert(!ORDER || kXBytes >= 4 * (5 * kMaxOrderE / 32 + 8), "the class table lives in the activation buffer");
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
@@ -332,6 +340,7 @@ struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_, P = 1;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
+  static constexpr int DEAL = ORDER ? 2 : 0;  // see Variant
   static_assert(TW == 0 || (TW % 16 == 0 && NB % (TW ? TW : 1) == 0), "the token width step must divide NB");
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   // the swizzled and the raw buffer (or the second swizzled one) + slack: the swizzle needs a 1024-byte base
@@ -491,12 +500,13 @@ struct Cursor {
   // ORDER: the CTA's k-th unit (u = k) and on until one has work: position k G + b (k even) or k G + G - 1 - b
   // (k odd) of the units of the experts with tokens, listed by `order` (16-bit expert indices in shared memory at
   // address `order`, decreasing token count); n_units: the number of those units.
-  template <int NB>
+  // DEAL 1: position k G + b for every k.
+  template <int NB, int DEAL>
   __device__ __forceinline__ void take_ordered(const Params& p, int k, int row_groups, int kr_per, int n_units,
                                                uint32_t order) {
     const int per_e = row_groups * p.split;
     for (;; ++k) {
-      const int pos = k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+      const int pos = k * gridDim.x + ((DEAL == 2 && (k & 1)) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
       if (pos >= n_units) break;
       const int se = pos / per_e, rem = pos - se * per_e;
       const int rgu = rem / p.split, zu = rem - rgu * p.split;
@@ -510,7 +520,7 @@ struct Cursor {
     valid = false;
   }
   // P > 1: rg counts units of P row groups of GROUP_TILES row tiles each (the last unit may hold fewer)
-  template <int NB, int STEP, bool ORDER = false, int P = 1, int GROUP_TILES = 1>
+  template <int NB, int STEP, int DEAL = 0, int P = 1, int GROUP_TILES = 1>
   __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
     if ((kr += STEP) < nkr) return;
     kr = 0;
@@ -522,8 +532,8 @@ struct Cursor {
       }
       sub = 0;
     }
-    if constexpr (ORDER) {
-      take_ordered<NB>(p, u + 1, row_groups, kr_per, n_units, order);
+    if constexpr (DEAL > 0) {
+      take_ordered<NB, DEAL>(p, u + 1, row_groups, kr_per, n_units, order);
     } else {
       for (;;) {
         z += dz;
@@ -610,6 +620,57 @@ __device__ __forceinline__ int sort_experts(const Params& p, int* tmp, uint32_t 
   return active;
 }
 
+// DEAL 1 / 2 (the decode variant): the experts with tokens by decreasing class into `order` (16-bit indices in
+// shared memory), class = 8-token tiles min(ceil(count / 8), 4), ties in expert order; a stable partition in two
+// ballot passes over 32-expert slices (no sort: a unit's cost at decode takes few values). `tab` (int, 5 slices + 5
+// entries, in the activation buffer, free until the first chunk is staged): per class and slice, the experts before
+// it. Every thread of the CTA calls it; returns the experts with tokens.
+template <class V>
+__device__ __forceinline__ int list_experts_by_tiles(const Params& p, int* tab, uint32_t order) {
+  constexpr int kClasses = 4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slices = (p.E + 31) >> 5;
+  const auto class_of = [&](int e) { return e < p.E ? min((__ldg(p.counts + e) + 7) >> 3, kClasses) : 0; };
+  for (int sl = warp; sl < slices; sl += V::W) {
+    const int cls = class_of(sl * 32 + lane);
+#pragma unroll
+    for (int k = 1; k <= kClasses; ++k) {
+      const int n = __popc(__ballot_sync(~0u, cls == k));
+      if (lane == 0) tab[(k - 1) * slices + sl] = n;
+    }
+  }
+  __syncthreads();
+  if (warp == 0) {  // lane k - 1: class k's slices turned into running offsets, then its base (the classes above)
+    int run = 0;
+    if (lane < kClasses)
+      for (int sl = 0; sl < slices; ++sl) {
+        const int n = tab[lane * slices + sl];
+        tab[lane * slices + sl] = run;
+        run += n;
+      }
+    int base = 0, total = 0;
+#pragma unroll
+    for (int j = 0; j < kClasses; ++j) {
+      const int t = __shfl_sync(~0u, run, j);
+      base += j > lane ? t : 0;
+      total += t;
+    }
+    if (lane < kClasses) tab[kClasses * slices + lane] = base;
+    if (lane == 0) tab[kClasses * slices + kClasses] = total;
+  }
+  __syncthreads();
+  for (int sl = warp; sl < slices; sl += V::W) {
+    const int e = sl * 32 + lane, cls = class_of(e);
+    const unsigned same = __match_any_sync(~0u, cls);  // the lanes of the same class
+    if (cls > 0) {
+      const int pos = tab[kClasses * slices + cls - 1] + tab[(cls - 1) * slices + sl] + __popc(same & ((1u << lane) - 1));
+      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(order + 2 * pos), "h"(static_cast<uint16_t>(e)) : "memory");
+    }
+  }
+  const int active = tab[kClasses * slices + kClasses];
+  __syncthreads();  // the order is complete; every thread has read the count before the table's space is reused
+  return active;
+}
+
 // Before waiting for the previous grid: the weight records of the first ring steps of the CTA's first unit
 // (unit blockIdx.x, were its expert to have tokens: the counts may be the previous grid's output) towards L2,
 // one prefetch per row tile from the warp's lane 0, so the ring's first copies do not wait for DRAM.
@@ -650,7 +711,7 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
         bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
       }
     }
-    prod.next<V::NB, RK, V::ORDER, V::P, W * R>(p, row_groups, kr_per, n_units, order);
+    prod.next<V::NB, RK, V::DEAL, V::P, W * R>(p, row_groups, kr_per, n_units, order);
   }
   slot = slot == V::S - 1 ? 0 : slot + 1;
 }
@@ -662,7 +723,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   constexpr int kRecPerChunk = KC / kRecK, P = V::P;
   const int row_groups = (p.MT + W * R * P - 1) / (W * R * P);  // units per expert and K slice
   const int kr_per = (p.KR + p.split - 1) / p.split;
-  const int n_units = p.E * row_groups * p.split;
+  int n_units = p.E * row_groups * p.split;  // DEAL > 0: the units of the experts with tokens (set below)
 
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -670,13 +731,21 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
 
+  // (DEAL > 0: a guess, right where the deal's first units are the natural ones, e.g. every expert of one class)
   prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
   wait_previous_grid();
   allow_next_grid();
   Cursor prod{}, cons{};
-  prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
-  if (!prod.valid) return;
-  prod.init_stride(p, row_groups);
+  [[maybe_unused]] const uint32_t order = smem_u32(smem + V::kOrderOff);  // DEAL > 0: the experts in deal order
+  if constexpr (V::DEAL > 0) {
+    n_units = list_experts_by_tiles<V>(p, reinterpret_cast<int*>(smem), order) * row_groups * p.split;
+    prod.take_ordered<NB, V::DEAL>(p, 0, row_groups, kr_per, n_units, order);
+    if (!prod.valid) return;
+  } else {
+    prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+    if (!prod.valid) return;
+    prod.init_stride(p, row_groups);
+  }
   cons = prod;
   int slot_p = 0, slot_c = 0;
   uint32_t phase = 0;  // parity of the consumer's current pass over the ring
@@ -687,7 +756,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   }
   __syncwarp();
 
-  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units); };
+  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -804,7 +873,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
           for (int i = 0; i < 4; ++i) acc[r][n][i] = 0.f;
       }
     }
-    cons.next<NB, RK, false, P, W * R>(p, row_groups, kr_per, n_units);
+    cons.next<NB, RK, V::DEAL, P, W * R>(p, row_groups, kr_per, n_units, order);
   }
   cp_async_wait<0>();
 }
@@ -874,7 +943,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 
   Cursor prod{}, cons{};
   if constexpr (V::ORDER)
-    prod.take_ordered<NB>(p, 0, row_groups, kr_per, n_units, order);
+    prod.take_ordered<NB, V::DEAL>(p, 0, row_groups, kr_per, n_units, order);
   else
     prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   if (!prod.valid) return;
@@ -915,7 +984,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
     const int ntok = min(NB, cnt - tb * NB);
     if (kr % kRecPerChunk == 0) {
       Cursor nx = cons;  // the next chunk (its count loads fly while this one is permuted)
-      nx.next<NB, kRecPerChunk, V::ORDER>(p, row_groups, kr_per, n_units, order);
+      nx.next<NB, kRecPerChunk, V::DEAL>(p, row_groups, kr_per, n_units, order);
       if (direct) {
         cp_async_wait<0>();  // this thread's copies of the chunk have landed in buffer xnext
         fence_async_smem();
@@ -1011,7 +1080,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 #pragma unroll
       for (int i = 0; i < ND; ++i) acc[i] = 0.f;
     }
-    cons.next<NB, RK, V::ORDER>(p, row_groups, kr_per, n_units, order);
+    cons.next<NB, RK, V::DEAL>(p, row_groups, kr_per, n_units, order);
   }
   wgmma_wait<0>();
   cp_async_wait<0>();
@@ -1032,7 +1101,10 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(1, WgVariant<64, 4, 3, 512, 2>)                      \
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
-  X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)
+  X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
+  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)              \
+  X(6, Variant<16, 2, 8, 3, 1024, 2, 2, 1>)              \
+  X(7, Variant<16, 2, 8, 3, 1024, 2, 1, 2>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
