@@ -295,10 +295,11 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // P: row groups (of W R row tiles) per unit, walked one after the other; when the unit's K slice fits one chunk and
 // its tokens one block, the later row groups re-use the staged chunk (no staging, no barrier).
 // DEAL: how the CTAs share the units. 0: unit b, b + G, ... to CTA b (G CTAs) in expert order, experts without
-// tokens skipped where they fall; 1 (SORTED): the units of the experts with tokens only, listed by decreasing
-// 8-token tiles (the unit's cost at decode: classes 1, 2, 3, >= 4 tiles; ties in expert order), positions b, b + G,
-// ...: a CTA no longer draws only the long units when the token counts repeat with a period that meets G, nor
-// many or few units by where the empty experts fall; 2: as 1 in a snake (round r gives r G + G - 1 - b for odd r).
+// tokens skipped where they fall (a CTA draws many or few units by where the empty experts fall, and only long ones
+// when the token counts repeat with a period that meets G). 1 (deal_by_tiles): round 0 as 0 over the experts whose
+// units it covers whole (so the records prefetched before the grid waits are the right ones); the rest of the
+// experts with tokens listed by decreasing cost class (8-token tiles: 1, 2, 3, >= 4; ties in expert order) and
+// dealt in rounds to the CTAs ranked by their round-0 unit's class, lightest (or none) first.
 template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_, DEAL = DEAL_;
@@ -306,10 +307,11 @@ struct Variant {
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
-  // + one mbarrier per warp and stage, + the experts in deal order (16-bit indices)
+  // + one mbarrier per warp and stage, + (DEAL 1) the deal: a 16-byte header and the experts in list order (16-bit
+  // indices; the launch adds 2 E bytes)
   static constexpr int kOrderOff = kXBytes + kRingBytes + W * S * 8;
-  static constexpr int kSmem = kOrderOff + (ORDER ? 2 * kMaxOrderE : 0);
-  static_assert(!ORDER || kXBytes >= 4 * (5 * kMaxOrderE / 32 + 8), "the class table lives in the activation buffer");
+  static constexpr int kSmem = kOrderOff + (ORDER ? 16 : 0);
+  static constexpr int kOrderBytesPerExpert = ORDER ? 2 : 0;  // dynamic shared memory per expert (the list)
   static constexpr int kThreads = W * 32;
   static constexpr int kXIters = (NB * KC / 8 + kThreads - 1) / kThreads;
   static constexpr bool SWZ = false;
@@ -340,7 +342,7 @@ struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_, P = 1;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
-  static constexpr int DEAL = ORDER ? 2 : 0;  // see Variant
+  static constexpr int DEAL = ORDER ? 2 : 0;  // 2: the sorted snake above (Variant's DEAL 1 is another deal)
   static_assert(TW == 0 || (TW % 16 == 0 && NB % (TW ? TW : 1) == 0), "the token width step must divide NB");
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   // the swizzled and the raw buffer (or the second swizzled one) + slack: the swizzle needs a 1024-byte base
@@ -351,6 +353,7 @@ struct WgVariant {
   static constexpr int kSmem = kOrderOff + (ORDER ? 2 * kMaxOrderE : 0);
   static constexpr int kThreads = W * 32;
   static constexpr bool SWZ = true;
+  static constexpr int kOrderBytesPerExpert = 0;  // the sorted list is in kSmem already
   static_assert(!ORDER || kXBuf * 2 >= 4 * kMaxOrderE, "ORDER sorts the counts in the activation buffer");
   static constexpr int kMinBlocks = kThreads <= 256 ? 2 : 1;  // 128 registers per thread either way
   static_assert(KC % (kRecK * RK) == 0 && KC % 64 == 0 && NB % 16 == 0 && NB <= 256, "bad variant");
@@ -519,6 +522,40 @@ struct Cursor {
     }
     valid = false;
   }
+  // DEAL 1: the CTA's k-th unit (u = k) and on until one has work: k = 0 the natural unit b where round 0 covers it,
+  // k >= 1 position (k - 1) G + rank of the rest list. `deal`: the header (round 0's experts e0, the CTA's rank, the
+  // rest's units) and after it the list (16-bit expert indices), in shared memory (deal_by_tiles).
+  template <int NB>
+  __device__ __forceinline__ void take_dealt(const Params& p, int k, int row_groups, int kr_per, uint32_t deal) {
+    const int per_e = row_groups * p.split;
+    int e0, rank, n_rest;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e0), "=r"(rank) : "r"(deal));
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(n_rest) : "r"(deal + 8));
+    if (k == 0) {
+      if (static_cast<int>(blockIdx.x) < e0 * per_e) {
+        const int eu = blockIdx.x / per_e, rem = blockIdx.x - eu * per_e;
+        const int rgu = rem / p.split, zu = rem - rgu * p.split;
+        if (take<NB>(p, eu, zu, kr_per)) {
+          u = 0, e = eu, rg = rgu, z = zu;
+          return;
+        }
+      }
+      k = 1;
+    }
+    for (;; ++k) {
+      const int pos = (k - 1) * gridDim.x + rank;
+      if (pos >= n_rest) break;
+      const int se = pos / per_e, rem = pos - se * per_e;
+      const int rgu = rem / p.split, zu = rem - rgu * p.split;
+      uint16_t eu;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(deal + 16 + 2 * se));
+      if (take<NB>(p, eu, zu, kr_per)) {  // else an empty K slice (split > KR / kr_per)
+        u = k, e = eu, rg = rgu, z = zu;
+        return;
+      }
+    }
+    valid = false;
+  }
   // P > 1: rg counts units of P row groups of GROUP_TILES row tiles each (the last unit may hold fewer)
   template <int NB, int STEP, int DEAL = 0, int P = 1, int GROUP_TILES = 1>
   __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
@@ -532,7 +569,9 @@ struct Cursor {
       }
       sub = 0;
     }
-    if constexpr (DEAL > 0) {
+    if constexpr (DEAL == 1) {
+      take_dealt<NB>(p, u + 1, row_groups, kr_per, order);
+    } else if constexpr (DEAL == 2) {
       take_ordered<NB, DEAL>(p, u + 1, row_groups, kr_per, n_units, order);
     } else {
       for (;;) {
@@ -620,55 +659,71 @@ __device__ __forceinline__ int sort_experts(const Params& p, int* tmp, uint32_t 
   return active;
 }
 
-// DEAL 1 / 2 (the decode variant): the experts with tokens by decreasing class into `order` (16-bit indices in
-// shared memory), class = 8-token tiles min(ceil(count / 8), 4), ties in expert order; a stable partition in two
-// ballot passes over 32-expert slices (no sort: a unit's cost at decode takes few values). `tab` (int, 5 slices + 5
-// entries, in the activation buffer, free until the first chunk is staged): per class and slice, the experts before
-// it. Every thread of the CTA calls it; returns the experts with tokens.
+// DEAL 1 (the decode variants): each warp works the deal out itself from the counts (no exchange between warps,
+// the caller's one barrier publishes the list): two ballot passes over 32-expert slices, no sort (a unit's cost at
+// decode takes few values). Class of an expert: 0 without tokens, else min(ceil(count / 8), 4). Round 0 covers
+// the experts e < e0 = min(E, G / per_e) (CTA b takes natural unit b, per_e units per expert); the CTAs are ranked
+// by their round-0 class (none = 0), ties by index; the rest list holds the experts >= e0 with tokens by decreasing
+// class, ties by index, and warp w writes its slices w, w + W, ... of it. Writes the header {e0, rank, rest units}.
 template <class V>
-__device__ __forceinline__ int list_experts_by_tiles(const Params& p, int* tab, uint32_t order) {
+__device__ __forceinline__ void deal_by_tiles(const Params& p, int per_e, uint32_t deal) {
   constexpr int kClasses = 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slices = (p.E + 31) >> 5;
-  const auto class_of = [&](int e) { return e < p.E ? min((__ldg(p.counts + e) + 7) >> 3, kClasses) : 0; };
-  for (int sl = warp; sl < slices; sl += V::W) {
-    const int cls = class_of(sl * 32 + lane);
+  const int b = blockIdx.x, G = gridDim.x;
+  const int e0 = min(p.E, G / per_e);
+  const int eb = b < e0 * per_e ? b / per_e : e0;  // the CTA's round-0 expert (e0: none)
+  const auto class_of = [&](int e) { return e < p.E ? min((__ldg(p.counts + e) + 7) >> 3, kClasses) : -1; };
+  int rest[kClasses + 1] = {}, r0[kClasses + 1] = {}, before[kClasses + 1] = {};
+  int cls_b = 0;
+  for (int sl = 0; sl < slices; ++sl) {
+    const int e = sl * 32 + lane, c = class_of(e);
+#pragma unroll
+    for (int k = 0; k <= kClasses; ++k) {
+      rest[k] += __popc(__ballot_sync(~0u, c == k && e >= e0));
+      r0[k] += __popc(__ballot_sync(~0u, c == k && e < e0));
+      before[k] += __popc(__ballot_sync(~0u, c == k && e < eb));
+    }
+    const int cb = __shfl_sync(~0u, c, eb & 31);
+    if ((eb >> 5) == sl && eb < e0) cls_b = cb;
+  }
+  // the rank: the CTAs of lighter round-0 classes, then those of the same class before b
+  const int idle = G - e0 * per_e;  // CTAs round 0 leaves without a unit (class 0, after the empty experts' ones)
+  int rank = 0;
+#pragma unroll
+  for (int k = 0; k < kClasses; ++k) rank += k < cls_b ? per_e * r0[k] + (k == 0 ? idle : 0) : 0;
+  if (b < e0 * per_e) {
+#pragma unroll
+    for (int k = 0; k <= kClasses; ++k) rank += k == cls_b ? per_e * before[k] : 0;
+    rank += b - eb * per_e;
+  } else {
+    rank += per_e * r0[0] + (b - e0 * per_e);
+  }
+  int n_rest = 0;
+#pragma unroll
+  for (int k = 1; k <= kClasses; ++k) n_rest += rest[k];
+  if (threadIdx.x == 0) {
+    asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(deal), "r"(e0), "r"(rank) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(deal + 8), "r"(n_rest * per_e) : "memory");
+  }
+  // the list: class k starts after the classes above it; within a class, the slices before, then the lanes before
+  int run[kClasses + 1] = {};
+  const unsigned lanes_before = (1u << lane) - 1;
+  for (int sl = 0; sl < slices; ++sl) {
+    const int e = sl * 32 + lane, c = class_of(e);
+    const bool listed = c > 0 && e >= e0;
+    int pos = 0;
 #pragma unroll
     for (int k = 1; k <= kClasses; ++k) {
-      const int n = __popc(__ballot_sync(~0u, cls == k));
-      if (lane == 0) tab[(k - 1) * slices + sl] = n;
-    }
-  }
-  __syncthreads();
-  if (warp == 0) {  // lane k - 1: class k's slices turned into running offsets, then its base (the classes above)
-    int run = 0;
-    if (lane < kClasses)
-      for (int sl = 0; sl < slices; ++sl) {
-        const int n = tab[lane * slices + sl];
-        tab[lane * slices + sl] = run;
-        run += n;
-      }
-    int base = 0, total = 0;
+      const unsigned m = __ballot_sync(~0u, listed && c == k);
+      int above = 0;
 #pragma unroll
-    for (int j = 0; j < kClasses; ++j) {
-      const int t = __shfl_sync(~0u, run, j);
-      base += j > lane ? t : 0;
-      total += t;
+      for (int j = k + 1; j <= kClasses; ++j) above += rest[j];
+      if (c == k) pos = above + run[k] + __popc(m & lanes_before);
+      run[k] += __popc(m);
     }
-    if (lane < kClasses) tab[kClasses * slices + lane] = base;
-    if (lane == 0) tab[kClasses * slices + kClasses] = total;
+    if (listed && sl % V::W == warp)
+      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(deal + 16 + 2 * pos), "h"(static_cast<uint16_t>(e)) : "memory");
   }
-  __syncthreads();
-  for (int sl = warp; sl < slices; sl += V::W) {
-    const int e = sl * 32 + lane, cls = class_of(e);
-    const unsigned same = __match_any_sync(~0u, cls);  // the lanes of the same class
-    if (cls > 0) {
-      const int pos = tab[kClasses * slices + cls - 1] + tab[(cls - 1) * slices + sl] + __popc(same & ((1u << lane) - 1));
-      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(order + 2 * pos), "h"(static_cast<uint16_t>(e)) : "memory");
-    }
-  }
-  const int active = tab[kClasses * slices + kClasses];
-  __syncthreads();  // the order is complete; every thread has read the count before the table's space is reused
-  return active;
 }
 
 // Before waiting for the previous grid: the weight records of the first ring steps of the CTA's first unit
@@ -723,7 +778,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   constexpr int kRecPerChunk = KC / kRecK, P = V::P;
   const int row_groups = (p.MT + W * R * P - 1) / (W * R * P);  // units per expert and K slice
   const int kr_per = (p.KR + p.split - 1) / p.split;
-  int n_units = p.E * row_groups * p.split;  // DEAL > 0: the units of the experts with tokens (set below)
+  const int n_units = p.E * row_groups * p.split;
 
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -731,15 +786,16 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
 
-  // (DEAL > 0: a guess, right where the deal's first units are the natural ones, e.g. every expert of one class)
+  // (DEAL 1: round 0 deals the natural units, so these are the right records wherever round 0 gives the CTA one)
   prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
   wait_previous_grid();
   allow_next_grid();
   Cursor prod{}, cons{};
-  [[maybe_unused]] const uint32_t order = smem_u32(smem + V::kOrderOff);  // DEAL > 0: the experts in deal order
-  if constexpr (V::DEAL > 0) {
-    n_units = list_experts_by_tiles<V>(p, reinterpret_cast<int*>(smem), order) * row_groups * p.split;
-    prod.take_ordered<NB, V::DEAL>(p, 0, row_groups, kr_per, n_units, order);
+  [[maybe_unused]] const uint32_t order = smem_u32(smem + V::kOrderOff);  // DEAL 1: the deal (deal_by_tiles)
+  if constexpr (V::DEAL == 1) {
+    deal_by_tiles<V>(p, row_groups * p.split, order);
+    __syncthreads();  // the deal's list and header are complete
+    prod.take_dealt<NB>(p, 0, row_groups, kr_per, order);
     if (!prod.valid) return;
   } else {
     prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
@@ -1103,8 +1159,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
   X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
   X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)              \
-  X(6, Variant<16, 2, 8, 3, 1024, 2, 2, 1>)              \
-  X(7, Variant<16, 2, 8, 3, 1024, 2, 1, 2>)
+  X(6, Variant<16, 2, 8, 3, 1024, 2, 2, 1>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
@@ -1122,6 +1177,7 @@ auto pick_kernel(const moesq_p48_args& a) {
 
 template <class V>
 int launch(const moesq_p48_args& a) {
+  const int smem_bytes = V::kSmem + V::kOrderBytesPerExpert * a.E;
   if (V::ORDER && a.E > kMaxOrderE) {
     moesq::set_last_error("p48 kernel sorts at most %d experts (got E=%d)", kMaxOrderE, a.E);
     return 1;
@@ -1132,9 +1188,9 @@ int launch(const moesq_p48_args& a) {
   const int row_groups = (a.MT + V::W * V::R - 1) / (V::W * V::R);
   const long long units = static_cast<long long>(a.E) * ((row_groups + V::P - 1) / V::P) * a.split;
   int sms = 0, per_sm = 0;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, V::kSmem);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, a.device);
-  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, V::kThreads, V::kSmem);
+  if (err == cudaSuccess) err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, V::kThreads, smem_bytes);
   if (err == cudaSuccess) {
     // Persistent: one wave of CTAs walks all units (experts without tokens are skipped on the device).
     const int grid = static_cast<int>(units < 1LL * sms * per_sm ? units : 1LL * sms * per_sm);
@@ -1147,7 +1203,7 @@ int launch(const moesq_p48_args& a) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(grid > 0 ? grid : 1);
     cfg.blockDim = dim3(V::kThreads);
-    cfg.dynamicSmemBytes = V::kSmem;
+    cfg.dynamicSmemBytes = smem_bytes;
     cfg.stream = static_cast<cudaStream_t>(a.stream);
     cfg.attrs = attr;
     cfg.numAttrs = pdl != nullptr && pdl[0] == '0' ? 0 : 1;
