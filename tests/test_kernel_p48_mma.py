@@ -177,6 +177,31 @@ def test_pick_config_pairs_row_groups_only_where_the_chunk_is_reused_and_the_wal
     assert pm.pick_config(256, 768, 128, 1, cpu).variant == 0
 
 
+def test_pick_config_deals_from_a_list_when_many_experts_are_likely_empty():
+    cpu = torch.device("cpu")
+    assert pm.TOKEN_BLOCKS[5] == pm.TOKEN_BLOCKS[0] and pm.ORDERS_EXPERTS[5] and pm.MMA_INSTRUCTION[5] == "mma.sp"
+    # 16 tokens routed top-8 over 128 experts: ~82 expected to have tokens
+    active = pm.expected_active_experts(128, 16, 8)
+    assert 80 < active < 84
+    assert pm.pick_config(1536, 2048, active, 128 / active, cpu, experts=128) == pm.MmaConfig(5, 1)
+    assert pm.pick_config(2048, 768, active, 128 / active, cpu, experts=128) == pm.MmaConfig(5, 1)
+    # one token: its 8 experts exactly; split K spreads them, the list deals the split units
+    assert pm.expected_active_experts(128, 1, 8) == pytest.approx(8)
+    assert pm.pick_config(1536, 2048, 8, 1, cpu, experts=128).variant == 5
+    # 64 tokens: nearly every expert has tokens, the fixed deal stays (and the pairs at K = 768)
+    active = pm.expected_active_experts(128, 64, 8)
+    assert active > 0.8 * 128
+    assert pm.pick_config(1536, 2048, active, 512 / active, cpu, experts=128).variant == 0
+    assert pm.pick_config(2048, 768, active, 512 / active, cpu, experts=128).variant == 4
+    # without the experts' number (the kernel bench: every expert has tokens) nothing changes
+    assert pm.pick_config(1536, 2048, 82, 1.5, cpu).variant == 0
+    # past decode sizes, or more experts than a CTA can list
+    assert pm.pick_config(1536, 2048, 40, 30, cpu, experts=128).variant == 1
+    assert pm.pick_config(1536, 2048, 100, 1, cpu, experts=pm.MAX_ORDER_EXPERTS + 1).variant == 0
+    assert pm.expected_active_experts(0, 4, 2) == 0.0 and pm.expected_active_experts(8, 0, 2) == 0.0
+    assert pm.expected_active_experts(4, 3, 8) == pytest.approx(4)  # top-k past the experts: all of them
+
+
 # ------------------------------------------------------------------------------------------ GPU kernel
 
 

@@ -163,7 +163,7 @@ class P48HopperExperts(nn.Module):
                                        H, hidden.stride(0), xs.stride(0), TOPK=k, NBLK=8, QUANT=quant_in,
                                        PERM=self.k_ordered, num_warps=4)
         g_in = self.g_in
-        active = min(E, R)
+        active = max(1.0, pm.expected_active_experts(E, T, k))
         per = R / active
         # bf16 rows quantized by the GEMM give exactly the operands of the pre-pass (p48_mma.p48_mma_gemm_rows)
         in_kernel = (aq and not quant_in and self.quant_in_kernel and self.kernel == "sparse-mma"
@@ -193,7 +193,7 @@ class P48HopperExperts(nn.Module):
         return out
 
     def _gemm(self, x: torch.Tensor, w, offsets: torch.Tensor, counts: torch.Tensor, alpha: torch.Tensor,
-              active: int, per: float, act_global: torch.Tensor | None = None,
+              active: float, per: float, act_global: torch.Tensor | None = None,
               x_permuted: bool = False) -> torch.Tensor:
         """One grouped GEMM over the experts' row segments of x -> float32 [R, out]; act_global (sparse-mma
         only): the kernel quantizes x to NVFP4 with these per-expert global scales; x_permuted (sparse-mma only):
@@ -201,10 +201,11 @@ class P48HopperExperts(nn.Module):
         R, K = x.shape
         M = w.out_features
         if self.kernel == "sparse-mma":
-            cfg = pm.pick_config(M, K, active, per, x.device)
+            cfg = pm.pick_config(M, K, active, per, x.device, experts=self.num_experts)
             y = (torch.zeros if cfg.split > 1 else torch.empty)(R, M, dtype=torch.float32, device=x.device)
             return pm.p48_mma_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self._native, act_global, x_permuted)
-        cfg = pt.pick_config(M, K, active, per, x.device)
+        busy = min(self.num_experts, R)  # the Triton tiles' bound (they deal no units)
+        cfg = pt.pick_config(M, K, busy, R / busy, x.device)
         y = (torch.zeros if cfg.split > 1 else torch.empty)(R, M, dtype=torch.float32, device=x.device)
         return pt.p48_gemm_rows(x, w, offsets, counts, alpha, y, cfg, self.use_asm)
 

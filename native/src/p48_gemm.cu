@@ -462,7 +462,6 @@ struct Cursor {
   // the unit as (e, rg, z) and gridDim.x in the same mixed radix (experts, row groups, K slices), so that moving
   // on by gridDim.x units is a few adds instead of two integer divisions
   int z, de, drg, dz;
-  int se;    // DEAL 1 past round 0: the unit's expert's place in the rest list
   int row0;  // the expert's first activation row
   int sub;   // P > 1: the row group within the unit (the unit's row groups are rg P .. rg P + P - 1)
   bool valid;
@@ -523,68 +522,39 @@ struct Cursor {
     }
     valid = false;
   }
-  // DEAL 1: the CTA's first unit: the natural unit b where round 0 covers it and its expert has tokens, else the
-  // first of the rest list (position rank, then rank + G, ...). `deal`: the header (round 0's experts e0, the CTA's
-  // rank, the experts in the rest list) and after it the list (16-bit expert indices), in shared memory
-  // (deal_by_tiles). One division here; later units step by G in the mixed radix (next_dealt).
+  // DEAL 1: the CTA's k-th unit (u = k) and on until one has work: k = 0 the natural unit b where round 0 covers it,
+  // k >= 1 position (k - 1) G + rank of the rest list. `deal`: the header (round 0's experts e0, the CTA's rank, the
+  // rest's units) and after it the list (16-bit expert indices), in shared memory (deal_by_tiles).
   template <int NB>
-  __device__ __forceinline__ void take_dealt(const Params& p, int row_groups, int kr_per, uint32_t deal) {
+  __device__ __forceinline__ void take_dealt(const Params& p, int k, int row_groups, int kr_per, uint32_t deal) {
     const int per_e = row_groups * p.split;
-    int e0, rank;
+    int e0, rank, n_rest;
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e0), "=r"(rank) : "r"(deal));
-    if (static_cast<int>(blockIdx.x) < e0 * per_e) {
-      const int eu = blockIdx.x / per_e, rem = blockIdx.x - eu * per_e;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(n_rest) : "r"(deal + 8));
+    if (k == 0) {
+      if (static_cast<int>(blockIdx.x) < e0 * per_e) {
+        const int eu = blockIdx.x / per_e, rem = blockIdx.x - eu * per_e;
+        const int rgu = rem / p.split, zu = rem - rgu * p.split;
+        if (take<NB>(p, eu, zu, kr_per)) {
+          u = 0, e = eu, rg = rgu, z = zu;
+          return;
+        }
+      }
+      k = 1;
+    }
+    for (;; ++k) {
+      const int pos = (k - 1) * gridDim.x + rank;
+      if (pos >= n_rest) break;
+      const int se = pos / per_e, rem = pos - se * per_e;
       const int rgu = rem / p.split, zu = rem - rgu * p.split;
-      if (take<NB>(p, eu, zu, kr_per)) {
-        u = 0, e = eu, rg = rgu, z = zu;
+      uint16_t eu;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(deal + 16 + 2 * se));
+      if (take<NB>(p, eu, zu, kr_per)) {  // else an empty K slice (split > KR / kr_per)
+        u = k, e = eu, rg = rgu, z = zu;
         return;
       }
     }
-    first_rest<NB>(p, row_groups, kr_per, deal, rank);
-  }
-  template <int NB>
-  __device__ __forceinline__ void first_rest(const Params& p, int row_groups, int kr_per, uint32_t deal, int rank) {
-    const int per_e = row_groups * p.split;
-    se = rank / per_e;
-    const int rem = rank - se * per_e;
-    rg = rem / p.split, z = rem - rg * p.split;
-    u = 1;
-    if (rest_take<NB>(p, kr_per, deal)) return;
-    next_dealt<NB>(p, row_groups, kr_per, deal);
-  }
-  // the unit at (se, rg, z) of the rest list, if the list reaches it and it has work
-  template <int NB>
-  __device__ __forceinline__ bool rest_take(const Params& p, int kr_per, uint32_t deal) {
-    int n_rest;
-    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(n_rest) : "r"(deal + 8));
-    if (se >= n_rest) {
-      valid = false;
-      return true;
-    }
-    uint16_t eu;
-    asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(deal + 16 + 2 * se));
-    if (!take<NB>(p, eu, z, kr_per)) return false;  // an empty K slice (split > KR / kr_per)
-    e = eu;
-    return true;
-  }
-  // DEAL 1: the CTA's next unit
-  template <int NB>
-  __device__ __forceinline__ void next_dealt(const Params& p, int row_groups, int kr_per, uint32_t deal) {
-    if (u == 0) {
-      int rank;
-      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(rank) : "r"(deal + 4));
-      first_rest<NB>(p, row_groups, kr_per, deal, rank);
-      return;
-    }
-    do {
-      z += dz;
-      int carry = z >= p.split;
-      z -= carry ? p.split : 0;
-      rg += drg + carry;
-      carry = rg >= row_groups;
-      rg -= carry ? row_groups : 0;
-      se += de + carry;
-    } while (!rest_take<NB>(p, kr_per, deal));
+    valid = false;
   }
   // P > 1: rg counts units of P row groups of GROUP_TILES row tiles each (the last unit may hold fewer)
   template <int NB, int STEP, int DEAL = 0, int P = 1, int GROUP_TILES = 1>
@@ -600,7 +570,7 @@ struct Cursor {
       sub = 0;
     }
     if constexpr (DEAL == 1) {
-      next_dealt<NB>(p, row_groups, kr_per, order);
+      take_dealt<NB>(p, u + 1, row_groups, kr_per, order);
     } else if constexpr (DEAL == 2) {
       take_ordered<NB, DEAL>(p, u + 1, row_groups, kr_per, n_units, order);
     } else {
@@ -689,23 +659,20 @@ __device__ __forceinline__ int sort_experts(const Params& p, int* tmp, uint32_t 
   return active;
 }
 
-// DEAL 1 (the decode variants): the experts' classes into `cls` (E bytes of shared memory, free until the first
-// chunk is staged) in one round of loads, then each warp works the deal out itself (no exchange between warps; the
-// caller's barrier publishes the list): two ballot passes over 32-expert slices, no sort (a unit's cost at decode
-// takes few values). Class of an expert: 0 without tokens, else min(ceil(count / 8), 4). Round 0 covers
+// DEAL 1 (the decode variants): each warp works the deal out itself from the counts (no exchange between warps,
+// the caller's one barrier publishes the list): two ballot passes over 32-expert slices, no sort (a unit's cost at
+// decode takes few values). Class of an expert: 0 without tokens, else min(ceil(count / 8), 4). Round 0 covers
 // the experts e < e0 = min(E, G / per_e) (CTA b takes natural unit b, per_e units per expert); the CTAs are ranked
 // by their round-0 class (none = 0), ties by index; the rest list holds the experts >= e0 with tokens by decreasing
 // class, ties by index, and warp w writes its slices w, w + W, ... of it. Writes the header {e0, rank, rest units}.
 template <class V>
-__device__ __forceinline__ void deal_by_tiles(const Params& p, int per_e, uint32_t deal, uint8_t* cls) {
+__device__ __forceinline__ void deal_by_tiles(const Params& p, int per_e, uint32_t deal) {
   constexpr int kClasses = 4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, slices = (p.E + 31) >> 5;
   const int b = blockIdx.x, G = gridDim.x;
   const int e0 = min(p.E, G / per_e);
   const int eb = b < e0 * per_e ? b / per_e : e0;  // the CTA's round-0 expert (e0: none)
-  for (int e = threadIdx.x; e < p.E; e += V::kThreads) cls[e] = min((__ldg(p.counts + e) + 7) >> 3, kClasses);
-  __syncthreads();
-  const auto class_of = [&](int e) { return e < p.E ? static_cast<int>(cls[e]) : -1; };
+  const auto class_of = [&](int e) { return e < p.E ? min((__ldg(p.counts + e) + 7) >> 3, kClasses) : -1; };
   int rest[kClasses + 1] = {}, r0[kClasses + 1] = {}, before[kClasses + 1] = {};
   int cls_b = 0;
   for (int sl = 0; sl < slices; ++sl) {
@@ -736,7 +703,7 @@ __device__ __forceinline__ void deal_by_tiles(const Params& p, int per_e, uint32
   for (int k = 1; k <= kClasses; ++k) n_rest += rest[k];
   if (threadIdx.x == 0) {
     asm volatile("st.shared.v2.u32 [%0], {%1, %2};\n" ::"r"(deal), "r"(e0), "r"(rank) : "memory");
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(deal + 8), "r"(n_rest) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(deal + 8), "r"(n_rest * per_e) : "memory");
   }
   // the list: class k starts after the classes above it; within a class, the slices before, then the lanes before
   int run[kClasses + 1] = {};
@@ -826,10 +793,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   Cursor prod{}, cons{};
   [[maybe_unused]] const uint32_t order = smem_u32(smem + V::kOrderOff);  // DEAL 1: the deal (deal_by_tiles)
   if constexpr (V::DEAL == 1) {
-    deal_by_tiles<V>(p, row_groups * p.split, order, smem);
+    deal_by_tiles<V>(p, row_groups * p.split, order);
     __syncthreads();  // the deal's list and header are complete
-    prod.init_stride(p, row_groups);
-    prod.take_dealt<NB>(p, row_groups, kr_per, order);
+    prod.take_dealt<NB>(p, 0, row_groups, kr_per, order);
     if (!prod.valid) return;
   } else {
     prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
