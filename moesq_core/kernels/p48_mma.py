@@ -297,7 +297,7 @@ def expected_active_experts(experts: int, tokens: int, top_k: int) -> float:
     return experts * (1.0 - (1.0 - min(top_k, experts) / experts) ** tokens)
 
 
-def _row_group_pairs_pay(M: int, K: int, active_experts: int, split: int, ctas: int) -> bool:
+def _row_group_pairs_pay(M: int, K: int, active_experts: float, split: int, ctas: int) -> bool:
     """Variant 4 stages a unit's activations once for its two row groups, which only works when one chunk holds the
     unit's K slice (on the H200 at Qwen3-30B-A3B down, K = 768: 27.8 -> 26.6 us at 1 token per expert, 31.3 -> 29.5
     at 16; 1.2-1.3x slower where K > 1024, with nothing re-used and half as many units to deal). Its units are

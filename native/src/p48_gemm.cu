@@ -503,13 +503,12 @@ struct Cursor {
   // ORDER: the CTA's k-th unit (u = k) and on until one has work: position k G + b (k even) or k G + G - 1 - b
   // (k odd) of the units of the experts with tokens, listed by `order` (16-bit expert indices in shared memory at
   // address `order`, decreasing token count); n_units: the number of those units.
-  // DEAL 1: position k G + b for every k.
-  template <int NB, int DEAL>
+  template <int NB>
   __device__ __forceinline__ void take_ordered(const Params& p, int k, int row_groups, int kr_per, int n_units,
                                                uint32_t order) {
     const int per_e = row_groups * p.split;
     for (;; ++k) {
-      const int pos = k * gridDim.x + ((DEAL == 2 && (k & 1)) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
+      const int pos = k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
       if (pos >= n_units) break;
       const int se = pos / per_e, rem = pos - se * per_e;
       const int rgu = rem / p.split, zu = rem - rgu * p.split;
@@ -572,7 +571,7 @@ struct Cursor {
     if constexpr (DEAL == 1) {
       take_dealt<NB>(p, u + 1, row_groups, kr_per, order);
     } else if constexpr (DEAL == 2) {
-      take_ordered<NB, DEAL>(p, u + 1, row_groups, kr_per, n_units, order);
+      take_ordered<NB>(p, u + 1, row_groups, kr_per, n_units, order);
     } else {
       for (;;) {
         z += dz;
@@ -999,7 +998,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 
   Cursor prod{}, cons{};
   if constexpr (V::ORDER)
-    prod.take_ordered<NB, V::DEAL>(p, 0, row_groups, kr_per, n_units, order);
+    prod.take_ordered<NB>(p, 0, row_groups, kr_per, n_units, order);
   else
     prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
   if (!prod.valid) return;
