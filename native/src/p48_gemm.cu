@@ -524,17 +524,12 @@ struct Cursor {
   // DEAL 1: the CTA's k-th unit (u = k) and on until one has work: k = 0 the natural unit b where round 0 covers it,
   // k >= 1 position (k - 1) G + rank of the rest list. `deal`: the header (round 0's experts e0, the CTA's rank, the
   // rest's units) and after it the list (16-bit expert indices), in shared memory (deal_by_tiles).
-  // ROUND0: k = 0 only, before the deal is worked out (round 0's e0 = min(E, G / per_e) needs no counts).
-  template <int NB, bool ROUND0 = false>
+  template <int NB>
   __device__ __forceinline__ void take_dealt(const Params& p, int k, int row_groups, int kr_per, uint32_t deal) {
     const int per_e = row_groups * p.split;
     int e0, rank, n_rest;
-    if constexpr (ROUND0) {
-      e0 = min(p.E, static_cast<int>(gridDim.x) / per_e), rank = 0, n_rest = 0;
-    } else {
-      asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e0), "=r"(rank) : "r"(deal));
-      asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(n_rest) : "r"(deal + 8));
-    }
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(e0), "=r"(rank) : "r"(deal));
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(n_rest) : "r"(deal + 8));
     if (k == 0) {
       if (static_cast<int>(blockIdx.x) < e0 * per_e) {
         const int eu = blockIdx.x / per_e, rem = blockIdx.x - eu * per_e;
@@ -543,10 +538,6 @@ struct Cursor {
           u = 0, e = eu, rg = rgu, z = zu;
           return;
         }
-      }
-      if constexpr (ROUND0) {
-        valid = false;
-        return;
       }
       k = 1;
     }
@@ -564,9 +555,6 @@ struct Cursor {
     }
     valid = false;
   }
-  // The step at the cursor is its unit's last (P = 1): the cursor's next move takes another unit.
-  template <int STEP>
-  __device__ __forceinline__ bool at_last_step() const { return kr + STEP >= nkr && tb + 1 >= ntb; }
   // P > 1: rg counts units of P row groups of GROUP_TILES row tiles each (the last unit may hold fewer)
   template <int NB, int STEP, int DEAL = 0, int P = 1, int GROUP_TILES = 1>
   __device__ __forceinline__ void next(const Params& p, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
@@ -580,7 +568,7 @@ struct Cursor {
       }
       sub = 0;
     }
-    if constexpr (DEAL == 1 || DEAL == 3) {
+    if constexpr (DEAL == 1) {
       take_dealt<NB>(p, u + 1, row_groups, kr_per, order);
     } else if constexpr (DEAL == 2) {
       take_ordered<NB>(p, u + 1, row_groups, kr_per, n_units, order);
@@ -802,43 +790,30 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   wait_previous_grid();
   allow_next_grid();
   Cursor prod{}, cons{};
-  [[maybe_unused]] const uint32_t order = smem_u32(smem + V::kOrderOff);  // DEAL 1, 3: the deal (deal_by_tiles)
+  [[maybe_unused]] const uint32_t order = smem_u32(smem + V::kOrderOff);  // DEAL 1: the deal (deal_by_tiles)
+  if constexpr (V::DEAL == 1) {
+    deal_by_tiles<V>(p, row_groups * p.split, order);
+    __syncthreads();  // the deal's list and header are complete
+    prod.take_dealt<NB>(p, 0, row_groups, kr_per, order);
+    if (!prod.valid) return;
+  } else {
+    prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+    if (!prod.valid) return;
+    prod.init_stride(p, row_groups);
+  }
+  cons = prod;
+  int slot_p = 0, slot_c = 0;
+  uint32_t phase = 0;  // parity of the consumer's current pass over the ring
   if (lane == 0) {
 #pragma unroll
     for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
     mbar_init_fence();
   }
   __syncwarp();
-  int slot_p = 0, slot_c = 0;
-  uint32_t phase = 0;  // parity of the consumer's current pass over the ring
+
   auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order); };
-  int issued = 0;  // ring steps issued before the loop (S - 1 in all)
-  if constexpr (V::DEAL == 1) {
-    deal_by_tiles<V>(p, row_groups * p.split, order);
-    __syncthreads();  // the deal's list and header are complete
-    prod.take_dealt<NB>(p, 0, row_groups, kr_per, order);
-    if (!prod.valid) return;
-    cons = prod;
-  } else if constexpr (V::DEAL == 3) {
-    // DEAL 1 with the deal worked out while the round-0 unit's first ring steps are in flight: round 0 needs no
-    // list, so its copies are issued first, up to (not including) the unit's last step, whose cursor move reads it
-    prod.take_dealt<NB, true>(p, 0, row_groups, kr_per, order);
-    cons = prod;
-    for (; issued < S - 1 && prod.valid && !prod.template at_last_step<RK>(); ++issued) issue();
-    deal_by_tiles<V>(p, row_groups * p.split, order);
-    __syncthreads();  // the deal's list and header are complete
-    if (!cons.valid) {  // round 0 gave the CTA no unit with work: the list's first
-      prod.take_dealt<NB>(p, 1, row_groups, kr_per, order);
-      if (!prod.valid) return;
-      cons = prod;
-    }
-  } else {
-    prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
-    if (!prod.valid) return;
-    prod.init_stride(p, row_groups);
-    cons = prod;
-  }
-  for (; issued < S - 1; ++issued) issue();
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) issue();
 
   float acc[R][NT][4];
 #pragma unroll
@@ -1184,8 +1159,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
   X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
-  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)                \
-  X(6, Variant<16, 2, 8, 3, 1024, 2, 1, 3>)
+  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
