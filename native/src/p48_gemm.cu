@@ -349,13 +349,13 @@ struct Variant {
 // in expert order: each CTA then gets a like mix of long and short units (the round-robin deal let a CTA draw
 // mostly long ones whenever the token counts repeat with a period that meets G, and the kernel waited for it).
 // Each CTA sorts the experts itself at the start (E <= kMaxOrderE).
-template <int NB_, int WG_, int S_, int KC_, int RK_, int TW_ = 0, bool ORDER_ = false>
+template <int NB_, int WG_, int S_, int KC_, int RK_, int TW_ = 0, bool ORDER_ = false, bool ELECT_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_, P = 1;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
-  static constexpr int DEAL = ORDER ? 2 : 0;
-  static constexpr bool ELECT_ISSUE = false;  // 2: the sorted snake above (Variant's DEAL 1 is another deal)
+  static constexpr int DEAL = ORDER ? 2 : 0;  // 2: the sorted snake above (Variant's DEAL 1 is another deal)
+  static constexpr bool ELECT_ISSUE = ELECT_;
   static_assert(TW == 0 || (TW % 16 == 0 && NB % (TW ? TW : 1) == 0), "the token width step must divide NB");
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   // the swizzled and the raw buffer (or the second swizzled one) + slack: the swizzle needs a 1024-byte base
@@ -1018,7 +1018,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   const uint32_t pad = (1024u - (smem_addr & 1023u)) & 1023u;
   const uint32_t xs_addr = smem_addr + pad;
   const uint32_t raw_addr = xs_addr + V::kXBuf * 2;  // the raw buffer after the swizzled one
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // ELECT_ISSUE: the warp index broadcast from lane 0, so the compiler knows it (and what follows from it) warp-uniform
+  const int warp = V::ELECT_ISSUE ? __shfl_sync(~0u, threadIdx.x >> 5, 0) : threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
@@ -1194,7 +1195,10 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
   X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
-  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)
+  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)                \
+  X(6, WgVariant<64, 4, 3, 512, 2, 0, false, true>)        \
+  X(7, WgVariant<128, 4, 3, 256, 2, 0, false, true>)       \
+  X(8, WgVariant<128, 4, 3, 256, 2, 32, true, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
