@@ -311,10 +311,7 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_, DEAL = DEAL_;
-  // the producer's copies from the row tiles' record index found once per unit, issued by one elected lane
-  // (issue_step); the warpgroup variants keep lane 0's per-step address (not measured with it)
-  static constexpr bool ELECT_ISSUE = true;
-  static_assert(R <= 2, "the producer keeps one offset between the row tiles");
+  static_assert(R <= 2, "the producer keeps one offset between the row tiles (issue_step)");
   static constexpr bool ORDER = DEAL > 0;  // the units of the experts with tokens, in a listed order
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
   static constexpr int kXBytes = NB * XS * 2;
@@ -349,13 +346,12 @@ struct Variant {
 // in expert order: each CTA then gets a like mix of long and short units (the round-robin deal let a CTA draw
 // mostly long ones whenever the token counts repeat with a period that meets G, and the kernel waited for it).
 // Each CTA sorts the experts itself at the start (E <= kMaxOrderE).
-template <int NB_, int WG_, int S_, int KC_, int RK_, int TW_ = 0, bool ORDER_ = false, bool ELECT_ = false>
+template <int NB_, int WG_, int S_, int KC_, int RK_, int TW_ = 0, bool ORDER_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_, P = 1;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
   static constexpr int DEAL = ORDER ? 2 : 0;  // 2: the sorted snake above (Variant's DEAL 1 is another deal)
-  static constexpr bool ELECT_ISSUE = ELECT_;
   static_assert(TW == 0 || (TW % 16 == 0 && NB % (TW ? TW : 1) == 0), "the token width step must divide NB");
   static constexpr int kXBuf = NB * KC;  // elements per activation buffer
   // the swizzled and the raw buffer (or the second swizzled one) + slack: the swizzle needs a 1024-byte base
@@ -477,7 +473,7 @@ struct Cursor {
   int z, de, drg, dz;
   int row0;  // the expert's first activation row
   int sub;   // P > 1: the row group within the unit (the unit's row groups are rg P .. rg P + P - 1)
-  // ELECT_ISSUE (the producer's): the record index of the unit's first row tile at kr0, and the bytes from its records
+  // the producer's: the record index of the unit's first row tile at kr0, and the bytes from its records
   // to the second row tile's (set at each unit's, row group's or token block's first step)
   uint32_t rec;
   int rec_step;
@@ -762,42 +758,29 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
 
 // The producer's step: copy the next RK records of each of the warp's R row tiles into ring slot `slot` (one bulk
 // copy per row tile counted on the slot's mbarrier at `bars`; nothing once the cursor is past the last unit) and
-// advance the cursor and the slot. ELECT_ISSUE: from the record index found at the unit's first step, by one
-// elected lane (0.8-4 % less time on every decode row than lane 0 with the address worked out per step, 2026-12-04);
-// else lane 0.
+// advance the cursor and the slot. The row tiles' record index is found at the unit's (row group's, token block's)
+// first step and moved on by the step; one elected lane issues the copies, so ptxas emits each as one uniform
+// instruction (under `lane == 0` it looped over the lanes' possibly different operands, and the address was worked
+// out per step: 0.8-4.3 % more time on every row measured, 2026-12-04).
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
-                                           int warp, int lane, int row_groups, int kr_per, int n_units,
-                                           uint32_t order = 0) {
+                                           int warp, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
     const int chunks = min(RK, prod.nkr - prod.kr) * kRecChunks;  // the step's records are contiguous
-    if constexpr (V::ELECT_ISSUE) {
-      // the row tiles' records found once per unit, moved on by the step; one elected lane issues the copies
-      if (prod.kr == 0) {
-        const int rt0 = prod.row_group<V::P>() * (W * R) + warp, rc0 = min(rt0, p.MT - 1);
-        prod.rec = static_cast<uint32_t>((prod.e * p.MT + rc0) * p.KR + prod.kr0);
-        prod.rec_step = R > 1 ? (min(rt0 + W, p.MT - 1) - rc0) * p.KR * kRecBytes : 0;  // idle row tiles store nothing
-      }
-      if (elect_one()) {
-        const uint32_t bar = bars + 8 * slot;
-        mbar_expect_tx(bar, R * 16 * chunks);
-        const uint8_t* src = p.records + static_cast<unsigned long long>(prod.rec + prod.kr) * kRecBytes;
+    if (prod.kr == 0) {
+      const int rt0 = prod.row_group<V::P>() * (W * R) + warp, rc0 = min(rt0, p.MT - 1);
+      // the record index in 32 bits (the launcher checks E * MT * KR < 2^31)
+      prod.rec = static_cast<uint32_t>((prod.e * p.MT + rc0) * p.KR + prod.kr0);
+      prod.rec_step = R > 1 ? (min(rt0 + W, p.MT - 1) - rc0) * p.KR * kRecBytes : 0;  // idle row tiles store nothing
+    }
+    if (elect_one()) {
+      const uint32_t bar = bars + 8 * slot;
+      mbar_expect_tx(bar, R * 16 * chunks);
+      const uint8_t* src = p.records + static_cast<unsigned long long>(prod.rec + prod.kr) * kRecBytes;
 #pragma unroll
-        for (int r = 0; r < R; ++r)
-          bulk_copy(smem_u32(dst + r * RK * kRecBytes), src + r * prod.rec_step, 16 * chunks, bar);
-      }
-    } else if (lane == 0) {
-      mbar_expect_tx(bars + 8 * slot, R * 16 * chunks);
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int rt = min(prod.row_group<V::P>() * (W * R) + r * W + warp, p.MT - 1);  // idle row tiles store nothing
-        // the record index in 32 bits (the launcher checks E * MT * KR < 2^31)
-        const uint8_t* src =
-            p.records + static_cast<unsigned long long>(static_cast<uint32_t>((prod.e * p.MT + rt) * p.KR + prod.kr0 + prod.kr)) * kRecBytes;
-        bulk_copy(smem_u32(dst + r * RK * kRecBytes), src, 16 * chunks, bars + 8 * slot);
-      }
+      for (int r = 0; r < R; ++r) bulk_copy(smem_u32(dst + r * RK * kRecBytes), src + r * prod.rec_step, 16 * chunks, bar);
     }
     prod.next<V::NB, RK, V::DEAL, V::P, W * R>(p, row_groups, kr_per, n_units, order);
   }
@@ -846,7 +829,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   }
   __syncwarp();
 
-  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order); };
+  auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, row_groups, kr_per, n_units, order); };
 #pragma unroll
   for (int s = 0; s < S - 1; ++s) issue();
 
@@ -1018,8 +1001,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   const uint32_t pad = (1024u - (smem_addr & 1023u)) & 1023u;
   const uint32_t xs_addr = smem_addr + pad;
   const uint32_t raw_addr = xs_addr + V::kXBuf * 2;  // the raw buffer after the swizzled one
-  // ELECT_ISSUE: the warp index broadcast from lane 0, so the compiler knows it (and what follows from it) warp-uniform
-  const int warp = V::ELECT_ISSUE ? __shfl_sync(~0u, threadIdx.x >> 5, 0) : threadIdx.x >> 5, lane = threadIdx.x & 31;
+  // the warp index broadcast from lane 0, so the compiler knows it (and what follows from it) warp-uniform
+  const int warp = __shfl_sync(~0u, threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
@@ -1051,7 +1034,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   __syncwarp();
 #pragma unroll
   for (int s = 0; s < S - 1; ++s)
-    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order);
+    issue_step<V>(p, ring, bars, slot_p, prod, warp, row_groups, kr_per, n_units, order);
   const WgMap<V> map;
   // this thread's units in the swizzled and the raw buffer
   const uint32_t x_dst = map.dst(xs_addr), x_raw = raw_addr + 16 * threadIdx.x;
@@ -1108,7 +1091,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
     mbar_wait(bars + 8 * slot_c, phase);
     phase ^= slot_c == S - 1;
     __syncwarp();
-    issue_step<V>(p, ring, bars, slot_p, prod, warp, lane, row_groups, kr_per, n_units, order);
+    issue_step<V>(p, ring, bars, slot_p, prod, warp, row_groups, kr_per, n_units, order);
     const uint8_t* step_rec = ring + slot_c * (RK * kRecBytes);
     slot_c = slot_c == S - 1 ? 0 : slot_c + 1;
     const int nrec = min(RK, cons.nkr - kr);
@@ -1195,10 +1178,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
   X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
-  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)                \
-  X(6, WgVariant<64, 4, 3, 512, 2, 0, false, true>)        \
-  X(7, WgVariant<128, 4, 3, 256, 2, 0, false, true>)       \
-  X(8, WgVariant<128, 4, 3, 256, 2, 32, true, true>)
+  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
