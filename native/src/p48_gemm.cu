@@ -91,13 +91,14 @@ __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_
                : "memory");
 }
 
-// One lane of the (converged) warp: a bulk copy issued under it is one uniform instruction, where under `lane == 0`
-// ptxas loops over the lanes' possibly different operands (ELECT, R2UR, branch per copy).
+// One lane of the (converged) warp, chosen by elect.sync (why the producer uses it: issue_step).
 __device__ __forceinline__ bool elect_one() {
   uint32_t e;
   asm volatile("{\n.reg .pred P;\nelect.sync _|P, 0xffffffff;\nselp.u32 %0, 1, 0, P;\n}\n" : "=r"(e));
   return e != 0;
 }
+// The warp index broadcast from lane 0, so the compiler knows it (and what follows from it) warp-uniform.
+__device__ __forceinline__ int uniform_warp_index() { return __shfl_sync(~0u, threadIdx.x >> 5, 0); }
 
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t d;
@@ -797,8 +798,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   const int n_units = p.E * row_groups * p.split;
 
   uint16_t* xs = reinterpret_cast<uint16_t*>(smem);
-  // the warp index broadcast from lane 0, so the compiler knows it (and what follows from it) warp-uniform
-  const int warp = __shfl_sync(~0u, threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
+  const int warp = uniform_warp_index(), lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
@@ -1001,8 +1001,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   const uint32_t pad = (1024u - (smem_addr & 1023u)) & 1023u;
   const uint32_t xs_addr = smem_addr + pad;
   const uint32_t raw_addr = xs_addr + V::kXBuf * 2;  // the raw buffer after the swizzled one
-  // the warp index broadcast from lane 0, so the compiler knows it (and what follows from it) warp-uniform
-  const int warp = __shfl_sync(~0u, threadIdx.x >> 5, 0), lane = threadIdx.x & 31;
+  const int warp = uniform_warp_index(), lane = threadIdx.x & 31;
   const int g = lane >> 2, t4 = lane & 3;
   uint8_t* ring = smem + V::kXBytes + warp * (S * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
