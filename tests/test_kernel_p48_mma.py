@@ -156,7 +156,7 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 3
     assert pm.pick_config(2048, 768, 128, 128, cpu).variant == 2  # short units: the sort does not pay
     assert pm.pick_config(1536, 2048, 5000, 256, cpu).variant == 2  # too many experts to sort in the kernel
-    assert pm.ORDERS_EXPERTS == (False, False, False, True, False, True)
+    assert pm.ORDERS_EXPERTS == (False, False, False, True, False, True, False, True)
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
@@ -412,10 +412,14 @@ def test_gpu_variants_agree_bit_for_bit_and_match_the_table():
 @pytest.mark.gpu
 @pytest.mark.hopper
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_gpu_kernel_ignores_x_past_k_and_stale_staging(variant):
+@pytest.mark.parametrize("x_permuted", [False, True])
+def test_gpu_kernel_ignores_x_past_k_and_stale_staging(variant, x_permuted):
     """x is a view into wider rows whose extra columns are inf, and the previous launch left inf in shared
-    memory where this one stages its K padding: neither may reach the outputs (0 * inf = NaN)."""
+    memory where this one stages its K padding: neither may reach the outputs (0 * inf = NaN). x_permuted: the
+    K-ordered W4A16 activations, which some variants copy asynchronously into two buffers."""
     native = _native_or_skip()
+    if x_permuted and not pm.takes_permuted_activations(native):
+        pytest.skip("this build of the native module predates x_permuted")
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(variant)
     wide = random_p48_tensors(2, 64, 1024, gen, "cpu")
@@ -423,16 +427,16 @@ def test_gpu_kernel_ignores_x_past_k_and_stale_staging(variant):
     xw = torch.full((2 * 200, 1024), float("inf"), dtype=torch.bfloat16, device=dev)
     rs, cnt = torch.tensor([0, 200], dtype=torch.int32, device=dev), torch.tensor([200, 200], dtype=torch.int32, device=dev)
     pm.p48_mma_gemm_rows(xw, Ww, rs, cnt, Ww.global_scale, torch.zeros(400, 64, device=dev), pm.MmaConfig(variant, 1),
-                         native)
+                         native, x_permuted=x_permuted)
     counts = [130, 7, 0, 1]
     t = random_p48_tensors(len(counts), 40, 160, gen, "cpu")
     case = P48GroupedCase(_unstack(t), counts, False, gen)
     W = pm.P48MmaWeights.from_packed(t, dev)
     x = torch.full((case.x.shape[0], 256), float("inf"), dtype=torch.bfloat16, device=dev)
-    x[:, :160] = case.x
+    x[:, :160] = case.x[:, pm.k_order(160, dev)] if x_permuted else case.x
     out = case.output(True)
     pm.p48_mma_gemm_rows(x[:, :160], W, case.row_start, case.counts, case.alpha(W.global_scale), out,
-                         pm.MmaConfig(variant, 1), native)
+                         pm.MmaConfig(variant, 1), native, x_permuted=x_permuted)
     case.check(out, 2e-5, True)
 
 

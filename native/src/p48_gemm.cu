@@ -309,13 +309,19 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // units it covers whole (so the records prefetched before the grid waits are the right ones); the rest of the
 // experts with tokens listed by decreasing cost class (8-token tiles: 1, 2, 3, >= 4; ties in expert order) and
 // dealt in rounds to the CTAs ranked by their round-0 unit's class, lightest (or none) first.
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0>
+// ASYNC: two chunk buffers; activations that arrive K-permuted (W4A16) are cp.async-copied into one while the other
+// is computed (a staging cursor walks one chunk ahead of the consumer), one barrier per chunk; the others are staged
+// as without it, in the first buffer.
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0, bool ASYNC_ = false>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_, DEAL = DEAL_;
+  static constexpr bool ASYNC = ASYNC_;
   static_assert(R <= 2, "the producer keeps one offset between the row tiles (issue_step)");
+  static_assert(!ASYNC || P == 1, "the later row groups of a unit re-use the chunk in place");
   static constexpr bool ORDER = DEAL > 0;  // the units of the experts with tokens, in a listed order
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
-  static constexpr int kXBytes = NB * XS * 2;
+  static constexpr int kXBuf = NB * XS * 2;  // bytes per chunk buffer
+  static constexpr int kXBytes = (ASYNC ? 2 : 1) * kXBuf;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
   // + one mbarrier per warp and stage, + (DEAL 1) the deal: a 16-byte header and the experts in list order (16-bit
   // indices; the launch adds 2 E bytes)
@@ -429,6 +435,29 @@ struct WgMap {
 // its token and holds 32 consecutive groups): the iterations past the tokens and the warps past the chunk's width
 // branch away (warp-uniform) instead of running predicated off; one 64-bit source pointer per thread, advanced by
 // a stride. In two halves (load, then store), with the barrier that frees the buffer between them.
+// ASYNC staging: the thread's part of chunk `ch` (LeanStage's map) cp.async-copied into the buffer at `xs` (shared
+// address), one group; columns past K zero-filled by the copy (src-size 0), tokens past the chunk not copied.
+template <class V>
+__device__ __forceinline__ void copy_chunk_async(const Params& p, const XChunk& ch, uint32_t xs) {
+  constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::kXIters;
+  const int c = threadIdx.x % G, t0 = threadIdx.x / G;
+  const int nj = 8 * (c & ~31) >= ch.kw || ch.ntok <= t0 ? 0 : (ch.ntok - t0 + TS - 1) / TS;
+  const bool col_ok = ch.k0 + 8 * c < p.K;
+  const uint16_t* src = p.x + (ch.row0 + t0) * p.x_stride + (col_ok ? ch.k0 + 8 * c : 0);
+  const uint32_t n = col_ok ? 16u : 0u, dst = xs + 2 * (t0 * V::XS + 8 * c);
+  const long long step = TS * p.x_stride;
+  if (8 * c < ch.kw) {
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      if (j >= nj) break;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + 2 * j * TS * V::XS), "l"(src), "r"(n)
+                   : "memory");
+      src += step;
+    }
+  }
+  cp_async_commit();
+}
+
 template <class V>
 struct LeanStage {
   static constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::kXIters;
@@ -820,6 +849,18 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     prod.init_stride(p, row_groups);
   }
   cons = prod;
+  // ASYNC with K-ordered W4A16 activations: chunk j in buffer j % 2, copied while chunk j - 1 is computed
+  [[maybe_unused]] const bool x_async = V::ASYNC && !QUANT && p.x_perm;
+  [[maybe_unused]] Cursor stg{};  // the next chunk to copy
+  uint32_t x_off = 0;              // the consumer's chunk buffer (bytes from xs)
+  if constexpr (V::ASYNC) {
+    if (x_async) {
+      stg = cons;
+      copy_chunk_async<V>(p, chunk_of<V, QUANT>(p, stg), smem_u32(xs));
+      stg.next<NB, kRecPerChunk, V::DEAL, P, W * R>(p, row_groups, kr_per, n_units, order);
+      x_off = V::kXBuf;  // flipped at the first chunk
+    }
+  }
   int slot_p = 0, slot_c = 0;
   uint32_t phase = 0;  // parity of the consumer's current pass over the ring
   if (lane == 0) {
@@ -848,7 +889,15 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     const int kr = cons.kr, tb = cons.tb;
     const int ntok = min(NB, cons.cnt - tb * NB);
     // P > 1: a unit's later row groups re-use the chunk when it holds the whole K slice and token block
-    if (kr % kRecPerChunk == 0 && (P == 1 || cons.sub == 0 || cons.ntb > 1 || cons.nkr > kRecPerChunk)) {
+    if (V::ASYNC && x_async && kr % kRecPerChunk == 0) {
+      cp_async_wait<0>();  // this thread's copies of the chunk have landed
+      __syncthreads();     // everyone's have, and every warp is done with the previous chunk's buffer
+      if (stg.valid) {
+        copy_chunk_async<V>(p, chunk_of<V, QUANT>(p, stg), smem_u32(xs) + x_off);
+        stg.next<NB, kRecPerChunk, V::DEAL, P, W * R>(p, row_groups, kr_per, n_units, order);
+      }
+      x_off ^= V::kXBuf;
+    } else if (kr % kRecPerChunk == 0 && (P == 1 || cons.sub == 0 || cons.ntb > 1 || cons.nkr > kRecPerChunk)) {
       const XChunk ch = chunk_of<V, QUANT>(p, cons);
       LeanStage<V> st;
       st.load(p, ch);   // in flight while the other warps finish the previous chunk
@@ -884,7 +933,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
           emr[r][0] = expand_meta_imad(prmt(meta, 0, 0x4140));
           emr[r][1] = expand_meta_imad(prmt(meta, 0, 0x4342));
         }
-        const uint32_t xk_addr = xs_lane_addr + (kr % kRecPerChunk + j) * (2 * kRecK);
+        const uint32_t xk_addr = xs_lane_addr + x_off + (kr % kRecPerChunk + j) * (2 * kRecK);
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           uint32_t a[R][4], em[R];
@@ -1177,7 +1226,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
   X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
-  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)
+  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)              \
+  X(6, Variant<16, 2, 8, 3, 512, 2, 1, 0, true>)         \
+  X(7, Variant<16, 2, 8, 3, 512, 2, 1, 1, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
