@@ -309,19 +309,17 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // units it covers whole (so the records prefetched before the grid waits are the right ones); the rest of the
 // experts with tokens listed by decreasing cost class (8-token tiles: 1, 2, 3, >= 4; ties in expert order) and
 // dealt in rounds to the CTAs ranked by their round-0 unit's class, lightest (or none) first.
-// ASYNC: two chunk buffers; activations that arrive K-permuted (W4A16) are cp.async-copied into one while the other
-// is computed (a staging cursor walks one chunk ahead of the consumer), one barrier per chunk; the others are staged
-// as without it, in the first buffer.
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0, bool ASYNC_ = false>
+// SPEC: the ring's first steps of the CTA's natural first unit (the one it takes when its expert has tokens) are
+// copied before the kernel waits for the previous grid (the weights do not depend on it), with the unit's
+// decomposition and the mbarriers' setup; after the wait the unit's count decides whether they are used or drained.
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0, bool SPEC_ = false>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_, DEAL = DEAL_;
-  static constexpr bool ASYNC = ASYNC_;
+  static constexpr bool SPEC = SPEC_;
   static_assert(R <= 2, "the producer keeps one offset between the row tiles (issue_step)");
-  static_assert(!ASYNC || P == 1, "the later row groups of a unit re-use the chunk in place");
   static constexpr bool ORDER = DEAL > 0;  // the units of the experts with tokens, in a listed order
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
-  static constexpr int kXBuf = NB * XS * 2;  // bytes per chunk buffer
-  static constexpr int kXBytes = (ASYNC ? 2 : 1) * kXBuf;
+  static constexpr int kXBytes = NB * XS * 2;
   static constexpr int kRingBytes = W * S * R * RK * kRecBytes;
   // + one mbarrier per warp and stage, + (DEAL 1) the deal: a 16-byte header and the experts in list order (16-bit
   // indices; the launch adds 2 E bytes)
@@ -356,6 +354,7 @@ struct Variant {
 template <int NB_, int WG_, int S_, int KC_, int RK_, int TW_ = 0, bool ORDER_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_, P = 1;
+  static constexpr bool SPEC = false;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
   static constexpr int DEAL = ORDER ? 2 : 0;  // 2: the sorted snake above (Variant's DEAL 1 is another deal)
@@ -435,29 +434,6 @@ struct WgMap {
 // its token and holds 32 consecutive groups): the iterations past the tokens and the warps past the chunk's width
 // branch away (warp-uniform) instead of running predicated off; one 64-bit source pointer per thread, advanced by
 // a stride. In two halves (load, then store), with the barrier that frees the buffer between them.
-// ASYNC staging: the thread's part of chunk `ch` (LeanStage's map) cp.async-copied into the buffer at `xs` (shared
-// address), one group; columns past K zero-filled by the copy (src-size 0), tokens past the chunk not copied.
-template <class V>
-__device__ __forceinline__ void copy_chunk_async(const Params& p, const XChunk& ch, uint32_t xs) {
-  constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::kXIters;
-  const int c = threadIdx.x % G, t0 = threadIdx.x / G;
-  const int nj = 8 * (c & ~31) >= ch.kw || ch.ntok <= t0 ? 0 : (ch.ntok - t0 + TS - 1) / TS;
-  const bool col_ok = ch.k0 + 8 * c < p.K;
-  const uint16_t* src = p.x + (ch.row0 + t0) * p.x_stride + (col_ok ? ch.k0 + 8 * c : 0);
-  const uint32_t n = col_ok ? 16u : 0u, dst = xs + 2 * (t0 * V::XS + 8 * c);
-  const long long step = TS * p.x_stride;
-  if (8 * c < ch.kw) {
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      if (j >= nj) break;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst + 2 * j * TS * V::XS), "l"(src), "r"(n)
-                   : "memory");
-      src += step;
-    }
-  }
-  cp_async_commit();
-}
-
 template <class V>
 struct LeanStage {
   static constexpr int G = V::KC / 8, TS = V::kThreads / G, N = V::kXIters;
@@ -794,7 +770,8 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
 // out per step; this form took 0.1-4.3 % less time on every row measured, 2026-12-04).
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
-                                           int warp, int row_groups, int kr_per, int n_units, uint32_t order = 0) {
+                                           int warp, int row_groups, int kr_per, int n_units, uint32_t order = 0,
+                                           bool spec = false) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
@@ -812,7 +789,10 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
 #pragma unroll
       for (int r = 0; r < R; ++r) bulk_copy(smem_u32(dst + r * RK * kRecBytes), src + r * prod.rec_step, 16 * chunks, bar);
     }
-    prod.next<V::NB, RK, V::DEAL, V::P, W * R>(p, row_groups, kr_per, n_units, order);
+    if (spec)  // SPEC's steps before the grid waits: within the unit's first token block only (no count known)
+      prod.kr += RK;
+    else
+      prod.next<V::NB, RK, V::DEAL, V::P, W * R>(p, row_groups, kr_per, n_units, order);
   }
   slot = slot == V::S - 1 ? 0 : slot + 1;
 }
@@ -832,47 +812,104 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   uint8_t* ring = smem + V::kXBytes + warp * (S * R * RK * kRecBytes);
   const uint32_t bars = smem_u32(smem + V::kXBytes + V::kRingBytes) + warp * (S * 8);  // the warp's mbarriers
 
-  // (DEAL 1: round 0 deals the natural units, so these are the right records wherever round 0 gives the CTA one)
-  prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
-  wait_previous_grid();
-  allow_next_grid();
   Cursor prod{}, cons{};
   [[maybe_unused]] const uint32_t order = smem_u32(smem + V::kOrderOff);  // DEAL 1: the deal (deal_by_tiles)
-  if constexpr (V::DEAL == 1) {
-    deal_by_tiles<V>(p, row_groups * p.split, order);
-    __syncthreads();  // the deal's list and header are complete
-    prod.take_dealt<NB>(p, 0, row_groups, kr_per, order);
-    if (!prod.valid) return;
-  } else {
-    prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
-    if (!prod.valid) return;
-    prod.init_stride(p, row_groups);
-  }
-  cons = prod;
-  // ASYNC with K-ordered W4A16 activations: chunk j in buffer j % 2, copied while chunk j - 1 is computed
-  [[maybe_unused]] const bool x_async = V::ASYNC && !QUANT && p.x_perm;
-  [[maybe_unused]] Cursor stg{};  // the next chunk to copy
-  uint32_t x_off = 0;              // the consumer's chunk buffer (bytes from xs)
-  if constexpr (V::ASYNC) {
-    if (x_async) {
-      stg = cons;
-      copy_chunk_async<V>(p, chunk_of<V, QUANT>(p, stg), smem_u32(xs));
-      stg.next<NB, kRecPerChunk, V::DEAL, P, W * R>(p, row_groups, kr_per, n_units, order);
-      x_off = V::kXBuf;  // flipped at the first chunk
-    }
-  }
   int slot_p = 0, slot_c = 0;
   uint32_t phase = 0;  // parity of the consumer's current pass over the ring
-  if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
-    mbar_init_fence();
-  }
-  __syncwarp();
-
   auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, row_groups, kr_per, n_units, order); };
+  if constexpr (V::SPEC) {
+    const int per_e = row_groups * p.split;
+    // the natural first unit b (DEAL 1: where round 0 covers it) as (e, rg, z), and the mixed-radix stride
+    const int b = blockIdx.x, nat_units = V::DEAL == 1 ? min(p.E, static_cast<int>(gridDim.x) / per_e) * per_e : n_units;
+    Cursor nat{};
+    nat.e = b / per_e;
+    const int rem = b - nat.e * per_e;
+    nat.rg = rem / p.split, nat.z = rem - nat.rg * p.split, nat.sub = 0, nat.kr = 0, nat.tb = 0;
+    nat.kr0 = nat.z * kr_per;
+    nat.nkr = b < nat_units ? min(p.KR, nat.kr0 + kr_per) - nat.kr0 : 0;
+    if constexpr (V::DEAL == 0) prod.init_stride(p, row_groups);
+    if (lane == 0) {
 #pragma unroll
-  for (int s = 0; s < S - 1; ++s) issue();
+      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
+      mbar_init_fence();
+    }
+    __syncwarp();
+    // the unit's first token block's first steps, up to S - 1, into slots 0, 1, ..., and the next S - 1 steps'
+    // records towards L2
+    const int n_spec = max(0, min(S - 1, (nat.nkr + RK - 1) / RK));
+    nat.valid = n_spec > 0;
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s)
+      if (s < n_spec) issue_step<V>(p, ring, bars, slot_p, nat, warp, row_groups, kr_per, 0, 0, true);
+    const int n_pf = min(nat.nkr - nat.kr, (S - 1) * RK);
+    if (n_pf > 0 && elect_one()) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        prefetch_l2(p.records + static_cast<unsigned long long>(nat.rec + nat.kr) * kRecBytes + r * nat.rec_step,
+                    n_pf * kRecBytes);
+    }
+    wait_previous_grid();
+    allow_next_grid();
+    bool hit = false;
+    if (n_spec > 0) {
+      const int c = __ldg(p.counts + nat.e), r0 = __ldg(p.row_start + nat.e);  // one round trip
+      if (c > 0) {
+        prod.u = V::DEAL == 1 ? 0 : b, prod.e = nat.e, prod.rg = nat.rg, prod.z = nat.z, prod.kr0 = nat.kr0;
+        prod.nkr = nat.nkr, prod.cnt = c, prod.ntb = (c + NB - 1) / NB, prod.tb = 0, prod.kr = 0, prod.row0 = r0;
+        prod.sub = 0, prod.rec = nat.rec, prod.rec_step = nat.rec_step, prod.valid = true;
+        hit = true;
+      }
+    }
+    if (!hit) {
+      if constexpr (V::DEAL == 1) {
+        deal_by_tiles<V>(p, per_e, order);
+        __syncthreads();
+        prod.take_dealt<NB>(p, n_spec > 0 ? 1 : 0, row_groups, kr_per, order);
+      } else {
+        prod.seek<NB>(p, n_spec > 0 ? b + static_cast<int>(gridDim.x) : b, row_groups, kr_per, n_units);
+      }
+      // the copies of a unit not taken: wait for them (the CTA may not leave with copies in flight), skip their slots
+      for (int s = 0; s < n_spec; ++s) mbar_wait(bars + 8 * s, 0);
+      slot_c = slot_p;
+      if (!prod.valid) return;
+    } else if constexpr (V::DEAL == 1) {
+      deal_by_tiles<V>(p, per_e, order);
+      __syncthreads();  // the deal's list and header are complete
+    }
+    cons = prod;
+    if (hit) {  // the producer stands past the copied steps
+#pragma unroll
+      for (int s = 0; s < S - 1; ++s)
+        if (s < n_spec) prod.next<NB, RK, V::DEAL, P, W * R>(p, row_groups, kr_per, n_units, order);
+    }
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s)
+      if (hit ? s >= n_spec : true) issue();
+  } else {
+    // (DEAL 1: round 0 deals the natural units, so these are the right records wherever round 0 gives the CTA one)
+    prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
+    wait_previous_grid();
+    allow_next_grid();
+    if constexpr (V::DEAL == 1) {
+      deal_by_tiles<V>(p, row_groups * p.split, order);
+      __syncthreads();  // the deal's list and header are complete
+      prod.take_dealt<NB>(p, 0, row_groups, kr_per, order);
+      if (!prod.valid) return;
+    } else {
+      prod.seek<NB>(p, blockIdx.x, row_groups, kr_per, n_units);
+      if (!prod.valid) return;
+      prod.init_stride(p, row_groups);
+    }
+    cons = prod;
+    if (lane == 0) {
+#pragma unroll
+      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
+      mbar_init_fence();
+    }
+    __syncwarp();
+#pragma unroll
+    for (int s = 0; s < S - 1; ++s) issue();
+  }
 
   float acc[R][NT][4];
 #pragma unroll
@@ -889,15 +926,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     const int kr = cons.kr, tb = cons.tb;
     const int ntok = min(NB, cons.cnt - tb * NB);
     // P > 1: a unit's later row groups re-use the chunk when it holds the whole K slice and token block
-    if (V::ASYNC && x_async && kr % kRecPerChunk == 0) {
-      cp_async_wait<0>();  // this thread's copies of the chunk have landed
-      __syncthreads();     // everyone's have, and every warp is done with the previous chunk's buffer
-      if (stg.valid) {
-        copy_chunk_async<V>(p, chunk_of<V, QUANT>(p, stg), smem_u32(xs) + x_off);
-        stg.next<NB, kRecPerChunk, V::DEAL, P, W * R>(p, row_groups, kr_per, n_units, order);
-      }
-      x_off ^= V::kXBuf;
-    } else if (kr % kRecPerChunk == 0 && (P == 1 || cons.sub == 0 || cons.ntb > 1 || cons.nkr > kRecPerChunk)) {
+    if (kr % kRecPerChunk == 0 && (P == 1 || cons.sub == 0 || cons.ntb > 1 || cons.nkr > kRecPerChunk)) {
       const XChunk ch = chunk_of<V, QUANT>(p, cons);
       LeanStage<V> st;
       st.load(p, ch);   // in flight while the other warps finish the previous chunk
@@ -933,7 +962,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
           emr[r][0] = expand_meta_imad(prmt(meta, 0, 0x4140));
           emr[r][1] = expand_meta_imad(prmt(meta, 0, 0x4342));
         }
-        const uint32_t xk_addr = xs_lane_addr + x_off + (kr % kRecPerChunk + j) * (2 * kRecK);
+        const uint32_t xk_addr = xs_lane_addr + (kr % kRecPerChunk + j) * (2 * kRecK);
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           uint32_t a[R][4], em[R];
@@ -1227,8 +1256,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
   X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
   X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)              \
-  X(6, Variant<16, 2, 8, 3, 512, 2, 1, 0, true>)         \
-  X(7, Variant<16, 2, 8, 3, 512, 2, 1, 1, true>)
+  X(6, Variant<16, 2, 8, 3, 1024, 2, 1, 0, true>)        \
+  X(7, Variant<16, 2, 8, 3, 1024, 2, 2, 0, true>)        \
+  X(8, Variant<16, 2, 8, 3, 1024, 2, 1, 1, true>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
