@@ -156,7 +156,7 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 3
     assert pm.pick_config(2048, 768, 128, 128, cpu).variant == 2  # short units: the sort does not pay
     assert pm.pick_config(1536, 2048, 5000, 256, cpu).variant == 2  # too many experts to sort in the kernel
-    assert pm.ORDERS_EXPERTS == (False, False, False, True, False, True, False, False, True)
+    assert pm.ORDERS_EXPERTS == (False, False, False, True, False, True, False, False, True, False, False, True)
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 

@@ -56,12 +56,12 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # round dealt from a list of the experts with tokens by decreasing 8-token tiles to the CTAs ranked by their first
 # unit's tiles (each CTA lists the experts, at most MAX_ORDER_EXPERTS). The variants that lost head to head were
 # removed on 2026-12-02 (native/NOTES.md keeps their numbers and results).
-TOKEN_BLOCKS = (16, 64, 128, 128, 16, 16, 16, 16, 16)
-ROWS_PER_CTA = (256,) * 9
-ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2, 1, 1, 2, 1)
+TOKEN_BLOCKS = (16, 64, 128, 128, 16, 16, 16, 16, 16, 16, 16, 16)
+ROWS_PER_CTA = (256,) * 12
+ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2, 1, 1, 2, 1, 1, 2, 1)
 DECODE_CHUNK_K = 1024  # activation columns the mma.sp variants stage at a time
-MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",) * 5
-ORDERS_EXPERTS = (False, False, False, True, False, True, False, False, True)
+MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",) * 8
+ORDERS_EXPERTS = (False, False, False, True, False, True, False, False, True, False, False, True)
 MAX_ORDER_EXPERTS = 4096
 LIST_DEAL_ACTIVE = 0.8  # pick_config: variant 5 when fewer experts than this share are expected to have tokens
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half

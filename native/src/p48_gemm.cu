@@ -312,10 +312,10 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // SPEC: the ring's first steps of the CTA's natural first unit (the one it takes when its expert has tokens) are
 // copied before the kernel waits for the previous grid (the weights do not depend on it), with the unit's
 // decomposition and the mbarriers' setup; after the wait the unit's count decides whether they are used or drained.
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0, bool SPEC_ = false>
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0, int SPEC_ = 0>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_, DEAL = DEAL_;
-  static constexpr bool SPEC = SPEC_;
+  static constexpr bool SPEC = SPEC_ > 0, SPEC_PF = SPEC_ > 1;
   static_assert(R <= 2, "the producer keeps one offset between the row tiles (issue_step)");
   static constexpr bool ORDER = DEAL > 0;  // the units of the experts with tokens, in a listed order
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
@@ -354,7 +354,7 @@ struct Variant {
 template <int NB_, int WG_, int S_, int KC_, int RK_, int TW_ = 0, bool ORDER_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_, P = 1;
-  static constexpr bool SPEC = false;
+  static constexpr bool SPEC = false, SPEC_PF = false;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
   static constexpr int DEAL = ORDER ? 2 : 0;  // 2: the sorted snake above (Variant's DEAL 1 is another deal)
@@ -841,7 +841,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
 #pragma unroll
     for (int s = 0; s < S - 1; ++s)
       if (s < n_spec) issue_step<V>(p, ring, bars, slot_p, nat, warp, row_groups, kr_per, 0, 0, true);
-    const int n_pf = min(nat.nkr - nat.kr, (S - 1) * RK);
+    const int n_pf = V::SPEC_PF ? min(nat.nkr - nat.kr, (S - 1) * RK) : 0;
     if (n_pf > 0 && elect_one()) {
 #pragma unroll
       for (int r = 0; r < R; ++r)
@@ -1256,9 +1256,12 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
   X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
   X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)              \
-  X(6, Variant<16, 2, 8, 3, 1024, 2, 1, 0, true>)        \
-  X(7, Variant<16, 2, 8, 3, 1024, 2, 2, 0, true>)        \
-  X(8, Variant<16, 2, 8, 3, 1024, 2, 1, 1, true>)
+  X(6, Variant<16, 2, 8, 3, 1024, 2, 1, 0, 2>)           \
+  X(7, Variant<16, 2, 8, 3, 1024, 2, 2, 0, 2>)           \
+  X(8, Variant<16, 2, 8, 3, 1024, 2, 1, 1, 2>)           \
+  X(9, Variant<16, 2, 8, 3, 1024, 2, 1, 0, 1>)           \
+  X(10, Variant<16, 2, 8, 3, 1024, 2, 2, 0, 1>)          \
+  X(11, Variant<16, 2, 8, 3, 1024, 2, 1, 1, 1>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
