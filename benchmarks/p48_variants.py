@@ -3,6 +3,7 @@
     python benchmarks/p48_variants.py --variants 2 3 --N 64 128 256 --out DIR
     python benchmarks/p48_variants.py --profile 2 --N 128 --shape 0      # one launch, for `ncu -k regex:p48 -c 1`
     python benchmarks/p48_variants.py --variants 0 5 --N 16 64 --routed 8 --out DIR   # counts of a routed batch
+    python benchmarks/p48_variants.py --variants 0 4 --compare-early --out DIR   # early_first_unit on and off
 
 Rows: the kernel bench's shapes (Qwen3-30B-A3B with G = 128, Kimi-K2.5 with G = 48) x N, token counts
 {N, 3N/4, N/2, N/4} per expert, as moesq_core.bench.p48_bench; with --routed k instead those of a batch of N
@@ -44,6 +45,8 @@ def main(argv=None) -> int:
                     help="hand the kernel the activations in its K order (as the runtime's GEMMs get them)")
     ap.add_argument("--routed", type=int, default=None, metavar="K",
                     help="token counts of N tokens routed to K experts each at random, not the bench's pattern")
+    ap.add_argument("--compare-early", action="store_true",
+                    help="also time each variant with early_first_unit off (rows '<v>-late')")
     ap.add_argument("--profile", type=int, default=None, help="run this variant once per row (for ncu), no timing")
     ap.add_argument("--out", type=Path, default=Path("bench-results"))
     args = ap.parse_args(argv)
@@ -67,7 +70,12 @@ def main(argv=None) -> int:
                 print(f"profiled {name} N={n} variant {args.profile} split {ours.config.split}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {**run_header("p48-nvfp4", device, args.repeats), "variants": args.variants, "rounds": args.rounds,
+    # (key, variant, early_first_unit) per timed method
+    methods = [(str(v), v, True) for v in args.variants]
+    if args.compare_early:
+        methods = [m for v in args.variants for m in ((str(v), v, True), (f"{v}-late", v, False))]
+    result = {**run_header("p48-nvfp4", device, args.repeats), "variants": [m[0] for m in methods],
+              "rounds": args.rounds,
               "x_permuted": args.x_permuted, "routed_top_k": args.routed,
               "ptx_info": native.p48_variants(), "rows": []}
     for i in args.shape:
@@ -88,9 +96,9 @@ def main(argv=None) -> int:
             split = ours.config.split
             row["picked"] = ours.config.__dict__
             first = None
-            for v in args.variants:  # check every variant before timing any
-                ours.config = pm.MmaConfig(v, split)
-                rec = row["methods"].setdefault(str(v), {})
+            for key, v, early in methods:  # check every variant before timing any
+                ours.config = pm.MmaConfig(v, split, early)
+                rec = row["methods"].setdefault(key, {})
                 rec["err"] = ours.verify(False, True)
                 out = ours.out.clone()
                 first = out if first is None else first
@@ -100,17 +108,17 @@ def main(argv=None) -> int:
             while len(ours.copies) < copies_for(ours.weight_bytes):
                 ours.add_copy()
             for r in range(args.rounds):
-                order = args.variants if r % 2 == 0 else args.variants[::-1]
-                for v in order:
-                    ours.config = pm.MmaConfig(v, split)
-                    rec = row["methods"][str(v)]
+                order = methods if r % 2 == 0 else methods[::-1]
+                for key, v, early in order:
+                    ours.config = pm.MmaConfig(v, split, early)
+                    rec = row["methods"][key]
                     t = graph_time([ours.call(w, False, True) for w in ours.copies], args.repeats)
                     rec.setdefault("us_rounds", []).append(round(t.median_us, 3))
                     if args.fused:
                         t = graph_time([ours.call(w, True, True, True) for w in ours.copies], args.repeats)
                         rec.setdefault("fused_us_rounds", []).append(round(t.median_us, 3))
-            for v in args.variants:
-                rec = row["methods"][str(v)]
+            for key, _, _ in methods:
+                rec = row["methods"][key]
                 rec["us"] = min(rec["us_rounds"])
                 rec["TBps"] = round(ours.weight_bytes / (rec["us"] * 1e-6) / 1e12, 3)
                 rec["vs_fp8"] = round(row["fp8_us"] / rec["us"], 3)
@@ -121,10 +129,10 @@ def main(argv=None) -> int:
             del ours
             torch.cuda.empty_cache()
             print(f"{name:24s} N={n:4d} fp8 {row['fp8_us']:7.1f} | " + " | ".join(
-                f"v{v} {row['methods'][str(v)]['us']:7.1f} {row['methods'][str(v)]['TBps']:.2f}TB/s"
-                + (f" fused {row['methods'][str(v)]['fused_us']:7.1f}" if args.fused else "")
-                + ("" if row['methods'][str(v)]['bit_equal_to_first'] else " NOT-EQUAL")
-                for v in args.variants), flush=True)
+                f"v{k} {row['methods'][k]['us']:7.1f} {row['methods'][k]['TBps']:.2f}TB/s"
+                + (f" fused {row['methods'][k]['fused_us']:7.1f}" if args.fused else "")
+                + ("" if row['methods'][k]['bit_equal_to_first'] else " NOT-EQUAL")
+                for k, _, _ in methods), flush=True)
             (args.out / "p48_variants.json").write_text(json.dumps(result, indent=1))
     (args.out / "p48_variants.md").write_text(markdown(result))
     return 0

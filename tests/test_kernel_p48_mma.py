@@ -156,7 +156,7 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 3
     assert pm.pick_config(2048, 768, 128, 128, cpu).variant == 2  # short units: the sort does not pay
     assert pm.pick_config(1536, 2048, 5000, 256, cpu).variant == 2  # too many experts to sort in the kernel
-    assert pm.ORDERS_EXPERTS == (False, False, False, True, False, True, False, False, True, False, False, True)
+    assert pm.ORDERS_EXPERTS == (False, False, False, True, False, True)
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
@@ -200,6 +200,21 @@ def test_pick_config_deals_from_a_list_when_many_experts_are_likely_empty():
     assert pm.pick_config(1536, 2048, 100, 1, cpu, experts=pm.MAX_ORDER_EXPERTS + 1).variant == 0
     assert pm.expected_active_experts(0, 4, 2) == 0.0 and pm.expected_active_experts(8, 0, 2) == 0.0
     assert pm.expected_active_experts(4, 3, 8) == pytest.approx(4)  # top-k past the experts: all of them
+
+
+def test_pick_config_copies_the_first_unit_early_unless_most_experts_are_likely_empty():
+    cpu = torch.device("cpu")
+    assert pm.MmaConfig(0, 1).early_first_unit  # the kernel bench's calls and every explicit config
+    assert pm.pick_config(1536, 2048, 128, 16, cpu).early_first_unit  # no experts' number: every expert busy
+    # 16 tokens routed top-8 over 128 experts: ~82 busy, above half: on (and the list deal)
+    active = pm.expected_active_experts(128, 16, 8)
+    assert pm.pick_config(2048, 768, active, 128 / active, cpu, experts=128) == pm.MmaConfig(5, 1, True)
+    # one token: 8 of 128 busy, most CTAs' first units are empty: off
+    assert pm.pick_config(1536, 2048, 8, 1, cpu, experts=128) == pm.MmaConfig(5, pm.pick_config(
+        1536, 2048, 8, 1, cpu, experts=128).split, False)
+    edge = pm.EARLY_FIRST_UNIT_ACTIVE * 128
+    assert pm.pick_config(1536, 2048, edge, 1, cpu, experts=128).early_first_unit
+    assert not pm.pick_config(1536, 2048, edge - 1, 1, cpu, experts=128).early_first_unit
 
 
 # ------------------------------------------------------------------------------------------ GPU kernel
@@ -333,7 +348,8 @@ def test_gpu_k_ordered_w4a16_equals_natural(E, M, K, counts, split, out_dtype, v
 def test_gpu_programmatic_launch_reads_what_the_previous_kernel_wrote(variant, monkeypatch):
     """The kernels are launched so that they may start while the previous kernel runs (MOESQ_P48_PDL, on by
     default): the activations, counts and row starts written by the kernels just before (a long elementwise kernel,
-    then small copies) must be what the GEMM reads; the plain launch gives the same outputs bit for bit."""
+    then small copies) must be what the GEMM reads, with or without the early copies of the first weights; the
+    plain launch gives the same outputs bit for bit."""
     native = _native_or_skip()
     dev = torch.device("cuda")
     E, M, K, counts = 6, 264, 1024, [16, 1, 0, 97, 8, 33]
@@ -341,10 +357,11 @@ def test_gpu_programmatic_launch_reads_what_the_previous_kernel_wrote(variant, m
     t = random_p48_tensors(E, M, K, gen, "cpu")
     case = P48GroupedCase(_unstack(t), counts, False, gen, 0.0)
     W = pm.P48MmaWeights.from_packed(t, dev)
-    cfg, alpha = pm.MmaConfig(variant, 1), case.alpha(W.global_scale)
+    alpha = case.alpha(W.global_scale)
     outs = []
-    for pdl in ("1", "0", "1"):
+    for pdl, early in (("1", True), ("0", True), ("1", False)):
         monkeypatch.setenv("MOESQ_P48_PDL", pdl)
+        cfg = pm.MmaConfig(variant, 1, early)
         x = torch.zeros_like(case.x)
         cnt, start = torch.zeros_like(case.counts), torch.zeros_like(case.row_start)
         big = torch.empty(1 << 26, device=dev).uniform_()  # keeps the stream busy right before the writes
@@ -482,6 +499,41 @@ def test_gpu_kernel_many_experts_few_active(variant, act_quant, split):
     for e, n in ((0, 3), (1, 16), (7, 1), (130, 9), (255, 2), (256, 5), (257, 16), (299, 1)):
         counts[e] = n
     _gpu_case(300, 264, 640, counts, act_quant, split, variant, torch.float32, seed=int(torch.randint(0, 99, (1,), generator=gen)))
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if pm.MMA_INSTRUCTION[v] == "mma.sp"])
+@pytest.mark.parametrize("E,M,K,split", [
+    (300, 64, 256, 1),  # more units than CTAs: a CTA whose first expert is empty takes a later unit
+    (300, 520, 640, 2),  # two 256-row groups and a partial third, K slices
+    (300, 40, 128, 1),  # one record per unit: fewer early steps than the ring holds
+    (5, 264, 384, 1),  # fewer units than CTAs: the CTAs of the empty experts have nothing else to do
+])
+def test_gpu_early_first_unit_gives_the_same_outputs(variant, E, M, K, split):
+    """early_first_unit on and off give the same outputs (bit for bit without split K), the reference's, and
+    leave the rows of experts without tokens alone, whether a CTA's natural first expert has tokens or not (its
+    early copies are then waited for and skipped)."""
+    native = _native_or_skip()
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(E * M + K + variant)
+    choices = torch.tensor([0, 0, 0, 1, 7, 16])  # half the experts without tokens
+    counts = choices[torch.randint(0, len(choices), (E,), generator=gen)].tolist()
+    counts[0], counts[-1] = 0, 3
+    t = random_p48_tensors(E, M, K, gen, "cpu")
+    case = P48GroupedCase(_unstack(t), counts, False, gen)
+    W = pm.P48MmaWeights.from_packed(t, dev)
+    alpha, poisoned, outs = case.alpha(W.global_scale), split == 1, []
+    for early in (True, False):
+        out = case.output(poisoned)
+        pm.p48_mma_gemm_rows(case.x, W, case.row_start, case.counts, alpha, out, pm.MmaConfig(variant, split, early),
+                             native)
+        case.check(out, 2e-5, poisoned)
+        outs.append(out)
+    if poisoned:
+        torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0, equal_nan=True)
+    else:  # split K: the atomic adds land in any order
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6 * float(outs[1].abs().max()))
 
 
 @pytest.mark.gpu

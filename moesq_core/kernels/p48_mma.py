@@ -56,14 +56,16 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # round dealt from a list of the experts with tokens by decreasing 8-token tiles to the CTAs ranked by their first
 # unit's tiles (each CTA lists the experts, at most MAX_ORDER_EXPERTS). The variants that lost head to head were
 # removed on 2026-12-02 (native/NOTES.md keeps their numbers and results).
-TOKEN_BLOCKS = (16, 64, 128, 128, 16, 16, 16, 16, 16, 16, 16, 16)
-ROWS_PER_CTA = (256,) * 12
-ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2, 1, 1, 2, 1, 1, 2, 1)
+TOKEN_BLOCKS = (16, 64, 128, 128, 16, 16)
+ROWS_PER_CTA = (256,) * 6
+ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2, 1)
 DECODE_CHUNK_K = 1024  # activation columns the mma.sp variants stage at a time
-MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",) * 8
-ORDERS_EXPERTS = (False, False, False, True, False, True, False, False, True, False, False, True)
+MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",) * 2
+ORDERS_EXPERTS = (False, False, False, True, False, True)
 MAX_ORDER_EXPERTS = 4096
 LIST_DEAL_ACTIVE = 0.8  # pick_config: variant 5 when fewer experts than this share are expected to have tokens
+EARLY_FIRST_UNIT_ACTIVE = 0.5  # pick_config: early_first_unit off when fewer experts than this share are expected
+# to have tokens
 MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
 SIGN_POS = (9, 10, 15, 14)
 
@@ -243,6 +245,10 @@ def records_to_2to4(records: torch.Tensor, M: int, K: int, global_scale: torch.T
 class MmaConfig:
     variant: int  # index into TOKEN_BLOCKS
     split: int  # K slices (> 1: fp32 atomics into a zeroed output)
+    # mma.sp variants: each CTA copies its natural first unit's first weights before it waits for the previous
+    # grid, and skips them when that expert has no token (pick_config: off where few experts are expected to have
+    # tokens, EARLY_FIRST_UNIT_ACTIVE)
+    early_first_unit: bool = True
 
 
 def _num_sms(device: torch.device) -> int:
@@ -268,7 +274,12 @@ def pick_config(M: int, K: int, active_experts: float, rows_per_expert: float, d
     routed batch): variant 0's fixed deal gives each CTA the units b, b + G, ... whether their experts have tokens
     or not, so CTAs draw many or few by where the empty ones fall; 5 deals only the units of experts with tokens
     (on the H200 at 16 tokens routed top-8 over Qwen3-30B-A3B's 128 experts: gate/up 45.8 -> 35.4 us, down 26.0 ->
-    24.1; it costs 2-3 us where every expert has tokens, so not there)."""
+    24.1; it costs 2-3 us where every expert has tokens, so not there).
+    early_first_unit (the mma.sp variants' first weights copied before the previous grid is waited for) is on
+    unless fewer than EARLY_FIRST_UNIT_ACTIVE of the `experts` are expected to have tokens: on the H200 it took
+    0.6-6.5 us off the kernel bench's decode rows (Qwen3-30B-A3B down at 16 tokens per expert, variant 4: 29.8 ->
+    28.2 us; none slower by more than 0.1 us) and off routed batches of 16-256 tokens top-8, but added 0.3-1.4 us
+    at one token (8 of 128 experts busy), where most CTAs' first units have no tokens."""
     if rows_per_expert <= 16:
         variant = 0
     elif rows_per_expert <= 64:
@@ -280,12 +291,13 @@ def pick_config(M: int, K: int, active_experts: float, rows_per_expert: float, d
     split = 1
     if ctas < target:
         split = max(1, min(math.ceil(K / RECORD_K), math.ceil(target / ctas), 4))
+    early = experts is None or active_experts >= EARLY_FIRST_UNIT_ACTIVE * experts
     if variant == 0 and experts is not None and active_experts < LIST_DEAL_ACTIVE * experts \
             and experts <= MAX_ORDER_EXPERTS:
-        return MmaConfig(5, split)
+        return MmaConfig(5, split, early)
     if variant == 0 and _row_group_pairs_pay(M, K, active_experts, split, target):
         variant = 4
-    return MmaConfig(variant, split)
+    return MmaConfig(variant, split, early)
 
 
 def expected_active_experts(experts: int, tokens: int, top_k: int) -> float:
@@ -359,7 +371,7 @@ def p48_mma_gemm_rows(x: torch.Tensor, w: P48MmaWeights, row_start: torch.Tensor
     if not _folds_alpha(mod):  # a module built from older sources wants the decode's 2^7 in alpha
         alpha = alpha * ALPHA_FOLD
     args = (config.variant, w.records, x, row_start, counts, alpha, out, w.out_features, w.in_features, config.split)
-    kwargs = {}
+    kwargs = {} if config.early_first_unit else {"early_first_unit": False}
     if x_permuted:
         if not takes_permuted_activations(mod):
             raise RuntimeError("this build of the native module cannot take K-permuted activations: rebuild it "

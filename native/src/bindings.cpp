@@ -101,7 +101,7 @@ void compress(const at::Tensor& dense, at::Tensor& values, at::Tensor& meta) {
 // With act_global (float32 [E]) the kernel fake-quantizes x to NVFP4 while staging it (W4A4).
 void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, const at::Tensor& row_start,
               const at::Tensor& counts, const at::Tensor& alpha, at::Tensor& out, int64_t M, int64_t K,
-              int64_t split, const std::optional<at::Tensor>& act_global, bool x_permuted) {
+              int64_t split, const std::optional<at::Tensor>& act_global, bool x_permuted, bool early_first_unit) {
   TORCH_CHECK_VALUE(records.is_cuda(), "records must be on a CUDA device, got ", records.device());
   TORCH_CHECK_VALUE(records.dim() == 4 && x.dim() == 2 && out.dim() == 2,
                     "records [E, MT, KR, 704], x [rows, K] and out [rows, M] expected");
@@ -143,6 +143,7 @@ void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, c
   a.out_bf16 = out.scalar_type() == at::kBFloat16;
   a.split = int(split);
   a.x_perm = x_permuted ? 1 : 0;
+  a.early_first_unit = early_first_unit ? 1 : 0;
   a.device = dev.index();
   a.stream = c10::cuda::getCurrentCUDAStream(dev.index()).stream();
   raise_if(moesq_p48_gemm(int(variant), &a), "p48 kernel");
@@ -205,10 +206,11 @@ PYBIND11_MODULE(_moesq_native, m) {
         "Raise unless the CUDA device can run the kernels (compute capability 9.0).");
   m.def("p48_gemm", &p48_gemm, py::arg("variant"), py::arg("records"), py::arg("x"), py::arg("row_start"),
         py::arg("counts"), py::arg("alpha"), py::arg("out"), py::arg("M"), py::arg("K"), py::arg("split") = 1,
-        py::arg("act_global") = py::none(), py::arg("x_permuted") = false,
+        py::arg("act_global") = py::none(), py::arg("x_permuted") = false, py::arg("early_first_unit") = true,
         "p48-nvfp4 grouped GEMM on the 2:4 sparse tensor cores (alpha as given: the kernel applies the decode's "
         "2^7; act_global: NVFP4 activations quantized in the kernel, W4A4; x_permuted: x already in the kernel's "
-        "K order); see moesq_core.kernels.p48_mma.");
+        "K order; early_first_unit: the mma.sp variants copy each CTA's natural first unit's first weights before "
+        "waiting for the previous grid); see moesq_core.kernels.p48_mma.");
   m.def("p48_variants", &p48_variants, "The compiled p48 kernel variants (tokens per pass, warps, stages, ...).");
   m.def("s24_variants", &variants, "The compiled kernel variants (index, name, tile shape, schedule, ...).");
 }

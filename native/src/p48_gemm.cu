@@ -48,6 +48,12 @@ struct Params {
   int split;
   const float* act_global;  // W4A4: per-expert activation global scale (> 0); unused in W4A16
   int x_perm;               // x arrives K-permuted ([e0 e2 e4 e6 | e1 e3 e5 e7] per 8-group): staged as it is
+  // (mma.sp variants) before waiting for the previous grid, copy the ring's first steps of the CTA's natural first
+  // unit (the one it takes when that expert has tokens: the weights do not depend on the previous grid) and set up
+  // the ring, so that after the wait one round trip for the unit's count and row start stands between the CTA and
+  // its first MMA; when the expert has no token the copies are waited for and skipped. Else only an L2 prefetch
+  // of those records goes before the wait, and the unit walk, the ring's setup and its first copies after it.
+  int early;
 };
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
@@ -309,13 +315,9 @@ __device__ __forceinline__ uint4 nvfp4_block_values(uint4 v, float g) {
 // units it covers whole (so the records prefetched before the grid waits are the right ones); the rest of the
 // experts with tokens listed by decreasing cost class (8-token tiles: 1, 2, 3, >= 4; ties in expert order) and
 // dealt in rounds to the CTAs ranked by their round-0 unit's class, lightest (or none) first.
-// SPEC: the ring's first steps of the CTA's natural first unit (the one it takes when its expert has tokens) are
-// copied before the kernel waits for the previous grid (the weights do not depend on it), with the unit's
-// decomposition and the mbarriers' setup; after the wait the unit's count decides whether they are used or drained.
-template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0, int SPEC_ = 0>
+template <int NB_, int R_, int W_, int S_, int KC_, int RK_, int P_ = 1, int DEAL_ = 0>
 struct Variant {
   static constexpr int NB = NB_, R = R_, W = W_, S = S_, KC = KC_, RK = RK_, P = P_, DEAL = DEAL_;
-  static constexpr bool SPEC = SPEC_ > 0, SPEC_PF = SPEC_ > 1;
   static_assert(R <= 2, "the producer keeps one offset between the row tiles (issue_step)");
   static constexpr bool ORDER = DEAL > 0;  // the units of the experts with tokens, in a listed order
   static constexpr int XS = KC + 8;  // staged row stride (elements): +16 B keeps ldmatrix conflict-free
@@ -354,7 +356,6 @@ struct Variant {
 template <int NB_, int WG_, int S_, int KC_, int RK_, int TW_ = 0, bool ORDER_ = false>
 struct WgVariant {
   static constexpr int NB = NB_, R = 1, W = 4 * WG_, S = S_, KC = KC_, RK = RK_, P = 1;
-  static constexpr bool SPEC = false, SPEC_PF = false;
   static constexpr int TW = TW_;
   static constexpr bool ORDER = ORDER_;
   static constexpr int DEAL = ORDER ? 2 : 0;  // 2: the sorted snake above (Variant's DEAL 1 is another deal)
@@ -771,7 +772,7 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
 template <class V>
 __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint32_t bars, int& slot, Cursor& prod,
                                            int warp, int row_groups, int kr_per, int n_units, uint32_t order = 0,
-                                           bool spec = false) {
+                                           bool early = false) {
   constexpr int R = V::R, W = V::W, RK = V::RK;
   if (prod.valid) {
     uint8_t* dst = ring + slot * (R * RK * kRecBytes);
@@ -789,7 +790,7 @@ __device__ __forceinline__ void issue_step(const Params& p, uint8_t* ring, uint3
 #pragma unroll
       for (int r = 0; r < R; ++r) bulk_copy(smem_u32(dst + r * RK * kRecBytes), src + r * prod.rec_step, 16 * chunks, bar);
     }
-    if (spec)  // SPEC's steps before the grid waits: within the unit's first token block only (no count known)
+    if (early)  // Params::early's copies: within the unit's first token block (its count is not known yet)
       prod.kr += RK;
     else
       prod.next<V::NB, RK, V::DEAL, V::P, W * R>(p, row_groups, kr_per, n_units, order);
@@ -817,7 +818,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
   int slot_p = 0, slot_c = 0;
   uint32_t phase = 0;  // parity of the consumer's current pass over the ring
   auto issue = [&]() { issue_step<V>(p, ring, bars, slot_p, prod, warp, row_groups, kr_per, n_units, order); };
-  if constexpr (V::SPEC) {
+  if (p.early) {  // see Params::early
     const int per_e = row_groups * p.split;
     // the natural first unit b (DEAL 1: where round 0 covers it) as (e, rg, z), and the mixed-radix stride
     const int b = blockIdx.x, nat_units = V::DEAL == 1 ? min(p.E, static_cast<int>(gridDim.x) / per_e) * per_e : n_units;
@@ -834,24 +835,16 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       mbar_init_fence();
     }
     __syncwarp();
-    // the unit's first token block's first steps, up to S - 1, into slots 0, 1, ..., and the next S - 1 steps'
-    // records towards L2
-    const int n_spec = max(0, min(S - 1, (nat.nkr + RK - 1) / RK));
-    nat.valid = n_spec > 0;
+    // the unit's first token block's first steps, up to S - 1, into slots 0, 1, ...
+    const int n_early = max(0, min(S - 1, (nat.nkr + RK - 1) / RK));
+    nat.valid = n_early > 0;
 #pragma unroll
     for (int s = 0; s < S - 1; ++s)
-      if (s < n_spec) issue_step<V>(p, ring, bars, slot_p, nat, warp, row_groups, kr_per, 0, 0, true);
-    const int n_pf = V::SPEC_PF ? min(nat.nkr - nat.kr, (S - 1) * RK) : 0;
-    if (n_pf > 0 && elect_one()) {
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-        prefetch_l2(p.records + static_cast<unsigned long long>(nat.rec + nat.kr) * kRecBytes + r * nat.rec_step,
-                    n_pf * kRecBytes);
-    }
+      if (s < n_early) issue_step<V>(p, ring, bars, slot_p, nat, warp, row_groups, kr_per, 0, 0, true);
     wait_previous_grid();
     allow_next_grid();
     bool hit = false;
-    if (n_spec > 0) {
+    if (n_early > 0) {
       const int c = __ldg(p.counts + nat.e), r0 = __ldg(p.row_start + nat.e);  // one round trip
       if (c > 0) {
         prod.u = V::DEAL == 1 ? 0 : b, prod.e = nat.e, prod.rg = nat.rg, prod.z = nat.z, prod.kr0 = nat.kr0;
@@ -864,12 +857,12 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       if constexpr (V::DEAL == 1) {
         deal_by_tiles<V>(p, per_e, order);
         __syncthreads();
-        prod.take_dealt<NB>(p, n_spec > 0 ? 1 : 0, row_groups, kr_per, order);
+        prod.take_dealt<NB>(p, n_early > 0 ? 1 : 0, row_groups, kr_per, order);
       } else {
-        prod.seek<NB>(p, n_spec > 0 ? b + static_cast<int>(gridDim.x) : b, row_groups, kr_per, n_units);
+        prod.seek<NB>(p, n_early > 0 ? b + static_cast<int>(gridDim.x) : b, row_groups, kr_per, n_units);
       }
       // the copies of a unit not taken: wait for them (the CTA may not leave with copies in flight), skip their slots
-      for (int s = 0; s < n_spec; ++s) mbar_wait(bars + 8 * s, 0);
+      for (int s = 0; s < n_early; ++s) mbar_wait(bars + 8 * s, 0);
       slot_c = slot_p;
       if (!prod.valid) return;
     } else if constexpr (V::DEAL == 1) {
@@ -880,11 +873,11 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     if (hit) {  // the producer stands past the copied steps
 #pragma unroll
       for (int s = 0; s < S - 1; ++s)
-        if (s < n_spec) prod.next<NB, RK, V::DEAL, P, W * R>(p, row_groups, kr_per, n_units, order);
+        if (s < n_early) prod.next<NB, RK, V::DEAL, P, W * R>(p, row_groups, kr_per, n_units, order);
     }
 #pragma unroll
     for (int s = 0; s < S - 1; ++s)
-      if (hit ? s >= n_spec : true) issue();
+      if (hit ? s >= n_early : true) issue();
   } else {
     // (DEAL 1: round 0 deals the natural units, so these are the right records wherever round 0 gives the CTA one)
     prefetch_first_unit<V>(p, row_groups, kr_per, warp, lane);
@@ -1255,13 +1248,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   X(2, WgVariant<128, 4, 3, 256, 2>)                     \
   X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)           \
   X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)                 \
-  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)              \
-  X(6, Variant<16, 2, 8, 3, 1024, 2, 1, 0, 2>)           \
-  X(7, Variant<16, 2, 8, 3, 1024, 2, 2, 0, 2>)           \
-  X(8, Variant<16, 2, 8, 3, 1024, 2, 1, 1, 2>)           \
-  X(9, Variant<16, 2, 8, 3, 1024, 2, 1, 0, 1>)           \
-  X(10, Variant<16, 2, 8, 3, 1024, 2, 2, 0, 1>)          \
-  X(11, Variant<16, 2, 8, 3, 1024, 2, 1, 1, 1>)
+  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)
 #define MOESQ_P48_COUNT(n, ...) +1
 constexpr int kNumVariants = 0 MOESQ_P48_VARIANTS(MOESQ_P48_COUNT);
 
@@ -1285,7 +1272,8 @@ int launch(const moesq_p48_args& a) {
     return 1;
   }
   Params p{static_cast<const uint8_t*>(a.records), a.E, static_cast<const uint16_t*>(a.x), a.row_start, a.counts,
-           a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global, a.x_perm};
+           a.alpha, a.out, a.M, a.K, a.MT, a.KR, a.x_stride, a.out_stride, a.split, a.act_global, a.x_perm,
+           a.early_first_unit};
   auto kernel = a.act_global != nullptr ? pick_kernel<V, true>(a) : pick_kernel<V, false>(a);
   const int row_groups = (a.MT + V::W * V::R - 1) / (V::W * V::R);
   const long long units = static_cast<long long>(a.E) * ((row_groups + V::P - 1) / V::P) * a.split;

@@ -48,6 +48,8 @@ typedef struct {
   int device;
   void* stream;
   int x_perm; /* 1: x arrives K-permuted (staged as it is) */
+  int early_first_unit; /* 1 (mma.sp variants): copy the first weights of each CTA's natural first unit before
+                           waiting for the previous grid; they are skipped when its expert has no token */
 } moesq_p48_args;
 
 typedef struct {
