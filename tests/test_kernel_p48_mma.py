@@ -193,8 +193,15 @@ def test_pick_config_deals_from_a_list_when_many_experts_are_likely_empty():
     assert active > 0.8 * 128
     assert pm.pick_config(1536, 2048, active, 512 / active, cpu, experts=128).variant == 0
     assert pm.pick_config(2048, 768, active, 512 / active, cpu, experts=128).variant == 4
-    # without the experts' number (the kernel bench: every expert has tokens) nothing changes
+    # without the experts' number nothing changes
     assert pm.pick_config(1536, 2048, 82, 1.5, cpu).variant == 0
+    # every expert busy, more than one 8-token tile per expert and units longer than a chunk: the list balances the
+    # tile counts (Qwen3-30B-A3B and Kimi-K2.5 gate/up); at K = 768 the row-group pairs stay; one tile: the fixed deal
+    assert pm.pick_config(1536, 2048, 128, 16, cpu, experts=128) == pm.MmaConfig(5, 1, True)
+    assert pm.pick_config(4096, 7168, 48, 12, cpu, experts=48).variant == 5
+    assert pm.pick_config(2048, 768, 128, 16, cpu, experts=128).variant == 4
+    assert pm.pick_config(1536, 2048, 128, 8, cpu, experts=128).variant == 0
+    assert pm.pick_config(1536, 2048, 128, 16, cpu, experts=pm.MAX_ORDER_EXPERTS + 1).variant == 0
     # past decode sizes, or more experts than a CTA can list
     assert pm.pick_config(1536, 2048, 40, 30, cpu, experts=128).variant == 1
     assert pm.pick_config(1536, 2048, 100, 1, cpu, experts=pm.MAX_ORDER_EXPERTS + 1).variant == 0

@@ -89,7 +89,7 @@ class P48Bench:
         if native is None:
             self.config = pt.pick_config(prob.M, K, G, C, device)
         else:
-            self.config = pm.pick_config(prob.M, K, G, C, device)
+            self.config = pm.pick_config(prob.M, K, G, C, device, experts=G)
         out_dtype = torch.float32 if self.config.split > 1 else torch.bfloat16
         self.out = torch.zeros(G * C, prob.M, dtype=out_dtype, device=device)
         self.copies: list = []

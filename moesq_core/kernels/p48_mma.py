@@ -274,12 +274,18 @@ def pick_config(M: int, K: int, active_experts: float, rows_per_expert: float, d
     routed batch): variant 0's fixed deal gives each CTA the units b, b + G, ... whether their experts have tokens
     or not, so CTAs draw many or few by where the empty ones fall; 5 deals only the units of experts with tokens
     (on the H200 at 16 tokens routed top-8 over Qwen3-30B-A3B's 128 experts: gate/up 45.8 -> 35.4 us, down 26.0 ->
-    24.1; it costs 2-3 us where every expert has tokens, so not there).
+    24.1; it costs 2-3 us where every expert has tokens, so not there). Variant 5 also where more than 8 rows per
+    expert spread the experts' counts over several 8-token tiles and a unit's K slice is longer than one chunk (so
+    no row-group pairs): the fixed deal then hands a CTA units of one tile count whenever the counts repeat with a
+    period that meets the grid, and the list balances them (on the H200, early_first_unit on: Qwen3-30B-A3B gate/up
+    at the bench's 16 tokens per expert 56.3 -> 54.9 us, Kimi-K2.5 gate/up 178.4 -> 169.1; 256 tokens routed top-8,
+    Qwen3-30B-A3B gate/up 91.3 -> 84.0).
     early_first_unit (the mma.sp variants' first weights copied before the previous grid is waited for) is on
-    unless fewer than EARLY_FIRST_UNIT_ACTIVE of the `experts` are expected to have tokens: on the H200 it took
-    0.6-6.5 us off the kernel bench's decode rows (Qwen3-30B-A3B down at 16 tokens per expert, variant 4: 29.8 ->
-    28.2 us; none slower by more than 0.1 us) and off routed batches of 16-256 tokens top-8, but added 0.3-1.4 us
-    at one token (8 of 128 experts busy), where most CTAs' first units have no tokens."""
+    unless fewer than EARLY_FIRST_UNIT_ACTIVE of the `experts` are expected to have tokens: on the H200 (variants
+    0, 4 and 5, on and off in one process) it took 0.4-2.1 us off 35 of the 36 decode rows at the kernel bench's
+    counts (Qwen3-30B-A3B down at 16 tokens per expert, variant 4: 29.4 -> 28.0 us) and off most routed batches of
+    16-256 tokens top-8, but added up to 1.3 us at one token (8 of 128 or of 48 experts busy), where most CTAs'
+    first units have no tokens."""
     if rows_per_expert <= 16:
         variant = 0
     elif rows_per_expert <= 64:
@@ -292,11 +298,13 @@ def pick_config(M: int, K: int, active_experts: float, rows_per_expert: float, d
     if ctas < target:
         split = max(1, min(math.ceil(K / RECORD_K), math.ceil(target / ctas), 4))
     early = experts is None or active_experts >= EARLY_FIRST_UNIT_ACTIVE * experts
-    if variant == 0 and experts is not None and active_experts < LIST_DEAL_ACTIVE * experts \
-            and experts <= MAX_ORDER_EXPERTS:
+    listable = experts is not None and experts <= MAX_ORDER_EXPERTS
+    if variant == 0 and listable and active_experts < LIST_DEAL_ACTIVE * experts:
         return MmaConfig(5, split, early)
     if variant == 0 and _row_group_pairs_pay(M, K, active_experts, split, target):
         variant = 4
+    elif variant == 0 and listable and rows_per_expert > 8 and _slice_k(K, split) > DECODE_CHUNK_K:
+        variant = 5
     return MmaConfig(variant, split, early)
 
 
@@ -309,13 +317,18 @@ def expected_active_experts(experts: int, tokens: int, top_k: int) -> float:
     return experts * (1.0 - (1.0 - min(top_k, experts) / experts) ** tokens)
 
 
+def _slice_k(K: int, split: int) -> int:
+    """The columns of one K slice (whole records)."""
+    return math.ceil(math.ceil(K / RECORD_K) / split) * RECORD_K
+
+
 def _row_group_pairs_pay(M: int, K: int, active_experts: float, split: int, ctas: int) -> bool:
     """Variant 4 stages a unit's activations once for its two row groups, which only works when one chunk holds the
     unit's K slice (on the H200 at Qwen3-30B-A3B down, K = 768: 27.8 -> 26.6 us at 1 token per expert, 31.3 -> 29.5
     at 16; 1.2-1.3x slower where K > 1024, with nothing re-used and half as many units to deal). Its units are
     twice as long, so it is taken only when the busiest of `ctas` CTAs walks no more row groups than with one per
     unit."""
-    if math.ceil(math.ceil(K / RECORD_K) / split) * RECORD_K > DECODE_CHUNK_K:
+    if _slice_k(K, split) > DECODE_CHUNK_K:
         return False
     groups, per_unit = math.ceil(M / ROWS_PER_CTA[4]), ROW_GROUPS_PER_UNIT[4]
     slices = max(1, math.ceil(active_experts)) * split

@@ -190,7 +190,7 @@ def _check_p48(packed, names, capacity, gen, device, kernel) -> list[tuple[str, 
     dec = ref.decode_p48({s: torch.stack([p[s] for p in packed]) for s in ref.WEIGHT_SUFFIXES})
     if which == "sparse-mma":
         w = pm.P48MmaWeights.from_packed(packed, device)
-        cfg = pm.pick_config(M, K, E, capacity, device)
+        cfg = pm.pick_config(M, K, E, capacity, device, experts=E)
     else:
         w = pt.P48GemmWeights.from_packed(packed, device)
         cfg = pt.pick_config(M, K, E, capacity, device)

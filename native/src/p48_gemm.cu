@@ -745,6 +745,17 @@ __device__ __forceinline__ void deal_by_tiles(const Params& p, int per_e, uint32
   }
 }
 
+// The warp's S ring mbarriers at `bars` (one arrival each: the producer lane's expect_tx), visible to the bulk copies.
+template <int S>
+__device__ __forceinline__ void init_ring(uint32_t bars, int lane) {
+  if (lane == 0) {
+#pragma unroll
+    for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
+    mbar_init_fence();
+  }
+  __syncwarp();
+}
+
 // Before waiting for the previous grid: the weight records of the first ring steps of the CTA's first unit
 // (unit blockIdx.x, were its expert to have tokens: the counts may be the previous grid's output) towards L2,
 // one prefetch per row tile from the warp's lane 0, so the ring's first copies do not wait for DRAM.
@@ -829,12 +840,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     nat.kr0 = nat.z * kr_per;
     nat.nkr = b < nat_units ? min(p.KR, nat.kr0 + kr_per) - nat.kr0 : 0;
     if constexpr (V::DEAL == 0) prod.init_stride(p, row_groups);
-    if (lane == 0) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
-      mbar_init_fence();
-    }
-    __syncwarp();
+    init_ring<S>(bars, lane);
     // the unit's first token block's first steps, up to S - 1, into slots 0, 1, ...
     const int n_early = max(0, min(S - 1, (nat.nkr + RK - 1) / RK));
     nat.valid = n_early > 0;
@@ -894,12 +900,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       prod.init_stride(p, row_groups);
     }
     cons = prod;
-    if (lane == 0) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
-      mbar_init_fence();
-    }
-    __syncwarp();
+    init_ring<S>(bars, lane);
 #pragma unroll
     for (int s = 0; s < S - 1; ++s) issue();
   }
@@ -1096,12 +1097,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   int xbuf = 0;
   int slot_p = 0, slot_c = 0;
   uint32_t phase = 0;  // parity of the consumer's current pass over the ring
-  if (lane == 0) {
-#pragma unroll
-    for (int s = 0; s < S; ++s) mbar_init(bars + 8 * s);
-    mbar_init_fence();
-  }
-  __syncwarp();
+  init_ring<S>(bars, lane);
 #pragma unroll
   for (int s = 0; s < S - 1; ++s)
     issue_step<V>(p, ring, bars, slot_p, prod, warp, row_groups, kr_per, n_units, order);
