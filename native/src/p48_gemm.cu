@@ -467,6 +467,15 @@ struct LeanStage {
   }
 };
 
+// Unit `unit` of the expert-major order as (expert, row group, K slice): per_e = row groups x K slices per expert.
+struct UnitCoords {
+  int e, rg, z;
+};
+__device__ __forceinline__ UnitCoords unit_coords(int unit, int per_e, int split) {
+  const int e = unit / per_e, rem = unit - e * per_e, rg = rem / split;
+  return {e, rg, rem - rg * split};
+}
+
 // Walks the CTA's work units (expert, group of W*R row tiles, K slice; units blockIdx.x, + gridDim.x, ...)
 // step by step: for each unit, each token block of NB tokens, each step of STEP 128-column records of the K slice
 // (the last step of a slice may hold fewer).
@@ -492,21 +501,17 @@ struct Cursor {
   template <int NB>
   __device__ __forceinline__ void seek(const Params& p, int unit, int row_groups, int kr_per, int n_units) {
     for (; unit < n_units; unit += gridDim.x) {
-      const int eu = unit / (row_groups * p.split), rem = unit - eu * (row_groups * p.split);
-      const int rgu = rem / p.split, zu = rem - rgu * p.split;
-      if (take<NB>(p, eu, zu, kr_per)) {
-        u = unit, e = eu, rg = rgu, z = zu;
+      const UnitCoords c = unit_coords(unit, row_groups * p.split, p.split);
+      if (take<NB>(p, c.e, c.z, kr_per)) {
+        u = unit, e = c.e, rg = c.rg, z = c.z;
         return;
       }
     }
     valid = false;
   }
   __device__ __forceinline__ void init_stride(const Params& p, int row_groups) {
-    const int per_e = row_groups * p.split;
-    de = gridDim.x / per_e;
-    const int rem = gridDim.x - de * per_e;
-    drg = rem / p.split;
-    dz = rem - drg * p.split;
+    const UnitCoords d = unit_coords(gridDim.x, row_groups * p.split, p.split);
+    de = d.e, drg = d.rg, dz = d.z;
   }
   // Unit (e, z) of expert e's K slice z, if it has work: the cursor stands at its first record.
   template <int NB>
@@ -530,12 +535,11 @@ struct Cursor {
     for (;; ++k) {
       const int pos = k * gridDim.x + ((k & 1) ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
       if (pos >= n_units) break;
-      const int se = pos / per_e, rem = pos - se * per_e;
-      const int rgu = rem / p.split, zu = rem - rgu * p.split;
+      const UnitCoords c = unit_coords(pos, per_e, p.split);  // c.e: the position in the list
       uint16_t eu;
-      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(order + 2 * se));
-      if (take<NB>(p, eu, zu, kr_per)) {  // else an empty K slice (split > KR / kr_per)
-        u = k, e = eu, rg = rgu, z = zu;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(order + 2 * c.e));
+      if (take<NB>(p, eu, c.z, kr_per)) {  // else an empty K slice (split > KR / kr_per)
+        u = k, e = eu, rg = c.rg, z = c.z;
         return;
       }
     }
@@ -552,10 +556,9 @@ struct Cursor {
     asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(n_rest) : "r"(deal + 8));
     if (k == 0) {
       if (static_cast<int>(blockIdx.x) < e0 * per_e) {
-        const int eu = blockIdx.x / per_e, rem = blockIdx.x - eu * per_e;
-        const int rgu = rem / p.split, zu = rem - rgu * p.split;
-        if (take<NB>(p, eu, zu, kr_per)) {
-          u = 0, e = eu, rg = rgu, z = zu;
+        const UnitCoords c = unit_coords(blockIdx.x, per_e, p.split);
+        if (take<NB>(p, c.e, c.z, kr_per)) {
+          u = 0, e = c.e, rg = c.rg, z = c.z;
           return;
         }
       }
@@ -564,12 +567,11 @@ struct Cursor {
     for (;; ++k) {
       const int pos = (k - 1) * gridDim.x + rank;
       if (pos >= n_rest) break;
-      const int se = pos / per_e, rem = pos - se * per_e;
-      const int rgu = rem / p.split, zu = rem - rgu * p.split;
+      const UnitCoords c = unit_coords(pos, per_e, p.split);  // c.e: the position in the list
       uint16_t eu;
-      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(deal + 16 + 2 * se));
-      if (take<NB>(p, eu, zu, kr_per)) {  // else an empty K slice (split > KR / kr_per)
-        u = k, e = eu, rg = rgu, z = zu;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(eu) : "r"(deal + 16 + 2 * c.e));
+      if (take<NB>(p, eu, c.z, kr_per)) {  // else an empty K slice (split > KR / kr_per)
+        u = k, e = eu, rg = c.rg, z = c.z;
         return;
       }
     }
@@ -764,7 +766,7 @@ __device__ __forceinline__ void prefetch_first_unit(const Params& p, int row_gro
   constexpr int R = V::R, W = V::W;
   const int per_e = row_groups * p.split;
   if (lane != 0 || blockIdx.x >= p.E * per_e) return;
-  const int e = blockIdx.x / per_e, rem = blockIdx.x - e * per_e, rg = rem / p.split, z = rem - rg * p.split;
+  const auto [e, rg, z] = unit_coords(blockIdx.x, per_e, p.split);
   const int k0 = z * kr_per, nk = min(min(p.KR, k0 + kr_per) - k0, (V::S - 1) * V::RK);
   if (nk <= 0) return;
 #pragma unroll
@@ -834,9 +836,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     // the natural first unit b (DEAL 1: where round 0 covers it) as (e, rg, z), and the mixed-radix stride
     const int b = blockIdx.x, nat_units = V::DEAL == 1 ? min(p.E, static_cast<int>(gridDim.x) / per_e) * per_e : n_units;
     Cursor nat{};
-    nat.e = b / per_e;
-    const int rem = b - nat.e * per_e;
-    nat.rg = rem / p.split, nat.z = rem - nat.rg * p.split, nat.sub = 0, nat.kr = 0, nat.tb = 0;
+    const UnitCoords c = unit_coords(b, per_e, p.split);
+    nat.e = c.e, nat.rg = c.rg, nat.z = c.z, nat.sub = 0, nat.kr = 0, nat.tb = 0;
     nat.kr0 = nat.z * kr_per;
     nat.nkr = b < nat_units ? min(p.KR, nat.kr0 + kr_per) - nat.kr0 : 0;
     if constexpr (V::DEAL == 0) prod.init_stride(p, row_groups);
@@ -859,10 +860,12 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
         hit = true;
       }
     }
+    if constexpr (V::DEAL == 1) {  // (hit is uniform over the CTA: one expert's count)
+      deal_by_tiles<V>(p, per_e, order);
+      __syncthreads();  // the deal's list and header are complete
+    }
     if (!hit) {
       if constexpr (V::DEAL == 1) {
-        deal_by_tiles<V>(p, per_e, order);
-        __syncthreads();
         prod.take_dealt<NB>(p, n_early > 0 ? 1 : 0, row_groups, kr_per, order);
       } else {
         prod.seek<NB>(p, n_early > 0 ? b + static_cast<int>(gridDim.x) : b, row_groups, kr_per, n_units);
@@ -871,9 +874,6 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
       for (int s = 0; s < n_early; ++s) mbar_wait(bars + 8 * s, 0);
       slot_c = slot_p;
       if (!prod.valid) return;
-    } else if constexpr (V::DEAL == 1) {
-      deal_by_tiles<V>(p, per_e, order);
-      __syncthreads();  // the deal's list and header are complete
     }
     cons = prod;
     if (hit) {  // the producer stands past the copied steps
