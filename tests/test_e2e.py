@@ -20,6 +20,10 @@ from conftest import CALIB
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 RUN = {"calib_source": str(CALIB), "seq_len": 32, "n_train": 4, "n_val": 2, "n_init": 4}
+# The runs whose end-to-end step must lower the validation KL train on 8 sequences: at 4 the step's six Lion steps
+# raised it on the embedded sample (1.06 -> 1.12, in a clone without ../shared on 2026-12-04; the same code had passed
+# there the day before), at 8 they lower it there (0.93 -> 0.85) and on ../shared's text.
+RUN_TUNED = dict(RUN, n_train=8)
 # The block loop on the training split alone: with these few calibration sequences, the default loop (training +
 # one-shot sequences) leaves the end-to-end step nothing that validates better on the embedded sample (its passes
 # then ship the block-wise result, as they should, but this test is about a step that helps).
@@ -79,7 +83,7 @@ def _artifacts(root: Path) -> dict[str, str]:
 def _refine(wd, micro_path, **kw):
     from moesq_core.pipeline import run_refine
 
-    return run_refine(wd, RCFG, micro_path, RUN, device="cpu", batch_size=4, **kw)
+    return run_refine(wd, RCFG, micro_path, RUN_TUNED, device="cpu", batch_size=4, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +152,7 @@ def test_end_to_end_on_the_second_order_loss_lowers_the_validation_kl(micro_path
     from moesq_core.workdir import WorkDir
 
     rcfg = dataclasses.replace(RCFG, e2e_loss="fisher")
-    run_refine(tmp_path / "wd", rcfg, micro_path, RUN, device="cpu", batch_size=4)
+    run_refine(tmp_path / "wd", rcfg, micro_path, RUN_TUNED, device="cpu", batch_size=4)
     st = WorkDir(tmp_path / "wd").stage("refine")
     rec = st["e2e"]
     assert st["config"]["refine"]["e2e_loss"] == "fisher"  # part of the stage's identity (the KL, the default, is not)
