@@ -519,11 +519,17 @@ struct Cursor {
     const int c = __ldg(p.counts + eu);
     const int k0 = zu * kr_per, nk = min(p.KR, k0 + kr_per) - k0;
     if (c > 0 && nk > 0) {
-      cnt = c, kr0 = k0, nkr = nk, ntb = (c + NB - 1) / NB, tb = 0, kr = 0, valid = true;
+      start<NB>(c, k0, nk);
       row0 = __ldg(p.row_start + eu);
       return true;
     }
     return false;
+  }
+  // The cursor at the first record of a unit whose expert has `c` > 0 tokens, K slice records [k0, k0 + nk) (the
+  // caller sets row0, the expert's first activation row).
+  template <int NB>
+  __device__ __forceinline__ void start(int c, int k0, int nk) {
+    cnt = c, kr0 = k0, nkr = nk, ntb = (c + NB - 1) / NB, tb = 0, kr = 0, valid = true;
   }
   // ORDER: the CTA's k-th unit (u = k) and on until one has work: position k G + b (k even) or k G + G - 1 - b
   // (k odd) of the units of the experts with tokens, listed by `order` (16-bit expert indices in shared memory at
@@ -854,9 +860,9 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     if (n_early > 0) {
       const int c = __ldg(p.counts + nat.e), r0 = __ldg(p.row_start + nat.e);  // one round trip
       if (c > 0) {
-        prod.u = V::DEAL == 1 ? 0 : b, prod.e = nat.e, prod.rg = nat.rg, prod.z = nat.z, prod.kr0 = nat.kr0;
-        prod.nkr = nat.nkr, prod.cnt = c, prod.ntb = (c + NB - 1) / NB, prod.tb = 0, prod.kr = 0, prod.row0 = r0;
-        prod.sub = 0, prod.rec = nat.rec, prod.rec_step = nat.rec_step, prod.valid = true;
+        prod.u = V::DEAL == 1 ? 0 : b, prod.e = nat.e, prod.rg = nat.rg, prod.z = nat.z, prod.sub = 0;
+        prod.start<NB>(c, nat.kr0, nat.nkr);
+        prod.row0 = r0, prod.rec = nat.rec, prod.rec_step = nat.rec_step;
         hit = true;
       }
     }
