@@ -53,8 +53,9 @@ def _emulate_decode(records: torch.Tensor) -> torch.Tensor:
         g, t = lane // 4, lane % 4
         for s in range(4):
             ww = w[..., lane, s]
-            regs = [(ww << 6) & 0x81C081C0, ((ww << 3) & 0x01C001C0) | ((ww << 5) & 0x80008000),
-                    ww & 0x81C081C0, ((ww >> 5) & 0x01C001C0) | ((ww << 1) & 0x80008000)]
+            rot12 = ((ww << 12) | (ww >> 20)) & 0xFFFFFFFF
+            regs = [(ww << 6) & 0x81C081C0, rot12 & 0x81C081C0, (ww << 2) & 0x81C081C0,
+                    (ww & 0x81808180) | ((ww >> 8) & 0x00400040)]
             for r in range(4):
                 bits = regs[r] & 0xFFFFFFFF
                 halves = [bits & 0xFFFF, bits >> 16]

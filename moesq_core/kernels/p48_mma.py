@@ -14,8 +14,8 @@ streams per step, as three parts, each ordered by the lane that reads it (lane =
 
     codes  512 B  lane-major, 16 B per lane = 4 words, one per 32-column MMA step s: the 8 codes of the lane's
                   four A registers (rows g, g+8 x 4-groups t, t+4 of the step); the low codes fill bits 0-15,
-                  the high codes bits 16-31, register r's magnitude at bit MAG_POS[r] and sign at SIGN_POS[r] of
-                  its half, so that 0-2 shifts and a lop3 put both codes of a register in bf16 fields
+                  its code bits at CODE_BITS[r] (magnitude bits 0-2 and sign of the low code, then of the high
+                  code), placed so that 9 integer operations per word put all eight codes in bf16 fields
     meta   128 B  4 B per lane: two 16-bit roles (the steps 2*i + t//2 for role i, i.e. selector t//2), each two
                   bytes of 8-group nibbles that expand to one mma.sp metadata register. For m16n8k32 with 16-bit
                   types the selector picks lanes 2*sel and 2*sel+1 of every quad, and lane 2*sel + h holds K
@@ -66,8 +66,32 @@ MAX_ORDER_EXPERTS = 4096
 LIST_DEAL_ACTIVE = 0.8  # pick_config: variant 5 when fewer experts than this share are expected to have tokens
 EARLY_FIRST_UNIT_ACTIVE = 0.5  # pick_config: early_first_unit off when fewer experts than this share are expected
 # to have tokens
-MAG_POS = (0, 3, 6, 11)  # per A register r: magnitude bits [p, p+2] and sign bit of its code in a 16-bit half
-SIGN_POS = (9, 10, 15, 14)
+# Per A register r, the word bits of its two codes: (magnitude bit 0, 1, 2, sign) of the low code (the register's
+# low bf16), then of the high code. The kernel's decode_fields moves them to the bf16 fields (magnitude at bits 6-8
+# and 22-24, signs at 15 and 31): register 0 by a shift left by 6, 1 by a rotate left by 12, 2 by a shift left by 2,
+# each then masked; register 3 keeps six bits in place and takes two from 8 bits higher.
+CODE_BITS = ((0, 1, 2, 9, 16, 17, 18, 25), (26, 27, 28, 3, 10, 11, 12, 19), (4, 5, 6, 13, 20, 21, 22, 29),
+             (14, 7, 8, 15, 30, 23, 24, 31))
+
+
+def _code_luts() -> tuple[torch.Tensor, torch.Tensor]:
+    """CODE_BITS as lookup tables: pack[r, c] = the word bits of register r's code byte c (low code | high code << 4);
+    unpack[j, v] = the code bytes (register r's at bits 8r..8r+7) that byte j of a word with value v holds."""
+    pack = torch.zeros(4, 256, dtype=torch.int64)
+    unpack = torch.zeros(4, 256, dtype=torch.int64)
+    where = {pos: (r, i) for r, bits in enumerate(CODE_BITS) for i, pos in enumerate(bits)}
+    for v in range(256):
+        for b in range(8):
+            if v >> b & 1:
+                for r in range(4):
+                    pack[r, v] |= 1 << CODE_BITS[r][b]
+                for j in range(4):
+                    r, i = where[8 * j + b]
+                    unpack[j, v] |= 1 << (8 * r + i)
+    return pack, unpack
+
+
+_PACK_LUT, _UNPACK_LUT = _code_luts()
 
 
 def _scale_byte_table() -> torch.Tensor:
@@ -193,12 +217,9 @@ def build_records(op: P48As24) -> torch.Tensor:
     # codes: [E, MT, (ra, g), KR, s, (rb, t)] -> [E, MT, KR, g, t, s, (rb, ra)]: register r = 2 rb + ra holds
     # row g + 8 ra, 4-group t + 4 rb of step s
     c = codes.reshape(E, MT, 2, 8, KR, 4, 2, 4).permute(0, 1, 4, 3, 7, 5, 6, 2).reshape(E, MT, KR, 8, 4, 4, 4)
-    c = c.to(torch.int32)
-    half = [torch.zeros(c.shape[:-1], dtype=torch.int32, device=c.device) for _ in range(2)]
-    for r in range(4):
-        for h, code in enumerate((c[..., r] & 0xF, c[..., r] >> 4)):
-            half[h] |= ((code & 7) << MAG_POS[r]) | ((code >> 3) << SIGN_POS[r])
-    word = half[0] | (half[1] << 16)  # [.., g, t, s]
+    c = c.long()
+    lut = _PACK_LUT.to(c.device)
+    word = lut[0][c[..., 0]] | lut[1][c[..., 1]] | lut[2][c[..., 2]] | lut[3][c[..., 3]]  # [.., g, t, s]
     codes_part = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
     codes_part = codes_part.reshape(E, MT, KR, CODES_BYTES)
 
@@ -217,13 +238,10 @@ def records_to_2to4(records: torch.Tensor, M: int, K: int, global_scale: torch.T
     """Inverse of build_records (cropped to [E, M, K]): for round-trip checks."""
     E, MT, KR, _ = records.shape
     codes_part, meta_part, scale_part = records.split([CODES_BYTES, META_BYTES, SCALE_BYTES], -1)
-    b = codes_part.reshape(E, MT, KR, 8, 4, 4, 4).to(torch.int32)  # [.., g, t, s, byte]
-    word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
-    regs = []
-    for r in range(4):
-        lo, hi = (((word >> (16 * h + MAG_POS[r])) & 7) | (((word >> (16 * h + SIGN_POS[r])) & 1) << 3) for h in (0, 1))
-        regs.append(lo | (hi << 4))
-    c = torch.stack(regs, -1).to(torch.uint8).reshape(E, MT, KR, 8, 4, 4, 2, 2)  # [.., g, t, s, rb, ra]
+    b = codes_part.reshape(E, MT, KR, 8, 4, 4, 4).long()  # [.., g, t, s, byte]
+    lut = _UNPACK_LUT.to(b.device)
+    byte_codes = lut[0][b[..., 0]] | lut[1][b[..., 1]] | lut[2][b[..., 2]] | lut[3][b[..., 3]]
+    c = torch.stack([(byte_codes >> (8 * r)) & 0xFF for r in range(4)], -1).to(torch.uint8).reshape(E, MT, KR, 8, 4, 4, 2, 2)  # [.., g, t, s, rb, ra]
     codes = c.permute(0, 1, 7, 3, 2, 5, 6, 4).reshape(E, MT * 16, KR * 32)
     pb = meta_part.reshape(E, MT, KR, 8, 2, 2, 2, 2).permute(0, 1, 2, 6, 4, 7, 3, 5)
     pb = pb.reshape(E, MT, KR, 4, 16, 2)  # [.., s, row, j]

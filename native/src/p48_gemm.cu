@@ -119,16 +119,19 @@ __device__ __forceinline__ uint32_t and_or(uint32_t x, uint32_t mask, uint32_t y
   return d;
 }
 
-// One code word (8 E2M1 codes, per 16-bit half (low codes, high codes) register r's magnitude at bits
-// {0, 3, 6, 11}[r] and sign at {9, 10, 15, 14}[r]) -> A register r = bf16x2(lo, hi) of e2m1 * 2^-126 (bf16
-// fields: magnitude at bits 6..8, sign at 15; registers 0 and 2 need one shift or none), then times the row's
-// scale (registers 0, 2: row g; 1, 3: row g + 8). The fma keeps bf16 subnormals (no flush), so it is exact.
+// One code word (8 E2M1 codes; register r's two codes at the bits CODE_BITS[r] of p48_mma.py) -> A register r =
+// bf16x2(lo, hi) of e2m1 * 2^-126 (bf16 fields: magnitude at bits 6..8, sign at 15), then times the row's scale
+// (registers 0, 2: row g; 1, 3: row g + 8). The layout costs 9 integer operations per word (a shift by 6, a rotate
+// by 12, a shift by 2, each and a mask; the fourth register's in-place bits and two bits shifted down by 8): the
+// fewest a search found over layouts where a register is its fields in place, or moved by one shift or rotate, or
+// two such moves merged (11 before; no layout lets every register be one move and a mask). The fma keeps bf16
+// subnormals (no flush), so it is exact.
 __device__ __forceinline__ void decode_fields(uint32_t w, uint32_t (&f)[4]) {
-  constexpr uint32_t kField = 0x81C081C0u, kMag = 0x01C001C0u, kSign = 0x80008000u;
+  constexpr uint32_t kField = 0x81C081C0u;
   f[0] = (w << 6) & kField;
-  f[1] = and_or(w << 3, kMag, (w << 5) & kSign);
-  f[2] = w & kField;
-  f[3] = and_or(w >> 5, kMag, (w << 1) & kSign);
+  f[1] = __funnelshift_l(w, w, 12) & kField;
+  f[2] = (w << 2) & kField;
+  f[3] = and_or(w, 0x81808180u, (w >> 8) & 0x00400040u);
 }
 // bf16x2 a * (h, h), h = half H of s (the lo/hi selection is an operand modifier of the multiply), + -0: decoded
 // fields (decode_fields) times the row's scale; the fma keeps bf16 subnormals (no flush), so it is exact.
