@@ -76,7 +76,8 @@ CODE_BITS = ((0, 1, 2, 9, 16, 17, 18, 25), (26, 27, 28, 3, 10, 11, 12, 19), (4, 
 
 def _code_luts() -> tuple[torch.Tensor, torch.Tensor]:
     """CODE_BITS as lookup tables: pack[r, c] = the word bits of register r's code byte c (low code | high code << 4);
-    unpack[j, v] = the code bytes (register r's at bits 8r..8r+7) that byte j of a word with value v holds."""
+    unpack[j, v] = the code bytes (register r's at bits 8r..8r+7) that byte j of a word with value v holds. int32
+    (bit 31 wraps to the sign), so the tables and what they build take half the memory of int64."""
     pack = torch.zeros(4, 256, dtype=torch.int64)
     unpack = torch.zeros(4, 256, dtype=torch.int64)
     where = {pos: (r, i) for r, bits in enumerate(CODE_BITS) for i, pos in enumerate(bits)}
@@ -88,7 +89,7 @@ def _code_luts() -> tuple[torch.Tensor, torch.Tensor]:
                 for j in range(4):
                     r, i = where[8 * j + b]
                     unpack[j, v] |= 1 << (8 * r + i)
-    return pack, unpack
+    return pack.to(torch.int32), unpack.to(torch.int32)
 
 
 _PACK_LUT, _UNPACK_LUT = _code_luts()
@@ -217,9 +218,8 @@ def build_records(op: P48As24) -> torch.Tensor:
     # codes: [E, MT, (ra, g), KR, s, (rb, t)] -> [E, MT, KR, g, t, s, (rb, ra)]: register r = 2 rb + ra holds
     # row g + 8 ra, 4-group t + 4 rb of step s
     c = codes.reshape(E, MT, 2, 8, KR, 4, 2, 4).permute(0, 1, 4, 3, 7, 5, 6, 2).reshape(E, MT, KR, 8, 4, 4, 4)
-    c = c.long()
     lut = _PACK_LUT.to(c.device)
-    word = lut[0][c[..., 0]] | lut[1][c[..., 1]] | lut[2][c[..., 2]] | lut[3][c[..., 3]]  # [.., g, t, s]
+    word = lut[0][c[..., 0].int()] | lut[1][c[..., 1].int()] | lut[2][c[..., 2].int()] | lut[3][c[..., 3].int()]
     codes_part = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
     codes_part = codes_part.reshape(E, MT, KR, CODES_BYTES)
 
@@ -238,10 +238,11 @@ def records_to_2to4(records: torch.Tensor, M: int, K: int, global_scale: torch.T
     """Inverse of build_records (cropped to [E, M, K]): for round-trip checks."""
     E, MT, KR, _ = records.shape
     codes_part, meta_part, scale_part = records.split([CODES_BYTES, META_BYTES, SCALE_BYTES], -1)
-    b = codes_part.reshape(E, MT, KR, 8, 4, 4, 4).long()  # [.., g, t, s, byte]
+    b = codes_part.reshape(E, MT, KR, 8, 4, 4, 4)  # [.., g, t, s, byte]
     lut = _UNPACK_LUT.to(b.device)
-    byte_codes = lut[0][b[..., 0]] | lut[1][b[..., 1]] | lut[2][b[..., 2]] | lut[3][b[..., 3]]
-    c = torch.stack([(byte_codes >> (8 * r)) & 0xFF for r in range(4)], -1).to(torch.uint8).reshape(E, MT, KR, 8, 4, 4, 2, 2)  # [.., g, t, s, rb, ra]
+    byte_codes = lut[0][b[..., 0].int()] | lut[1][b[..., 1].int()] | lut[2][b[..., 2].int()] | lut[3][b[..., 3].int()]
+    c = torch.stack([(byte_codes >> (8 * r)) & 0xFF for r in range(4)], -1).to(torch.uint8)
+    c = c.reshape(E, MT, KR, 8, 4, 4, 2, 2)  # [.., g, t, s, rb, ra]
     codes = c.permute(0, 1, 7, 3, 2, 5, 6, 4).reshape(E, MT * 16, KR * 32)
     pb = meta_part.reshape(E, MT, KR, 8, 2, 2, 2, 2).permute(0, 1, 2, 6, 4, 7, 3, 5)
     pb = pb.reshape(E, MT, KR, 4, 16, 2)  # [.., s, row, j]
