@@ -37,6 +37,31 @@ def test_records_round_trip_bit_exact(E, M, kb, seed):
         assert torch.equal(_u8(released[s]).reshape(-1), _u8(t[s]).reshape(-1)), s
 
 
+def _decode_word(ww):
+    """The kernel's decode_fields on a code word (int64 tensor or int < 2^32): the four A registers' bf16x2 fields."""
+    rot12 = ((ww << 12) | (ww >> 20)) & 0xFFFFFFFF
+    return [(ww << 6) & 0x81C081C0, rot12 & 0x81C081C0, (ww << 2) & 0x81C081C0,
+            (ww & 0x81808180) | ((ww >> 8) & 0x00400040)]
+
+
+def test_code_bits_decode_every_code_into_bf16_fields():
+    """Every code byte of every register, alone in a word or beside random codes of the other three: the decode puts
+    the low code's magnitude at bits 6-8 and sign at 15, the high code's at 22-24 and 31, and nothing else."""
+    assert sorted(b for bits in pm.CODE_BITS for b in bits) == list(range(32))
+    g = torch.Generator().manual_seed(0)
+    for r in range(4):
+        for c in range(256):
+            others = torch.randint(0, 256, (8, 4), generator=g, dtype=torch.uint8)
+            others[:, r] = c
+            others[0] = 0
+            others[0, r] = c
+            word = sum(pm._PACK_LUT[q][others[:, q].int()].to(torch.int64) & 0xFFFFFFFF for q in range(4))
+            for w in word.tolist():
+                got = _decode_word(w)[r]
+                want = ((c & 7) << 6) | ((c >> 3 & 1) << 15) | ((c >> 4 & 7) << 22) | ((c >> 7) << 31)
+                assert got == want, (r, c, hex(w))
+
+
 def _emulate_decode(records: torch.Tensor) -> torch.Tensor:
     """The kernel's decode of every record, with its integer operations: float32 [E, MT*16, KR*128], the
     values e2m1 * s * 2^-7 in permuted K order (the metadata placing each lane's two values per 4-group)."""
@@ -53,9 +78,7 @@ def _emulate_decode(records: torch.Tensor) -> torch.Tensor:
         g, t = lane // 4, lane % 4
         for s in range(4):
             ww = w[..., lane, s]
-            rot12 = ((ww << 12) | (ww >> 20)) & 0xFFFFFFFF
-            regs = [(ww << 6) & 0x81C081C0, rot12 & 0x81C081C0, (ww << 2) & 0x81C081C0,
-                    (ww & 0x81808180) | ((ww >> 8) & 0x00400040)]
+            regs = _decode_word(ww)
             for r in range(4):
                 bits = regs[r] & 0xFFFFFFFF
                 halves = [bits & 0xFFFF, bits >> 16]
