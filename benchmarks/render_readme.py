@@ -236,7 +236,7 @@ SOLVER_KIMI_FILE = "solvers_h200_2026-12-01_5147589.json"  # Kimi-K2 chunk, CG t
 REFINE_FILE = "refine_h200_2026-12-01_202e777.json"
 REFINE_BEFORE_FILE = "refine_h200_2026-12-01_75a3a44.json"
 S24_FILE = "s24_fp8_kernel_bench.json"
-P48_FILE = "p48_kernel_bench_h200_2026-12-04_709905c.json"  # the native kernel (no Triton columns)
+P48_FILE = "p48_kernel_bench_h200_2026-12-04_80aa119.json"  # the native kernel (no Triton columns)
 P48_TRITON_FILE = "p48_kernel_bench_h200_2026-12-01_8b05f4d.json"  # the Triton kernel's last measurement
 
 
