@@ -78,18 +78,15 @@ def _code_luts() -> tuple[torch.Tensor, torch.Tensor]:
     """CODE_BITS as lookup tables: pack[r, c] = the word bits of register r's code byte c (low code | high code << 4);
     unpack[j, v] = the code bytes (register r's at bits 8r..8r+7) that byte j of a word with value v holds. int32
     (bit 31 wraps to the sign), so the tables and what they build take half the memory of int64."""
-    pack = torch.zeros(4, 256, dtype=torch.int64)
-    unpack = torch.zeros(4, 256, dtype=torch.int64)
-    where = {pos: (r, i) for r, bits in enumerate(CODE_BITS) for i, pos in enumerate(bits)}
-    for v in range(256):
-        for b in range(8):
-            if v >> b & 1:
-                for r in range(4):
-                    pack[r, v] |= 1 << CODE_BITS[r][b]
-                for j in range(4):
-                    r, i = where[8 * j + b]
-                    unpack[j, v] |= 1 << (8 * r + i)
-    return pack.to(torch.int32), unpack.to(torch.int32)
+    where = [0] * 32  # word bit -> its place in the four code bytes
+    for r, bits in enumerate(CODE_BITS):
+        for i, pos in enumerate(bits):
+            where[pos] = 8 * r + i
+    set_bits = [[b for b in range(8) if v >> b & 1] for v in range(256)]
+    pack = [[sum(1 << bits[b] for b in set_bits[v]) for v in range(256)] for bits in CODE_BITS]
+    unpack = [[sum(1 << where[8 * j + b] for b in set_bits[v]) for v in range(256)] for j in range(4)]
+    return (torch.tensor(pack, dtype=torch.int64).to(torch.int32),
+            torch.tensor(unpack, dtype=torch.int64).to(torch.int32))
 
 
 _PACK_LUT, _UNPACK_LUT = _code_luts()
