@@ -845,8 +845,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_mma_kernel(Par
     // the natural first unit b (DEAL 1: where round 0 covers it) as (e, rg, z), and the mixed-radix stride
     const int b = blockIdx.x, nat_units = V::DEAL == 1 ? min(p.E, static_cast<int>(gridDim.x) / per_e) * per_e : n_units;
     Cursor nat{};
-    const UnitCoords c = unit_coords(b, per_e, p.split);
-    nat.e = c.e, nat.rg = c.rg, nat.z = c.z, nat.sub = 0, nat.kr = 0, nat.tb = 0;
+    const UnitCoords first = unit_coords(b, per_e, p.split);
+    nat.e = first.e, nat.rg = first.rg, nat.z = first.z, nat.sub = 0, nat.kr = 0, nat.tb = 0;
     nat.kr0 = nat.z * kr_per;
     nat.nkr = b < nat_units ? min(p.KR, nat.kr0 + kr_per) - nat.kr0 : 0;
     if constexpr (V::DEAL == 0) prod.init_stride(p, row_groups);
