@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch._dynamo  # noqa: E402,F401  (imported up front: torch.optim pulls it in on first use, ~5 s)
 from moesq_core.formats import get_format  # noqa: E402
 from moesq_core.kernels import relax_triton, rows_add_triton, swiglu_quant_triton  # noqa: E402
-from moesq_core.methods.base import ExpertData  # noqa: E402
+from moesq_core.methods.base import ExpertData, TokenRows  # noqa: E402
 from moesq_core.methods.refine import BlockRefiner, RefineConfig, trainer  # noqa: E402
 from moesq_core.methods.rtn import RTN  # noqa: E402
 
@@ -56,18 +56,17 @@ VARIANTS = {
                      "and row counts symbolic)", {"compile": True, "fused_swiglu": True, "strided_rows_add": True,
                                                   "static_widths": True}),
     "grad-fwd": ("as static-width, the loss's gradient in the expert outputs written by the micro-batch forward, "
-                 "which reads the target rows itself (no gathered copy), the full micro-batches' gradients added by "
-                 "the row-add kernel, and the relaxation's column-form kernels (the default)",
+                 "which gathers the rows' tokens and computes their dense targets itself, the full micro-batches' "
+                 "gradients added by the row-add kernel, and the relaxation's column-form kernels (the default)",
                  {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "static_widths": True,
-                  "loss_grad_in_forward": True, "target_gather_in_loss": True, "all_rows_add": True,
-                  "relax_kernels": "cols"}),
+                  "loss_grad_in_forward": True, "all_rows_add": True, "relax_kernels": "cols"}),
     "compile-mb2x": ("as compile-swiglu, micro-batches of twice the rows (524,288)",
                      {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
 
 # bench-only switches (not RefineConfig fields): kernels turned off for a variant
 BENCH_KEYS = ("fused_kernels", "fused_swiglu", "strided_rows_add", "static_widths", "loss_grad_in_forward",
-              "target_gather_in_loss", "all_rows_add", "relax_kernels")
+              "all_rows_add", "relax_kernels")
 
 PAPER = dict(epochs=10, sequences=8192, seq_len=4096, batch_sequences=64, val_sequences=128)
 
@@ -104,7 +103,7 @@ def make_block(E, H, I, T, topk, dev, seed, imbalance):
             torch.randn(I, H, generator=g, device=dev) * H ** -0.5,
             torch.randn(I, H, generator=g, device=dev) * H ** -0.5,
             torch.randn(H, I, generator=g, device=dev) * I ** -0.5,
-            x.index_select(0, sel), wts[start:start + n].contiguous()))
+            TokenRows(x, sel), wts[start:start + n].contiguous()))  # the engine's form: tokens held once
         start += n
     return experts, counts
 
@@ -154,7 +153,6 @@ def main(argv=None):
     ap.add_argument("--loop-steps", type=int, default=2)
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--compute-dtype", default="auto")
-    ap.add_argument("--cache-dtype", default="bfloat16")
     ap.add_argument("--compile", action="store_true", help="compile=True in the base configuration")
     ap.add_argument("--variants", default=None,
                     help=f"comma-separated trainer variants measured in this one process ({', '.join(VARIANTS)})")
@@ -190,7 +188,7 @@ def main(argv=None):
     t_init = time.perf_counter() - t0
 
     base = dict(epochs=PAPER["epochs"], steps_per_epoch=1, micro_batch_rows=a.micro_batch_rows, val_fraction=a.val_fraction,
-                compute_dtype=a.compute_dtype, cache_dtype=a.cache_dtype, compile=a.compile, seed=a.seed)
+                compute_dtype=a.compute_dtype, compile=a.compile, seed=a.seed)
     names = a.variants.split(",") if a.variants else ["compile" if a.compile else "eager"]
     for n in names:
         if n not in VARIANTS:
@@ -206,16 +204,16 @@ def main(argv=None):
         with fused_kernels(over):
             variants[n] = v = measure(experts, inits, fmt, cfg, a, dev)
         v["description"] = VARIANTS[n][0]
-        v["config"] = {k: getattr(cfg, k) for k in ("compile", "micro_batch_rows", "compute_dtype", "cache_dtype")}
+        v["config"] = {k: getattr(cfg, k) for k in ("compile", "micro_batch_rows", "compute_dtype")}
         # Extrapolation to the paper's budget from this variant's measured throughputs.
         step_scale = rows_per_step_paper / v["train_rows_per_step"]  # the measured step had n_train rows
         train_s = paper_steps * v["step_s_median"] * step_scale
         # per validation: the fixed part (hard state, best-epoch bookkeeping) + the per-row forward passes
         val_s = (PAPER["epochs"] + 1) * (v["validation_fixed_s"] + paper_val_rows * v["validation_rows_s"] / max(v["val_rows"], 1))
-        # once per block: per-row work (split/gather, dense targets Y, input quantization) for every cached row,
+        # once per block: per-row work (split, the dense SwiGLU range pass) for every routed row,
         # plus the fixed part (A/V init, optimizer); the epoch-0 validation is counted in val_s
         t = v["setup_phases_s"]
-        per_row_setup = sum(t[k] for k in ("gather_rows", "dense_targets", "quantize_inputs"))
+        per_row_setup = sum(t.get(k, 0.0) for k in ("gather_rows", "dense_targets"))
         setup_s = ((paper_rows_epoch + paper_val_rows) * per_row_setup / (v["train_rows_per_step"] + v["val_rows"]) + t["init_params"])
         v["paper_budget_extrapolated"] = {"train_min": train_s / 60, "val_min": val_s / 60, "setup_min": setup_s / 60,
                                           "gpu_min_per_block": (train_s + val_s + setup_s) / 60}
@@ -343,7 +341,7 @@ def fused_kernels(over: dict):
     """A variant's kernels: the trainer takes its torch path for the relaxation and Lion where fused_kernels is
     False, the fused SwiGLU quantizer only where fused_swiglu is True (else through torch.compile), and copies the
     transposed weight gradients contiguous before adding them unless strided_rows_add is True; static_widths,
-    loss_grad_in_forward, target_gather_in_loss, all_rows_add and relax_kernels as the trainer's and kernels'
+    loss_grad_in_forward, all_rows_add and relax_kernels as the trainer's and kernels'
     switches of those names (absent: their earlier behaviour)."""
     mods = [m for m, key in ((relax_triton, "fused_kernels"), (swiglu_quant_triton, "fused_swiglu"))
             if not over.get(key, True)]
@@ -354,7 +352,6 @@ def fused_kernels(over: dict):
                 (rows_add_triton, "STRIDED", bool(over.get("strided_rows_add", False))),
                 (trainer, "STATIC_WIDTHS", bool(over.get("static_widths", False))),
                 (trainer, "LOSS_GRAD_IN_FORWARD", bool(over.get("loss_grad_in_forward", False))),
-                (trainer, "TARGET_GATHER_IN_LOSS", bool(over.get("target_gather_in_loss", False))),
                 (rows_add_triton, "ALL_ROWS", bool(over.get("all_rows_add", False))),
                 (relax_triton, "KERNELS", over.get("relax_kernels", "tile"))]
     before = [getattr(m, k) for m, k, _ in switches]

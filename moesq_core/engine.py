@@ -28,7 +28,7 @@ from torch import nn
 
 from . import distributed, packing
 from .formats import Format, QuantizedWeight
-from .methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method
+from .methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method, TokenRows
 from .models import MoEAdapter, MoEBlock
 from .memory import consecutive_chunks
 from .progress import NullProgress, note, skip
@@ -668,32 +668,41 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     I = block.dense_experts.down_proj.shape[-1]
     dev = next(block.mlp.gate.parameters()).device  # methods run where the model is
     results_mine, amax_mine = [], []
+    # One token matrix for both splits: every expert's rows (training and held-out) are indices into it, so a
+    # method can hold the whole block's calibration once (methods/base.py TokenRows).
+    tokens = routed.x if held is None else torch.cat([routed.x, held.x.to(routed.x.device)])
+    val_offset = routed.x.shape[0]
+    train_idx, train_w = routed.tokens, routed.weights
+    val_idx, val_w = (held.tokens, held.weights) if held is not None else (None, None)
+    del routed, held  # only `tokens` holds the rows now
     with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(mine)) as t:
-        # Experts whose dense fp32 weights and routed rows fit the device together are compressed together; a
-        # larger block (Kimi-K2: 68 GB of fp32 weights; 4M calibration tokens: 275 GB of fp32 rows) goes chunk by
-        # chunk, which gives the same bytes: methods size everything from the whole block's row counts
-        # (ExpertData.block), exactly as under expert parallel.
-        rows_mine = [routed.row_count(e) + (held.row_count(e) if held else 0) for e in mine]
-        for chunk in expert_chunks(mine, rows_mine, I, H, dev):
+        # Experts whose dense fp32 weights fit the device together are compressed together; a larger block
+        # (Kimi-K2: 68 GB of fp32 weights) goes chunk by chunk, which gives the same bytes: methods size
+        # everything from the whole block's row counts (ExpertData.block), exactly as under expert parallel.
+        for chunk in expert_chunks(mine, I, H, dev):
             data = []
             for e in chunk:
                 w = block.expert_weights(e)
                 for proj, tw in w.items():
                     spec.fmt.check_weight(tw, f"layer {block.layer_index} expert {e} {proj}")
-                x, wts = routed.rows(e, w["gate"].device)
-                xv, wv = held.rows(e, w["gate"].device) if held else (None, None)
+                x = TokenRows(tokens, train_idx[e].to(tokens.device))
+                wts = train_w[e].to(w["gate"].device)
+                xv = wv = None
+                if val_idx is not None:
+                    xv = TokenRows(tokens, val_idx[e].to(tokens.device) + val_offset)
+                    wv = val_w[e].to(w["gate"].device)
                 data.append(ExpertData(e, w["gate"], w["up"], w["down"], x, wts, xv, wv, block=rows))
             clock.mark("weights")
             results = method.compress_block(data, spec.fmt, t.advance)
             clock.mark("compress")
-            amax_mine += [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant) for r, d in zip(results, data)]
+            amax_mine += [expert_activation_amax(spec.fmt, r, d.inputs(), spec.act_quant) for r, d in zip(results, data)]
             for r in results:  # to the host chunk by chunk: a Kimi-K2 block's codes and masks alone are 34 GB
                 r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
                 _results_to_cpu(r)
             results_mine += results
             clock.mark("ranges")
             del data, results
-    del routed, held
+    del tokens
     by_e = {e: (r, a) for e, r, a in zip(mine, results_mine, amax_mine)}
     if dist:
         by_e = _gather_results(by_e, E, world, spec.name, block.layer_index, next(block.mlp.gate.parameters()).device)
@@ -715,17 +724,17 @@ def _results_to_cpu(r) -> None:
             setattr(qw, name, getattr(qw, name).cpu())
 
 
-WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a chunk's dense fp32 weights, rows and results
+WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a chunk's dense fp32 weights and results
 RESULT_BYTES_PER_WEIGHT = 6  # a method's result on the device until the chunk ends: codes, mask, fp32 latent
 
 
-def expert_chunks(experts: list[int], rows: list[int], I: int, H: int, device: torch.device) -> list[list[int]]:
+def expert_chunks(experts: list[int], I: int, H: int, device: torch.device) -> list[list[int]]:
     """A block's experts in consecutive chunks compressed together: all of them on the CPU; on a GPU as many as
-    fit WEIGHTS_GPU_FRACTION of its free memory with their fp32 routed rows (rows[i]: experts[i]'s, validation
-    ones included) and results (the method's working memory takes the rest); at least one expert a chunk."""
+    fit WEIGHTS_GPU_FRACTION of its free memory with their results (the routed rows are the block's one token
+    matrix, already allocated; the method's working memory takes the rest); at least one expert a chunk."""
     if device.type != "cuda":
         return [list(experts)] if experts else []
-    need = [3 * I * H * (4 + RESULT_BYTES_PER_WEIGHT) + n * H * 4 for n in rows]
+    need = [3 * I * H * (4 + RESULT_BYTES_PER_WEIGHT)] * len(experts)
     return consecutive_chunks(experts, need, torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION)
 
 

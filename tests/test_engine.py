@@ -403,7 +403,7 @@ def test_block_compressed_in_expert_chunks_gives_the_same_bytes(micro_path, tmp_
     for name, chunk in (("whole", None), ("chunked", 3)):
         if chunk is not None:
             monkeypatch.setattr(engine, "expert_chunks",
-                                lambda experts, rows, I, H, device: [experts[i:i + chunk] for i in range(0, len(experts), chunk)])
+                                lambda experts, I, H, device: [experts[i:i + chunk] for i in range(0, len(experts), chunk)])
         wd = tmp_path / name
         run_init(wd, MethodConfig("sgptq"), micro_path, run, device="cpu", batch_size=4)
         run_refine(wd, rcfg, micro_path, run, device="cpu", batch_size=4)
@@ -473,21 +473,21 @@ def test_consecutive_chunks_fit_the_budget_in_order():
 def test_expert_chunks_hold_every_expert_on_the_cpu():
     from moesq_core.engine import expert_chunks
 
-    assert expert_chunks(list(range(384)), [10 ** 6] * 384, 2048, 7168, torch.device("cpu")) == [list(range(384))]
-    assert expert_chunks([], [], 8, 8, torch.device("cpu")) == []
+    assert expert_chunks(list(range(384)), 2048, 7168, torch.device("cpu")) == [list(range(384))]
+    assert expert_chunks([], 8, 8, torch.device("cpu")) == []
 
 
 @pytest.mark.gpu
-def test_expert_chunks_count_the_routed_rows_on_a_gpu():
-    """On a GPU a chunk's fp32 weights and routed rows fit WEIGHTS_GPU_FRACTION of the free memory: rows
-    that do not fit with the weights make more chunks, in expert order, one expert at the least."""
-    from moesq_core.engine import WEIGHTS_GPU_FRACTION, expert_chunks
+def test_expert_chunks_fit_the_weights_on_a_gpu():
+    """On a GPU a chunk's fp32 weights and results fit WEIGHTS_GPU_FRACTION of the free memory (the routed rows
+    are the block's one token matrix, already allocated): weights that do not fit together make more chunks,
+    in expert order, one expert at the least."""
+    from moesq_core.engine import RESULT_BYTES_PER_WEIGHT, WEIGHTS_GPU_FRACTION, expert_chunks
 
     dev = torch.device("cuda")
+    assert expert_chunks(list(range(8)), 64, 64, dev) == [list(range(8))]
     free = torch.cuda.mem_get_info(dev)[0] * WEIGHTS_GPU_FRACTION
-    few = expert_chunks(list(range(8)), [0] * 8, 64, 64, dev)
-    assert few == [list(range(8))]
-    per = int(free // 4 // (64 * 4))  # rows of 64 fp32 values: a quarter of the budget each
-    many = expert_chunks(list(range(8)), [per] * 8, 64, 64, dev)
+    I = int(free // 4 // (3 * 64 * (4 + RESULT_BYTES_PER_WEIGHT)))  # a quarter of the budget per expert
+    many = expert_chunks(list(range(8)), I, 64, dev)
     assert [e for c in many for e in c] == list(range(8)) and all(1 <= len(c) <= 3 for c in many) and len(many) >= 3
-    assert expert_chunks([5], [10 ** 12], 64, 64, dev) == [[5]]
+    assert expert_chunks([5], 10 ** 9, 10 ** 4, dev) == [[5]]

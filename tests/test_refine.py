@@ -674,11 +674,13 @@ def test_release_faithful_options():
         r.train_epoch()
         big = sum(int(((r.proj[p].A != A0[p]) & (A0[p].float().abs() >= 0.0625)).sum()) for p in PROJECTIONS)
         assert big == 0 if big_moved == 0 else big > 0, (dtype, big)
-    # the cached inputs are never kept wider than the compute dtype (they are only read as matmul operands)
-    for compute, cache, kept in (("bfloat16", "float32", torch.bfloat16), ("float32", "float32", torch.float32),
-                                 ("float32", "bfloat16", torch.bfloat16)):
-        cfg = RefineConfig(epochs=1, steps_per_epoch=1, micro_batch_rows=512, compute_dtype=compute, cache_dtype=cache)
-        assert BlockRefiner(ex, inits, fmt, cfg).Xq.dtype == kept, (compute, cache)
+    # the rows reach the matmuls in the compute dtype, quantized (training and validation alike)
+    for compute in ("bfloat16", "float32"):
+        cfg = RefineConfig(epochs=1, steps_per_epoch=1, micro_batch_rows=512, compute_dtype=compute)
+        r = BlockRefiner(ex, inits, fmt, cfg)
+        xq, y, valid, _ = r._gather(r.val_idx)
+        assert xq.dtype == y.dtype == getattr(torch, compute), compute
+        assert torch.equal(xq, fmt.act.batched(xq.float(), r.g_in, ste=False).to(xq.dtype))  # already on the grid
     # separate gate/up global scales in training; the export still shares one (re-quantized, as served)
     sep = RefineMethod(RTN(report_errors=False), RefineConfig(**FAST, shared_gate_up_global=False)).compress_block(ex, fmt)
     _check_export(sep, inits, fmt)
@@ -764,7 +766,7 @@ def test_refining_a_block_in_memory_chunks_gives_bitwise_the_same_experts(with_b
         for e in ex:
             e.block = rows
     base = dict(epochs=2, steps_per_epoch=3, micro_batch_rows=48, lr_logits=5e-3, lr_values=1e-3, lr_budget_steps=None)
-    per_expert = refine_bytes_per_expert(fmt, 64, 64, 150)
+    per_expert = refine_bytes_per_expert(fmt, 64, 64)
     two = RefineConfig(**base, chunk_gb=2.5 * per_expert / 2**30)  # two experts per chunk
     assert [len(c) for c in expert_chunks(ex, fmt, two)] == [2, 2, 1]
     assert [len(c) for c in expert_chunks(ex, fmt, RefineConfig(**base))] == [5]  # CPU, no chunk_gb: one chunk
@@ -778,3 +780,51 @@ def test_refining_a_block_in_memory_chunks_gives_bitwise_the_same_experts(with_b
                 assert torch.equal(getattr(a.weights()[p], name), getattr(b.weights()[p], name)), (i, p, name)
     with pytest.raises(ValueError, match="chunk_gb"):
         RefineConfig(chunk_gb=0)
+
+
+@pytest.mark.parametrize("with_val", [True, False])
+def test_rows_of_a_shared_token_matrix_refine_to_the_bytes_of_rows_held_per_expert(with_val):
+    """The engine hands refinement each expert's rows as indices into one token matrix (every token once,
+    though top-k routing sends it to several experts); the trainer gathers them by index. That gives exactly
+    the experts of the same rows held as tensors of their own, with or without given validation rows."""
+    from moesq_core.methods.base import TokenRows
+
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=4, n=90, n_val=20, seed=11, with_val=with_val)
+    ex[1].x[:30] = ex[0].x[10:40]  # tokens routed to two experts
+    ex[3].x, ex[3].w = ex[3].x[:0], ex[3].w[:0]  # an expert no token reached
+    g = torch.Generator().manual_seed(3)
+    rows = [r for e in ex for r in ((e.x,) if e.x_val is None else (e.x, e.x_val))]
+    distinct = torch.unique(torch.cat(rows), dim=0)
+    tokens = torch.cat([distinct, torch.randn(17, distinct.shape[1], generator=g)])  # and tokens no expert gets
+    tokens = tokens[torch.randperm(len(tokens), generator=g)]
+
+    def index_of(x):
+        return (x[:, None, :] == tokens[None]).all(-1).float().argmax(1)
+
+    shared = [ExpertData(e.index, e.gate, e.up, e.down, TokenRows(tokens, index_of(e.x)), e.w,
+                         None if e.x_val is None else TokenRows(tokens, index_of(e.x_val)), e.w_val) for e in ex]
+    assert all(torch.equal(s.inputs(), e.x) for s, e in zip(shared, ex))
+    cfg = RefineConfig(epochs=2, steps_per_epoch=3, micro_batch_rows=64, lr_logits=5e-3, lr_values=1e-3,
+                       lr_budget_steps=None)
+    own = RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
+    by_index = RefineMethod(RTN(report_errors=False), cfg).compress_block(shared, fmt)
+    assert any(r.info["refine"]["best_epoch"] > 0 for r in own)
+    for i, (a, b) in enumerate(zip(own, by_index)):
+        assert a.info == b.info, i
+        for p in PROJECTIONS:
+            for name in ("codes", "scales", "global_scale", "mask"):
+                assert torch.equal(getattr(a.weights()[p], name), getattr(b.weights()[p], name)), (i, p, name)
+
+
+def test_refinement_memory_estimate_counts_the_token_matrix_once():
+    """The pre-flight estimate: the token matrix once (not per routed row), ROW_BYTES per routed row, one
+    micro-batch; the per-expert state does not grow with the calibration."""
+    from moesq_core.methods.refine.trainer import ROW_BYTES, micro_batch_bytes, refine_bytes_per_expert, refine_shared_bytes
+
+    H, I, T, k = 2048, 768, 1024 * 4096, 8
+    shared = refine_shared_bytes(H, I, T, 2, T * k, 262144)
+    assert shared == T * H * 2 + T * k * ROW_BYTES + micro_batch_bytes(H, I, 262144)
+    assert 16 * 2**30 == T * H * 2 < shared < 40 * 2**30  # 1,024 sequences of 4,096 tokens: 16 GiB of bf16 tokens
+    per = refine_bytes_per_expert(get_format("p48-nvfp4"), I, H)
+    assert 128 * per < 40 * 2**30 and per == refine_bytes_per_expert(get_format("p48-nvfp4"), I, H)

@@ -52,7 +52,7 @@ def compress_batched(experts: list[ExpertData], fmt: Format, method_name: str,
     out: list[CompressedExpert | None] = [None] * len(experts)
     active = []
     for i, ex in enumerate(experts):
-        if ex.x.shape[0] == 0:
+        if ex.n_rows == 0:
             out[i] = fallback_no_tokens(ex, fmt, method_name)
             if progress is not None:
                 progress(1)
@@ -93,7 +93,7 @@ def assemble_results(experts: list[ExpertData], results: list[dict], method: str
     `percdamp`, `damp` per projection or phase); `extra(r)` adds the method's own info keys."""
     out = []
     for ex, r in zip(experts, results):
-        info = {"method": method, "tokens": int(ex.x.shape[0]), "percdamp": r["percdamp"], "damp": r["damp"],
+        info = {"method": method, "tokens": ex.n_rows, "percdamp": r["percdamp"], "damp": r["damp"],
                 **extra(r), "rel_err": {p: r["rel_err"][p] for p in PROJECTIONS}}
         q = r["q"]
         out.append(CompressedExpert(q["gate"], q["up"], q["down"], latent=r["latent"], info=info))

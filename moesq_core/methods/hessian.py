@@ -69,8 +69,9 @@ def input_sq_norms(x: torch.Tensor, w: torch.Tensor | None = None, weighting: st
 
 def expert_hessians(ex: ExpertData, weighting: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
     """(H_in, H_mid): the Hessian shared by gate and up, and down's Hessian over the dense SwiGLU output."""
-    h_in = hessian(ex.x, ex.w, weighting)
-    h_mid = hessian(ex.dense_intermediate(), ex.w, weighting)
+    x = ex.inputs()
+    h_in = hessian(x, ex.w, weighting)
+    h_mid = hessian(ex.dense_intermediate(x), ex.w, weighting)
     return h_in, h_mid
 
 

@@ -109,11 +109,12 @@ class OBR:
 
     def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
         check_expert(ex, fmt)
-        if ex.x.shape[0] == 0:
+        if ex.n_rows == 0:
             return fallback_no_tokens(ex, fmt, self.name)
         h_in, h_mid = expert_hessians(ex, self.hessian_weighting)
         hs = {"gate": h_in, "up": h_in, "down": h_mid}
-        inputs = {"gate": ex.x, "up": ex.x, "down": ex.dense_intermediate()}
+        x = ex.inputs()
+        inputs = {"gate": x, "up": x, "down": ex.dense_intermediate(x)}
         fixed = {p: fix_dead(hs[p], getattr(ex, p).detach().float()) for p in PROJECTIONS}
         fac_in = damped_factor(fixed["gate"][0], self.percdamp, what=f"expert {ex.index} gate/up Hessian")
         fac_mid = damped_factor(fixed["down"][0], self.percdamp, what=f"expert {ex.index} down Hessian")
@@ -129,11 +130,11 @@ class OBR:
         for p in PROJECTIONS:
             q[p], latent[p] = self.quantize(Wc[p], fac[p], masks[p], fmt, g_d if p == "down" else g_gu)
         if self.hessian_weighting != "none":  # report the plain, unweighted error like every method
-            hs = {"gate": hessian(ex.x), "down": hessian(inputs["down"])}
+            hs = {"gate": hessian(x), "down": hessian(inputs["down"])}
             hs["up"] = hs["gate"]
         info = {
             "method": self.name,
-            "tokens": int(ex.x.shape[0]),
+            "tokens": ex.n_rows,
             "percdamp": {"gate_up": fac_in.percdamp, "down": fac_mid.percdamp},
             "damp": {"gate_up": fac_in.damp, "down": fac_mid.damp},
             "second_stage": self.second_stage,
@@ -185,7 +186,7 @@ class OBR:
         rows (they share the Hessian and the global scale), then down."""
         I = experts[0].gate.shape[0]
         results: list[dict] = [dict(q={}, latent={}, rel_err={}, percdamp={}, damp={}) for _ in experts]
-        phases = (("gate_up", ("gate", "up"), lambda ex: ex.x, lambda ex: torch.cat([ex.gate, ex.up])),
+        phases = (("gate_up", ("gate", "up"), lambda ex: ex.inputs(), lambda ex: torch.cat([ex.gate, ex.up])),
                   ("down", ("down",), lambda ex: ex.dense_intermediate(), lambda ex: ex.down))
         for phase, projs, inputs, weight in phases:
             stats = block_statistics(experts, inputs, self.hessian_weighting, sq_norms=True)

@@ -28,9 +28,10 @@ def check_expert(ex: ExpertData, fmt: Format) -> None:
             f"expert {ex.index}: inconsistent shapes gate {tuple(ex.gate.shape)}, up {tuple(ex.up.shape)}, "
             f"down {tuple(ex.down.shape)} (expected [I, H], [I, H], [H, I])"
         )
-    if ex.x.dim() != 2 or ex.x.shape[1] != H:
-        raise ValueError(f"expert {ex.index}: calibration inputs have shape {tuple(ex.x.shape)}, expected [n, {H}]")
-    if ex.x.numel() and not bool(torch.isfinite(ex.x).all()):
+    shape = tuple(ex.x.shape)
+    if len(shape) != 2 or shape[1] != H:
+        raise ValueError(f"expert {ex.index}: calibration inputs have shape {shape}, expected [n, {H}]")
+    if ex.n_rows and not bool(torch.isfinite(ex.inputs()).all()):
         raise ValueError(f"expert {ex.index}: non-finite calibration inputs")
 
 
@@ -47,7 +48,7 @@ def quantize_masked(fmt: Format, weights: dict[str, torch.Tensor], masks: dict[s
 def reconstruction_errors(ex: ExpertData, q: dict[str, QuantizedWeight], weighting: str = "none",
                           hessians: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, float]:
     """‖(W−Ŵ)X‖²/‖WX‖² per projection (down against the dense SwiGLU intermediate); {} without tokens."""
-    if ex.x.shape[0] == 0:
+    if ex.n_rows == 0:
         return {}
     h_in, h_mid = hessians if hessians is not None else expert_hessians(ex, weighting)
     hs = {"gate": h_in, "up": h_in, "down": h_mid}
@@ -62,7 +63,7 @@ def rtn_expert(ex: ExpertData, fmt: Format, masks: dict[str, torch.Tensor] | Non
         masks = {p: fmt.magnitude_mask(w[p]) for p in PROJECTIONS}
     q = quantize_masked(fmt, w, masks)
     info = dict(info or {})
-    info.setdefault("tokens", int(ex.x.shape[0]))
+    info.setdefault("tokens", ex.n_rows)
     if report_errors:
         info["rel_err"] = reconstruction_errors(ex, q)
     return CompressedExpert(q["gate"], q["up"], q["down"], latent={p: w[p].clone() for p in PROJECTIONS}, info=info)
@@ -78,9 +79,10 @@ def score_masked_expert(ex: ExpertData, fmt: Format, method: str, score, report_
     """The score-based pruning methods (Wanda, JSQ): each projection's pattern per group keeps the largest summed
     `score(W, inputs)` (gate/up scored on the routed tokens, down on the dense SwiGLU intermediate), then RTN."""
     check_expert(ex, fmt)
-    if ex.x.shape[0] == 0:
+    if ex.n_rows == 0:
         return fallback_no_tokens(ex, fmt, method)
-    inputs = {"gate": ex.x, "up": ex.x, "down": ex.dense_intermediate()}
+    x = ex.inputs()
+    inputs = {"gate": x, "up": x, "down": ex.dense_intermediate(x)}
     masks = {p: fmt.patterns.best_mask(score(getattr(ex, p), inputs[p])) for p in PROJECTIONS}
     return rtn_expert(ex, fmt, masks, info={"method": method}, report_errors=report_errors)
 

@@ -499,7 +499,7 @@ class SGPTQ:
 
     def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
         check_expert(ex, fmt)
-        if ex.x.shape[0] == 0:
+        if ex.n_rows == 0:
             return fallback_no_tokens(ex, fmt, self.name)
         h_in, h_mid = expert_hessians(ex, self.hessian_weighting)
         hs = {"gate": h_in, "up": h_in, "down": h_mid}
@@ -529,11 +529,12 @@ class SGPTQ:
             res = {p: solver.solve(W[p], fac[p].hinv_chol, g_d if p == "down" else g_gu) for p in PROJECTIONS}
         q = {p: res[p].quantized_weight(fmt) for p in PROJECTIONS}
         if self.hessian_weighting != "none":  # report the plain, unweighted error like every method
-            h_plain = hessian(ex.x)
-            hs = {"gate": h_plain, "up": h_plain, "down": hessian(ex.dense_intermediate())}
+            x = ex.inputs()
+            h_plain = hessian(x)
+            hs = {"gate": h_plain, "up": h_plain, "down": hessian(ex.dense_intermediate(x))}
         info = {
             "method": self.name,
-            "tokens": int(ex.x.shape[0]),
+            "tokens": ex.n_rows,
             "percdamp": {"gate_up": fac_in.percdamp, "down": fac_mid.percdamp},
             "damp": {"gate_up": fac_in.damp, "down": fac_mid.damp},
             "exact_scales": self.exact_scales,
@@ -559,7 +560,7 @@ class SGPTQ:
         solver = self._solver(fmt)
         I = experts[0].gate.shape[0]
         results: list[dict] = [dict(q={}, latent={}, pinned={}, rel_err={}, percdamp={}, damp={}) for _ in experts]
-        phases = (("gate_up", ("gate", "up"), lambda ex: ex.x, lambda ex: torch.cat([ex.gate, ex.up])),
+        phases = (("gate_up", ("gate", "up"), lambda ex: ex.inputs(), lambda ex: torch.cat([ex.gate, ex.up])),
                   ("down", ("down",), lambda ex: ex.dense_intermediate(), lambda ex: ex.down))
         for phase, projs, inputs, weight in phases:
             stats = block_statistics(experts, inputs, self.hessian_weighting)

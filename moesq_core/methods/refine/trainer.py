@@ -1,11 +1,14 @@
 """Batched refinement of one MoE block: the joint support–value optimisation of every expert at once.
 
-Layout. All routed rows of the block live in one flat buffer (expert by expert, train rows then validation
-rows, plus one zero "sentinel" row): the input-quantized X, the dense targets Y (computed once per block) and
-the router weights w. A step gathers each expert's rows into a capacity-padded [k, c, H] buffer (padding
-points at the sentinel, whose token weight is 0) and runs gate/up/down for all k experts with torch.bmm.
-Experts are independent problems: the loss is the sum of per-expert normalised losses, Lion is elementwise,
-and the per-expert best epoch is chosen per expert, so batching changes no expert's result.
+Layout. The block's calibration tokens are held once, in one token matrix [T, H] (the states' dtype; top-8
+routing would hold each 8 times). Every routed row of the block (expert by expert, train rows then validation
+rows, plus one "sentinel" row) is the index of its token, with its router weight w. A step gathers each
+expert's rows into a capacity-padded [k, c, H] buffer (padding points at the sentinel, whose rows are zeroed
+and whose token weight is 0), quantizes them, computes their dense targets Y and runs gate/up/down for all k
+experts with torch.bmm. Nothing is cached per routed row and hidden unit, so a full-width block at the paper's
+calibration (33.5 M routed rows) is refined in one piece. Experts are independent problems: the loss is the sum
+of per-expert normalised losses, Lion is elementwise, and the per-expert best epoch is chosen per expert, so
+batching changes no expert's result.
 
 Per optimizer step the relaxed, fake-quantized weights are built once; micro-batches over the token axis
 accumulate their gradients (fp32) and one backward pass carries them to the logits A and latent values V.
@@ -13,9 +16,9 @@ Only the experts that still have rows at a micro-batch's offset take part in it,
 little padding.
 
 Activation quantizers use static per-expert global scales, as served: the input's from the amax of the
-expert's calibration rows (X is quantized once per block), the SwiGLU output's from the range seen in the
-previous step (validation: from its own rows, in a first pass). Matmuls run in bf16 on CUDA (compute_dtype),
-everything else, validation included, in fp32.
+expert's calibration rows, the SwiGLU output's from the range seen in the previous step (validation: from
+its own rows, in a first pass). Matmul operands are in the compute dtype (bf16 on CUDA, fp32 on the CPU),
+training and validation alike; losses, gradients and parameters are fp32.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ...formats import P48, Format, PatternSet
-from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData
+from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, TokenRows, row_count
 from ...kernels import relax_triton, rows_add_triton, swiglu_quant_triton
 from ...memory import consecutive_chunks
 from . import objective, relaxation
@@ -51,9 +54,6 @@ STATIC_WIDTHS = True
 # next switch, the loss is one kernel per micro-batch (0.79 ms on an H200, where its forward, backward and the
 # targets' gather took 0.43 + 0.69 + ~0.48 ms).
 LOSS_GRAD_IN_FORWARD = True
-# The compiled loss reads the target rows it needs from the block's targets (False: they are gathered into a
-# [k, c, H] copy first, the earlier default).
-TARGET_GATHER_IN_LOSS = True
 
 
 def _with_dynamic_dims(fn, dims: tuple[tuple[int, ...], ...]):
@@ -186,7 +186,6 @@ class RefineConfig:
     init_match: float = 4.0
     seed: int = 0
     compute_dtype: str = "auto"  # matmul operands in training: "float32", "bfloat16", auto = bf16 on CUDA
-    cache_dtype: str = "float32"  # cached quantized inputs X ("bfloat16" halves their memory); never wider than compute
     logits_dtype: str = "float32"  # dtype of the logits A ("bfloat16": the release's, where small steps vanish)
     ship: str = "best"  # "best": per expert the best-validating epoch (the init included); "last": the last epoch
     shared_gate_up_global: bool = True  # False: gate and up train with separate global scales (the release)
@@ -233,7 +232,7 @@ class RefineConfig:
             raise ValueError("train_support and train_values are both False: nothing to refine")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        for name in ("compute_dtype", "cache_dtype", "logits_dtype"):
+        for name in ("compute_dtype", "logits_dtype"):
             v = getattr(self, name)
             if v not in _DTYPES and not (name == "compute_dtype" and v == "auto"):
                 raise ValueError(f"{name} must be one of {sorted(_DTYPES)}{' or auto' if name == 'compute_dtype' else ''}, got {v!r}")
@@ -329,37 +328,60 @@ def remaining_gap(gap: float, lrs, weight_decay: float) -> float:
     return g
 
 
-REFINE_GPU_FRACTION = 0.85  # of the free device memory: the estimate below already is the chunk's peak
+REFINE_GPU_FRACTION = 0.85  # of the free device memory: the estimates below already are the peak
+ROW_BYTES = 48  # per routed row: its token index, router weight, epoch order and step indices (int64/fp32)
 
 
-def refine_bytes_per_expert(fmt: Format, I: int, H: int, rows: int) -> int:
-    """Estimated peak bytes of one expert in the batched trainer: per weight the fp32 latent, its gradient,
-    Lion state and best copy, the copy of the values taken before each step where the budget rule's weight-scale
-    cap rescales it (lr_budget_values_rms), the logits (patterns per group, with gradient and Lion state), masks
-    and the relaxed/quantized transients (~34 B + 12 B per logit); per routed row the setup's fp32 inputs, dense
-    targets and quantized inputs (12 B per hidden unit). Micro-batch activations do not grow with the chunk."""
+def micro_batch_bytes(H: int, I: int, rows: int) -> int:
+    """Peak activations of one micro-batch of `rows` routed rows: the gathered tokens, quantized inputs, dense
+    targets, expert outputs, residual and gradient (~24 bytes per row and hidden unit), the gate/up outputs,
+    SwiGLU output and what autograd keeps of them (~32 per row and intermediate unit)."""
+    return rows * (24 * H + 32 * I)
+
+
+def refine_bytes_per_expert(fmt: Format, I: int, H: int) -> int:
+    """Estimated peak bytes of one expert's state in the batched trainer: per weight the fp32 latent, its
+    gradient, Lion state and best copy, the copy of the values taken before each step where the budget rule's
+    weight-scale cap rescales it (lr_budget_values_rms), the dense weights the targets are computed from, the
+    logits (patterns per group, with gradient and Lion state), masks and the relaxed/quantized transients
+    (~38 B + 12 B per logit)."""
     ps = fmt.patterns
     logits_per_weight = ps.num_patterns / ps.group if ps.num_patterns > 1 else 0.0
-    return int(3 * I * H * (34 + 12 * logits_per_weight) + rows * H * 12)
+    return int(3 * I * H * (38 + 12 * logits_per_weight))
+
+
+def refine_shared_bytes(H: int, I: int, tokens: int, token_bytes: int, routed_rows: int, micro_batch_rows: int) -> int:
+    """Estimated peak bytes a block's refinement holds whatever its experts: the token matrix (`tokens` rows of
+    H values of `token_bytes`), ROW_BYTES per routed row (`routed_rows`: training and validation) and one
+    micro-batch's activations."""
+    return tokens * H * token_bytes + routed_rows * ROW_BYTES + micro_batch_bytes(H, I, micro_batch_rows)
 
 
 def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
-    """The block's experts cut into consecutive chunks that fit cfg.chunk_gb (default: 85 % of the free
-    CUDA memory; on the CPU one chunk unless chunk_gb is given). Refining chunk by chunk gives the same bytes
-    as all at once: every expert draws from its own generator and batches are sized from the whole block's
-    row counts (ExpertData.block), exactly as for expert parallel."""
+    """The block's experts cut into consecutive chunks whose state fits cfg.chunk_gb (default: 85 % of the
+    free CUDA memory less what the block holds whatever its experts, `refine_shared_bytes`; on the CPU one
+    chunk unless chunk_gb is given). Refining chunk by chunk gives the same bytes as all at once: every expert
+    draws from its own generator and batches are sized from the whole block's row counts (ExpertData.block),
+    exactly as for expert parallel."""
     if not experts:
         return []
     dev = experts[0].gate.device
+    I, H = experts[0].gate.shape
     if cfg.chunk_gb is not None:
         budget = cfg.chunk_gb * (1 << 30)
     elif dev.type == "cuda":
-        budget = torch.cuda.mem_get_info(dev)[0] * REFINE_GPU_FRACTION
+        rows = sum(ex.n_rows + row_count(ex.x_val) for ex in experts)
+        sources = [x for ex in experts for x in (ex.x, ex.x_val) if x is not None]
+        matrices = {id(x.tokens): x.tokens for x in sources if isinstance(x, TokenRows)}
+        # a token matrix already on the device is in use, not free; one elsewhere, and rows given as tensors
+        # of their own, are copied in (block_token_matrix)
+        copied = sum(t.numel() * t.element_size() for t in matrices.values() if t.device != dev)
+        copied += sum(row_count(x) for x in sources if not isinstance(x, TokenRows)) * H * 4
+        shared = refine_shared_bytes(H, I, 0, 0, rows, cfg.micro_batch_rows) + copied
+        budget = torch.cuda.mem_get_info(dev)[0] * REFINE_GPU_FRACTION - shared
     else:
         return [experts]
-    I, H = experts[0].gate.shape
-    need = [refine_bytes_per_expert(fmt, I, H, ex.x.shape[0] + (0 if ex.x_val is None else ex.x_val.shape[0]))
-            for ex in experts]
+    need = [refine_bytes_per_expert(fmt, I, H)] * len(experts)
     if sum(need) <= budget:
         return [experts]
     if experts[0].block is None:
@@ -368,12 +390,12 @@ def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -
         idx = sorted(ex.index for ex in experts)
         if idx != list(range(len(experts))):
             raise ValueError("refining a block in chunks needs ExpertData.block (or expert indices 0..E-1)")
-        rows = {ex.index: ex.x.shape[0] for ex in experts}
+        rows = {ex.index: ex.n_rows for ex in experts}
         has_val = experts[0].x_val is not None
-        val = {ex.index: (0 if ex.x_val is None else ex.x_val.shape[0]) for ex in experts}
+        val = {ex.index: row_count(ex.x_val) for ex in experts}
         blk = BlockRows(0, tuple(rows[i] for i in idx), tuple(val[i] for i in idx) if has_val else None)
         experts = [dataclasses.replace(ex, block=blk) for ex in experts]
-    return consecutive_chunks(experts, need, budget)
+    return consecutive_chunks(experts, need, max(budget, 0))
 
 
 def expert_seed(seed: int, layer: int, expert: int, stream: str = "") -> int:
@@ -475,6 +497,62 @@ class StepSchedule(NamedTuple):
     joint: bool  # False in the values-only phase (values_first)
 
 
+def block_token_matrix(experts: list[ExpertData], device: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+    """The token matrix [T, H] the experts' rows index, on `device`, and per expert (training row tokens [n],
+    validation row tokens [n_val] or None), int64 on `device`. Experts whose rows (ExpertData.x, x_val) are
+    `TokenRows` of one shared matrix use it as it is (moved to `device` once if it lives elsewhere); rows given
+    as tensors of their own are stacked into a new matrix, one token per row."""
+    parts: list[torch.Tensor] = []  # the matrices, each once
+    where: dict[int, int] = {}  # id(matrix) -> its first row in the concatenation
+    start = 0
+
+    def place(x) -> torch.Tensor:
+        nonlocal start
+        m = x.tokens if isinstance(x, TokenRows) else x.reshape(-1, experts[0].gate.shape[1])
+        if id(m) not in where:
+            where[id(m)] = start
+            parts.append(m)
+            start += m.shape[0]
+        base = where[id(m)]
+        idx = x.idx.to(device) if isinstance(x, TokenRows) else torch.arange(m.shape[0], device=device)
+        return idx + base if base else idx
+
+    sources = [(place(ex.x), None if ex.x_val is None else place(ex.x_val)) for ex in experts]
+    if len(parts) == 1:
+        tokens = parts[0].to(device)
+    else:
+        dtype = parts[0].dtype if all(p.dtype == parts[0].dtype for p in parts) else torch.float32
+        tokens = torch.cat([p.to(device, dtype) for p in parts])
+    return tokens, sources
+
+
+_SCAN_ROWS = 1 << 16  # rows per pass of the token scans below (bounded transient memory)
+
+
+def _finite(tokens: torch.Tensor) -> bool:
+    return all(bool(torch.isfinite(tokens[s:s + _SCAN_ROWS]).all()) for s in range(0, tokens.shape[0], _SCAN_ROWS))
+
+
+def _row_amax(tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude [T] (fp32)."""
+    out = torch.empty(tokens.shape[0], dtype=torch.float32, device=tokens.device)
+    for s in range(0, tokens.shape[0], _SCAN_ROWS):
+        out[s:s + _SCAN_ROWS] = tokens[s:s + _SCAN_ROWS].abs().amax(-1).float()
+    return out
+
+
+def rows_and_targets(fmt: Format, cd: torch.dtype, x: torch.Tensor, valid: torch.Tensor, g_in: torch.Tensor | None,
+                     Dg: torch.Tensor, Du: torch.Tensor, Dd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq, y) of a batch of routed rows x [k, c, H] (the tokens' MoE inputs; `valid` [k, c] false on padding,
+    whose rows become exact zeros): the input-quantized rows under the experts' static global scales g_in
+    [k, 1, 1] (as served) and the dense experts' outputs (Dg, Du, Dd: [k, out, in] in the compute dtype), both
+    in the compute dtype cd. The quantized values are exact there; the targets are the matmuls' own output."""
+    x = torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
+    xq = fmt.act.batched(x, g_in, ste=False).to(cd)
+    h = BlockRefiner.intermediate(x, Dg, Du, cd)
+    return xq, torch.bmm(h.to(cd), Dd.transpose(1, 2).to(cd))
+
+
 @dataclass
 class _Proj:
     name: str
@@ -521,10 +599,6 @@ class BlockRefiner:
         self.fused_relax = self.compiled and relax_triton.available(dev)
         # the SwiGLU output and its quantizer in one Triton pass where the activation quantizer has one
         self.fused_swiglu = self.compiled and swiglu_quant_triton.USE and swiglu_quant_triton.available(dev)
-        # The cached quantized inputs are only ever read as the matmuls' operands, cast to the compute dtype
-        # first, so they are kept in the narrower of the two: bf16 on CUDA halves their memory and the row
-        # gathers, and computes the very same numbers.
-        self.cache_dtype = min(_DTYPES[config.cache_dtype], self.cd, key=lambda d: torch.finfo(d).bits)
         self.learn_support = config.train_support and self.ps.num_patterns > 1
         if not (self.learn_support or config.train_values):
             raise ValueError(f"format {fmt.name} has no sparsity pattern to learn and train_values is False: nothing to refine")
@@ -576,8 +650,8 @@ class BlockRefiner:
         block position of each expert refined here (pos) and the layer index, from ExpertData.block; without
         it the experts handed over are the block."""
         blk = self.experts[0].block
-        mine = [self._split_counts(ex.x.numel() // self.H, None if ex.x_val is None else ex.x_val.numel() // self.H)
-                for ex in self.experts]
+        n = lambda x: len(x) if isinstance(x, TokenRows) else x.numel() // self.H  # noqa: E731
+        mine = [self._split_counts(n(ex.x), None if ex.x_val is None else n(ex.x_val)) for ex in self.experts]
         if blk is None:
             self.layer, self.pos, counts = 0, list(range(self.E)), mine
         else:
@@ -594,39 +668,46 @@ class BlockRefiner:
 
     def _setup_data(self):
         cfg, dev, H = self.cfg, self.device, self.H
-        xs, ws, ntr, nva, amax_in = [], [], [], [], []
-        for ex in self.experts:
-            x = ex.x.to(dev, torch.float32).reshape(-1, H)
+        self.tokens, sources = block_token_matrix(self.experts, dev)
+        if not bool(_finite(self.tokens)):
+            raise ValueError("calibration inputs contain NaN/Inf")
+        token_amax = _row_amax(self.tokens)  # [T] fp32: each token's largest |x|
+        rows, ws, ntr, nva, amax_in, amax_all = [], [], [], [], [], []
+        for ex, (idx, idx_val) in zip(self.experts, sources):
             w = ex.w.to(dev, torch.float32).reshape(-1)
-            if w.numel() != x.shape[0]:
-                raise ValueError(f"expert {ex.index}: {x.shape[0]} routed rows but {w.numel()} router weights")
-            amax_in.append(x.abs().amax() if x.shape[0] else torch.zeros((), device=dev))
-            if ex.x_val is not None:
-                xv = ex.x_val.to(dev, torch.float32).reshape(-1, H)
-                wv = (ex.w_val if ex.w_val is not None else torch.ones(xv.shape[0])).to(dev, torch.float32).reshape(-1)
-                if wv.numel() != xv.shape[0]:
-                    raise ValueError(f"expert {ex.index}: {xv.shape[0]} validation rows but {wv.numel()} router weights")
-                xt, wt = x, w
+            if w.numel() != idx.numel():
+                raise ValueError(f"expert {ex.index}: {idx.numel()} routed rows but {w.numel()} router weights")
+            zero = torch.zeros((), device=dev)
+            amax_in.append(token_amax[idx].amax() if idx.numel() else zero)
+            if idx_val is not None:
+                wv = (ex.w_val if ex.w_val is not None else torch.ones(idx_val.numel())).to(dev, torch.float32).reshape(-1)
+                if wv.numel() != idx_val.numel():
+                    raise ValueError(f"expert {ex.index}: {idx_val.numel()} validation rows but {wv.numel()} router weights")
+                it, wt, iv = idx, w, idx_val
             else:
-                nv = self._n_val(x.shape[0])
+                nv = self._n_val(idx.numel())
                 # CPU: the split does not depend on the device
                 split_gen = torch.Generator().manual_seed(expert_seed(cfg.seed, self.layer, ex.index, "split"))
-                perm = torch.randperm(x.shape[0], generator=split_gen).to(dev)
-                xv, wv, xt, wt = x[perm[:nv]], w[perm[:nv]], x[perm[nv:]], w[perm[nv:]]
-            xs += [xt, xv]
+                perm = torch.randperm(idx.numel(), generator=split_gen).to(dev)
+                iv, wv, it, wt = idx[perm[:nv]], w[perm[:nv]], idx[perm[nv:]], w[perm[nv:]]
+            amax_all.append(torch.cat([token_amax[it], token_amax[iv], zero[None]]).amax())
+            rows += [it, iv]
             ws += [wt, wv]
-            ntr.append(xt.shape[0])
-            nva.append(xv.shape[0])
-        X = torch.cat(xs + [torch.zeros(1, H, device=dev)])
-        del xs  # the per-expert split copies: the flat buffer is all that is kept
-        self._tick("gather_rows")
-        if not bool(torch.isfinite(X).all()):
-            raise ValueError("calibration inputs contain NaN/Inf")
+            ntr.append(it.numel())
+            nva.append(iv.numel())
+        # Each routed row (expert by expert: training rows, then validation rows) is the index of its token;
+        # the last row is the padding "sentinel": token 0, zeroed wherever rows are read (its weight is 0).
+        self.row_token = torch.cat(rows + [torch.zeros(1, dtype=torch.int64, device=dev)])
         self.W = torch.cat(ws + [torch.zeros(1, device=dev)])
-        self.sentinel = X.shape[0] - 1
+        self.sentinel = self.row_token.numel() - 1
+        del rows, ws
+        self._tick("gather_rows")
         # Static input range per expert: amax of its calibration rows x (as the engine calibrates the served
-        # input_global_scale); validation rows from the engine (x_val) are not part of it.
+        # input_global_scale); validation rows from the engine (x_val) are not part of it, except for an expert
+        # whose only rows they are.
         self.amax_in = torch.stack(amax_in)
+        amax = torch.where(self.amax_in > 0, self.amax_in, torch.stack(amax_all))
+        self.g_in = act_global(self.fmt, amax)  # [E, 1, 1] or None (the format's activations have no global scale)
         self.n_train = torch.tensor(ntr, dtype=torch.int64)
         self.n_val = torch.tensor(nva, dtype=torch.int64)
         n_all = self.n_train + self.n_val
@@ -637,13 +718,13 @@ class BlockRefiner:
         blk_all = self.blk_ntr + self.blk_nva
         self.val_idx = self._ranges(off + self.n_train, self.n_val, int(self.blk_nva.max()))
         all_idx = self._ranges(off, n_all, int(blk_all.max()))
-        self.row_expert = torch.repeat_interleave(torch.arange(self.E, device=dev), n_all.to(dev))
-        self.h_amax = torch.zeros(self.E, device=dev)  # running SwiGLU-output range (see train_step)
-        self.Y = self._dense_targets(X, all_idx)
+        # The dense experts in the compute dtype: the targets Y are computed per micro-batch from the rows'
+        # tokens (caching them would take 2-4 bytes per routed row and hidden unit: 137 GB for a Qwen3-30B-A3B
+        # block at the paper's calibration).
+        self.dense = {p: torch.stack([getattr(ex, p).to(dev, torch.float32) for ex in self.experts]).to(self.cd)
+                      for p in PROJECTIONS}
+        self.h_amax = self._dense_h_amax(all_idx)  # the SwiGLU-output range the first step's quantizer uses
         self._tick("dense_targets")
-        self.Xq = self._quantize_inputs(X).to(self.cache_dtype)
-        del X
-        self._tick("quantize_inputs")
         ntr_t = self.blk_ntr[self.blk_ntr > 0]  # the block's, whichever of its experts are refined here
         self.plan = self.cfg.schedule(int(ntr_t.sum()), int(ntr_t.numel()), self.ps)
         if self.plan.warning and self.plan.warning not in _WARNED:
@@ -705,33 +786,35 @@ class BlockRefiner:
     def _sel(t: torch.Tensor, act):
         return t if act is None else t.index_select(0, act)
 
-    @staticmethod
-    def _rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """t's rows at idx [k, c] -> [k, c, *t.shape[1:]]."""
-        return t.index_select(0, idx.reshape(-1)).view(*idx.shape, *t.shape[1:])
-
-    def _gather(self, idx: torch.Tensor):
-        return self._rows(self.Xq, idx), self._rows(self.Y, idx), idx != self.sentinel, self._rows(self.W, idx)
+    def _gather(self, idx: torch.Tensor, act=None, targets: bool = True):
+        """(xq, y, valid, w) of the rows idx [k, c] of the experts act: the input-quantized rows and (targets)
+        their dense targets in the compute dtype (else y is None), which rows are real (not padding) and their
+        router weights. The training step computes the same inside its compiled micro-batch function."""
+        valid = idx != self.sentinel
+        x = self.tokens.index_select(0, self.row_token[idx].reshape(-1)).view(*idx.shape, self.H)
+        g_in = None if self.g_in is None else self._sel(self.g_in, act)
+        if targets:
+            xq, y = rows_and_targets(self.fmt, self.cd, x, valid, g_in, *(self._sel(self.dense[p], act) for p in PROJECTIONS))
+        else:
+            x = torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
+            xq, y = self.fmt.act.batched(x, g_in, ste=False).to(self.cd), None
+        return xq, y, valid, self.W[idx]
 
     @torch.no_grad()
-    def _dense_targets(self, X: torch.Tensor, all_idx: torch.Tensor) -> torch.Tensor:
-        """Y of every cached row, once per block (the release recomputed it every step), in the compute dtype:
-        the matmul's own output dtype, so storing it that way loses nothing (bf16 on CUDA halves the row gathers)."""
-        st = lambda p: torch.stack([getattr(ex, p).float() for ex in self.experts])
-        Wg, Wu, Wd = st("gate"), st("up"), st("down")
-        Y = torch.zeros(X.shape[0], self.H, device=self.device, dtype=self.cd)
+    def _dense_h_amax(self, all_idx: torch.Tensor) -> torch.Tensor:
+        """Per expert, the range of the dense SwiGLU output over all its rows (the release computed the dense
+        targets every step; here they are computed per micro-batch, and this first pass gives the range the
+        first training step's SwiGLU-output quantizer starts from)."""
+        h_amax = torch.zeros(self.E, device=self.device)
         mb = self._micro_batches(self.blk_ntr + self.blk_nva, all_idx.shape[1])
         next(mb)
         for act, a, b in mb:
             idx = self._sel(all_idx, act)[:, a:b]
-            x = X.index_select(0, idx.reshape(-1)).view(*idx.shape, self.H)
-            # the training forward's operand dtype (bf16 on CUDA: fp32 matmuls made this a third of the
-            # setup; the target's rounding is far below the quantization error it is compared with)
-            h = self.intermediate(x, self._sel(Wg, act), self._sel(Wu, act), self.cd)
-            y = torch.bmm(h.to(self.cd), self._sel(Wd, act).transpose(1, 2).to(self.cd))
-            self._note_amax(self.h_amax, act, h)
-            Y.index_copy_(0, idx.reshape(-1), y.reshape(-1, self.H))  # padding rows write the sentinel's exact 0
-        return Y
+            x = self.tokens.index_select(0, self.row_token[idx].reshape(-1)).view(*idx.shape, self.H)
+            x = torch.where((idx != self.sentinel)[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+            h = self.intermediate(x, self._sel(self.dense["gate"], act), self._sel(self.dense["up"], act), self.cd)
+            self._note_amax(h_amax, act, h)
+        return h_amax
 
     @staticmethod
     def _note_amax(store: torch.Tensor, act, h: torch.Tensor) -> None:
@@ -746,25 +829,6 @@ class BlockRefiner:
             torch.maximum(store, a, out=store)
         else:
             store.scatter_reduce_(0, act, a, reduce="amax")
-
-    @torch.no_grad()
-    def _quantize_inputs(self, X: torch.Tensor, chunk: int = 1 << 16) -> torch.Tensor:
-        """Input activations are quantized once per block with a static global scale per expert (its
-        calibration amax, as served), per-token block scales as the format says; then only the quantized
-        inputs are kept."""
-        fmt = self.fmt
-        g_rows = None
-        if fmt.act.uses_global_scale:
-            amax = self.amax_in.clone()
-            val_amax = torch.zeros_like(amax)  # experts whose only rows are x_val: their own range
-            val_amax.scatter_reduce_(0, self.row_expert, X[:-1].abs().amax(-1), reduce="amax")
-            amax = torch.where(amax > 0, amax, val_amax)
-            g_rows = torch.cat([fmt.act.global_from_amax(amax)[self.row_expert], torch.ones(1, device=self.device)])[:, None]
-        out = torch.empty(X.shape, dtype=self.cache_dtype, device=X.device)
-        quant = self._maybe_compile("aq", lambda: fmt.quant_act, ((0,), (0,)))  # one fused kernel on CUDA
-        for s in range(0, X.shape[0], chunk):
-            out[s:s + chunk] = quant(X[s:s + chunk], None if g_rows is None else g_rows[s:s + chunk])
-        return out
 
     def _setup_params(self):
         cfg, E = self.cfg, self.E
@@ -916,19 +980,20 @@ class BlockRefiner:
 
     @staticmethod
     def micro_loss_fn(fmt: Format, cd: torch.dtype, fused: bool = False, grad_in_forward: bool = True):
-        """One micro-batch of the training forward, (x, Wg, Wu, Wd, y, tw, scale, g_h[, y_rows]) -> (out, grad_out,
-        num [k], amax of h [k]): the unit torch.compile fuses (casts, SwiGLU, activation quantizer, loss). y: the
-        targets [k, c, H], or with y_rows [k, c] the block's target rows [N, H] that y_rows index. The weights'
+        """One micro-batch of the training forward, (x, valid, g_in, Dg, Du, Dd, Wg, Wu, Wd, tw, scale, g_h) ->
+        (out, grad_out, num [k], amax of h [k]): the unit torch.compile fuses (the rows' input quantizer and dense
+        targets (`rows_and_targets`), casts, SwiGLU, activation quantizer, loss). x [k, c, H]: the rows' tokens,
+        `valid` false on padding; D*: the dense experts, W*: the relaxed quantized weights (leaves). The weights'
         gradients of the loss Σ_e scale_e·num_e are autograd.grad(out, weights, grad_out): out = the expert
         outputs ŷ and grad_out = the loss's gradient in ŷ, written in the forward (grad_in_forward), else out =
         the loss itself and grad_out None. fused: the SwiGLU and its quantizer in the activation quantizer's
         fused kernel where it has one."""
-        def micro_loss(x, Wg, Wu, Wd, y, tw, scale, g_h, y_rows=None):
-            gate, up = BlockRefiner.gate_up(x, Wg, Wu, cd)
+        def micro_loss(x, valid, g_in, Dg, Du, Dd, Wg, Wu, Wd, tw, scale, g_h):
+            with torch.no_grad():
+                xq, y = rows_and_targets(fmt, cd, x, valid, g_in, Dg, Du, Dd)
+            gate, up = BlockRefiner.gate_up(xq, Wg, Wu, cd)
             hq, hamax = fmt.act.swiglu_quant(gate, up, g_h, ste=True, out_dtype=cd, fused=fused)
             yhat = torch.bmm(hq, Wd.transpose(1, 2).to(cd))
-            if y_rows is not None:  # y holds all target rows: the compiled loss reads its rows where it needs them
-                y = y[y_rows]
             if grad_in_forward:
                 num, gy = objective.weighted_sq_error_and_grad(yhat, y, tw, scale)
                 return yhat, gy, num, hamax
@@ -974,23 +1039,20 @@ class BlockRefiner:
         # calibrated scale does, rather than a per-micro-batch dynamic one.
         g_h = act_global(self.fmt, self.h_amax)
         step_amax = torch.zeros_like(self.h_amax)
-        grad_in_forward, gather_in_loss = LOSS_GRAD_IN_FORWARD, TARGET_GATHER_IN_LOSS
+        grad_in_forward = LOSS_GRAD_IN_FORWARD
         micro = self._maybe_compile(
-            f"micro{'-fused' if self.fused_swiglu else ''}{'-grad' if grad_in_forward else ''}"
-            f"{'-rows' if gather_in_loss else ''}",
+            f"micro{'-fused' if self.fused_swiglu else ''}{'-grad' if grad_in_forward else ''}",
             lambda: self.micro_loss_fn(self.fmt, self.cd, self.fused_swiglu, grad_in_forward),
-            ((0, 1), (0,), (0,), (0,), (0,) if gather_in_loss else (0, 1), (0, 1), (0,), (0,), (0, 1)))
+            ((0, 1), (0, 1), (0,), (0,), (0,), (0,), (0,), (0,), (0,), (0, 1), (0,), (0,)))
         for act, a, b in mb:
             sl = self._sel(idx, act)[:, a:b]
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
-            if gather_in_loss:  # the targets' gather fused into the loss (the x rows feed a matmul: gathered here)
-                x, y, y_rows = self._rows(self.Xq, sl), self.Y, sl
-            else:
-                (x, y, _, _), y_rows = self._gather(sl), None
-            out, grad_out, n, hamax = micro(x, leaves["gate"], leaves["up"], leaves["down"], y, tw,
-                                            self._sel(inv_den, act), None if g_h is None else self._sel(g_h, act),
-                                            y_rows)
+            x = self.tokens.index_select(0, self.row_token[sl].reshape(-1)).view(*sl.shape, self.H)
+            out, grad_out, n, hamax = micro(x, sl != self.sentinel, self._sel(self.g_in, act) if self.g_in is not None else None,
+                                            *(self._sel(self.dense[p], act) for p in PROJECTIONS),
+                                            leaves["gate"], leaves["up"], leaves["down"], tw,
+                                            self._sel(inv_den, act), None if g_h is None else self._sel(g_h, act))
             # autograd.grad, not backward: the micro-batch's gradients come back as they are, without the
             # AccumulateGrad copy into .grad of every leaf
             grads = torch.autograd.grad(out, [leaves[p] for p in PROJECTIONS], grad_out)
@@ -1057,7 +1119,9 @@ class BlockRefiner:
 
     @torch.no_grad()
     def validate(self, W: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-expert loss [E] of given (hard) weights on the held-out rows, fp32; NaN without rows.
+        """Per-expert loss [E] of given (hard) weights on the held-out rows; NaN without rows. The matmuls run
+        in the compute dtype as in training (bf16 on CUDA: at the paper's calibration an fp32 validation of a
+        Qwen3-30B-A3B block costs ~1 s, 80 of them a third of the block's time), the loss in fp32.
 
         The SwiGLU-output quantizer gets a static global scale per expert from the range of h over the
         validation rows (a first pass), so the result does not depend on the micro-batch size."""
@@ -1065,15 +1129,15 @@ class BlockRefiner:
         if self.fmt.act.uses_global_scale:
             amax = torch.zeros(self.E, device=self.device)
             for act, sl in self._val_batches():
-                x = self._gather(sl)[0]
-                self._note_amax(amax, act, self.intermediate(x, self._sel(W["gate"], act), self._sel(W["up"], act), torch.float32))
+                x = self._gather(sl, act, targets=False)[0]
+                self._note_amax(amax, act, self.intermediate(x, self._sel(W["gate"], act), self._sel(W["up"], act), self.cd))
             g_h = act_global(self.fmt, amax)
         num = torch.zeros(self.E, device=self.device)
         den = torch.zeros(self.E, device=self.device)
         for act, sl in self._val_batches():
-            x, y, valid, w = self._gather(sl)
+            x, y, valid, w = self._gather(sl, act)
             tw = objective.token_weights(w, valid, self.cfg.loss_power)
-            yhat = self.forward(x, *(self._sel(W[p], act) for p in PROJECTIONS), torch.float32, ste=False,
+            yhat = self.forward(x, *(self._sel(W[p], act) for p in PROJECTIONS), self.cd, ste=False,
                                 h_global=None if g_h is None else self._sel(g_h, act))
             n = objective.weighted_sq_error(yhat, y, tw)
             d = tw.sum(-1)
