@@ -31,7 +31,7 @@ from .formats import Format, QuantizedWeight
 from .methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method, TokenRows
 from .models import MoEAdapter, MoEBlock
 from .memory import consecutive_chunks
-from .progress import NullProgress, note, skip
+from .progress import BlockProgress, NullProgress, note, skip
 from .runtime.experts import MoesqExperts
 from .state_checkpoint import EVERY_S, StateCheckpoint
 from .workdir import LAYOUT, StaleStageError, WorkDir, atomic_path
@@ -524,6 +524,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
     computed, seconds, t_stage = 0, 0.0, time.perf_counter()
     clock = PhaseClock(device)
     todo = [li for li in blocks if str(li) not in workdir.stage(spec.name)["blocks"]]
+    block_times: list[float] = []  # seconds of each block computed now
     with BlockWriter() as writer, progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
         for li, layer in enumerate(layers):
             if li > last_moe:
@@ -542,7 +543,11 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     clock.mark("other")
                     writer.wait()  # the previous block's write: one block's results in host memory at a time
                     clock.mark("write")
-                    results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist, clock)
+                    # the time per block the stage ETA uses: the later blocks' (the first carries the warm-up)
+                    per_block = (sum(block_times[1:]) / (len(block_times) - 1) if len(block_times) > 1
+                                 else block_times[0] if block_times else None)
+                    results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist, clock,
+                                                                 len([b for b in todo if b > li]), per_block)
                     seconds += time.perf_counter() - t0
                     log.info("%s: layer %d, %d experts compressed in %.1f s (rank %d of %d)", spec.name, li,
                              len(results), time.perf_counter() - t0, rank, world)
@@ -564,6 +569,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     clock.mark("wait")
                     computed += 1
                     block_s = time.perf_counter() - t0
+                    block_times.append(block_s)
                     if computed == 1 and is_main:
                         first_s = block_s
                         _note_estimate(progress, spec.name, [b for b in todo if b > li], block_s)
@@ -652,7 +658,11 @@ def _note_estimate(progress, stage: str, remaining: list[int], seconds: float, r
                        f"{_duration(n * seconds)} remaining{' (revised after the second block)' if revised else ''}")
 
 
-def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, progress, dist, clock: PhaseClock):
+def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, progress, dist, clock: PhaseClock,
+                    blocks_after: int = 0, seconds_per_block: float | None = None):
+    """One block: route the calibration states, compress this rank's experts (chunk by chunk), gather every
+    rank's; (results, amax_in, amax_mid). `blocks_after` and `seconds_per_block` feed the stage ETA that a
+    long method's progress shows (BlockProgress)."""
     E = block.num_experts
     H = block.dense_experts.gate_up_proj.shape[-1]
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
@@ -676,6 +686,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     val_idx, val_w = (held.tokens, held.weights) if held is not None else (None, None)
     del routed, held  # only `tokens` holds the rows now
     with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(mine)) as t:
+        report = BlockProgress(progress, t.advance, spec.name, block.layer_index, blocks_after, seconds_per_block)
         # Experts whose dense fp32 weights fit the device together are compressed together; a larger block
         # (Kimi-K2: 68 GB of fp32 weights) goes chunk by chunk, which gives the same bytes: methods size
         # everything from the whole block's row counts (ExpertData.block), exactly as under expert parallel.
@@ -693,7 +704,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
                     wv = val_w[e].to(w["gate"].device)
                 data.append(ExpertData(e, w["gate"], w["up"], w["down"], x, wts, xv, wv, block=rows))
             clock.mark("weights")
-            results = method.compress_block(data, spec.fmt, t.advance)
+            results = method.compress_block(data, spec.fmt, report)
             clock.mark("compress")
             amax_mine += [expert_activation_amax(spec.fmt, r, d.inputs(), spec.act_quant) for r, d in zip(results, data)]
             for r in results:  # to the host chunk by chunk: a Kimi-K2 block's codes and masks alone are 34 GB

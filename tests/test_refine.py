@@ -828,3 +828,57 @@ def test_refinement_memory_estimate_counts_the_token_matrix_once():
     assert 16 * 2**30 == T * H * 2 < shared < 40 * 2**30  # 1,024 sequences of 4,096 tokens: 16 GiB of bf16 tokens
     per = refine_bytes_per_expert(get_format("p48-nvfp4"), I, H)
     assert 128 * per < 40 * 2**30 and per == refine_bytes_per_expert(get_format("p48-nvfp4"), I, H)
+
+
+def test_refinement_says_before_the_block_loop_whether_a_block_fits():
+    """The pre-flight memory plan of a Qwen3-30B-A3B block at the paper's calibration (1,024 + 128 sequences of
+    4,096 tokens, bf16 tokens): one chunk on an H200, chunks on a smaller GPU, and on a 24 GiB GPU a refusal
+    that names the GiB needed and the options that lower it, before any work."""
+    from moesq_core.methods.refine.trainer import RefineMemoryError, refine_memory_plan
+
+    fmt = get_format("p48-nvfp4")
+    seqs = 1152
+    tokens = seqs * 4096
+    plan = dict(experts=128, H=2048, I=768, tokens=tokens, token_bytes=2, routed_rows=tokens * 8, device="cuda:0",
+                sequences=seqs)
+    h200 = refine_memory_plan(fmt, RefineConfig(), available=140 * 2**30, **plan)
+    assert h200.endswith("one chunk") and "GiB of calibration tokens" in h200
+    small = refine_memory_plan(fmt, RefineConfig(), available=60 * 2**30, **plan)
+    assert "chunks of experts" in small
+    with pytest.raises(RefineMemoryError, match=r"needs ~\d+\.\d GiB on cuda:0.*--n-train.*\d+ of the 1152 sequences would fit.*--micro-batch-rows"):
+        refine_memory_plan(fmt, RefineConfig(), available=24 * 2**30, **plan)
+    # fewer micro-batch rows lower it
+    assert "one chunk" in refine_memory_plan(fmt, RefineConfig(micro_batch_rows=65536), available=72 * 2**30, **plan)
+    assert "unknown" in refine_memory_plan(fmt, RefineConfig(), available=None, **plan)
+
+
+def test_refinement_reports_its_steps_and_routed_rows_inside_the_block(caplog):
+    """Given the engine's BlockProgress, refinement reports every step of the block (all chunks together) with
+    the routed rows trained on: the bar's count reaches the block's steps and the log has its end line."""
+    import logging
+
+    from moesq_core.methods.refine import trainer
+    from moesq_core.progress import BlockProgress
+
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=3, n=60, n_val=12, seed=2)
+    done_experts, updates = [], []
+    bp = BlockProgress(None, done_experts.append, "refine", 5, blocks_after=2)
+    original = trainer.BlockRefiner.run
+
+    def spy(self, on_step=None):
+        return original(self, lambda d, r: (updates.append((d, r)), on_step(d, r)))
+
+    cfg = RefineConfig(epochs=2, steps_per_epoch=3, micro_batch_rows=64, chunk_gb=1.5 * trainer.refine_bytes_per_expert(fmt, 64, 64) / 2**30)
+    with caplog.at_level(logging.INFO, logger="moesq.progress"):
+        trainer.BlockRefiner.run = spy
+        try:
+            RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt, bp)
+        finally:
+            trainer.BlockRefiner.run = original
+    assert done_experts == [3]
+    # three chunks of one expert, 6 steps each; each step trains on that expert's share of its rows
+    assert [d for d, _ in updates] == [1, 2, 3, 4, 5, 6] * 3
+    assert [r for _, r in updates[:6]] == [20, 40, 60, 80, 100, 120]  # 60 training rows a pass, a third a step
+    end = [r.getMessage() for r in caplog.records if "refine: layer 5 steps 18/18 (100 %)" in r.getMessage()]
+    assert end, [r.getMessage() for r in caplog.records]

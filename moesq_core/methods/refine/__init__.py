@@ -6,6 +6,7 @@ quantized values of every expert of a block, starting from an init method's solu
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -47,16 +48,44 @@ class RefineMethod:
         init_of = {ex.index: ce for ex, ce in zip(experts, inits)}
         chunks = expert_chunks(experts, fmt, self.config)  # bounded memory; the same bytes as one chunk
         out = []
-        for chunk in chunks:
-            try:
-                refiner = BlockRefiner(chunk, [init_of[ex.index] for ex in chunk], fmt, self.config)
-                out += refiner.run()
-            except torch.OutOfMemoryError as exc:
-                raise torch.OutOfMemoryError(
-                    f"refine: out of memory refining {len(chunk)} of the block's {len(experts)} experts together; "
-                    f"lower the refine option chunk_gb or micro_batch_rows") from exc
+        with contextlib.ExitStack() as stack:
+            steps = None  # the block's step tracker, where the engine gives one (BlockProgress.steps)
+            for i, chunk in enumerate(chunks):
+                try:
+                    refiner = BlockRefiner(chunk, [init_of[ex.index] for ex in chunk], fmt, self.config)
+                    if steps is None and hasattr(progress, "steps"):
+                        steps = stack.enter_context(progress.steps(len(chunks) * refiner.total_steps))
+                    out += refiner.run(_StepReport(steps, i * refiner.total_steps, refiner.total_steps, refiner.device))
+                except torch.OutOfMemoryError as exc:
+                    raise torch.OutOfMemoryError(
+                        f"refine: out of memory refining {len(chunk)} of the block's {len(experts)} experts together; "
+                        f"lower the refine option chunk_gb or micro_batch_rows") from exc
         log.info("refine: %d experts in %d chunk(s), init %.1f s, refinement %.1f s (%s)", len(experts), len(chunks),
                  t_init, time.perf_counter() - t0 - t_init, refiner.plan)
         if progress is not None:
             progress(len(experts))
         return out
+
+
+class _StepReport:
+    """A refiner's on_step for the block's step tracker (or none): the steps of earlier chunks are added, and the
+    tracker is told at most once a second, after a device synchronisation, so its rates and ETAs are the device's
+    (the host otherwise runs ahead of a CUDA queue) at no cost to a step."""
+
+    EVERY_S = 1.0
+
+    def __init__(self, tracker, steps_before: int, steps: int, device: torch.device):
+        self.tracker, self.before, self.steps, self.device = tracker, steps_before, steps, device
+        self.rows_before = getattr(tracker, "rows", None) or 0
+        self.told = None
+
+    def __call__(self, done: int, rows: int) -> None:
+        if self.tracker is None:
+            return
+        now = time.monotonic()
+        if self.told is not None and now - self.told < self.EVERY_S and done < self.steps:  # a chunk's last: always
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.tracker.update(self.before + done, self.rows_before + rows)
+        self.told = time.monotonic()

@@ -357,6 +357,46 @@ def refine_shared_bytes(H: int, I: int, tokens: int, token_bytes: int, routed_ro
     return tokens * H * token_bytes + routed_rows * ROW_BYTES + micro_batch_bytes(H, I, micro_batch_rows)
 
 
+class RefineMemoryError(ValueError):
+    """A block's refinement cannot fit the device: raised before the block loop starts."""
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int, I: int, tokens: int, token_bytes: int,
+                       routed_rows: int, available: int | None, device: str, sequences: int) -> str:
+    """One line saying what refining a block holds on `device` and whether all of its `experts` fit at once,
+    from the calibration (`tokens` held once per block, `sequences` of them trained on or validated,
+    `routed_rows` = their tokens × top-k) before any work. `available`: the device's free bytes (None: unknown,
+    nothing is checked). Raises RefineMemoryError, naming the bytes needed and the options that lower them, when
+    not even one expert fits beside the block's shared part (`refine_shared_bytes`); with fewer than all experts
+    fitting, refinement goes in chunks (slower, the same bytes) and the line says so."""
+    shared = refine_shared_bytes(H, I, tokens, token_bytes, routed_rows, cfg.micro_batch_rows)
+    per = refine_bytes_per_expert(fmt, I, H)
+    whole = shared + experts * per
+    parts = (f"{_gib(tokens * H * token_bytes)} of calibration tokens ({tokens:,} × {H} × {token_bytes} B), "
+             f"{_gib(micro_batch_bytes(H, I, cfg.micro_batch_rows))} of micro-batch activations "
+             f"(--micro-batch-rows {cfg.micro_batch_rows:,}), {_gib(routed_rows * ROW_BYTES)} for {routed_rows:,} routed rows, "
+             f"{_gib(experts * per)} of expert state")
+    if available is None:
+        return f"~{_gib(whole)} per block on {device} ({parts}); the device's free memory is unknown"
+    budget = available * REFINE_GPU_FRACTION
+    if shared + per > budget:
+        fit = max(0, int((budget - per - micro_batch_bytes(H, I, cfg.micro_batch_rows))
+                         / (tokens * H * token_bytes + routed_rows * ROW_BYTES) * sequences)) if tokens else 0
+        raise RefineMemoryError(
+            f"refine: a block at this calibration needs ~{_gib(shared + per)} on {device} for one expert beside what "
+            f"every block holds ({parts}), and {_gib(budget)} of the {_gib(available)} available may be used: lower "
+            f"--n-train/--n-init/--n-val ({fit} of the {sequences} sequences would fit) or --seq-len, or --micro-batch-rows")
+    if cfg.chunk_gb is None and whole > budget:
+        chunks = math.ceil(experts * per / max(budget - shared, per))
+        return (f"~{_gib(whole)} per block on {device} ({parts}); {_gib(budget)} may be used, so each block is refined "
+                f"in ~{chunks} chunks of experts (each runs every step: slower; fewer calibration tokens fit in one)")
+    return f"~{_gib(whole)} per block on {device} of {_gib(available)} available ({parts}): one chunk"
+
+
 def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
     """The block's experts cut into consecutive chunks whose state fits cfg.chunk_gb (default: 85 % of the
     free CUDA memory less what the block holds whatever its experts, `refine_shared_bytes`; on the CPU one
@@ -616,6 +656,7 @@ class BlockRefiner:
         self._setup_data()
         self._setup_params()
         self.step_count = 0
+        self.rows_done = 0  # routed training rows the steps so far have trained on
 
     # --- setup -------------------------------------------------------------------------------------------
 
@@ -1089,12 +1130,16 @@ class BlockRefiner:
             m = self.values_rate[p]
             self.proj[p].V.mul_(m).add_(old.mul_((1.0 - m) * d))
 
-    def train_epoch(self, max_steps: int | None = None) -> torch.Tensor:
+    def train_epoch(self, max_steps: int | None = None, on_step=None) -> torch.Tensor:
+        """One epoch's steps; on_step(steps done in the block, routed rows trained on so far) after each."""
         order = self.epoch_order()
         S = self.steps_per_epoch if max_steps is None else min(max_steps, self.steps_per_epoch)
         acc = torch.zeros(self.E, device=self.device)
         for s in range(S):
             acc += self.train_step(order, s)
+            self.rows_done += int(self.step_cnt[s].sum())
+            if on_step is not None:
+                on_step(self.step_count, self.rows_done)
         return acc / max(S, 1)
 
     # --- validation and export ----------------------------------------------------------------------------
@@ -1175,11 +1220,13 @@ class BlockRefiner:
             self.history_train.append(train_loss)
         return v
 
-    def run(self) -> list[CompressedExpert]:
+    def run(self, on_step=None) -> list[CompressedExpert]:
+        """Validate the init, train and validate each epoch, export the best epoch per expert (see the class);
+        on_step(steps done, routed rows trained on so far) after every optimizer step."""
         t0 = time.perf_counter()
         for epoch in range(1, self.cfg.epochs + 1):
             te = time.perf_counter()
-            tl = self.train_epoch()
+            tl = self.train_epoch(on_step=on_step)
             v = self.end_epoch(epoch, tl)
             if log.isEnabledFor(logging.INFO):
                 fin = torch.isfinite(v)
