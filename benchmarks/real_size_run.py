@@ -131,10 +131,10 @@ def dir_bytes(path: Path) -> int:
 
 
 class State:
-    """The run's progress (DIR/real_size_state.json), written after every command."""
+    """The run's progress (DIR/real_size_state.json, or DIR/`name`), written after every command."""
 
-    def __init__(self, root: Path, args: dict):
-        self.path = root / "real_size_state.json"
+    def __init__(self, root: Path, args: dict, name: str = "real_size_state.json"):
+        self.path = root / name
         self.data = json.loads(self.path.read_text()) if self.path.exists() else {"args": args, "steps": {}}
         if self.data["args"] != args:
             raise SystemExit(f"{self.path} belongs to a run with other options {self.data['args']}; "
