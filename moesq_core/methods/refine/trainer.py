@@ -353,8 +353,8 @@ def refine_bytes_per_expert(fmt: Format, I: int, H: int) -> int:
 def refine_shared_bytes(H: int, I: int, tokens: int, token_bytes: int, routed_rows: int, micro_batch_rows: int) -> int:
     """Estimated peak bytes a block's refinement holds whatever its experts: the token matrix (`tokens` rows of
     H values of `token_bytes`), ROW_BYTES per routed row (`routed_rows`: training and validation) and one
-    micro-batch's activations."""
-    return tokens * H * token_bytes + routed_rows * ROW_BYTES + micro_batch_bytes(H, I, micro_batch_rows)
+    micro-batch's activations (never more rows than the block has)."""
+    return tokens * H * token_bytes + routed_rows * ROW_BYTES + micro_batch_bytes(H, I, min(micro_batch_rows, routed_rows))
 
 
 class RefineMemoryError(ValueError):
@@ -362,7 +362,10 @@ class RefineMemoryError(ValueError):
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale / 10:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
 
 
 def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int, I: int, tokens: int, token_bytes: int,
@@ -377,14 +380,14 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
     per = refine_bytes_per_expert(fmt, I, H)
     whole = shared + experts * per
     parts = (f"{_gib(tokens * H * token_bytes)} of calibration tokens ({tokens:,} × {H} × {token_bytes} B), "
-             f"{_gib(micro_batch_bytes(H, I, cfg.micro_batch_rows))} of micro-batch activations "
+             f"{_gib(micro_batch_bytes(H, I, min(cfg.micro_batch_rows, routed_rows)))} of micro-batch activations "
              f"(--micro-batch-rows {cfg.micro_batch_rows:,}), {_gib(routed_rows * ROW_BYTES)} for {routed_rows:,} routed rows, "
              f"{_gib(experts * per)} of expert state")
     if available is None:
         return f"~{_gib(whole)} per block on {device} ({parts}); the device's free memory is unknown"
     budget = available * REFINE_GPU_FRACTION
     if shared + per > budget:
-        fit = max(0, int((budget - per - micro_batch_bytes(H, I, cfg.micro_batch_rows))
+        fit = max(0, int((budget - per - micro_batch_bytes(H, I, min(cfg.micro_batch_rows, routed_rows)))
                          / (tokens * H * token_bytes + routed_rows * ROW_BYTES) * sequences)) if tokens else 0
         raise RefineMemoryError(
             f"refine: a block at this calibration needs ~{_gib(shared + per)} on {device} for one expert beside what "
