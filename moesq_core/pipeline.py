@@ -189,9 +189,11 @@ def init_stage_name(method: str) -> str:
 
 def compress(workdir: WorkDir, method: str | MethodConfig = "sgptq", options: dict | None = None, *,
              device: str | None = None, batch_size: int = 8, redo_from: int | None = None, progress=None,
-             cache_limit_gb: float = 4.0) -> dict:
+             cache_limit_gb: float = 4.0, disk_free_bytes: int | None = None) -> dict:
     """The one-shot stage `init-<method>` (sgptq, rtn, magnitude, wanda, jsq, obr, gptq). A finished stage
-    with the same normalised config is only checked (checksums), not recomputed."""
+    with the same normalised config is only checked (checksums), not recomputed. Refuses (StatesDiskError) before
+    any work when the work dir's disk cannot hold the calibration states (disk_free_bytes: its free bytes; None
+    measures them)."""
     mcfg = method if isinstance(method, MethodConfig) else MethodConfig(method, dict(options or {}))
     _check_run_args(device, batch_size, redo_from, cache_limit_gb)
     name = init_stage_name(mcfg.name)
@@ -207,6 +209,10 @@ def compress(workdir: WorkDir, method: str | MethodConfig = "sgptq", options: di
             workdir.check_stage_config(name, mcfg.to_dict())
         model, adapter, m = _load_for_stage(workdir, device)
         calib = load_calibration(workdir)
+        from .preflight import check_stage_states
+        note(progress, check_stage_states(workdir, name, ["init"], calib, model, sized_split="init",
+                                          batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
+                                          disk_free_bytes=disk_free_bytes))
         spec = StageSpec(
             name=name, fmt=fmt, method_for_block=lambda li: mcfg.build(), config=mcfg.to_dict(),
             compress_split="init", val_split=None, act_quant=m["config"]["act_quant"], batch_size=batch_size,
@@ -249,11 +255,13 @@ def refine_schedule(workdir: WorkDir, rcfg) -> str:
 
 def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq", device: str | None = None,
            batch_size: int = 8, redo_from: int | None = None, progress=None, cache_limit_gb: float = 4.0,
-           stage: str = "refine") -> dict:
+           stage: str = "refine", disk_free_bytes: int | None = None) -> dict:
     """The refinement stage (a RefineConfig, or a dict of its fields). As in Algorithm 1, each block's init is
     computed inside the block loop: the one-shot method `init` (a MethodConfig, or a method name with its
     defaults) runs on the block's training tokens (and the one-shot split's: RefineConfig.init_split_rows) on
-    the refined prefix, then refinement starts from it. Prints (progress.note) its schedule before training."""
+    the refined prefix, then refinement starts from it. Prints (progress.note) its schedule before training.
+    Refuses (StatesDiskError) before any work when the work dir's disk cannot hold the calibration states
+    (disk_free_bytes: its free bytes; None measures them)."""
     from .methods.refine import RefineConfig, RefineMethod
 
     rcfg = config if isinstance(config, RefineConfig) else RefineConfig(**dict(config or {}))
@@ -288,6 +296,10 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
         if rcfg.init_split_rows:  # one split the block loop routes: the training and the one-shot sequences
             split = "train+init"
             calib = {**calib, split: torch.cat([calib["train"], calib["init"]])}
+        from .preflight import check_stage_states
+        note(progress, check_stage_states(workdir, stage, [split, "val"], calib, model, sized_split="train",
+                                          batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
+                                          disk_free_bytes=disk_free_bytes))
         spec = StageSpec(
             name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=identity,
             compress_split=split, val_split="val", act_quant=act_quant, batch_size=batch_size,
