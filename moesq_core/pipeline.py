@@ -236,16 +236,21 @@ def _check_run_args(device, batch_size: int, redo_from: int | None, cache_limit_
         raise ValueError(f"cache_limit_gb must be >= 0, got {cache_limit_gb}")
 
 
+def _routing(manifest: dict) -> tuple[int, int]:
+    """(experts per token, routed experts per block) from the work dir's model config."""
+    from .models.adapter import read_config
+
+    cfg = read_config(Path(manifest["model"]["path"]))
+    top_k = cfg.get("num_experts_per_tok") or 1
+    return top_k, cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 1
+
+
 def refine_schedule(workdir: WorkDir, rcfg) -> str:
     """The per-block refinement schedule, estimated from the calibration (training sequences × tokens ×
     top-k routed rows, spread over the experts), as one line."""
-    from .models.adapter import read_config
-
     m = workdir.load()
     cal = m["calibration"]
-    cfg = read_config(Path(m["model"]["path"]))
-    top_k = cfg.get("num_experts_per_tok") or 1
-    n_exp = cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 1
+    top_k, n_exp = _routing(m)
     seqs = cal["sequences"]["train"] + (cal["sequences"]["init"] if rcfg.init_split_rows else 0)
     rows = seqs * cal["seq_len"] * top_k
     what = "training + one-shot" if rcfg.init_split_rows else "training"
@@ -300,6 +305,7 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
         note(progress, check_stage_states(workdir, stage, [split, "val"], calib, model, sized_split="train",
                                           batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
                                           disk_free_bytes=disk_free_bytes))
+        note(progress, f"{stage} memory: {refine_memory(rcfg, fmt, model, adapter, _routing(m)[0], calib[split], calib['val'])}")
         spec = StageSpec(
             name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=identity,
             compress_split=split, val_split="val", act_quant=act_quant, batch_size=batch_size,
@@ -307,6 +313,26 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
             finalize=end_to_end if rcfg.e2e_steps else None)
         summary = run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
         return {**summary, "improved_on_init": improved_on_init(workdir, stage)}
+
+
+def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, held_out: torch.Tensor) -> str:
+    """What refining the model's largest block holds on its device, from the calibration token counts (the
+    sequences the block loop trains on and validates on), checked before the block loop: one line, or
+    RefineMemoryError naming the bytes and the options that lower them (methods/refine/trainer.py)."""
+    from .memory import device_available_bytes
+    from .methods.refine.trainer import refine_memory_plan
+
+    device = next(model.parameters()).device
+    blocks = adapter.blocks(model)
+    if not blocks:
+        return "no MoE block"
+    experts = max(b.num_experts for b in blocks)
+    H = blocks[0].dense_experts.gate_up_proj.shape[-1]
+    I = max(b.dense_experts.down_proj.shape[-1] for b in blocks)
+    tokens = trained.numel() + held_out.numel()
+    return refine_memory_plan(fmt, rcfg, experts=experts, H=H, I=I, tokens=tokens, token_bytes=_dtype(device).itemsize,
+                              routed_rows=tokens * top_k, available=device_available_bytes(device) if device.type == "cuda" else None,
+                              device=str(device), sequences=trained.shape[0] + held_out.shape[0])
 
 
 def improved_on_init(workdir: WorkDir, stage: str) -> dict:
