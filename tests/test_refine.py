@@ -54,6 +54,16 @@ def ref_val_loss(ce, ex, fmt, p=2):
     return float((tw * (yhat - y).square().sum(-1)).sum() / (tw.sum() * y.shape[-1]))
 
 
+def assert_same_experts(xs, ys):
+    """Two runs' CompressedExperts are the same bytes (every quantized tensor) with the same info."""
+    assert len(xs) == len(ys)
+    for i, (a, b) in enumerate(zip(xs, ys)):
+        assert a.info == b.info, i
+        for p in PROJECTIONS:
+            for name in ("codes", "scales", "global_scale", "mask"):
+                assert torch.equal(getattr(a.weights()[p], name), getattr(b.weights()[p], name)), (i, p, name)
+
+
 FAST = dict(epochs=4, steps_per_epoch=25, micro_batch_rows=256, lr_logits=5e-3, lr_values=1e-3, lr_budget_steps=None)
 
 
@@ -773,11 +783,7 @@ def test_refining_a_block_in_memory_chunks_gives_bitwise_the_same_experts(with_b
     whole = RefineMethod(RTN(report_errors=False), RefineConfig(**base)).compress_block(ex, fmt)
     chunked = RefineMethod(RTN(report_errors=False), two).compress_block(ex, fmt)
     assert any(r.info["refine"]["best_epoch"] > 0 for r in whole)
-    for i, (a, b) in enumerate(zip(whole, chunked)):
-        assert a.info == b.info, i
-        for p in PROJECTIONS:
-            for name in ("codes", "scales", "global_scale", "mask"):
-                assert torch.equal(getattr(a.weights()[p], name), getattr(b.weights()[p], name)), (i, p, name)
+    assert_same_experts(whole, chunked)
     with pytest.raises(ValueError, match="chunk_gb"):
         RefineConfig(chunk_gb=0)
 
@@ -810,11 +816,7 @@ def test_rows_of_a_shared_token_matrix_refine_to_the_bytes_of_rows_held_per_expe
     own = RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
     by_index = RefineMethod(RTN(report_errors=False), cfg).compress_block(shared, fmt)
     assert any(r.info["refine"]["best_epoch"] > 0 for r in own)
-    for i, (a, b) in enumerate(zip(own, by_index)):
-        assert a.info == b.info, i
-        for p in PROJECTIONS:
-            for name in ("codes", "scales", "global_scale", "mask"):
-                assert torch.equal(getattr(a.weights()[p], name), getattr(b.weights()[p], name)), (i, p, name)
+    assert_same_experts(own, by_index)
 
 
 def test_refinement_memory_estimate_counts_the_token_matrix_once():
@@ -882,3 +884,26 @@ def test_refinement_reports_its_steps_and_routed_rows_inside_the_block(caplog):
     assert [r for _, r in updates[:6]] == [20, 40, 60, 80, 100, 120]  # 60 training rows a pass, a third a step
     end = [r.getMessage() for r in caplog.records if "refine: layer 5 steps 18/18 (100 %)" in r.getMessage()]
     assert end, [r.getMessage() for r in caplog.records]
+
+
+def test_a_refiners_expert_order_changes_no_expert_and_sorted_micro_batches_are_slices():
+    """RefineMethod hands a refiner its experts by falling row count, so a micro-batch's experts are the first k
+    (selected as a view, not copied); any order gives every expert the same bytes."""
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=5, n=80, n_val=16, seed=4)
+    for e, n in zip(ex, (20, 80, 41, 60, 7)):
+        e.x, e.w = e.x[:n], e.w[:n]
+    cfg = RefineConfig(epochs=2, steps_per_epoch=2, micro_batch_rows=40, lr_logits=5e-3, lr_values=1e-3, lr_budget_steps=None)
+    inits = RTN(report_errors=False).compress_block(ex, fmt)
+
+    def micro_batches(r):
+        return [a for a, _, _ in list(r._micro_batches(r.blk_step_cnt[0], int(r.blk_step_cnt[0].max())))[1:]]
+
+    as_given = BlockRefiner(ex, inits, fmt, cfg)
+    assert any(a is not None and a.first is None for a in micro_batches(as_given))  # index_select there
+    by_method = RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
+    assert_same_experts(as_given.run(), by_method)
+    order = sorted(range(len(ex)), key=lambda i: -ex[i].n_rows)
+    ordered = BlockRefiner([ex[i] for i in order], [inits[i] for i in order], fmt, cfg)
+    acts = micro_batches(ordered)
+    assert any(a is not None for a in acts) and all(a is None or a.first == len(a.idx) for a in acts)

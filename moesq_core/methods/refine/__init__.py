@@ -51,11 +51,16 @@ class RefineMethod:
         with contextlib.ExitStack() as stack:
             steps = None  # the block's step tracker, where the engine gives one (BlockProgress.steps)
             for i, chunk in enumerate(chunks):
+                # experts by falling row count: a micro-batch's experts are then mostly the first k of the refiner's
+                # (selecting them is a view); each expert's result does not depend on its place
+                ordered = sorted(chunk, key=lambda ex: (-ex.n_rows, ex.index))
                 try:
-                    refiner = BlockRefiner(chunk, [init_of[ex.index] for ex in chunk], fmt, self.config)
+                    refiner = BlockRefiner(ordered, [init_of[ex.index] for ex in ordered], fmt, self.config)
                     if steps is None and hasattr(progress, "steps"):
                         steps = stack.enter_context(progress.steps(len(chunks) * refiner.total_steps))
-                    out += refiner.run(_StepReport(steps, i * refiner.total_steps, refiner.total_steps, refiner.device))
+                    done = refiner.run(_StepReport(steps, i * refiner.total_steps, refiner.total_steps, refiner.device))
+                    by_index = {ex.index: r for ex, r in zip(ordered, done)}
+                    out += [by_index[ex.index] for ex in chunk]
                 except torch.OutOfMemoryError as exc:
                     raise torch.OutOfMemoryError(
                         f"refine: out of memory refining {len(chunk)} of the block's {len(experts)} experts together; "

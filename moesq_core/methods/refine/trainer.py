@@ -533,6 +533,14 @@ def _cosine_factor(final: float, frac: float) -> float:
     return final + (1.0 - final) * 0.5 * (1.0 + math.cos(math.pi * frac))
 
 
+class Active(NamedTuple):
+    """The experts of a micro-batch that is not all of them: their positions in the refiner's expert order (on
+    the device) and, when they are the first `first` experts, that count (selecting them is a slice)."""
+
+    idx: torch.Tensor
+    first: int | None
+
+
 class StepSchedule(NamedTuple):
     tau: float  # Gumbel-softmax temperature
     gain: float  # multiplier of A before the noise
@@ -824,18 +832,23 @@ class BlockRefiner:
         return list(torch.split(flat, [h.numel() for h in host]))
 
     def _micro_batches(self, block_counts: torch.Tensor, width: int, *extra: torch.Tensor):
-        """(act on the device or None, start, stop) per micro-batch; `extra` CPU tensors travel along and
-        are yielded first (as device tensors)."""
+        """(act: Active or None = all, start, stop) per micro-batch; `extra` CPU tensors travel along and are
+        yielded first (as device tensors)."""
         plan = self._plan(block_counts, width)
         moved = self._to_device(*extra, *(a for a, _, _ in plan if a is not None))
         yield moved[:len(extra)]
         it = iter(moved[len(extra):])
         for act, a, b in plan:
-            yield (None if act is None else next(it)), a, b
+            # RefineMethod orders a refiner's experts by falling row count, so the experts that still have rows
+            # at an offset are mostly the first k: selecting them is then a view, not a copy of their weights
+            first = act.numel() if act is not None and int(act[-1]) == act.numel() - 1 else None
+            yield (None if act is None else Active(next(it), first)), a, b
 
     @staticmethod
-    def _sel(t: torch.Tensor, act):
-        return t if act is None else t.index_select(0, act)
+    def _sel(t: torch.Tensor, act: "Active | None"):
+        if act is None:
+            return t
+        return t[:act.first] if act.first is not None else t.index_select(0, act.idx)
 
     def _gather(self, idx: torch.Tensor, act=None, targets: bool = True):
         """(xq, y, valid, w) of the rows idx [k, c] of the experts act: the input-quantized rows and (targets)
@@ -884,7 +897,7 @@ class BlockRefiner:
         if act is None:
             torch.maximum(store, a, out=store)
         else:
-            store.scatter_reduce_(0, act, a, reduce="amax")
+            store.scatter_reduce_(0, act.idx, a, reduce="amax")
 
     def _setup_params(self):
         cfg, E = self.cfg, self.E
@@ -1115,13 +1128,13 @@ class BlockRefiner:
             if act is None:
                 torch.maximum(step_amax, hamax, out=step_amax)
             else:
-                step_amax.scatter_reduce_(0, act, hamax, reduce="amax")
+                step_amax.scatter_reduce_(0, act.idx, hamax, reduce="amax")
             for p, gr in zip(PROJECTIONS, grads):
                 if act is None and not rows_add_triton.ALL_ROWS:
                     gacc[p].add_(gr)  # fp32 += the compute-dtype gradient, promoted inside the one kernel
                 else:
-                    rows_add_triton.add_rows_(gacc[p], self.all_experts if act is None else act, gr)
-            num = num.index_add(0, act, n) if act is not None else num + n
+                    rows_add_triton.add_rows_(gacc[p], self.all_experts if act is None else act.idx, gr)
+            num = num.index_add(0, act.idx, n) if act is not None else num + n
         self.h_amax = torch.where(step_amax > 0, step_amax, self.h_amax)
         torch.autograd.backward([Wq[p] for p in PROJECTIONS], [gacc[p] for p in PROJECTIONS])
         before = {p: self.proj[p].V.detach().clone() for p, m in self.values_rate.items() if m is not None}
@@ -1204,7 +1217,7 @@ class BlockRefiner:
             if act is None:
                 num, den = num + n, den + d
             else:
-                num, den = num.index_add(0, act, n), den.index_add(0, act, d)
+                num, den = num.index_add(0, act.idx, n), den.index_add(0, act.idx, d)
         return torch.where(den > 0, num / (den.clamp_min(1e-30) * self.H), torch.full_like(num, math.nan))
 
     def _val_batches(self):
