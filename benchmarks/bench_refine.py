@@ -105,6 +105,7 @@ def make_block(E, H, I, T, topk, dev, seed, imbalance):
             torch.randn(H, I, generator=g, device=dev) * I ** -0.5,
             TokenRows(x, sel), wts[start:start + n].contiguous()))  # the engine's form: tokens held once
         start += n
+    experts.sort(key=lambda ex: (-ex.n_rows, ex.index))  # as RefineMethod hands them to the trainer
     return experts, counts
 
 
