@@ -294,7 +294,7 @@ def markdown(doc: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- |",
              f"| {doc['date']} | {doc['gpu']} | {doc['commit']} | {'—' if gmin is None else f'{gmin:.2f}'} | "
              f"{'—' if doc['peak_gpu_gib'] is None else doc['peak_gpu_gib']} | {'yes' if doc['oom'] else 'no'} | "
-             f"{'—' if hours is None else f'{hours:.2f}'} |", ""]
+             f"{'—' if hours is None else f'{hours:.2f}'} |", "", f"Status: {doc.get('status', 'complete')}.", ""]
     cal = doc["calibration"]
     seqs = cal["sequences"]
     lines += [f"Calibration ({cal['source']}): {seqs.get('train', 0)} training + {seqs.get('init', 0)} one-shot "
@@ -362,40 +362,48 @@ def main(argv=None) -> int:
             state.save()
         return attempts
 
+    import torch
+
+    from moesq_core.bench.harness import git_commit
+
+    def report(status: str) -> str:
+        """Write the results as they stand (also after a stop at the deadline: what was measured so far)."""
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+        recorded = {**options, "calib": Path(args.calib).name if args.calib else "(moesq's default)"}
+        doc = results(root, work, state.data, command, recorded, resource, cfg, gpu,
+                      os.environ.get("MOESQ_COMMIT") or git_commit(), _dt.datetime.now(_dt.timezone.utc).date().isoformat(),
+                      Path(args.calib).name if args.calib else "moesq's embedded calibration sample")
+        doc["status"] = status
+        text = markdown(doc)
+        if args.out is not None:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{STEM}.json").write_text(json.dumps(doc, indent=2) + "\n")
+            (args.out / f"{STEM}.md").write_text(text)
+            print(f"wrote {args.out / STEM}.json and .md ({status})")
+        return text
+
     try:
         run_step(state, "refine", moesq(*command), root / "commands.log", deadline, res / "refine.json")
     except SystemExit as e:
         attempts = note_blocks()
-        if e.code == 3 and attempts and attempts[-1]["blocks_done"] == before and before < args.layers:
-            print(f"warning: no block finished in this run ({before} of {args.layers} done before and after); "
-                  "a block stopped at the deadline is computed again from its start, so --deadline-s must leave "
-                  "room for the one-time costs and a whole block", file=sys.stderr)
-        if e.code == 3 or not oom_in(work / "logs" / "moesq.log", root / "commands.log"):
+        if e.code == 3:
+            done = attempts[-1]["blocks_done"] if attempts else blocks_done(work)
+            if done == before and before < args.layers:
+                print(f"warning: no block finished in this run ({before} of {args.layers} done before and after); "
+                      "a block stopped at the deadline is computed again from its start, so --deadline-s must leave "
+                      "room for the one-time costs and a whole block", file=sys.stderr)
+            report(f"partial: stopped at the deadline with {done} of {args.layers} blocks done (run the same command "
+                   "again to resume)")
+            raise
+        if not oom_in(work / "logs" / "moesq.log", root / "commands.log"):
             raise
         print(e.code, file=sys.stderr)
         status = 1  # out of memory with these options: that is a result too
     else:
         note_blocks()
         status = 0
-
-    import torch
-
-    from moesq_core.bench.harness import git_commit
-
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
-    recorded = {**options, "calib": Path(args.calib).name if args.calib else "(moesq's default)"}
-    doc = results(root, work, state.data, command, recorded, resource, cfg, gpu,
-                  os.environ.get("MOESQ_COMMIT") or git_commit(), _dt.datetime.now(_dt.timezone.utc).date().isoformat(),
-                  Path(args.calib).name if args.calib else "moesq's embedded calibration sample")
-    text = markdown(doc)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{STEM}.json").write_text(json.dumps(doc, indent=2) + "\n")
-        (args.out / f"{STEM}.md").write_text(text)
-        print(f"wrote {args.out / STEM}.json and .md")
-    print(text)
+    print(report("complete" if status == 0 else "out of memory"))
     return status
-
 
 if __name__ == "__main__":
     sys.exit(main())

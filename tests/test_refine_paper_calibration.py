@@ -162,12 +162,15 @@ def test_smoke_run_stops_at_the_deadline_resumes_and_writes_results(tmp_path):
     assert "run the same command again to resume" in r.stdout
     state = json.loads((root / "refine_paper_state.json").read_text())
     assert state["steps"]["generate"]["done"] and not state["steps"]["refine"]["done"]
-    assert state["steps"]["refine"]["attempts"][0]["stopped"] and not out.exists()
+    assert state["steps"]["refine"]["attempts"][0]["stopped"]
+    partial = json.loads((out / "refine_paper_calibration.json").read_text())  # what was measured so far
+    assert partial["status"].startswith("partial: stopped at the deadline with 0 of 2 blocks done")
+    assert "Status: partial" in (out / "refine_paper_calibration.md").read_text()
     assert not (root / "real_size_state.json").exists()
     r = run("--root", root, *SMOKE, "--out", out)
     doc = json.loads((out / "refine_paper_calibration.json").read_text())
     md = (out / "refine_paper_calibration.md").read_text()
-    assert KEYS <= set(doc)
+    assert KEYS <= set(doc) and doc["status"] == "complete"
     assert doc["gpu"] == "cpu" and doc["commit"] == "abc1234" and doc["blocks_measured"] == 2
     assert doc["command"] == ("moesq refine -m model -w work --seq-len 32 --n-train 8 --n-init 4 --n-val 4 "
                               "--batch-rows 64 --epochs 1 --e2e-steps 0 --device cpu --json results/refine.json")
