@@ -42,8 +42,8 @@ LAYOUT = 2
 LOCK_FILE = ".moesq.lock"
 # atomic_path's temp names: "." + final name + "." + mkstemp's 8 random characters + ".tmp"
 _TMP_NAME = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
-# StateStore's spilled calibration states under cache/<stage>-rank<N>/
-_SPILL_NAME = re.compile(r"^tmp[a-z0-9_]{8}\.pt$")
+# StateStore's spilled calibration states under cache/<stage>-rank<N>/ (tempfile.mkstemp names; .pt: older moesq's)
+_SPILL_NAME = re.compile(r"^tmp[a-z0-9_]{8}\.(?:states|pt)$")
 
 
 class WorkDirError(RuntimeError):

@@ -184,12 +184,16 @@ def test_interrupted_calibration_and_temp_files(micro_path, tmp_path):
     (wd / "calib" / "calibration.safetensors").rename(wd / "calib" / ".calibration.safetensors.k3j_x9a0.tmp")
     (wd / "cache" / "init-rtn-rank0").mkdir(parents=True)
     (wd / "cache" / "init-rtn-rank0" / "tmpab12cd34.pt").write_bytes(b"x")
+    (wd / "cache" / "refine-rank0").mkdir(parents=True)
+    (wd / "cache" / "refine-rank0" / "tmpe_tprqyf.states").write_bytes(b"x")  # StateStore's spill (mkstemp)
+    (wd / "cache" / "refine-rank0" / "mine.states").write_text("mine")
     (wd / "notes.tmp").write_text("mine")
     r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--n-init", "6", *FAST)
     assert "4 computed now" in r.stdout
     assert _manifest(wd)["config"]["calib"]["n_init"] == 6 and _manifest(wd)["calibration"]["sequences"]["init"] == 6
     assert not list(wd.rglob("*.k3j_x9a0.tmp")) and not list(wd.rglob("tmpab12cd34.pt"))
-    assert (wd / "notes.tmp").read_text() == "mine"
+    assert not list(wd.rglob("tmpe_tprqyf.states"))
+    assert (wd / "notes.tmp").read_text() == "mine" and (wd / "cache" / "refine-rank0" / "mine.states").read_text() == "mine"
 
 
 def test_failed_calibration_leaves_nothing(micro_path, tmp_path):
