@@ -193,7 +193,7 @@ class RefineConfig:
     compile: bool | str = "auto"  # torch.compile the weight quantizer and the micro-batch forward+loss, and use the fused
     # Triton relaxation and Lion kernels (where Triton is installed); auto = on CUDA
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
-    chunk_gb: float | None = None  # memory for one chunk of a block's experts (None: 85 % of the free GPU memory; no chunking on CPU)
+    chunk_gb: float | None = None  # memory for the state of one chunk of a block's experts (None: 85 % of the free GPU memory less the block's tokens, rows and micro-batch; no chunking on CPU)
     init_split_rows: bool = True  # the block loop also routes the one-shot split's sequences (see above)
     e2e_steps: int | str = "auto"  # end-to-end tuning after the last block (0: none; "auto": see above); e2e.py
     e2e_lr: float = 1e-3  # its Adam learning rate (cosine to 0)
