@@ -384,10 +384,7 @@ class RoutedRows:
     def rows(self, e: int, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's rows (fp32) and router weights, on `device` (default where x is)."""
         device = self.x.device if device is None else device
-        idx = self.tokens[e]
-        if len(idx) == 0:
-            return torch.zeros(0, self.x.shape[-1], device=device), torch.zeros(0, device=device)
-        return self.x[idx.to(self.x.device)].to(device, torch.float32), self.weights[e].to(device)
+        return TokenRows(self.x, self.tokens[e]).materialize(device), self.weights[e].to(device)
 
     def row_count(self, e: int) -> int:
         return len(self.tokens[e])

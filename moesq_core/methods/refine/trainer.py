@@ -378,17 +378,18 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
     not even one expert fits beside the block's shared part (`refine_shared_bytes`); with fewer than all experts
     fitting, refinement goes in chunks (slower, the same bytes) and the line says so."""
     shared = refine_shared_bytes(H, I, tokens, token_bytes, routed_rows, cfg.micro_batch_rows)
+    micro = micro_batch_bytes(H, I, min(cfg.micro_batch_rows, routed_rows))
     per = refine_bytes_per_expert(fmt, I, H)
     whole = shared + experts * per
     parts = (f"{_gib(tokens * H * token_bytes)} of calibration tokens ({tokens:,} × {H} × {token_bytes} B), "
-             f"{_gib(micro_batch_bytes(H, I, min(cfg.micro_batch_rows, routed_rows)))} of micro-batch activations "
+             f"{_gib(micro)} of micro-batch activations "
              f"(--micro-batch-rows {cfg.micro_batch_rows:,}), {_gib(routed_rows * ROW_BYTES)} for {routed_rows:,} routed rows, "
              f"{_gib(experts * per)} of expert state")
     if available is None:
         return f"~{_gib(whole)} per block on {device} ({parts}); the device's free memory is unknown"
     budget = available * REFINE_GPU_FRACTION
     if shared + per > budget:
-        fit = max(0, int((budget - per - micro_batch_bytes(H, I, min(cfg.micro_batch_rows, routed_rows)))
+        fit = max(0, int((budget - per - micro)
                          / (tokens * H * token_bytes + routed_rows * ROW_BYTES) * sequences)) if tokens else 0
         raise RefineMemoryError(
             f"refine: a block at this calibration needs ~{_gib(shared + per)} on {device} for one expert beside what "
@@ -593,10 +594,14 @@ def _row_amax(tokens: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def zero_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Routed rows x [k, c, H] in fp32 with the padding rows (`valid` [k, c] false) exact zeros."""
+    return torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
+
+
 def quantized_rows(fmt: Format, cd: torch.dtype, x: torch.Tensor, valid: torch.Tensor, g_in: torch.Tensor | None) -> torch.Tensor:
     """The input-quantized rows of `rows_and_targets` alone."""
-    x = torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
-    return fmt.act.batched(x, g_in, ste=False).to(cd)
+    return fmt.act.batched(zero_padding(x, valid), g_in, ste=False).to(cd)
 
 
 def rows_and_targets(fmt: Format, cd: torch.dtype, x: torch.Tensor, valid: torch.Tensor, g_in: torch.Tensor | None,
@@ -605,8 +610,8 @@ def rows_and_targets(fmt: Format, cd: torch.dtype, x: torch.Tensor, valid: torch
     whose rows become exact zeros): the input-quantized rows under the experts' static global scales g_in
     [k, 1, 1] (as served) and the dense experts' outputs (Dg, Du, Dd: [k, out, in] in the compute dtype), both
     in the compute dtype cd. The quantized values are exact there; the targets are the matmuls' own output."""
-    xq = quantized_rows(fmt, cd, x, valid, g_in)
-    x = torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
+    x = zero_padding(x, valid)
+    xq = fmt.act.batched(x, g_in, ste=False).to(cd)
     h = BlockRefiner.intermediate(x, Dg, Du, cd)
     return xq, torch.bmm(h.to(cd), Dd.transpose(1, 2).to(cd))
 
@@ -850,12 +855,16 @@ class BlockRefiner:
             return t
         return t[:act.first] if act.first is not None else t.index_select(0, act.idx)
 
+    def _token_rows(self, idx: torch.Tensor) -> torch.Tensor:
+        """The tokens of the rows idx [k, c] (padding: token 0, to be zeroed): [k, c, H] in the tokens' dtype."""
+        return self.tokens.index_select(0, self.row_token[idx].reshape(-1)).view(*idx.shape, self.H)
+
     def _gather(self, idx: torch.Tensor, act=None, targets: bool = True):
         """(xq, y, valid, w) of the rows idx [k, c] of the experts act: the input-quantized rows and (targets)
         their dense targets in the compute dtype (else y is None), which rows are real (not padding) and their
         router weights. The training step computes the same inside its compiled micro-batch function."""
         valid = idx != self.sentinel
-        x = self.tokens.index_select(0, self.row_token[idx].reshape(-1)).view(*idx.shape, self.H)
+        x = self._token_rows(idx)
         g_in = None if self.g_in is None else self._sel(self.g_in, act)
         fmt, cd = self.fmt, self.cd
         # compiled on CUDA: eager, the input quantizer's ~20 elementwise passes over fp32 rows made a validation
@@ -879,8 +888,7 @@ class BlockRefiner:
         next(mb)
         for act, a, b in mb:
             idx = self._sel(all_idx, act)[:, a:b]
-            x = self.tokens.index_select(0, self.row_token[idx].reshape(-1)).view(*idx.shape, self.H)
-            x = torch.where((idx != self.sentinel)[..., None], x, torch.zeros((), dtype=x.dtype, device=x.device))
+            x = zero_padding(self._token_rows(idx), idx != self.sentinel)
             h = self.intermediate(x, self._sel(self.dense["gate"], act), self._sel(self.dense["up"], act), self.cd)
             self._note_amax(h_amax, act, h)
         return h_amax
@@ -1117,7 +1125,7 @@ class BlockRefiner:
             sl = self._sel(idx, act)[:, a:b]
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
-            x = self.tokens.index_select(0, self.row_token[sl].reshape(-1)).view(*sl.shape, self.H)
+            x = self._token_rows(sl)
             out, grad_out, n, hamax = micro(x, sl != self.sentinel, self._sel(self.g_in, act) if self.g_in is not None else None,
                                             *(self._sel(self.dense[p], act) for p in PROJECTIONS),
                                             leaves["gate"], leaves["up"], leaves["down"], tw,
