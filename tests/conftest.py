@@ -265,6 +265,25 @@ def run_triton_interpreted(script: str) -> str:
     return res.stdout
 
 
+def run_benchmark_script(name: str, *args, check: bool = True, timeout: float = 1200, env: dict | None = None):
+    """benchmarks/<name>.py with `args` in a fresh process on one torch thread; the test fails with the tails of
+    its output unless it exits 0 (or check=False: the CompletedProcess, whatever its exit status)."""
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / f"{name}.py"), *map(str, args)], capture_output=True,
+                       text=True, timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    if check and r.returncode != 0:
+        raise AssertionError(f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    return r
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py imported as a module (the benchmarks are scripts, not a package)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.pop(0)
+
+
 def assert_experts_module_rejects_bad_inputs(from_packed, packed, *args) -> None:
     """An experts module built by from_packed(packed, *args) (hidden size 64) refuses hidden states of the wrong
     width and routes of mismatched shapes; from_packed refuses an expert without its down projection."""

@@ -3,34 +3,23 @@ resumable) on a narrow model of the same architecture, on the CPU."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_module, run_benchmark_script
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "real_size_run.py"
 SMOKE = ["--layers", "2", "--small", "--device", "cpu", "--n-train", "4", "--ppl-tokens", "1024"]
 
 
 def run(*args, check=True, timeout=1200):
-    r = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True,
-                       timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if check and r.returncode != 0:
-        raise AssertionError(f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
+    return run_benchmark_script("real_size_run", *args, check=check, timeout=timeout)
 
 
 def _driver():
     """The driver script as a module."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import real_size_run
-    finally:
-        sys.path.pop(0)
-    return real_size_run
+    return benchmark_module("real_size_run")
 
 
 def test_results_hold_no_machine_paths(tmp_path):

@@ -4,16 +4,12 @@ checked on a recorded work dir whose log lines have the engine's and the refine 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark_module, run_benchmark_script
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "refine_paper_calibration.py"
 SMOKE = ["--small", "--device", "cpu", "--seq-len", "32", "--n-train", "8", "--n-init", "4", "--n-val", "4",
          "--batch-rows", "64", "--epochs", "1"]
 KEYS = {"gpu", "commit", "date", "command", "blocks_measured", "gpu_min_per_block", "per_block", "peak_gpu_gib", "oom",
@@ -21,20 +17,12 @@ KEYS = {"gpu", "commit", "date", "command", "blocks_measured", "gpu_min_per_bloc
 
 
 def run(*args, check=True, timeout=600):
-    r = subprocess.run([sys.executable, str(SCRIPT), *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "MOESQ_COMMIT": "abc1234"})
-    if check and r.returncode != 0:
-        raise AssertionError(f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r
+    return run_benchmark_script("refine_paper_calibration", *args, check=check, timeout=timeout,
+                                env={"MOESQ_COMMIT": "abc1234"})
 
 
 def _script():
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    try:
-        import refine_paper_calibration
-    finally:
-        sys.path.pop(0)
-    return refine_paper_calibration
+    return benchmark_module("refine_paper_calibration")
 
 
 def test_the_measured_command_is_the_papers_calibration_with_default_resources(tmp_path):

@@ -731,7 +731,7 @@ class BlockRefiner:
         self.blk_nva = torch.tensor([c[1] for c in counts], dtype=torch.int64)
 
     def _setup_data(self):
-        cfg, dev, H = self.cfg, self.device, self.H
+        cfg, dev = self.cfg, self.device
         self.tokens, sources = block_token_matrix(self.experts, dev)
         if not bool(_finite(self.tokens)):
             raise ValueError("calibration inputs contain NaN/Inf")
