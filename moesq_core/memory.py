@@ -34,6 +34,14 @@ def device_available_bytes(device) -> int | None:
     return available_memory_bytes()
 
 
+def size(nbytes: float) -> str:
+    """Bytes for a person: 19.1 GiB, 512.0 KiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
 def consecutive_chunks(items: Sequence[T], sizes: Sequence[float], budget: float) -> list[list[T]]:
     """`items` in order, cut into consecutive chunks whose sizes sum to at most `budget`; an item larger than
     the budget gets a chunk of its own."""

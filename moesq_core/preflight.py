@@ -15,6 +15,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from .memory import size
+
 GiB = 1 << 30
 # Kept free on top of the states' need, for the stage's other writes (block artifacts, logs), which are not counted.
 DISK_MARGIN_FRACTION = 0.05
@@ -157,14 +159,6 @@ def free_disk_bytes(path: Path) -> int:
 def saved_states_bytes(cache_dir: Path, stage: str) -> int:
     """Bytes of a stage's resume checkpoint files in `cache_dir` (StateCheckpoint's <stage>-states-L*.bin)."""
     return sum(f.stat().st_size for f in Path(cache_dir).glob(f"{stage}-states-L*.bin") if f.is_file())
-
-
-def size(nbytes: float) -> str:
-    """Bytes for a person: 19.1 GiB, 512 KiB."""
-    for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{int(nbytes)} B"
 
 
 def _gb_option(nbytes: int) -> str:

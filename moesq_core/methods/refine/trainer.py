@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ...formats import P48, Format, PatternSet
 from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, TokenRows, row_count
 from ...kernels import relax_triton, rows_add_triton, swiglu_quant_triton
-from ...memory import consecutive_chunks
+from ...memory import consecutive_chunks, size
 from . import objective, relaxation
 
 log = logging.getLogger(__name__)
@@ -362,13 +362,6 @@ class RefineMemoryError(ValueError):
     """A block's refinement cannot fit the device: raised before the block loop starts."""
 
 
-def _gib(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if n >= scale / 10:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
-
-
 def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int, I: int, tokens: int, token_bytes: int,
                        routed_rows: int, available: int | None, device: str, sequences: int) -> str:
     """One line saying what refining a block holds on `device` and whether all of its `experts` fit at once,
@@ -381,25 +374,25 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
     micro = micro_batch_bytes(H, I, min(cfg.micro_batch_rows, routed_rows))
     per = refine_bytes_per_expert(fmt, I, H)
     whole = shared + experts * per
-    parts = (f"{_gib(tokens * H * token_bytes)} of calibration tokens ({tokens:,} × {H} × {token_bytes} B), "
-             f"{_gib(micro)} of micro-batch activations "
-             f"(--micro-batch-rows {cfg.micro_batch_rows:,}), {_gib(routed_rows * ROW_BYTES)} for {routed_rows:,} routed rows, "
-             f"{_gib(experts * per)} of expert state")
+    parts = (f"{size(tokens * H * token_bytes)} of calibration tokens ({tokens:,} × {H} × {token_bytes} B), "
+             f"{size(micro)} of micro-batch activations "
+             f"(--micro-batch-rows {cfg.micro_batch_rows:,}), {size(routed_rows * ROW_BYTES)} for {routed_rows:,} routed rows, "
+             f"{size(experts * per)} of expert state")
     if available is None:
-        return f"~{_gib(whole)} per block on {device} ({parts}); the device's free memory is unknown"
+        return f"~{size(whole)} per block on {device} ({parts}); the device's free memory is unknown"
     budget = available * REFINE_GPU_FRACTION
     if shared + per > budget:
         fit = max(0, int((budget - per - micro)
                          / (tokens * H * token_bytes + routed_rows * ROW_BYTES) * sequences)) if tokens else 0
         raise RefineMemoryError(
-            f"refine: a block at this calibration needs ~{_gib(shared + per)} on {device} for one expert beside what "
-            f"every block holds ({parts}), and {_gib(budget)} of the {_gib(available)} available may be used: lower "
+            f"refine: a block at this calibration needs ~{size(shared + per)} on {device} for one expert beside what "
+            f"every block holds ({parts}), and {size(budget)} of the {size(available)} available may be used: lower "
             f"--n-train/--n-init/--n-val ({fit} of the {sequences} sequences would fit) or --seq-len, or --micro-batch-rows")
     if cfg.chunk_gb is None and whole > budget:
         chunks = math.ceil(experts * per / max(budget - shared, per))
-        return (f"~{_gib(whole)} per block on {device} ({parts}); {_gib(budget)} may be used, so each block is refined "
+        return (f"~{size(whole)} per block on {device} ({parts}); {size(budget)} may be used, so each block is refined "
                 f"in ~{chunks} chunks of experts (each runs every step: slower; fewer calibration tokens fit in one)")
-    return f"~{_gib(whole)} per block on {device} of {_gib(available)} available ({parts}): one chunk"
+    return f"~{size(whole)} per block on {device} of {size(available)} available ({parts}): one chunk"
 
 
 def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
