@@ -1,10 +1,12 @@
-"""Render the README's result tables from the committed results files.
+"""Render the docs' result tables from the committed results files.
 
-Every table of numbers in README.md sits between `<!-- results:NAME -->` and `<!-- /results:NAME -->` and is
-produced here from benchmarks/results/*.json, so the README cannot drift from what was measured:
+Every table of numbers in README.md and docs/*.md (the pages) sits between `<!-- results:NAME -->` and
+`<!-- /results:NAME -->` and is produced here from benchmarks/results/*.json, so no page can drift from what was
+measured. A table may sit on any page, and on several; every table here sits on at least one. Links to results
+files are written relative to the page:
 
-    python benchmarks/render_readme.py           # rewrite the tables in README.md
-    python benchmarks/render_readme.py --check   # exit 1 naming the tables that differ (tests run this)
+    python benchmarks/render_readme.py           # rewrite the tables in every page
+    python benchmarks/render_readme.py --check   # exit 1 naming the pages and tables that differ (tests run this)
 """
 from __future__ import annotations
 
@@ -18,6 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def pages() -> list[Path]:
+    """The pages whose tables are rendered: README.md, then docs/*.md by name."""
+    return [README, *sorted(DOCS.glob("*.md"))]
 
 
 def load(name: str) -> dict:
@@ -207,6 +215,24 @@ GPU_ROWS = [
 ]
 
 
+GPU_SUMMARY_ROWS = [  # the README's table: the one-shot methods and moesq's default refinement
+    ("reference", "reference"), ("dense-rtn", "dense NVFP4 RTN (4.5 bits)"), ("magnitude", "magnitude + RTN"),
+    ("wanda", "Wanda"), ("obr", "OBR (no rotation)"), ("sgptq-paper", "SGPTQ (the paper's, no refit)"),
+    ("sgptq", "SGPTQ-refit (moesq's default init)"),
+    ("refine-default", "**moesq refine** (every default: block-wise, then the end-to-end step)"),
+]
+
+
+def render_accuracy_summary() -> str:
+    ds = [load(f) for f in GPU_TABLES]
+    rows = [[label, *[f"{_acc_row(d, row)['ppl']:.2f} ({_acc_row(d, row)['ppl'] / d['rows']['reference']['ppl']:.3f}×)"
+                      for d in ds]] for row, label in GPU_SUMMARY_ROWS]
+    c = ds[0]["calibration"]["config"]
+    return table(["W4A4", "micro: perplexity (× reference)", "tiny: perplexity (× reference)"], rows) + (
+        f"\n\nNVIDIA H200; calibration {c['n_train']} training + {c['n_init']} one-shot + {c['n_val']} validation "
+        f"sequences of {c['seq_len']} tokens. From " + " and ".join(link(f.replace(".json", ".md")) for f in GPU_TABLES) + ".")
+
+
 def render_accuracy_gpu() -> str:
     ds = [load(f) for f in GPU_TABLES]
     rows = []
@@ -390,37 +416,61 @@ def render_workdir() -> str:
 
 TABLES = {"run": render_run, "workdir": render_workdir, "accuracy-budget-embedded": render_budget_embedded,
           "accuracy-budget-tiny": render_budget_tiny, "accuracy-budget-micro": render_budget_micro, "accuracy-methods": render_methods,
-          "accuracy-gpu": render_accuracy_gpu,
+          "accuracy-gpu": render_accuracy_gpu, "accuracy-summary": render_accuracy_summary,
           "decode": render_decode, "kernels": render_kernels, "compression": render_compression}
 
 
-def render(text: str) -> tuple[str, list[str]]:
-    """README text with every marked table re-rendered, and the names of the tables that changed."""
+MARKER = re.compile(r"^<!-- results:([\w-]+) -->$", re.M)  # a marker is a line of its own
+
+
+def _relative_links(text: str, page: Path) -> str:
+    """Links to the repo's files written from the root, made relative to `page`'s folder."""
+    up = "../" * len(page.resolve().parent.relative_to(ROOT).parts)
+    return text.replace("](benchmarks/results/", f"]({up}benchmarks/results/") if up else text
+
+
+def render(text: str, page: Path = README) -> tuple[str, list[str]]:
+    """`page`'s text with every marked table re-rendered, and the names of the tables that changed."""
     changed = []
-    for name, fn in TABLES.items():
-        pat = re.compile(rf"<!-- results:{re.escape(name)} -->(.*?)<!-- /results:{re.escape(name)} -->", re.S)
-        m = pat.search(text)
-        if m is None:
-            raise SystemExit(f"README.md has no <!-- results:{name} --> block")
-        new = "\n" + fn() + "\n"
-        if m.group(1) != new:
-            changed.append(name)
-        text = text[: m.start(1)] + new + text[m.end(1):]
-    return text, changed
+    for name in dict.fromkeys(MARKER.findall(text)):
+        if name not in TABLES:
+            raise SystemExit(f"{page.name}: <!-- results:{name} --> names no table (known: {', '.join(TABLES)})")
+        pat = re.compile(rf"^<!-- results:{re.escape(name)} -->$(.*?)^<!-- /results:{re.escape(name)} -->$", re.S | re.M)
+        new = "\n" + _relative_links(TABLES[name](), page) + "\n"
+        for m in reversed(list(pat.finditer(text))):
+            if m.group(1) != new:
+                changed.append(name)
+            text = text[: m.start(1)] + new + text[m.end(1):]
+    return text, list(dict.fromkeys(changed))
+
+
+def render_pages(paths: list[Path] | None = None) -> dict[Path, tuple[str, list[str]]]:
+    """{page: (rendered text, changed tables)} for every page; refuses a table that sits on no page."""
+    out = {p: render(p.read_text(), p) for p in (paths or pages())}
+    if paths is None:
+        placed = {n for p in out for n in MARKER.findall(p.read_text())}
+        missing = [n for n in TABLES if n not in placed]
+        if missing:
+            raise SystemExit(f"no page has a <!-- results:NAME --> block for: {', '.join(missing)}")
+    return out
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the README's tables differ from the results")
+    ap.add_argument("--check", action="store_true", help="exit 1 if a page's tables differ from the results")
     args = ap.parse_args(argv)
-    text, changed = render(README.read_text())
+    rendered = render_pages()
+    stale = {p: changed for p, (_, changed) in rendered.items() if changed}
     if args.check:
+        for p, changed in stale.items():
+            print(f"{p.relative_to(ROOT)} tables out of date: {', '.join(changed)} (run python benchmarks/render_readme.py)")
+        return 1 if stale else 0
+    for p, (text, changed) in rendered.items():
         if changed:
-            print("README.md tables out of date: " + ", ".join(changed) + " (run python benchmarks/render_readme.py)")
-            return 1
-        return 0
-    README.write_text(text)
-    print("rendered: " + (", ".join(changed) or "nothing changed"))
+            p.write_text(text)
+            print(f"rendered {p.relative_to(ROOT)}: {', '.join(changed)}")
+    if not stale:
+        print("rendered: nothing changed")
     return 0
 
 

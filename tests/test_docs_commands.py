@@ -1,7 +1,8 @@
-"""Every `moesq …` command line the docs show runs as written: the README's shell code blocks (in order, in one
-fresh directory) and the "Examples" of every command's --help (in stage order, in one directory that holds a
-calibrated work dir `moesq-work`). Nothing here lists the commands: one added to the README or to a --help
-later is run too.
+"""Every `moesq …` command line the docs show runs as written: the shell code blocks (```bash, sh, shell,
+console) of README.md and of each docs/*.md page (in order, one fresh directory per page) and the "Examples" of
+every command's --help (in stage order, in one directory that holds a calibrated work dir `moesq-work`).
+Nothing here lists the commands: one added to a page or to a --help later is run too. A block not meant to
+run (a listing, an example of output) is fenced as ```text.
 
 A command that needs what the test machine lacks — a GPU (`bench-kernel`, `--kernel`, `--device cuda`) or the
 network (a Hub model or dataset id, `--push-to-hub`, lm-eval tasks other than the shipped offline one) — must
@@ -27,9 +28,12 @@ HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?(@[\w.:%\[\]-]+)?$")
 ORDER = ["calibrate", "init-sgptq", "refine", "pack", "verify", "eval", "run", "bench-kernel"]
 
 
-def readme_commands() -> list[str]:
-    """`moesq …` command lines in the README's shell code blocks (also after `&&`), comments dropped."""
-    text = (REPO / "README.md").read_text()
+DOC_PAGES = ["README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))]
+
+
+def readme_commands(page: str = "README.md") -> list[str]:
+    """`moesq …` command lines in a page's shell code blocks (also after `&&`), comments dropped."""
+    text = (REPO / page).read_text()
     cmds = []
     for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, flags=re.S):
         if lang not in ("bash", "sh", "shell", "console"):
@@ -94,12 +98,20 @@ def run_as_written(cmd: str, cwd: Path) -> None:
 
 def test_docs_have_commands():
     assert "moesq run" in readme_commands()
+    assert "docs/workdir.md" in DOC_PAGES and "moesq init-sgptq" in readme_commands("docs/workdir.md")
     with_examples = {c for c, _ in help_examples()}
     assert {"calibrate", "init-sgptq", "refine", "run"} <= with_examples
 
 
-def test_readme_commands_run_as_written(tmp_path):
-    for cmd in readme_commands():
+def test_blocks_fenced_as_text_are_not_run(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text("```bash\nmoesq run --help   # runs\n```\n\n```text\nmoesq pack   # a listing\n```\n")
+    assert readme_commands(str(page)) == ["moesq run --help"]
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_page_commands_run_as_written(page, tmp_path):
+    for cmd in readme_commands(page):
         run_as_written(cmd, tmp_path)
 
 

@@ -19,7 +19,7 @@ streams per step, as three parts, each ordered by the lane that reads it (lane =
     meta   128 B  4 B per lane: two 16-bit roles (the steps 2*i + t//2 for role i, i.e. selector t//2), each two
                   bytes of 8-group nibbles that expand to one mma.sp metadata register. For m16n8k32 with 16-bit
                   types the selector picks lanes 2*sel and 2*sel+1 of every quad, and lane 2*sel + h holds K
-                  columns 16h..16h+15 of rows g (bits 0-15) and g+8 (bits 16-31) (checked on an H200: the
+                  columns 16h..16h+15 of rows g (bits 0-15) and g+8 (bits 16-31) (the
                   one-row-per-lane reading fails the GPU tests)
     scales  64 B  8 B per row pair (g, g+8): per step s the scales of row g and row g+8, re-encoded from UE4M3
                   to 5 exponent / 3 mantissa bits without subnormals (SCALE_BYTE), so that one integer
@@ -54,8 +54,8 @@ PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padd
 # token count (steps of 32); 4: 0 with two 256-row groups per unit of work, so that the unit's second row group
 # re-uses the staged activation chunk when it holds the whole K slice; 5: 0 with the units past the first
 # round dealt from a list of the experts with tokens by decreasing 8-token tiles to the CTAs ranked by their first
-# unit's tiles (each CTA lists the experts, at most MAX_ORDER_EXPERTS). The variants that lost head to head were
-# removed on 2026-12-02 (native/NOTES.md keeps their numbers and results).
+# unit's tiles (each CTA lists the experts, at most MAX_ORDER_EXPERTS). Only variants that pick_config picks are
+# compiled (native/docs/p48.md lists the designs measured and not kept).
 TOKEN_BLOCKS = (16, 64, 128, 128, 16, 16)
 ROWS_PER_CTA = (256,) * 6
 ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2, 1)
@@ -275,33 +275,21 @@ def _num_sms(device: torch.device) -> int:
 
 def pick_config(M: int, K: int, active_experts: float, rows_per_expert: float, device: torch.device,
                 experts: int | None = None) -> MmaConfig:
-    """mma.sp with 16 tokens per pass for decode-sized batches (variant 0: the bulk-copy ring, the trimmed per-unit
-    staging and epilogue with the chunk's row start and token count from the work cursor; it beat every earlier
-    decode variant on every decode row of the bench shapes head to head, W4A16 and W4A4, at N = 1 and 16), else
-    wgmma.sp with 4 warpgroups (256 rows per CTA, two records per step, the activations copied one chunk ahead and
-    K-permuted in shared memory): 64 tokens per pass up to 64 rows per expert (1); above, 128 tokens per pass with
-    the units dealt by decreasing token count and the wgmma's N fitted to each expert's tokens (3), where K >= 1024
-    (on the H200 it beat 2 on the bench's gate/up and Kimi down shapes, by up to 1.28x at N = 256, and lost 6-7 % on
-    Qwen3-30B-A3B down, K = 768, whose many short units were already balanced and do not repay the sort) and the
-    experts are few enough to sort, else without them (2). Split K only when too few CTAs have work.
-    Decode-sized batches take variant 4 instead of 0 when a unit's K slice fits one staged chunk and two row groups
-    per unit do not lengthen the busiest CTA's walk (_row_group_pairs_pay), and variant 5 when the caller expects
-    many of its `experts` to get no token (active_experts an estimate below LIST_DEAL_ACTIVE of them, e.g. a small
-    routed batch): variant 0's fixed deal gives each CTA the units b, b + G, ... whether their experts have tokens
-    or not, so CTAs draw many or few by where the empty ones fall; 5 deals only the units of experts with tokens
-    (on the H200 at 16 tokens routed top-8 over Qwen3-30B-A3B's 128 experts: gate/up 45.8 -> 35.4 us, down 26.0 ->
-    24.1; it costs 2-3 us where every expert has tokens, so not there). Variant 5 also where more than 8 rows per
-    expert spread the experts' counts over several 8-token tiles and a unit's K slice is longer than one chunk (so
-    no row-group pairs): the fixed deal then hands a CTA units of one tile count whenever the counts repeat with a
-    period that meets the grid, and the list balances them (on the H200, early_first_unit on: Qwen3-30B-A3B gate/up
-    at the bench's 16 tokens per expert 56.3 -> 54.9 us, Kimi-K2.5 gate/up 178.4 -> 169.1; 256 tokens routed top-8,
-    Qwen3-30B-A3B gate/up 91.3 -> 84.0).
-    early_first_unit (the mma.sp variants' first weights copied before the previous grid is waited for) is on
-    unless fewer than EARLY_FIRST_UNIT_ACTIVE of the `experts` are expected to have tokens: on the H200 (variants
-    0, 4 and 5, on and off in one process) it took 0.4-2.1 us off 35 of the 36 decode rows at the kernel bench's
-    counts (Qwen3-30B-A3B down at 16 tokens per expert, variant 4: 29.4 -> 28.0 us) and off most routed batches of
-    16-256 tokens top-8, but added up to 1.3 us at one token (8 of 128 or of 48 experts busy), where most CTAs'
-    first units have no tokens."""
+    """The kernel variant, split K and early_first_unit for one grouped GEMM of `active_experts` (an estimate is
+    fine) experts with `rows_per_expert` rows on average, out of `experts` (None: unknown, e.g. the kernel bench).
+
+    Up to 16 rows per expert mma.sp: variant 0; 4 when a unit's K slice fits one staged chunk and two row groups per
+    unit do not lengthen the busiest CTA's walk (_row_group_pairs_pay); 5 (units dealt from a list of the experts
+    with tokens) when fewer than LIST_DEAL_ACTIVE of the `experts` are expected to get a token, or when more than 8
+    rows per expert spread the counts over several 8-token tiles and no row-group pairs apply — the fixed deal
+    gives each CTA the units b, b + G, ... whether their experts have tokens or not, so their load follows where
+    the empty or equal experts fall. Above 16 rows, wgmma.sp with 4 warpgroups: 64 tokens per pass up to 64 rows
+    per expert (1); above, 128 tokens per pass (2), with the units dealt by decreasing token count and the wgmma's N
+    fitted to each expert's tokens (3) where K >= 1024 and the experts are few enough to sort (at smaller K the
+    many short units are balanced already and do not repay the sort). Split K only when too few CTAs have work.
+    early_first_unit is on unless fewer than EARLY_FIRST_UNIT_ACTIVE of the `experts` are expected to have tokens,
+    where most CTAs' first units are empty and the early copies only delay the real first one.
+    Each rule won head to head on an H200 (benchmarks/results/README.md, "p48 variants"; native/docs/p48.md)."""
     if rows_per_expert <= 16:
         variant = 0
     elif rows_per_expert <= 64:
@@ -339,9 +327,8 @@ def _slice_k(K: int, split: int) -> int:
 
 
 def _row_group_pairs_pay(M: int, K: int, active_experts: float, split: int, ctas: int) -> bool:
-    """Variant 4 stages a unit's activations once for its two row groups, which only works when one chunk holds the
-    unit's K slice (on the H200 at Qwen3-30B-A3B down, K = 768: 27.8 -> 26.6 us at 1 token per expert, 31.3 -> 29.5
-    at 16; 1.2-1.3x slower where K > 1024, with nothing re-used and half as many units to deal). Its units are
+    """Variant 4 stages a unit's activations once for its two row groups, which only saves work when one chunk holds
+    the unit's K slice (elsewhere nothing is re-used and there are half as many units to deal). Its units are
     twice as long, so it is taken only when the busiest of `ctas` CTAs walks no more row groups than with one per
     unit."""
     if _slice_k(K, split) > DECODE_CHUNK_K:

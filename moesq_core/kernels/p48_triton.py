@@ -29,11 +29,10 @@ input global scale) in a pre-pass that writes the exact unscaled values e2m1*s_a
 is bit-identical to the CPU reference, moesq_core.kernels.p48_reference); the runtime fuses that pre-pass
 into the routing scatter and into the SwiGLU kernel. The GEMM numerics are those of p48_reference.
 
-Measured on an H200 (benchmarks/results/p48_kernel_bench_h200_2026-12-01_8b05f4d.md): correct in both modes, but only 0.36-0.47 TB/s
-of packed bytes at N <= 16 tokens per expert (0.4-0.7x torch's fp8 grouped GEMM): the per-K-step chain of
-loads, table gathers, expansion, layout conversion and MMA is latency bound in this Triton formulation. The
-sparse-tensor-core kernel (moesq_core.kernels.p48_mma, paired 4:8 as 2:4 after a K permutation) is 3.6-5.3x
-faster at decode and replaces this GEMM on sm_90 where the native module builds.
+This kernel is the fallback: the per-K-step chain of loads, table gathers, expansion, layout conversion and MMA is
+latency bound in this Triton formulation, so the sparse-tensor-core kernel (moesq_core.kernels.p48_mma, paired
+4:8 as 2:4 after a K permutation) replaces it on sm_90 where the native module builds (both measured in
+benchmarks/results/p48_kernel_bench_h200_2026-12-01_8b05f4d.md).
 
 Without a GPU, kernels run under the Triton interpreter (TRITON_INTERPRET=1); the byte expansion then uses
 a plain-Triton version of the same selection (the inline PTX does not run there), which is also what
@@ -536,7 +535,7 @@ def _num_sms(device: torch.device) -> int:
 
 # Tile shapes per regime (BN <= 32: decode; larger: prefill), as (BM, BK, num_warps, num_stages, prefetch).
 # MOESQ_P48_TILES="small:BM,BK,warps,stages,prefetch;large:..." overrides them (used by the tuning sweep).
-DEFAULT_TILES = {"small": (64, 64, 4, 3, True), "large": (128, 128, 8, 3, True)}  # tile sweep, H200 2026-11-29
+DEFAULT_TILES = {"small": (64, 64, 4, 3, True), "large": (128, 128, 8, 3, True)}  # the fastest of a tile sweep on an H200
 
 
 def _tiles() -> dict[str, tuple[int, int, int, int, bool]]:

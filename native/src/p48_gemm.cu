@@ -1235,9 +1235,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   cp_async_wait<0>();
 }
 
-// The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call; the
-// variants that lost head to head were removed on 2026-12-02, native/NOTES.md keeps their numbers and results, and
-// this list renumbered: 0 was 13, 1 was 21, 2 was 20):
+// The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call and lists
+// the same indices; only variants pick_config picks are compiled, to keep the build short; native/docs/p48.md):
 // 0: decode, mma.sp (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per
 // row tile and step, the bulk-copy ring, the trimmed per-unit staging and epilogue, the chunk's row start and count
 // from the cursor); 1, 2: wgmma.sp with 4 warpgroups (256 rows per CTA), 64 / 128 tokens per pass, the lean staging
@@ -1245,8 +1244,8 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
 // 3: 2 with the units dealt to the CTAs by decreasing token count in a snake (ORDER) and the wgmma's N per token
 // block rounded up from its token count in steps of 32 (TW); 4: 0 with two row groups per unit (P), the second
 // re-using the staged chunk when it holds the unit's K slice (Qwen3-30B-A3B down, K = 768); 5: 0 with DEAL 1
-// (deal_by_tiles: past round 0 the units of the experts with tokens, listed by decreasing 8-token tiles; 4 with it
-// was slower than 4 on every row measured but one, 2026-12-04, and is not compiled).
+// (deal_by_tiles: past round 0 the units of the experts with tokens, listed by decreasing 8-token tiles; not
+// combined with 4's row-group pairs, which it made slower).
 #define MOESQ_P48_VARIANTS(X)                            \
   X(0, Variant<16, 2, 8, 3, 1024, 2>)                    \
   X(1, WgVariant<64, 4, 3, 512, 2>)                      \

@@ -83,81 +83,63 @@ E2E_AUTO_MAX_STEPS = 256
 
 @dataclass(frozen=True)
 class RefineConfig:
-    """Hyperparameters of refinement. Defaults are the paper's Qwen3-30B-A3B settings, except
-    the learning-rate budget rule, per-expert best-epoch selection and fp32 logits (see below).
+    """Hyperparameters of refinement. Defaults are the paper's Qwen3-30B-A3B settings, except the learning-rate
+    budget rule, per-expert best-epoch selection, fp32 logits, the one-shot split's rows and the end-to-end step
+    (below); docs/accuracy.md gives the measurements behind each of them.
 
     Steps. Each optimizer step gives every expert an equal share (1/steps_per_epoch) of its own training rows.
-    The paper takes 128 steps per epoch (8,192 sequences in batches of 64), so that is the default whatever
-    the calibration set's size; `batch_rows` (routed rows per step over the block; the paper's batch is
-    64 × 4,096 × top-8 = 2,097,152) derives the count from the data instead (at least min_steps_per_epoch).
-    Either way the count is capped so the experts average at least `min_rows_per_step` rows per step.
-    Micro-batches are counted in routed rows over the block (the paper's 8 sequences: 262,144); they bound
-    memory and change no result.
+    steps_per_epoch defaults to the paper's 128 whatever the calibration set's size; `batch_rows` (routed rows per
+    step over the block; the paper's batch is 64 × 4,096 × top-8 = 2,097,152) derives the count from the data
+    instead (at least min_steps_per_epoch). Either way the count is capped so the experts average at least
+    `min_rows_per_step` rows per step. Micro-batches (`micro_batch_rows`, routed rows over the block) bound memory
+    and change no result.
 
-    Learning-rate budget rule (`lr_budget_steps`). Lion moves every parameter by exactly lr per step (the
-    sign of its update), so what a run can do is bounded by its travel Σ_t lr_t. The paper's rates are set
-    for its 1,280 steps per block; at a CPU budget of 16 steps the same rates travel 80× less and the logits
-    cannot leave their init (see `can_change_patterns` below). With `lr_budget_steps = N` (default 1,280)
-    each parameter group's base rate is multiplied by s = min(cap, N / T), T = the optimizer steps that
-    group trains (the logits: only the joint phase under `values_first`), cap = `lr_budget_cap_logits` /
-    `lr_budget_cap_values`; since the cosine factor's mean depends only on the fraction of the run, the
-    travel Σ_t lr_t — and the decoupled weight decay Σ_t lr_t·wd it carries — ≈ equals the paper's whenever
-    s is below its cap (budgets beyond the paper's get proportionally smaller rates). s = 1 at T = N, i.e.
-    the paper's run is unchanged. `lr_budget_steps = None` uses lr_logits / lr_values as given. The logits'
-    cap is lower (10 vs 100) because a pattern flip needs the gradient's sign to agree over many steps: with
-    few large steps the logits follow noisy signs, and on the embedded model at 16 steps raising lr_logits
-    ×25 or ×80 flipped 7–12 % of the patterns and lost to ×10 (benchmarks/results/accuracy_embedded_*).
+    Learning-rate budget rule (`lr_budget_steps` = N, default the paper's 1,280 steps per block). Lion moves every
+    parameter by exactly lr per step, so a run's reach is its travel Σ_t lr_t. Each parameter group's base rate is
+    multiplied by s = min(cap, N / T), T = the optimizer steps that group trains (the logits: only the joint phase
+    under `values_first`), cap = `lr_budget_cap_logits` / `lr_budget_cap_values`; since the cosine factor's mean
+    depends only on the fraction of the run, the travel — and the decay Σ_t lr_t·wd it carries — equals the paper's
+    whenever s is below its cap. s = 1 at T = N: the paper's run is unchanged; budgets beyond it get proportionally
+    smaller rates. `lr_budget_steps = None` uses lr_logits / lr_values as given. The logits' cap is lower because a
+    pattern flip needs the gradient's sign to agree over many steps, and few large steps follow noisy signs.
 
-    The values' steps are tied to the weights' scale (`lr_budget_values_rms` = ρ, default 0.025): a Lion step
-    moves every value by exactly lr whatever its size, so a raised lr_values of 5e-3 (8 steps) is a quarter of
-    a 0.02-RMS weight per step. The rule therefore raises each expert projection's step to at most ρ × the RMS
-    of its dense weights (never below lr_values, so the paper's budget and longer ones are unchanged), while
-    the decoupled weight decay keeps the budget rule's rate (its shrink, Σ lr·wd, is relative to the weights
-    already). Measured on one block at Qwen3-30B-A3B's width (hidden 2048, experts of 768, random weights of
-    RMS 0.02) at 8 steps: 0 of 8 experts improved on the SGPTQ init with absolute rates (validation ×1.35),
-    8 of 8 with ρ = 0.025 (×0.985), 0 of 8 with ρ = 0.05; lowering lr_values for the step and the decay
-    together never won; at 32 steps (a quarter of the rows per step) ρ = 0.025 lost (×1.05; the init ships)
-    where ρ = 0.01 won. On the embedded model at 16 steps ρ = 0.025 beat the absolute rate (perplexity
-    24.77 vs 24.86) where ρ = 0.01 lost (25.17) (benchmarks/results/refine_lr_scale.md). A step is then the
-    same fraction of a Kimi-K2 expert's weights as of a micro model's, whatever their scale.
+    Values' step and the weights' scale (`lr_budget_values_rms` = ρ): a Lion step moves every value by lr whatever
+    its size, so where the rule raises lr_values each expert projection's step is at most ρ × the RMS of its dense
+    weights (never below lr_values, so the paper's budget and longer ones are unchanged); the decoupled weight decay
+    keeps the rule's rate. A step is then the same fraction of any model's weights. `None`: no such cap.
 
     Can a pattern change at all? The exported pattern is argmax A. init_logits starts the init's pattern
-    init_noise·init_match·(c_match − c_next) ahead of its nearest rivals (paired 4:8: 0.01·4·(2 − 0) = 0.08
-    over the 4 patterns sharing one pair; init noise of std init_noise on each logit aside). Per step two
-    logits can close that gap by at most 2·lr, while the weight decay shrinks it by (1 − lr·wd): the gap
-    after the run is g_T with g_{t+1} = g_t·(1 − lr_t·wd) − 2·lr_t. If g_T > 0 no pattern can change (the
-    run is values-only with extra cost); the schedule says so and the trainer logs a warning.
+    init_noise·init_match·(c_match − c_next) ahead of its nearest rivals (paired 4:8: 0.01·4·(2 − 0) = 0.08).
+    Per step two logits can close that gap by at most 2·lr, while the weight decay shrinks it by (1 − lr·wd): the
+    gap after the run is g_T with g_{t+1} = g_t·(1 − lr_t·wd) − 2·lr_t. If g_T > 0 no pattern can change (the run
+    is values-only with extra cost); `schedule()` says so and the trainer logs a warning.
 
-    `values_first = f` trains only the values for the first ⌊f·T⌋ steps (hard init mask, no Gumbel noise),
-    then logits and values jointly; τ, the gain and the logits' cosine run over the joint phase only.
+    `values_first = f` trains only the values for the first ⌊f·T⌋ steps (hard init mask, no Gumbel noise), then
+    logits and values jointly; τ, the gain and the logits' cosine run over the joint phase only.
 
-    Weight decay is lion-pytorch's (non-"decoupled") form, p ← p·(1 − lr·wd), i.e. the AdamW-style decoupled
-    decay the paper means; lion-pytorch's `decoupled_weight_decay=True` would divide wd by the initial lr
-    (with wd = 1.0 that zeroes the parameters), so it is not used.
+    Weight decay is lion-pytorch's (non-"decoupled") form, p ← p·(1 − lr·wd), i.e. the AdamW-style decoupled decay
+    the paper means; lion-pytorch's `decoupled_weight_decay=True` would divide wd by the initial lr (with wd = 1.0
+    that zeroes the parameters), so it is not used.
 
-    Release-faithful options (to reproduce the public release's behaviour next to moesq's): logits_dtype
-    "bfloat16" (where Lion's small steps round away), ship "last" (the last epoch ships even when an earlier
-    one, or the init, validated better), shared_gate_up_global False (gate and up train with their own
-    global scales; export then quantizes each with its own and re-quantizes both under one shared scale, as
-    the release's serving merge does).
+    Release-faithful options (the public release's behaviour next to moesq's): logits_dtype "bfloat16" (where
+    Lion's small steps round away), ship "last" (the last epoch ships even when an earlier one, or the init,
+    validated better), shared_gate_up_global False (gate and up train with their own global scales; export then
+    re-quantizes both under one shared scale, as the release's serving merge does).
 
-    Calibration rows (`init_split_rows`, default True): the block loop routes the training split's and the
-    one-shot methods' split's sequences together, so the in-loop init (its Hessians) and block-wise training
-    see twice the tokens; the validation split stays held out. On the embedded model at `moesq run`'s budget
-    this took refine from 25.29 to 24.75 (SGPTQ 26.11); False routes the training split alone (as before).
+    Calibration rows (`init_split_rows`): True routes the training split's and the one-shot methods' split's
+    sequences through the block loop together, so the in-loop init (its Hessians) and block-wise training see both;
+    the validation split stays held out. False routes the training split alone.
 
-    End-to-end tuning (see e2e.py): after the last block, the patterns stay fixed and the values of every
-    expert of every block are tuned together (Adam at `e2e_lr`, cosine to 0, batches of `e2e_batch_size`
-    calibration sequences) to match the reference model's next-token distribution, KL on the final logits,
-    over every calibration sequence but the validation ones (refinement's and the one-shot methods' splits).
-    It validates before and after each pass over them and ships the best (the block-wise result unchanged when
-    nothing validates better). It holds the whole model's expert latents and Adam moments (16 bytes per expert
-    weight, ~24 with the weights its forward keeps) at once. `e2e_steps`: a number of steps (0: none), or
-    "auto" (the default): E2E_AUTO_PASSES passes over those sequences, at most E2E_AUTO_MAX_STEPS steps, when
-    the step's memory fits what the device has available (`e2e_memory_gb` when given), else none, said before
-    the block loop starts (a Qwen3-30B-A3B needs ~0.7 TB: the step is for models that fit one device).
-    `e2e_loss="fisher"` trains on the KL's second-order form on the final hidden states instead (validation
-    stays the exact KL): no vocabulary-sized logits per step.
+    End-to-end tuning (e2e.py): after the last block, the patterns stay fixed and the values of every expert of
+    every block are tuned together (Adam at `e2e_lr`, cosine to 0, batches of `e2e_batch_size` calibration
+    sequences) to match the reference model's next-token distribution, KL on the final logits, over every
+    calibration sequence but the validation ones. It validates before and after each pass and ships the best (the
+    block-wise result unchanged when nothing validates better). It holds the whole model's expert latents and
+    Adam moments at once (~24 bytes per expert weight with the weights its forward keeps). `e2e_steps`: a number
+    of steps (0: none), or "auto": E2E_AUTO_PASSES passes over those sequences, at most E2E_AUTO_MAX_STEPS steps,
+    when the step's memory fits what the device has available (`e2e_memory_gb` when given), else none, said
+    before the block loop starts. `e2e_loss="fisher"` trains on the KL's second-order form on the final hidden
+    states instead (validation stays the exact KL): no vocabulary-sized logits per step.
     """
 
     epochs: int = 10
