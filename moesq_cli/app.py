@@ -46,23 +46,38 @@ def _version_callback(value: bool):
         raise typer.Exit()
 
 
-def _default(cls_path: str, field: str):
-    """A config dataclass field's default, for --help: the CLI holds no defaults of its own."""
-    import dataclasses
-    import importlib
+@functools.cache
+def _source_defaults(module: str, scope: str) -> dict:
+    """The defaults written in moesq_core's source, read without importing it (--help must not load torch):
+    the fields of dataclass `scope`, or the parameters of function `scope`, in `module`, where each is a
+    constant expression (`8 * 4096`). The CLI holds no defaults of its own; a test checks these against the
+    imported objects."""
+    import ast
 
-    mod, name = cls_path.rsplit(".", 1)
-    f = next(f for f in dataclasses.fields(getattr(importlib.import_module(mod), name)) if f.name == field)
-    return f.default
+    import moesq_core
+
+    path = Path(moesq_core.__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    node = next(n for n in ast.parse(path.read_text()).body if getattr(n, "name", None) == scope)
+    if isinstance(node, ast.ClassDef):
+        pairs = [(s.target.id, s.value) for s in node.body if isinstance(s, ast.AnnAssign) and s.value is not None]
+    else:
+        a = node.args
+        pairs = [(arg.arg, d) for arg, d in [*zip(a.args[len(a.args) - len(a.defaults):], a.defaults),
+                                             *zip(a.kwonlyargs, a.kw_defaults)] if d is not None]
+    return {name: eval(compile(ast.Expression(value), str(path), "eval"), {"__builtins__": {}})
+            for name, value in pairs
+            if not any(isinstance(n, (ast.Name, ast.Call, ast.Attribute)) for n in ast.walk(value))}
+
+
+def _default(cls_path: str, field: str):
+    """A config dataclass field's default, for --help."""
+    module, cls = cls_path.rsplit(".", 1)
+    return _source_defaults(module, cls)[field]
 
 
 def _arg_default(name: str):
     """A stage function's default (moesq_core.pipeline.run_refine's), for --help."""
-    import inspect
-
-    from moesq_core.pipeline import run_refine
-
-    return inspect.signature(run_refine).parameters[name].default
+    return _source_defaults("moesq_core.pipeline", "run_refine")[name]
 
 
 def _stage_kw(batch_size, cache_gb) -> dict:
