@@ -11,6 +11,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import re
 import signal
 import sys
@@ -46,23 +47,38 @@ def _version_callback(value: bool):
         raise typer.Exit()
 
 
-def _default(cls_path: str, field: str):
-    """A config dataclass field's default, for --help: the CLI holds no defaults of its own."""
-    import dataclasses
-    import importlib
+@functools.cache
+def _source_defaults(module: str, scope: str) -> dict:
+    """The defaults written in moesq_core's source, read without importing it (--help must not load torch):
+    the fields of dataclass `scope`, or the parameters of function `scope`, in `module`, where each is a
+    constant expression (`8 * 4096`). The CLI holds no defaults of its own; a test checks these against the
+    imported objects."""
+    import ast
 
-    mod, name = cls_path.rsplit(".", 1)
-    f = next(f for f in dataclasses.fields(getattr(importlib.import_module(mod), name)) if f.name == field)
-    return f.default
+    import moesq_core
+
+    path = Path(moesq_core.__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    node = next(n for n in ast.parse(path.read_text()).body if getattr(n, "name", None) == scope)
+    if isinstance(node, ast.ClassDef):
+        pairs = [(s.target.id, s.value) for s in node.body if isinstance(s, ast.AnnAssign) and s.value is not None]
+    else:
+        a = node.args
+        pairs = [(arg.arg, d) for arg, d in [*zip(a.args[len(a.args) - len(a.defaults):], a.defaults),
+                                             *zip(a.kwonlyargs, a.kw_defaults)] if d is not None]
+    return {name: eval(compile(ast.Expression(value), str(path), "eval"), {"__builtins__": {}})
+            for name, value in pairs
+            if not any(isinstance(n, (ast.Name, ast.Call, ast.Attribute)) for n in ast.walk(value))}
+
+
+def _default(cls_path: str, field: str):
+    """A config dataclass field's default, for --help."""
+    module, cls = cls_path.rsplit(".", 1)
+    return _source_defaults(module, cls)[field]
 
 
 def _arg_default(name: str):
     """A stage function's default (moesq_core.pipeline.run_refine's), for --help."""
-    import inspect
-
-    from moesq_core.pipeline import run_refine
-
-    return inspect.signature(run_refine).parameters[name].default
+    return _source_defaults("moesq_core.pipeline", "run_refine")[name]
 
 
 def _stage_kw(batch_size, cache_gb) -> dict:
@@ -119,10 +135,18 @@ def _choice(*allowed: str):
     return check
 
 
-def _positive_float(value):
-    if value is not None and not value > 0:
-        raise typer.BadParameter(f"must be > 0, got {value}")
-    return value
+def _finite_float(lo: float, *, above: bool):
+    """The check of a float option: finite and > lo (above) or >= lo. Integer options use typer's min/max;
+    click's float ranges let nan and inf through (nan compares false, inf passes a lower bound)."""
+    def check(value):
+        if value is not None and not (math.isfinite(value) and (value > lo if above else value >= lo)):
+            raise typer.BadParameter(f"must be {'>' if above else '>='} {lo:g} and finite, got {value}")
+        return value
+    return check
+
+
+_positive_float = _finite_float(0, above=True)
+_non_negative_float = _finite_float(0, above=False)
 
 
 def _steps_or_auto(value):
@@ -176,7 +200,7 @@ DeviceOpt = Annotated[str, typer.Option("--device", callback=_check_device, help
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
 RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, help="Recompute this stage from this layer on.")]
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, help=f"Calibration sequences per forward pass (default {_arg_default('batch_size')}).")]
-CacheOpt = Annotated[Optional[float], typer.Option("--cache-gb", min=0.0, help=f"GiB of calibration states kept in memory; the rest spill to the work dir (default {_arg_default('cache_limit_gb')}).")]
+CacheOpt = Annotated[Optional[float], typer.Option("--cache-gb", callback=_non_negative_float, help=f"GiB of calibration states kept in memory; the rest spill to the work dir (default {_arg_default('cache_limit_gb')}).")]
 NprocOpt = Annotated[int, typer.Option(
     "--nproc", min=1, help="Processes sharing each block's experts (expert parallel): one per GPU, or CPU "
                            "processes with --device cpu; started under torchrun.")]
@@ -196,11 +220,23 @@ def _produced() -> dict:
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
+def _missing_as_null(obj):
+    """A --json document with every non-finite float (a number that could not be computed, e.g. the
+    perplexity of a diverged model) as null: JSON has no NaN or Infinity."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _missing_as_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_missing_as_null(v) for v in obj]
+    return obj
+
+
 def _write_json(path: Path | None, doc: dict) -> None:
     if path is None:
         return
-    doc = {**doc, "produced": _produced()}
-    text = json.dumps(doc, indent=2, default=str) + "\n"
+    doc = _missing_as_null({**doc, "produced": _produced()})
+    text = json.dumps(doc, indent=2, default=str, allow_nan=False) + "\n"
     if str(path) == "-":
         sys.stdout.write(text)
         return
@@ -664,7 +700,7 @@ def verify(
                                               "reference: s24-fp8 (CUTLASS sparse FP8, Hopper) and p48-nvfp4 (the "
                                               "sparse-tensor-core kernel on Hopper, else Triton; W4A16, and W4A4 "
                                               "when the dir has input global scales). Needs a CUDA GPU.")] = False,
-    show: Annotated[int, typer.Option(help="Rows of the per-tensor table to print (0 = all).")] = 12,
+    show: Annotated[int, typer.Option(min=0, help="Rows of the per-tensor table to print (0 = all).")] = 12,
     checksums_only: Annotated[bool, typer.Option(help="Only check the files against moesq_pack.json (fast).")] = False,
     json_out: JsonOpt = None,
     quiet: QuietOpt = False,
@@ -727,11 +763,11 @@ def verify(
 @_guard
 def bench_kernel(
     format: Annotated[str, typer.Option("--format", "-f", help="s24-fp8 (CUTLASS 2:4) or p48-nvfp4 (packed streaming).")] = "s24-fp8",
-    G: Annotated[Optional[list[int]], typer.Option("--G", help="Experts per grouped GEMM (repeatable).")] = None,
-    N: Annotated[Optional[list[int]], typer.Option("--N", help="Tokens per expert, max of {N,3N/4,N/2,N/4} (repeatable).")] = None,
-    M: Annotated[Optional[int], typer.Option("--M", help="Custom output features (with --K).")] = None,
-    K: Annotated[Optional[int], typer.Option("--K", help="Custom input features (with --M).")] = None,
-    repeats: Annotated[int, typer.Option(help="CUDA-graph replays per timing (median reported).")] = 50,
+    G: Annotated[Optional[list[int]], typer.Option("--G", min=1, help="Experts per grouped GEMM (repeatable).")] = None,
+    N: Annotated[Optional[list[int]], typer.Option("--N", min=1, help="Tokens per expert, max of {N,3N/4,N/2,N/4} (repeatable).")] = None,
+    M: Annotated[Optional[int], typer.Option("--M", min=1, help="Custom output features (with --K).")] = None,
+    K: Annotated[Optional[int], typer.Option("--K", min=1, help="Custom input features (with --M).")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="CUDA-graph replays per timing (median reported).")] = 50,
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory for JSON, Markdown and PNG results.")] = Path("bench-results"),
     e2e: Annotated[bool, typer.Option(help="End-to-end decode benchmark instead of kernel sweeps (p48).")] = False,
     json_out: JsonOpt = None,
@@ -763,10 +799,10 @@ def bench_kernel(
 def generate(
     path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack` (any format).")],
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue (or the user message with --chat).")],
-    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate.")] = 64,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 64,
     chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
-    temperature: Annotated[float, typer.Option(help="0 = greedy; > 0 samples (seeded by --seed).")] = 0.0,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    temperature: Annotated[float, typer.Option(callback=_non_negative_float, help="0 = greedy; > 0 samples (seeded by --seed).")] = 0.0,
+    seed: Annotated[int, typer.Option(min=0, help="Sampling seed.")] = 0,
     dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16 for the non-expert weights.")] = "float32",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N (auto: the GPU when there is one; on "
                                               "sm_90 packed p48 experts run through the fast Hopper module).")] = "auto",
@@ -780,10 +816,6 @@ def generate(
     _setup(None, quiet)
     from moesq_core.checkpoint.generate import DTYPES, generate_text
 
-    if max_new_tokens < 1:
-        _fail(f"--max-new-tokens must be at least 1, got {max_new_tokens}", 2)
-    if temperature < 0:
-        _fail(f"--temperature must be >= 0, got {temperature}", 2)
     if dtype not in DTYPES:
         _fail(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}", 2)
 
@@ -804,15 +836,15 @@ def generate(
 def eval_cmd(
     targets: Annotated[Optional[list[str]], typer.Argument(help="Work dirs (reference + finished stages), packed dirs or model dirs.")] = None,
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Text file for perplexity (.txt/.txt.xz).")] = None,
-    ppl_tokens: Annotated[int, typer.Option(help="Evaluate the first N tokens of --ppl.")] = 65536,
-    window: Annotated[int, typer.Option(help="Perplexity window (non-overlapping).")] = 512,
+    ppl_tokens: Annotated[int, typer.Option(min=1, help="Evaluate the first N tokens of --ppl.")] = 65536,
+    window: Annotated[int, typer.Option(min=1, help="Perplexity window (non-overlapping).")] = 512,
     stages: Annotated[Optional[list[str]], typer.Option("--stage", help="Only these stages of a work dir (repeatable).")] = None,
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval tasks, comma-separated, or a preset (openllm-v1); moesq_cloze is the shipped offline task.")] = None,
     tasks_dir: Annotated[Optional[Path], typer.Option(help="Directory of extra task YAMLs with local data.")] = None,
-    limit: Annotated[Optional[int], typer.Option(help="lm-eval: examples per task.")] = None,
-    num_fewshot: Annotated[Optional[int], typer.Option(help="lm-eval: override the shots.")] = None,
-    batch_size: Annotated[int, typer.Option(help="lm-eval batch size.")] = 8,
-    eval_seed: Annotated[int, typer.Option("--eval-seed", help="lm-eval seed.")] = 1234,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="lm-eval: examples per task.")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option(min=0, help="lm-eval: override the shots.")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="lm-eval batch size.")] = 8,
+    eval_seed: Annotated[int, typer.Option("--eval-seed", min=0, help="lm-eval seed.")] = 1234,
     json_out: JsonOpt = None,
     device: DeviceOpt = "cpu", quiet: QuietOpt = False,
 ):

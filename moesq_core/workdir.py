@@ -90,8 +90,10 @@ def atomic_path(path: Path):
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON atomically; a non-finite float is refused (ValueError: JSON has no NaN or Infinity)."""
+    text = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n"
     with atomic_path(path) as tmp:
-        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(text)
 
 
 def user_cache_dir() -> Path:

@@ -1,0 +1,130 @@
+"""The CLI's start-up and its messages for bad input: `--version` / `--help` without torch, every numeric option
+refused out of range before any work, damaged checkpoints and full or read-only disks as one line naming the
+file, Ctrl-C during start-up as one line."""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120", "PYTHONPATH": str(ROOT)}
+
+
+def cli(*args, timeout=300, env=None):
+    return subprocess.run([sys.executable, "-m", "moesq_cli", *map(str, args)], capture_output=True, text=True,
+                          env=env or ENV, timeout=timeout, cwd=ROOT)
+
+
+# -- start-up -----------------------------------------------------------------------------------------------------
+_IMPORTS_AFTER = """
+import sys
+sys.argv = ["moesq", *sys.argv[1:]]
+from moesq_cli.app import main
+try:
+    main()
+except SystemExit:
+    pass
+heavy = sorted(m for m in ("torch", "transformers", "numpy", "safetensors") if m in sys.modules)
+print("HEAVY", heavy, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["refine", "--help"], ["eval", "--help"],
+                                  ["generate", "--help"], ["run", "--help"]])
+def test_version_and_help_do_not_import_torch(args):
+    r = subprocess.run([sys.executable, "-c", _IMPORTS_AFTER, *args], capture_output=True, text=True, env=ENV,
+                       cwd=ROOT, timeout=120)
+    assert "HEAVY []" in r.stderr, r.stderr[-2000:]
+    assert r.stdout.strip()
+
+
+def test_help_defaults_read_from_source_match_the_objects():
+    """--help reads config defaults from moesq_core's source (no torch); they must be the imported ones."""
+    from moesq_cli import app as cli_app
+    from moesq_core.calibration import CalibConfig
+    from moesq_core.methods.refine import RefineConfig
+    from moesq_core.pipeline import run_refine
+
+    for cls in (CalibConfig, RefineConfig):
+        read = cli_app._source_defaults(cls.__module__, cls.__name__)
+        real = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+        assert read and all(real[k] == v for k, v in read.items()), (cls, read)
+    read = cli_app._source_defaults("moesq_core.pipeline", "run_refine")
+    real = {k: p.default for k, p in inspect.signature(run_refine).parameters.items()}
+    assert read and all(real[k] == v for k, v in read.items())
+
+
+# -- numeric options ----------------------------------------------------------------------------------------------
+# the numeric options for which 0 is a meaningful value; for every other one 0 is refused
+ZERO_OK = {("refine", "epochs"), ("run", "epochs"), ("refine", "loss_power"), ("refine", "e2e_steps"),
+           ("refine", "refine_seed"), ("verify", "show"), ("generate", "temperature"), ("eval", "num_fewshot"),
+           *{(c, n) for c in ("calibrate", "init-sgptq", "refine", "run", "generate") for n in ("seed",)},
+           *{(c, "redo_from") for c in ("init-sgptq", "refine")}, *{(c, "cache_gb") for c in ("init-sgptq", "refine")},
+           ("eval", "eval_seed")}
+REQUIRED = {"verify": ["x"], "generate": ["x", "--prompt", "p"]}
+
+
+def numeric_options():
+    """(command, parameter) for every numeric option of the Typer app: int, float, lists of them, and N|auto."""
+    import typer.main
+
+    from moesq_cli.app import app
+
+    group = typer.main.get_command(app)
+    for name, cmd in group.commands.items():
+        for p in cmd.params:
+            if p.opts[0].startswith("--") and (p.type_descriptor.annotation in (int, float, list[int])
+                                               or (p.metavar or "").startswith("N")):
+                yield cmd, p
+
+
+def bad_values(cmd, p) -> list[str]:
+    return ["nan", "inf", "-inf", "-1", "1e400"] + ([] if (cmd.name, p.name) in ZERO_OK else ["0"])
+
+
+def refused(cmd, p, value) -> bool:
+    """Whether the command line with this value is refused while parsing (a usage error, exit 2) — before the
+    command's body runs, so before any work."""
+    try:
+        cmd.make_context(cmd.name, [*REQUIRED.get(cmd.name, []), p.opts[0], value])
+    except Exception as e:  # typer's (vendored) click UsageError / BadParameter
+        assert type(e).__name__ in ("BadParameter", "UsageError") and e.exit_code == 2, repr(e)
+        return True
+    return False
+
+
+def test_every_numeric_option_refuses_nan_inf_negative_and_zero():
+    options = list(numeric_options())
+    assert len(options) >= 50  # the enumeration sees the app's options
+    accepted = [f"{cmd.name} {p.opts[0]} {v}" for cmd, p in options for v in bad_values(cmd, p) if not refused(cmd, p, v)]
+    assert not accepted, accepted
+
+
+def test_bad_numbers_exit_2_with_one_line_before_any_work(tmp_path):
+    wd = tmp_path / "wd"
+    for args in (["refine", "-w", wd, "--lr-logits", "inf"], ["eval", wd, "--window", "0"],
+                 ["init-sgptq", "-w", wd, "--cache-gb", "nan"], ["generate", wd, "-p", "x", "--temperature", "inf"]):
+        r = cli(*args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr and "Invalid value" in r.stderr, r.stderr
+        assert not wd.exists()
+
+
+def test_json_writers_refuse_non_finite_and_json_output_writes_null(tmp_path):
+    from moesq_cli.app import _write_json
+    from moesq_core.workdir import write_json_atomic
+
+    with pytest.raises(ValueError):
+        write_json_atomic(tmp_path / "manifest.json", {"lr_logits": float("inf")})
+    assert list(tmp_path.iterdir()) == []  # not even a temp file
+    _write_json(tmp_path / "out.json", {"ppl": [{"label": "x", "ppl": float("nan")}, {"ppl": float("inf")}], "n": 3})
+    import json
+
+    doc = json.loads((tmp_path / "out.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
+    assert doc["ppl"] == [{"label": "x", "ppl": None}, {"ppl": None}] and doc["n"] == 3
