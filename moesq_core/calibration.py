@@ -14,6 +14,8 @@ import torch
 
 @dataclass(frozen=True)
 class CalibConfig:
+    __pydantic_config__ = {"extra": "forbid"}  # config files: an unknown key is an error (moesq_core.config)
+
     seq_len: int = 512
     n_train: int = 128  # refinement sequences
     n_val: int = 16  # held-out sequences (refinement's best-epoch selection)
