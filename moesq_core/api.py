@@ -51,16 +51,34 @@ class CompressedModel:
                              sparse_layout=not dense_layout, **kw)
 
 
-def compress(model: str | Path | None = None, config: CompressConfig | str | Path | None = None,
+def model_source(model) -> str | Path | None:
+    """What `compress` reads the model from: a local dir or Hub id as given; a loaded transformers model
+    (PreTrainedModel) as the checkpoint it was loaded from (its `name_or_path`), since moesq reads the weights
+    shard by shard and needs the tokenizer files beside them. In-memory changes to a loaded model are not seen:
+    save it (with its tokenizer) and pass the directory."""
+    if model is None or isinstance(model, (str, Path)):
+        return model
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "save_pretrained"):
+        raise ValueError(f"model must be a local dir, a Hub id or a loaded transformers model, got {type(model).__name__}")
+    source = getattr(model, "name_or_path", None) or getattr(config, "name_or_path", None)
+    if not source:
+        raise ValueError("the loaded model has no source checkpoint (its name_or_path is empty), and moesq needs "
+                         "its files and tokenizer: save both with save_pretrained(DIR) and pass DIR")
+    return source
+
+
+def compress(model=None, config: CompressConfig | str | Path | None = None,
              workdir: str | Path = "moesq-work", *, device: str | None = None, batch_size: int = 8,
              cache_limit_gb: float = 4.0, progress=None) -> CompressedModel:
-    """Compress `model` (a local dir or Hub id; default: the config's `model`, else the embedded micro model)
-    as `config` says (a CompressConfig or a recipe file; default: `moesq run`'s). Resumable: finished stages
-    are only checked, an interrupted one continues at its first unfinished block. A work dir made for another
-    model or run config is refused."""
+    """Compress `model` (a local dir, a Hub id or a loaded transformers model: see `model_source`; default: the
+    config's `model`, else the embedded micro model) as `config` says (a CompressConfig or a recipe file;
+    default: `moesq run`'s). Resumable: finished stages are only checked, an interrupted one continues at its
+    first unfinished block. A work dir made for another model or run config is refused."""
     from . import pipeline
     from .workdir import WorkDir
 
+    model = model_source(model)
     if config is None:
         config = default_run_config()
     elif not isinstance(config, CompressConfig):

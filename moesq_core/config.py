@@ -3,16 +3,27 @@
 A stage's identity in the work dir's manifest is the normalised dict of its config, so options typed on the
 command line or left at their defaults give the same stage (`init-sgptq` then `refine` on one work dir, or
 `--redo-from` on a stage another command started).
+
+Config files (recipes) are validated by pydantic over these dataclasses (unknown keys refused), and every
+error names its key path: `refine.epochs: expected an integer, got 'two'`, `refine.epoch: unknown key (did you
+mean epochs?)`.
 """
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 
 from .calibration import CalibConfig
+
+if TYPE_CHECKING:
+    from .methods.refine import RefineConfig
 
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_MODEL = ASSETS / "micro-qwen3-moe"
@@ -77,10 +88,13 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class MethodConfig:
-    """A one-shot method and its options, normalised to every option of the method (defaults filled in)."""
+    """A one-shot method and its options, normalised to every option of the method (defaults filled in).
+    In a config file: `{method: NAME, options: {...}}` (to_dict's form) or just the name."""
 
-    name: str = "sgptq"
-    options: dict = field(default_factory=dict)
+    __pydantic_config__ = {"extra": "forbid"}
+
+    name: Annotated[str, Field(alias="method")] = "sgptq"
+    options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         from .methods.registry import get_method, method_options
@@ -102,6 +116,14 @@ class MethodConfig:
 
     def to_dict(self) -> dict:
         return {"method": self.name, "options": dict(self.options)}
+
+
+def _named(key: str, check, value) -> None:
+    """check(value), its ValueError prefixed with the config key it is about."""
+    try:
+        check(value)
+    except ValueError as e:
+        raise ValueError(f"{key}: {e}") from None
 
 
 def refine_identity(rcfg, init: MethodConfig) -> dict:
@@ -129,16 +151,20 @@ class CompressConfig:
     loop), refinement (None: the init stage only) and one-shot baselines (init-only stages, for comparison).
     `to_dict()` is normalised (every default filled in); recipes are its YAML form."""
 
+    __pydantic_config__ = {"extra": "forbid"}
+
     format: str = "p48-nvfp4"
     act_quant: bool = True
     calib: CalibConfig = field(default_factory=CalibConfig)
     calib_source: str = str(DEFAULT_CALIB)
-    init: MethodConfig = field(default_factory=MethodConfig)
-    refine: Any = None  # a RefineConfig, or None for the init stage only
+    init: Annotated[MethodConfig, BeforeValidator(lambda v: {"method": v} if isinstance(v, str) else v)] = \
+        field(default_factory=MethodConfig)
+    refine: RefineConfig | None = None  # None: the init stage only
     baselines: tuple[str, ...] = ()
     model: str | None = None  # a recipe may name its model; compress()'s model argument wins
 
     def __post_init__(self):
+        from .formats import get_format
         from .methods.refine import RefineConfig
 
         if isinstance(self.calib, dict):
@@ -153,8 +179,9 @@ class CompressConfig:
             raise ValueError(f"refine must be a RefineConfig, a dict of its fields or None, got {type(self.refine).__name__}")
         self.baselines = tuple(self.baselines or ())
         for b in self.baselines:
-            MethodConfig(b)  # an unknown baseline is refused here
-        run = self.run_config()  # validates format and calibration; normalises the source
+            _named("baselines", MethodConfig, b)  # an unknown baseline is refused here
+        _named("format", get_format, self.format)
+        run = self.run_config()  # validates calibration; normalises the source
         self.calib_source, self.act_quant = run.calib_source, run.act_quant
 
     def run_config(self) -> RunConfig:
@@ -167,14 +194,17 @@ class CompressConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "CompressConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown config key(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        """From to_dict()'s form (a recipe's mapping); omitted keys take their defaults. A ValueError names
+        the key path of every wrong or unknown key."""
+        if not isinstance(d, dict):
+            raise ValueError(f"expected a mapping of config keys, got {type(d).__name__}")
         d = dict(d)
         if d.get("calib_source") is None:
             d.pop("calib_source", None)
-        return cls(**d)
+        try:
+            return _config_adapter().validate_python(d)
+        except ValidationError as e:
+            raise ValueError(_error_lines(e.errors(include_url=False))) from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> "CompressConfig":
@@ -186,8 +216,6 @@ class CompressConfig:
             d = yaml.safe_load(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
             raise ValueError(f"recipe {path}: cannot be read ({type(e).__name__}: {e})") from None
-        if not isinstance(d, dict):
-            raise ValueError(f"recipe {path}: expected a mapping of config keys, got {type(d).__name__}")
         try:
             return cls.from_dict(d)
         except (TypeError, ValueError) as e:
@@ -214,3 +242,50 @@ class CompressConfig:
         if given:
             raise ValueError(f"unknown override(s) {', '.join(sorted(given))}")
         return CompressConfig.from_dict(d)
+
+
+# -- config file validation ---------------------------------------------------------------------------------
+@functools.cache
+def _config_adapter() -> TypeAdapter:
+    from .methods.refine import RefineConfig  # noqa: F401  (resolves CompressConfig.refine's annotation here)
+
+    return TypeAdapter(CompressConfig)
+
+
+def _section_keys(loc: tuple) -> list[str]:
+    """The keys the mapping at `loc` (a key path) accepts, as a config file spells them."""
+    from .methods.refine import RefineConfig
+
+    cls = {(): CompressConfig, ("calib",): CalibConfig, ("refine",): RefineConfig}.get(tuple(loc))
+    if tuple(loc) == ("init",):
+        return ["method", "options"]
+    return [f.name for f in dataclasses.fields(cls)] if cls else []
+
+
+_EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+             "tuple": "a list", "list": "a list", "dict": "a mapping", "dataclass": "a mapping of keys",
+             "none": "null"}
+
+
+def _error_lines(errors: list[dict]) -> str:
+    """pydantic's errors as `key.path: what is wrong`, joined by "; ". The alternatives of a union-typed key
+    (e2e_steps: an integer or "auto") make one line."""
+    lines: dict[str, list] = {}  # path -> [expected, ..., input] or a finished line
+    for err in errors:
+        loc = tuple(str(p) for p in err["loc"])
+        if len(loc) > 1 and isinstance(err["loc"][-1], str) and not _section_keys(loc[:-1]):
+            loc = loc[:-1]  # a union's member tag, not a key
+        path, kind = ".".join(loc), err["type"]
+        expected = _EXPECTED.get(kind.split("_")[0])
+        if kind in ("unexpected_keyword_argument", "extra_forbidden"):
+            valid = _section_keys(loc[:-1])
+            near = difflib.get_close_matches(loc[-1], valid, n=1)
+            lines[path] = f"{path}: unknown key ({f'did you mean {near[0]}?' if near else 'valid: ' + ', '.join(valid)})"
+        elif expected and kind != "value_error":
+            prev = lines.get(path)
+            wanted = (prev[0] + " or " if isinstance(prev, tuple) else "") + expected
+            lines[path] = (wanted, err["input"])
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            lines[path] = f"{path}: {msg}" if path else msg
+    return "; ".join(v if isinstance(v, str) else f"{k}: expected {v[0]}, got {v[1]!r}" for k, v in lines.items())

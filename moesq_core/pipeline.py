@@ -120,7 +120,8 @@ def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progre
             save_file(splits, str(tmp))
         info = {"file": CALIB_FILE, "sha256": sha256_file(calib_path),
                 "sequences": {k: int(v.shape[0]) for k, v in splits.items()}, "seq_len": cfg.calib.seq_len,
-                "tokens": int(sum(v.numel() for v in splits.values())), "documents": len(docs)}
+                "tokens": int(sum(v.numel() for v in splits.values())),
+                "documents": len(docs) if isinstance(docs, list) else docs.read}
         m = workdir.load()
         m["calibration"] = info
         workdir.save(m)

@@ -40,16 +40,41 @@ def test_shipped_recipes():
     assert CompressConfig.from_dict(quick.to_dict()).to_dict() == quick.to_dict()  # to_dict round-trips
 
 
+@pytest.mark.parametrize("recipe", sorted(p.name for p in (REPO / "recipes").glob("*.yaml")))
+def test_every_shipped_recipe_loads(recipe):
+    from moesq_core import CompressConfig
+
+    cfg = CompressConfig.from_file(REPO / "recipes" / recipe)  # validated: every key is a real option
+    assert CompressConfig.from_dict(cfg.to_dict()).to_dict() == cfg.to_dict()
+
+
 def test_config_errors_name_the_key(tmp_path):
     from moesq_core import CompressConfig
 
     bad = tmp_path / "bad.yaml"
-    for text, msg in (("formt: p48-nvfp4", "unknown config key(s) formt"), ("calib: {seq_len: 0}", "seq_len"),
-                      ("init: {method: nope}", "unknown method"), ("refine: {epochs: -1}", "epochs"),
-                      ("- a list", "expected a mapping"), ("baselines: [nope]", "unknown method")):
+    for text, msg in (("formt: p48-nvfp4", "formt: unknown key (did you mean format?)"),
+                      ("serving: {act_global_scale: 1.0}", "serving: unknown key (valid: format, act_quant,"),
+                      ("calib: {seq_len: 0}", "calib: seq_len must be a positive"),
+                      ("calib: {seq_lem: 64}", "calib.seq_lem: unknown key (did you mean seq_len?)"),
+                      ("init: {method: nope}", "init: unknown method"), ("init: {method: rtn, option: {}}",
+                                                                          "init.option: unknown key (did you mean options?)"),
+                      ("refine: {epochs: -1}", "refine: epochs must be >= 0"),
+                      ("refine: {epochs: two}", "refine.epochs: expected an integer, got 'two'"),
+                      ("refine: {epoch: 2}", "refine.epoch: unknown key (did you mean epochs?)"),
+                      ("refine: {tau: [2.0, x]}", "refine.tau.1: expected a number, got 'x'"),
+                      ("refine: {e2e_steps: [1]}", "refine.e2e_steps: expected an integer or a string, got [1]"),
+                      ("act_quant: maybe", "act_quant: expected true or false, got 'maybe'"),
+                      ("format: p49", "format: unknown format 'p49'"),
+                      ("- a list", "expected a mapping"), ("baselines: [nope]", "baselines: unknown method")):
         bad.write_text(text)
-        with pytest.raises(ValueError, match=re.escape(msg)):
+        with pytest.raises(ValueError, match=re.escape(f"recipe {bad}: {msg}")):
             CompressConfig.from_file(bad)
+    r = moesq("run", "--recipe", bad.with_name("typo.yaml"), "-w", tmp_path / "w", check=False)
+    assert r.returncode == 2 and "no such file" in r.stderr
+    bad.write_text("refine: {epoch: 2}")
+    r = moesq("run", "--recipe", bad, "-w", tmp_path / "w", check=False)
+    assert r.returncode == 2 and "refine.epoch: unknown key (did you mean epochs?)" in r.stderr
+    assert not (tmp_path / "w").exists()  # refused before the work dir is made
     with pytest.raises(ValueError, match="steps_per_epoch is a refinement option"):
         CompressConfig(refine=None).with_overrides(steps_per_epoch=3)
 
@@ -77,6 +102,27 @@ def test_compress_api_and_cli_recipe_give_identical_artifacts(micro_path, tmp_pa
     # command-line options override the recipe, and a work dir made otherwise is refused
     r = moesq("run", "--recipe", recipe, "-w", tmp_path / "cli", "--seq-len", "64", "--quiet", check=False)
     assert r.returncode == 1 and "seq_len: 32 (work dir) vs 64 (now)" in r.stderr
+
+
+def test_compress_takes_a_loaded_model(micro_path, tmp_path):
+    """A loaded transformers model is compressed from the checkpoint it was loaded from; one without a
+    source is refused in one line, before a work dir is made."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moesq_core import CompressConfig, compress
+
+    cfg = CompressConfig.from_dict({"calib": {"seq_len": 32, "n_train": 2, "n_val": 2, "n_init": 4},
+                                    "init": "rtn", "refine": None})
+    loaded = AutoModelForCausalLM.from_pretrained(micro_path)
+    handle = compress(loaded, cfg, workdir=tmp_path / "wd", device="cpu")
+    assert handle.stage == "init-rtn" and set(handle.summaries) == {"init-rtn"}
+    assert json.loads((tmp_path / "wd" / "manifest.json").read_text())["model"]["source"] == str(micro_path)
+    built = AutoConfig.from_pretrained(micro_path)
+    built.name_or_path = ""  # a model built in memory, from no checkpoint
+    unsaved = AutoModelForCausalLM.from_config(built)
+    with pytest.raises(ValueError, match=r"no source checkpoint .*save_pretrained\(DIR\)"):
+        compress(unsaved, cfg, workdir=tmp_path / "wd2", device="cpu")
+    assert not (tmp_path / "wd2").exists()
 
 
 def test_stage_commands_print_json(micro_path, tmp_path):

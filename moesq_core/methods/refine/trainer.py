@@ -142,6 +142,8 @@ class RefineConfig:
     states instead (validation stays the exact KL): no vocabulary-sized logits per step.
     """
 
+    __pydantic_config__ = {"extra": "forbid"}  # config files: an unknown key is an error (moesq_core.config)
+
     epochs: int = 10
     steps_per_epoch: int | None = None  # None: from batch_rows when given, else the paper's 128
     batch_rows: int | None = None  # when set: steps_per_epoch = ceil(training rows of the block / batch_rows)
