@@ -142,6 +142,16 @@ def test_cli_batch_from_prompts_and_file(p48_pack, tmp_path):
         assert r.exit_code == 2 and msg in r.stderr, r.stderr
 
 
+def test_decode_benchmark_times_the_generate_step(p48_pack):
+    """The decode benchmark's loop is generate's DecodeStep (eager here): it prefills, steps and times."""
+    from moesq_core.bench.e2e_decode import run_decode
+    from moesq_core.checkpoint.generate import load_pack
+
+    model = load_pack(p48_pack, device="cpu").model
+    rec = run_decode(model, 2, 8, 4, 30.0, torch.Generator().manual_seed(0))
+    assert rec["steps"] == 4 and rec["cuda_graph"] is False and rec["tokens_per_s"] > 0 and rec["prefill_s"] > 0
+
+
 # -- on a GPU: the captured step against the eager one ----------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
@@ -182,3 +192,4 @@ def test_graph_step_matches_transformers_generate_on_gpu(packs):
         agree += c["completion"] == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     # GPU kernels may round a batch differently from a single row; a near tie can then flip one token
     assert agree >= len(PROMPTS) - 1
+
