@@ -152,6 +152,43 @@ def test_decode_benchmark_times_the_generate_step(p48_pack):
     assert rec["steps"] == 4 and rec["cuda_graph"] is False and rec["tokens_per_s"] > 0 and rec["prefill_s"] > 0
 
 
+# -- benchmarks/generate_vs_decode_step.py (its measurements need a GPU) -------------------------------------------
+def test_generate_vs_decode_step_arguments_and_refusal(tmp_path, capsys):
+    from conftest import benchmark_module
+
+    bench = benchmark_module("generate_vs_decode_step")
+    args = bench.parse_args(["--root", str(tmp_path)])
+    assert args.layers == 4 and args.batches == [1, 16] and args.format == "p48-nvfp4" and args.device == "cuda"
+    for bad in (["--batches", "1", "0"], ["--new-tokens", "1"], ["--layers", "0"], ["--format", "int3"], []):
+        with pytest.raises(SystemExit) as e:
+            bench.parse_args(["--root", str(tmp_path), *bad] if bad else bad)
+        assert e.value.code == 2
+    texts = bench.prompts(4, 100)
+    assert len({len(t) for t in texts}) == 4 and all(texts)  # different lengths: the batch is left-padded
+    md = bench.markdown({"date": "d", "gpu": "g", "torch": "t", "transformers": "x", "commit": "c", "model": "m",
+                         "format": "f", "dtype": "bfloat16", "new_tokens": 8, "prompt_chars": 100,
+                         "runs": [{"batch": 16, "error": "OutOfMemoryError: ..."}]})
+    assert "| 16 | error: OutOfMemoryError" in md
+    if not torch.cuda.is_available():  # refuses before writing anything
+        assert bench.main(["--root", str(tmp_path / "root"), "--out", str(tmp_path / "out")]) == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err and not any(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_generate_vs_decode_step_smoke_run_on_cpu(tmp_path):
+    """The whole script at a small width on the CPU (~1 min): model, init-rtn stage, pack, generate and step."""
+    from conftest import run_benchmark_script
+
+    run_benchmark_script("generate_vs_decode_step", "--root", tmp_path / "root", "--out", tmp_path / "out", "--small",
+                         "--device", "cpu", "--layers", "1", "--batches", "1", "3", "--new-tokens", "6",
+                         "--repeats", "1", "--prompt-chars", "120")
+    (doc,) = [json.loads(f.read_text()) for f in (tmp_path / "out").glob("generate_vs_decode_step_cpu_*.json")]
+    assert [r["batch"] for r in doc["runs"]] == [1, 3]
+    for r in doc["runs"]:
+        assert r["generate"]["decode_tokens_per_s"] > 0 and r["step"]["steps"] == 6 and r["generate_vs_step"] > 0
+    assert (tmp_path / "out").joinpath(next((tmp_path / "out").glob("*.json")).stem + ".md").is_file()
+
+
 # -- on a GPU: the captured step against the eager one ----------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
