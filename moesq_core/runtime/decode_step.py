@@ -134,30 +134,46 @@ class DecodeStep:
     # -- set-up ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def capture(self, warmup: int = 2) -> bool:
-        """Warm the step up on a side stream (the cache allocates, kernels compile; the second warm-up step's
-        time is `eager_step_ms`) and capture it in a CUDA graph. Leaves the buffers and the cache reset (call
-        before `prefill`). Returns whether a graph was captured; on failure `graph_error` says why and `step`
-        stays eager."""
+        """Warm the step up on a side stream (the cache allocates, kernels compile and tune; the last warm-up
+        step's time is `eager_step_ms`) and capture it in a CUDA graph. Leaves the buffers and the cache reset
+        (call before `prefill`). Returns whether a graph was captured; if not, `graph_error` says why and `step`
+        stays eager. The last warm-up step runs with synchronising CUDA calls raising: a step that reads the
+        device from the host (e.g. a reference experts module) cannot be captured, and is then not tried,
+        since a capture that fails part-way leaves its stream's allocations routed to the dead graph's pool."""
         if self.device.type != "cuda":
             self.graph_error = "not a CUDA device"
             return False
+        main = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(main)
         with torch.cuda.stream(side):
-            for _ in range(warmup):
+            for i in range(warmup):
                 t0 = time.perf_counter()
-                self._eager_step()
+                mode = torch.cuda.get_sync_debug_mode()
+                if i == warmup - 1:
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    self._eager_step()
+                except RuntimeError as e:
+                    self.graph_error = f"the step synchronises with the host: {e}"[:300]
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
                 torch.cuda.synchronize(self.device)
                 self.eager_step_ms = round((time.perf_counter() - t0) * 1e3, 3)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        main.wait_stream(side)
         torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                self._eager_step()
-            self.graph = graph
-        except Exception as e:  # noqa: BLE001 - e.g. a module reading the device on the host: run eagerly
-            self.graph_error = f"{type(e).__name__}: {e}"[:300]
+        if self.graph_error is None:
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.stream(torch.cuda.Stream(self.device)):  # left even when the capture fails
+                    graph.capture_begin()
+                    try:
+                        self._eager_step()
+                    finally:
+                        graph.capture_end()
+                self.graph = graph
+            except RuntimeError as e:
+                self.graph_error = f"{type(e).__name__}: {e}"[:300]
             torch.cuda.synchronize(self.device)
         self._reset()
         return self.graph is not None
