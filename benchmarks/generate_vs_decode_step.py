@@ -114,6 +114,7 @@ def measure(pack, batch: int, args) -> dict:
            "decode_tokens_per_s": median(r["decode"]["tokens_per_second"] for r in runs),
            "decode_step_ms": median(1e3 * r["decode"]["seconds"] / r["decode"]["steps"] for r in runs),
            "tokens_per_s": median(r["tokens_per_second"] for r in runs),
+           "capture_s": median(r["decode"]["capture_seconds"] for r in runs),
            "runs": [{k: r[k] for k in ("prefill", "decode", "tokens_per_second", "new_tokens")} for r in runs]}
     if "graph_error" in runs[0]["decode"]:
         gen["graph_error"] = runs[0]["decode"]["graph_error"]

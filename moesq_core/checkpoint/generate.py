@@ -146,7 +146,8 @@ def generate_batch(pack: LoadedPack, prompts: list[str], *, max_new_tokens: int 
                    for p, t in zip(prompts, gen.tokens)]
     new = sum(len(t) for t in gen.tokens)
     decode = {"tokens": gen.decode_tokens, "steps": gen.decode_steps, "seconds": round(gen.decode_seconds, 4),
-              "tokens_per_second": _rate(gen.decode_tokens, gen.decode_seconds), "cuda_graph": gen.cuda_graph}
+              "tokens_per_second": _rate(gen.decode_tokens, gen.decode_seconds), "cuda_graph": gen.cuda_graph,
+              "capture_seconds": round(gen.capture_seconds, 4)}
     if gen.graph_error and pack.device.type == "cuda":  # why the step ran eagerly
         decode["graph_error"] = gen.graph_error
     return {

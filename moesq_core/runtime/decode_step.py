@@ -220,6 +220,7 @@ class Generation:
     cuda_graph: bool
     graph_error: str | None = None
     eager_step_ms: float | None = None  # one warm-up step before capture (CUDA)
+    capture_seconds: float = 0.0  # warm-up and capture, before the prefill (not in the timings above)
 
     @property
     def decode_tokens(self) -> int:
@@ -243,9 +244,11 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     B, L = input_ids.shape
     step = DecodeStep(model, B, L + max_new_tokens, sampling, eos_token_ids, pad_token_id)
-    if cuda_graph and step.device.type == "cuda":
-        step.capture()
     dev = step.device
+    t_capture = time.perf_counter()
+    if cuda_graph and dev.type == "cuda":
+        step.capture()
+    capture_s = time.perf_counter() - t_capture
     check_every = finished_check_every if dev.type == "cuda" else 1
     _sync(dev)
     t0 = time.perf_counter()
@@ -266,4 +269,4 @@ def generate_tokens(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         end = next((i for i, t in enumerate(row) if t in eos), None)
         rows.append(row if end is None else row[:end + 1])
     return Generation(rows, int(attention_mask.sum()), t1 - t0, steps, t2 - t1, step.graph is not None,
-                      step.graph_error, step.eager_step_ms)
+                      step.graph_error, step.eager_step_ms, capture_s)
