@@ -116,6 +116,17 @@ def test_select_tokens_filters():
     assert torch.equal(a, select_tokens(logits, Sampling(temperature=1.0)))
 
 
+def test_dtype_auto_is_bf16_on_a_gpu_fp32_on_the_cpu():
+    from moesq_core.checkpoint.generate import resolve_dtype
+
+    assert resolve_dtype("auto", torch.device("cuda")) == "bfloat16"
+    assert resolve_dtype("auto", torch.device("cpu")) == "float32"
+    assert [resolve_dtype(d, torch.device("cpu")) for d in ("bf16", "fp16", "fp32", "float16")] == [
+        "bfloat16", "float16", "float32", "float16"]
+    with pytest.raises(ValueError, match="--dtype 'int8'"):
+        resolve_dtype("int8", torch.device("cpu"))
+
+
 def test_sampling_is_seeded(p48_pack):
     from moesq_core.checkpoint.generate import generate_batch, load_pack
 
