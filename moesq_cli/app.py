@@ -798,12 +798,14 @@ def bench_kernel(
 @_guard
 def generate(
     path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack` (any format).")],
-    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue (or the user message with --chat).")],
-    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate.")] = 64,
-    chat: Annotated[bool, typer.Option(help="Wrap the prompt in the model's chat template.")] = False,
+    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Text to continue (or the user message with --chat); repeatable: the prompts run as one batch.")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="File of prompts, one per line (blank lines skipped), batched with any --prompt.")] = None,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 64,
+    chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
     temperature: Annotated[float, typer.Option(callback=_non_negative_float, help="0 = greedy; > 0 samples (seeded by --seed).")] = 0.0,
     seed: Annotated[int, typer.Option(min=0, help="Sampling seed.")] = 0,
-    dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16 for the non-expert weights.")] = "float32",
+    dtype: Annotated[str, typer.Option(help="auto | bf16 | fp16 | fp32 (or bfloat16 | float16 | float32) for the "
+                                            "non-expert weights; auto: bf16 on a GPU, fp32 on the CPU.")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N (auto: the GPU when there is one; on "
                                               "sm_90 packed p48 experts run through the fast Hopper module).")] = "auto",
     json_out: JsonOpt = None,
@@ -811,23 +813,34 @@ def generate(
 ):
     """Load a packed checkpoint through load_packed and generate text: the first thing to try with a compressed model.
 
+    The prompts run as one left-padded batch with a static KV cache; on a GPU each decode step replays a CUDA graph.
+
     Example: [bold]moesq generate moesq-work/packed --prompt "The capital of France is" --max-new-tokens 16[/]
     """
     _setup(None, quiet)
-    from moesq_core.checkpoint.generate import DTYPES, generate_text
+    from moesq_core.checkpoint.generate import DTYPE_CHOICES, generate_text, read_prompts
 
-    if dtype not in DTYPES:
-        _fail(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}", 2)
+    if dtype not in DTYPE_CHOICES:
+        _fail(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}", 2)
+    try:
+        prompts = read_prompts(prompt or [], prompts_file)
+    except ValueError as e:
+        _fail(str(e), 2)
 
     with RichProgress(quiet) as p:
-        doc = generate_text(path, prompt, max_new_tokens=max_new_tokens, device=device, dtype=dtype, chat=chat,
+        doc = generate_text(path, prompts, max_new_tokens=max_new_tokens, device=device, dtype=dtype, chat=chat,
                             temperature=temperature, seed=seed, progress=p)
     con = _out_console(json_out)
-    con.print(f"[dim]{doc['format']} on {doc['device']} ({', '.join(doc['experts_module'])}), loaded in "
-              f"{doc['load_seconds']:.1f} s, {doc['tokens_per_second']} tokens/s[/]", highlight=False)
+    dec = doc["decode"]
+    step = "CUDA graph" if dec["cuda_graph"] else "eager"
+    con.print(f"[dim]{doc['format']} on {doc['device']} ({', '.join(doc['experts_module'])}, {doc['dtype']}), loaded "
+              f"in {doc['load_seconds']:.1f} s; batch {doc['batch_size']}: prefill "
+              f"{doc['prefill']['tokens_per_second']} tokens/s, decode {dec['tokens_per_second']} tokens/s ({step})[/]",
+              highlight=False)
     from rich.text import Text
 
-    con.print(Text.assemble((doc["prompt"], "bold"), doc["completion"]))  # Text: no markup in user text
+    for c in doc["completions"]:
+        con.print(Text.assemble((c["prompt"], "bold"), c["completion"]))  # Text: no markup in user text
     _write_json(json_out, doc)
 
 

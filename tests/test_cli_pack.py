@@ -45,7 +45,7 @@ def test_pack_verify_generate_json(stages, tmp_path):
     assert v["schema"] == "moesq.verify/1" and v["ok"] and v["checksums"] == "ok"
     r = moesq("generate", out, "--prompt", "Memory barriers order", "--max-new-tokens", "3", "--json", "-", "--quiet")
     g = json.loads(r.stdout)
-    assert g["schema"] == "moesq.generate/1" and g["new_tokens"] == 3 and g["device"] == "cpu"
+    assert g["schema"] == "moesq.generate/2" and g["new_tokens"] == 3 and g["device"] == "cpu"
 
 
 def test_pack_refusals_lose_nothing(stages, tmp_path):

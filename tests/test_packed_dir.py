@@ -151,9 +151,10 @@ def test_load_packed_reads_tensor_by_tensor(packs, monkeypatch):
 def test_generate_loads_every_format(packs, fmt):
     from moesq_core.checkpoint.generate import generate_text
 
-    doc = generate_text(packs[fmt][1], "Memory barriers order", max_new_tokens=4, device="cpu")
-    assert doc["schema"] == "moesq.generate/1" and doc["format"] == fmt and doc["new_tokens"] == 4
-    assert doc["experts_module"] == ["MoesqExperts"] and isinstance(doc["completion"], str)
+    doc = generate_text(packs[fmt][1], ["Memory barriers order"], max_new_tokens=4, device="cpu")
+    assert doc["schema"] == "moesq.generate/2" and doc["format"] == fmt and doc["new_tokens"] == 4
+    assert doc["experts_module"] == ["MoesqExperts"] and isinstance(doc["completions"][0]["completion"], str)
+    assert doc["dtype"] == "float32" and doc["batch_size"] == 1 and doc["decode"]["cuda_graph"] is False
 
 
 # ---- model card ------------------------------------------------------------------------------------------------

@@ -6,11 +6,10 @@ on one Hopper GPU.
     moesq bench-kernel --e2e --out DIR
     python -m moesq_core.bench.e2e_decode --out DIR [--layers 48] [--batches 1 16 64] [--variants bf16 s24 ...]
 
-Decode loop: transformers model forward with a StaticCache; the prompt (128 random tokens per sequence) is
-prefilled eagerly, then one greedy decode step (forward, argmax, next-token and position update) is captured
-in a CUDA graph and replayed; tokens/s = batch / median step time. This is the model's own forward and
-cache, driven by a graph-replay loop instead of `generate` (whose Python loop and host synchronisation per
-step would otherwise dominate at these step times). Expert memory = bytes of the routed experts' weights on
+Decode loop: `moesq generate`'s decode step (moesq_core.runtime.decode_step: the model's own forward over a
+StaticCache, greedy argmax, next-token and position update on static buffers) captured in a CUDA graph; the
+prompt (128 random tokens per sequence) is prefilled eagerly, then the step is replayed; tokens/s = batch /
+median step time (`moesq generate` adds the prefill and a host read of the finished flags every 8 steps). Expert memory = bytes of the routed experts' weights on
 the GPU. Weights are random, so the benchmark measures speed only (the routers spread tokens ~uniformly).
 Writes e2e_decode.{json,md,png}.
 """
@@ -139,76 +138,50 @@ def expert_bytes(model) -> int:
 
 
 def run_decode(model, batch: int, prompt: int, max_steps: int, budget_s: float, gen: torch.Generator) -> dict:
-    from transformers import StaticCache
+    """Time `moesq generate`'s decode step (moesq_core.runtime.decode_step) on `batch` random prompts of `prompt`
+    tokens: captured in a CUDA graph (one eager warm-up step timed), prefilled, then replayed up to `max_steps`
+    times or `budget_s` seconds; the median step gives tokens/s."""
+    from ..runtime.decode_step import DecodeStep
 
     dev = next(model.parameters()).device
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    cfg = model.config
     max_len = prompt + max_steps + 8
-    cache = StaticCache(config=cfg, max_cache_len=max_len)
-    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=gen, device=dev)
-    sync()
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        out = model(input_ids=ids, cache_position=torch.arange(prompt, device=dev), past_key_values=cache, use_cache=True)
-    sync()
-    prefill_s = time.perf_counter() - t0
-    tok = out.logits[:, -1].argmax(-1, keepdim=True)
-    pos = torch.full((1,), prompt, dtype=torch.long, device=dev)
-    del out
-
-    def step():
-        o = model(input_ids=tok, position_ids=pos.expand(batch, 1), cache_position=pos, past_key_values=cache,
-                  use_cache=True)
-        tok.copy_(o.logits[:, -1].argmax(-1, keepdim=True))
-        pos.add_(1)
-
-    rec: dict = {"batch": batch, "prompt": prompt, "prefill_s": round(prefill_s, 3)}
+    step = DecodeStep(model, batch, max_len)
+    rec: dict = {"batch": batch, "prompt": prompt, "cuda_graph": False}
     with torch.no_grad():
         if cuda:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                t0 = time.perf_counter()
-                step()
-                sync()
-                rec["eager_step_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            sync()
-        runner, rec["cuda_graph"] = step, False
-        if cuda:
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                runner, rec["cuda_graph"] = graph.replay, True
-            except Exception as e:  # report eager timing rather than nothing
-                rec["graph_error"] = f"{type(e).__name__}: {e}"[:300]
-                sync()
-        runner()
+            rec["cuda_graph"] = step.capture()
+            rec["eager_step_ms"] = step.eager_step_ms
+            if step.graph_error:  # report eager timing rather than nothing
+                rec["graph_error"] = step.graph_error
+        ids = torch.randint(0, model.config.vocab_size, (batch, prompt), generator=gen, device=dev)
+        sync()
+        t0 = time.perf_counter()
+        step.prefill(ids, torch.ones_like(ids))
+        sync()
+        rec["prefill_s"] = round(time.perf_counter() - t0, 3)
+        step.step()
         sync()
         times = []
         t_start = time.perf_counter()
-        while len(times) < max_steps and int(pos) < max_len - 1:
+        while len(times) < max_steps and int(step.slot) < max_len - 1:
             t1 = time.perf_counter()
             if cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
-                runner()
+                step.step()
                 b.record()
                 b.synchronize()
                 times.append(a.elapsed_time(b))
             else:
-                runner()
+                step.step()
                 times.append((time.perf_counter() - t1) * 1e3)
             if time.perf_counter() - t_start > budget_s and len(times) >= 3:
                 break
     ms = statistics.median(times)
-    rec.update({"steps": len(times), "step_ms": round(ms, 3), "tokens_per_s": round(batch * 1e3 / ms, 2),
-                "finite_logits": bool(torch.isfinite(tok.float()).all())})
-    del cache
+    rec.update({"steps": len(times), "step_ms": round(ms, 3), "tokens_per_s": round(batch * 1e3 / ms, 2)})
+    del step
     return rec
 
 
