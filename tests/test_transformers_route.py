@@ -59,7 +59,7 @@ def test_from_pretrained_gives_load_packeds_model(route_packs, fmt, dtype):
     model = AutoModelForCausalLM.from_pretrained(path, **({} if dtype is None else {"dtype": dtype}))
     assert _digests(path) == before  # loading writes nothing into the pack
     ref, _ = load_packed(path, dtype=model.dtype)
-    for ours, theirs in zip(model.model.layers, ref.model.layers):
+    for ours, theirs in zip(model.model.layers, ref.model.layers, strict=True):
         assert type(ours.mlp.experts) is type(theirs.mlp.experts)
         assert ours.mlp.experts.act_quant  # the pack's W4A4 / W8A8, as load_packed serves it
     assert not model.training and not any(m.training for m in model.modules())
