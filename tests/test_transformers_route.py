@@ -137,3 +137,10 @@ assert isinstance(model.model.layers[0].mlp.experts, MoesqExperts)
     assert first.returncode == 0, first.stderr[-3000:]
     after = _run("import transformers.quantizers.auto\nimport moesq_core\n" + check)
     assert after.returncode == 0, after.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_model_card_says_how_transformers_loads_the_pack(route_packs, fmt):
+    card = (route_packs[fmt] / "README.md").read_text()
+    loading = card[card.index("## Loading"):]
+    assert "`import moesq_core` and `transformers.AutoModelForCausalLM.from_pretrained(DIR)`" in loading
