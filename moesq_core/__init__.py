@@ -3,6 +3,9 @@
     from moesq_core import compress, CompressConfig, load_packed
     compress("path/or/hub-id", CompressConfig.from_file("recipe.yaml"), workdir="work").save_pretrained("out")
     model, tok = load_packed("out")
+
+Importing moesq_core also lets transformers load packs: `AutoModelForCausalLM.from_pretrained("out")` gives
+load_packed's model (checkpoint/transformers_route.py).
 """
 __version__ = "0.1.0"
 

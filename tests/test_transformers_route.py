@@ -144,3 +144,25 @@ def test_the_model_card_says_how_transformers_loads_the_pack(route_packs, fmt):
     card = (route_packs[fmt] / "README.md").read_text()
     loading = card[card.index("## Loading"):]
     assert "`import moesq_core` and `transformers.AutoModelForCausalLM.from_pretrained(DIR)`" in loading
+
+
+def test_install_wraps_only_transformers_own_entries_once():
+    from types import SimpleNamespace
+
+    from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from moesq_core.checkpoint.transformers_route import (CompressedTensorsOrMoesqConfig,
+                                                          CompressedTensorsOrMoesqQuantizer, install)
+
+    table = SimpleNamespace(AUTO_QUANTIZATION_CONFIG_MAPPING={"compressed-tensors": CompressedTensorsConfig},
+                            AUTO_QUANTIZER_MAPPING={"compressed-tensors": CompressedTensorsHfQuantizer})
+    install(table)
+    install(table)  # importing moesq_core again changes nothing
+    assert table.AUTO_QUANTIZATION_CONFIG_MAPPING == {"compressed-tensors": CompressedTensorsOrMoesqConfig}
+    assert table.AUTO_QUANTIZER_MAPPING == {"compressed-tensors": CompressedTensorsOrMoesqQuantizer}
+    foreign = SimpleNamespace(AUTO_QUANTIZATION_CONFIG_MAPPING={"compressed-tensors": dict},
+                              AUTO_QUANTIZER_MAPPING={"compressed-tensors": CompressedTensorsHfQuantizer})
+    with pytest.raises(RuntimeError, match="not its own classes"):
+        install(foreign)
+    assert foreign.AUTO_QUANTIZATION_CONFIG_MAPPING["compressed-tensors"] is dict

@@ -17,6 +17,7 @@ tensors are never loaded into transformers' dense experts modules.
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
 from transformers.utils.quantization_config import CompressedTensorsConfig, QuantizationConfigMixin
 
+log = logging.getLogger(__name__)
 ROUTED_METHOD = "compressed-tensors"  # the quant_method moesq packs write
 MOESQ_KEY = "moesq"  # the quantization_config entry that marks a moesq pack
 
@@ -114,8 +116,9 @@ class MoesqPackQuantizer(HfQuantizer):
         from ..models import adapter_for
 
         if not checkpoint_files:
-            raise ValueError("a moesq pack loads from its directory's safetensors files; from_pretrained got none "
-                             "(a state_dict argument is not supported): pass the pack's directory or Hub id")
+            raise ValueError("a moesq pack loads from its directory's safetensors files, and from_pretrained passed "
+                             "none (a state_dict= argument?): pass the pack's directory or Hub id, or use "
+                             "moesq_core.load_packed")
         self.pack_dir = Path(checkpoint_files[0]).parent
         ignored = set(model._keys_to_ignore_on_load_unexpected or ())
         for block in adapter_for(model.config).blocks(model):
@@ -136,7 +139,9 @@ class MoesqPackQuantizer(HfQuantizer):
         return model
 
     def is_serializable(self) -> bool:
-        return False  # a moesq pack is written by `moesq pack`
+        log.warning("a model loaded from a moesq pack is not saved by save_pretrained: the pack itself is the "
+                    "checkpoint (`moesq pack` writes it)")
+        return False
 
     @property
     def is_trainable(self) -> bool:
