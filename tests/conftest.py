@@ -109,11 +109,8 @@ def micro_calibrated(micro_path):
 PACK_FORMATS = ("p48-nvfp4", "dense-nvfp4", "s24-fp8")
 
 
-@pytest.fixture(scope="session")
-def stages(micro_path, tmp_path_factory):
-    """{format: WorkDir with a finished init-rtn stage} (seconds each on the embedded model)."""
-    root = tmp_path_factory.mktemp("stages")
-    out = {}
+def finished_stage(micro_path: Path, root: Path, fmt: str):
+    """A WorkDir at `root` with a finished init-rtn stage of the embedded model in format `fmt` (seconds)."""
     from moesq_core.calibration import CalibConfig, build_calibration, read_documents
     from moesq_core.engine import StageSpec, run_stage
     from moesq_core.formats import get_format
@@ -122,17 +119,22 @@ def stages(micro_path, tmp_path_factory):
     from moesq_core.pipeline import DEFAULT_CALIB
     from moesq_core.workdir import WorkDir, model_fingerprint
 
-    for fmt in PACK_FORMATS:
-        model, tok, adapter, path = load_model(micro_path)  # fresh: run_stage replaces the model's experts
-        calib = build_calibration(tok, read_documents(DEFAULT_CALIB, max_chars=200_000),
-                                  CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
-        wd = WorkDir(root / fmt)
-        wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)},
-                {"format": fmt, "act_quant": True})
-        run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(fmt), lambda li: RTN(), {"method": "rtn"},
-                                                   batch_size=4), wd)
-        out[fmt] = wd
-    return out
+    model, tok, adapter, path = load_model(micro_path)  # fresh: run_stage replaces the model's experts
+    calib = build_calibration(tok, read_documents(DEFAULT_CALIB, max_chars=200_000),
+                              CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
+    wd = WorkDir(root)
+    wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)},
+            {"format": fmt, "act_quant": True})
+    run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(fmt), lambda li: RTN(), {"method": "rtn"},
+                                               batch_size=4), wd)
+    return wd
+
+
+@pytest.fixture(scope="session")
+def stages(micro_path, tmp_path_factory):
+    """{format: WorkDir with a finished init-rtn stage} (seconds each on the embedded model)."""
+    root = tmp_path_factory.mktemp("stages")
+    return {fmt: finished_stage(micro_path, root / fmt, fmt) for fmt in PACK_FORMATS}
 
 
 @pytest.fixture(scope="session")

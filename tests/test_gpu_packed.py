@@ -1,6 +1,6 @@
 """On a Hopper GPU: a packed micro model loads through the fast experts module of its format (p48-nvfp4: the
 Triton p48 kernels; s24-fp8: the CUTLASS 2:4 kernels), its logits match the CPU reference module, and it
-generates text."""
+generates text; `AutoModelForCausalLM.from_pretrained` (after `import moesq_core`) serves the same modules."""
 from __future__ import annotations
 
 import pytest
@@ -83,3 +83,23 @@ def test_s24_fast_path_logits_and_generation(packed_micro_s24):
     text = tok2.decode(out[0, ids.shape[1]:])
     assert len(out[0]) == ids.shape[1] + 24 and text.strip()
     print(f"s24 rel={float(rel):.2e} generated: {text!r}")
+
+
+@pytest.mark.parametrize("fixture, fast_module", [("packed_micro", "P48HopperExperts"), ("packed_micro_s24", "S24HopperExperts")])
+@torch.no_grad()
+def test_from_pretrained_serves_the_fast_experts_like_load_packed(request, fixture, fast_module):
+    """`import moesq_core` + `AutoModelForCausalLM.from_pretrained(pack, device_map="cuda")`: the format's fast
+    experts module, and exactly load_packed's logits (the same modules on the same weights and inputs)."""
+    import moesq_core  # noqa: F401  (routes moesq packs through transformers' loader)
+    from transformers import AutoModelForCausalLM
+
+    from moesq_core.checkpoint.loader import load_packed
+
+    path, tok = request.getfixturevalue(fixture)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cuda")
+    ref, _ = load_packed(path, device="cuda", dtype=torch.float32)
+    for ours, theirs in zip(model.model.layers, ref.model.layers, strict=True):
+        assert type(ours.mlp.experts).__name__ == fast_module and type(theirs.mlp.experts) is type(ours.mlp.experts)
+        assert ours.mlp.experts.act_quant
+    ids = tok("The scheduler picks the next task to run on each CPU", return_tensors="pt")["input_ids"].cuda()
+    assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)

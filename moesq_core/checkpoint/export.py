@@ -42,6 +42,9 @@ CARRIED_PATTERNS = ("*.py", "*.jinja")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hub's customary 5 GB shards
 LARGE_UPLOAD_BYTES = 20 * 10**9  # above this, push with upload_large_folder (resumable, chunked commits)
 PACKED_SLOT = "packed"  # the work dir's own pack location (WORKDIR/packed), the default --out
+TRANSFORMERS_LOADER = ("`pip install moesq`, then `import moesq_core` and `transformers.AutoModelForCausalLM."
+                       "from_pretrained(DIR)`: the same model as `load_packed` (moesq routes its packs through "
+                       "transformers' loader).")  # the model card's first loader, every format
 
 
 def parse_size(text: str) -> int:
@@ -284,7 +287,7 @@ def model_card(manifest: dict, src: Path, summary: dict, ppl: dict | None) -> st
     if ppl:
         lines += ["", "## Measured perplexity", "", "| model | perplexity |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in sorted(ppl.items())]
-    lines += ["", "## Loading", "", *[f"- {x}" for x in fmt.card_loaders], "",
+    lines += ["", "## Loading", "", *[f"- {x}" for x in (TRANSFORMERS_LOADER, *fmt.card_loaders)], "",
               "`moesq verify DIR` checks every file against the checksums in `moesq_pack.json` and every packed "
               "expert tensor's structure.", ""]
     return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(lines)))

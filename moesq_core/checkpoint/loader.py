@@ -73,6 +73,28 @@ def _progress_task(progress, description: str, total: int):
     return progress.task(description, total)
 
 
+def install_packed_experts(block, reader: _PackedTensors, fmt, act_quant: bool, device: torch.device,
+                           fast: bool | None = None) -> list[str]:
+    """Replace `block`'s routed experts with the module `fmt` serves the pack's tensors with (built for
+    `device`, see Format.make_experts); returns the names of the tensors it consumed. ValueError, naming the
+    pack, for a tensor that belongs to no expert of the block or an expert linear without tensors."""
+    path = reader.path
+    mine = [k for k in reader.names() if k.startswith(block.prefix + ".")]
+    per_expert = [{p: {} for p in PROJECTIONS} for _ in range(block.num_experts)]
+    for k in mine:
+        parsed = parse_expert_tensor(k)
+        if parsed is None or parsed[0] != block.prefix or parsed[1] >= block.num_experts:
+            raise ValueError(f"{path}: unexpected tensor {k}")
+        _, e, p, suffix = parsed
+        per_expert[e][p][suffix] = reader.get(k)
+    for e, t in enumerate(per_expert):
+        for p in PROJECTIONS:
+            if not t[p]:
+                raise ValueError(f"{path}: missing tensors for {expert_linear(block.prefix, e, p)}")
+    block.mlp.experts = fmt.make_experts(per_expert, act_quant, device, fast, block.prefix)  # the dense placeholder is dropped
+    return mine
+
+
 def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                 act_quant: bool | None = None, fast: bool | None = None, progress=None):
     """(model, tokenizer) from a packed directory written by `moesq pack`, in any moesq format.
@@ -109,21 +131,7 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     expert_names = set()
     with _progress_task(progress, f"loading {path.name}", len(blocks)) as task:
         for block in blocks:
-            mine = [k for k in names if k.startswith(block.prefix + ".")]
-            expert_names.update(mine)
-            per_expert = [{p: {} for p in PROJECTIONS} for _ in range(block.num_experts)]
-            for k in mine:
-                parsed = parse_expert_tensor(k)
-                if parsed is None or parsed[0] != block.prefix or parsed[1] >= block.num_experts:
-                    raise ValueError(f"{path}: unexpected tensor {k}")
-                _, e, p, suffix = parsed
-                per_expert[e][p][suffix] = reader.get(k)
-            for e, t in enumerate(per_expert):
-                for p in PROJECTIONS:
-                    if not t[p]:
-                        raise ValueError(f"{path}: missing tensors for {expert_linear(block.prefix, e, p)}")
-            module = fmt.make_experts(per_expert, act_quant, device, fast, block.prefix)
-            block.mlp.experts = module  # the dense placeholder is dropped, not kept aside
+            expert_names.update(install_packed_experts(block, reader, fmt, act_quant, device, fast))
             if task is not None:
                 task.advance(1)
     state = model.state_dict(keep_vars=True)

@@ -76,6 +76,8 @@ FORMAT = FP8Format(
         "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)`.",
         "vLLM and other compressed-tensors `float-quantized` consumers (channel-wise FP8 weights, dynamic per-token "
         "FP8 activations; the standard layout).",
+        "Without `import moesq_core`, transformers' `AutoModelForCausalLM.from_pretrained` runs it weights-only (no "
+        "FP8 activations), not the W8A8 model the other loaders serve.",
     ),
     ct_format="float-quantized",
 )

@@ -62,7 +62,7 @@ FORMAT = NVFP4Format(
     card_loaders=(
         "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)`.",
         "vLLM and other compressed-tensors `nvfp4-pack-quantized` consumers (standard layout).",
-        "Stock transformers `AutoModelForCausalLM.from_pretrained` loads it without an error but currently returns "
-        "experts multiplied by their global scale (wrong outputs): use `load_packed` instead.",
+        "Without `import moesq_core`, transformers' `AutoModelForCausalLM.from_pretrained` loads it without an error "
+        "but returns experts multiplied by their global scale (wrong outputs).",
     ),
 )

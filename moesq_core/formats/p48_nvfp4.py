@@ -255,8 +255,8 @@ FORMAT = P48Format(
         "Hopper GPU the packed Triton experts).",
         "vLLM with the public MoESQ release's paired 4:8 patch on Blackwell GPUs (it reads the `paired48_sparse` "
         "marker).",
-        "Stock transformers cannot load this layout (it raises while converting the expert weights); stock vLLM "
-        "does not know the `paired48_sparse` marker.",
+        "Without `import moesq_core`, transformers cannot load this layout (it raises while converting the expert "
+        "weights); stock vLLM does not know the `paired48_sparse` marker.",
     ),
     markers=(MARKER_KEY,),
 )

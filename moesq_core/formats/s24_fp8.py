@@ -154,9 +154,9 @@ FORMAT = S24Format(
     scheme="W8A8", act_label="FP8",
     card_tags=("fp8", "sparse", "2-4-sparsity"),
     card_loaders=(
-        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)` only.",
+        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)`.",
         "This is moesq's own layout (format `moesq-sparse24-fp8`, marker `moesq_sparse24`); compressed-tensors' "
-        "config parsing, and so stock transformers, refuse it.",
+        "config parsing, and so transformers without `import moesq_core`, refuse it.",
     ),
     markers=(MARKER_KEY,),
     ct_format=CONFIG_FORMAT,
