@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-# Measured on an H200 (benchmarks/results/solvers_h200_2026-12-01_0a68eba.md): for the kept-set solves that bound
+# Measured on an H200 with benchmarks/bench_sgptq.py's factorisation variants: for the kept-set solves that bound
 # OBR ([256, 1024, 1024] fp64), "inverse" with leaves of 64 was the fastest variant (15.5 ms; torch's batched
 # cuSOLVER calls 23.5 ms); for 2048² Hessian factors all recursive variants beat cuSOLVER's batched calls.
 BASE = 64

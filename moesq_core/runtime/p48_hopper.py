@@ -20,8 +20,8 @@ of its rows in this call (as the reference MoesqExperts does); that takes an ext
 time, then a separate quantization pass (p48_triton.nvfp4_quantize_rows); with static scales the routing scatter
 already quantizes for free. `quant_in_kernel = True` has the gate/up GEMM on the sparse tensor cores quantize its
 bf16 input itself instead (the kernel's in-staging NVFP4 quantization, the same operands bit for bit); it is off
-because the pass plus the W4A16 GEMM is faster at every measured size on H200 (Qwen3-30B-A3B gate/up, 1 token
-per expert: 51.8 vs 53.6 µs; Kimi-K2.5 gate/up: 150.6 vs 166.9 µs; benchmarks/results/p48_kernel_bench_*).
+because the pass plus the W4A16 GEMM was faster at every measured size on an H200 (the `p48_mma_w4a4_fused`
+column of benchmarks/results/p48_kernel_bench_h200_2026-12-03_d3114ab.md).
 With `reference=True` (the default off CUDA) the module runs moesq_core.kernels.p48_reference instead, which
 defines the numerics the GPU path reproduces up to fp32 summation order.
 """

@@ -634,7 +634,7 @@ class BlockRefiner:
                     raise ValueError(f"init for expert {ex.index} {p} is in format {qw.format!r}, refining {fmt.name!r}")
         self.cd = self._compute_dtype()
         # auto: compiled on CUDA, where the fused kernels take a third off the step (measured in
-        # benchmarks/results/refine_h200_*); eager on CPU, the reference path, where compiling costs more than it saves
+        # benchmarks/results/refine_h200_2026-12-01_202e777.md); eager on CPU, the reference path, where compiling costs more than it saves
         self.compiled = dev.type == "cuda" if config.compile == "auto" else bool(config.compile)
         self.fused_relax = self.compiled and relax_triton.available(dev)
         # the SwiGLU output and its quantizer in one Triton pass where the activation quantizer has one
