@@ -30,7 +30,7 @@ from . import distributed, packing
 from .formats import Format, QuantizedWeight
 from .methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method, TokenRows
 from .models import MoEAdapter, MoEBlock
-from .memory import consecutive_chunks, release_freed_memory
+from .memory import HOST_CHUNK_BYTES, consecutive_chunks, release_freed_memory
 from .progress import BlockProgress, NullProgress, note, skip
 from .runtime.experts import MoesqExperts
 from .state_checkpoint import EVERY_S, StateCheckpoint
@@ -760,7 +760,6 @@ def _results_to_cpu(r) -> None:
 
 WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a chunk's dense fp32 weights and results
 RESULT_BYTES_PER_WEIGHT = 6  # a method's result on the device until the chunk ends: codes, mask, fp32 latent
-HOST_CHUNK_BYTES = 256 << 20  # on the CPU, a chunk's dense fp32 weights and results (host memory per process)
 
 
 def expert_chunks(experts: list[int], I: int, H: int, device: torch.device) -> list[list[int]]:

@@ -7,6 +7,10 @@ from typing import Sequence, TypeVar
 
 T = TypeVar("T")
 
+# Host memory for one chunk of a block's experts compressed together on the CPU (dense fp32 copies, results,
+# a method's per-expert state): with the block loop's other copies, a process then holds a few blocks' worth.
+HOST_CHUNK_BYTES = 256 << 20
+
 
 def available_memory_bytes() -> int | None:
     """Memory the system can give new processes (Linux MemAvailable), else free pages, else None."""

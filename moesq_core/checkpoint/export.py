@@ -30,6 +30,7 @@ from .. import __version__
 from ..engine import load_block
 from ..formats import get_format
 from ..formats.quantizers import input_global_scales
+from ..memory import release_freed_memory
 from ..naming import INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
 from ..workdir import WorkDir, WorkDirError
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
@@ -60,15 +61,17 @@ def quantization_config(fmt_name: str, ignore: list[str], act_quant: bool, spars
     return get_format(fmt_name).quantization_config(list(ignore), act_quant, sparse_layout, moesq)
 
 
-def _source_tensors(src: Path):
-    """Yield (name, tensor) of every tensor in the source checkpoint, file by file, in stored order."""
+def _source_tensors(src: Path, skip=lambda name: False):
+    """Yield (name, tensor) of every tensor in the source checkpoint but those `skip(name)` names (never read),
+    file by file, in stored order."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{src}: no .safetensors weights to copy the non-expert tensors from")
     for f in files:
         with safe_open(str(f), "pt") as sf:
             for k in sf.keys():
-                yield k, sf.get_tensor(k)
+                if not skip(k):
+                    yield k, sf.get_tensor(k)
 
 
 class _ShardWriter:
@@ -144,6 +147,26 @@ def _fix_modes(root: Path) -> None:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
 
 
+def _add_packed_block(writer: _ShardWriter, path: Path, li: int, fmt, layout) -> tuple[int, int, int]:
+    """Block li's experts from its artifact at `path`, packed in the pack's layout with their activation
+    tensors, added to `writer` expert by expert; (packed weight bytes, weights, input-scale fallbacks)."""
+    results, amax_in, amax_mid = load_block(path)
+    g_in, n_in = input_global_scales(amax_in)
+    g_mid, n_mid = input_global_scales(amax_mid)
+    packed_bytes = n_weights = 0
+    for e, r in enumerate(results):
+        for proj, qw in r.weights().items():
+            name = expert_linear(experts_prefix(li), e, proj)
+            tensors = layout.pack(qw)
+            packed_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            n_weights += qw.codes.numel()
+            g = g_in if proj != "down" else g_mid
+            tensors.update(fmt.act.packed_tensors(g[e] if g is not None else None))
+            for suffix, t in tensors.items():
+                writer.add(f"{name}.{suffix}", t)
+    return packed_bytes, n_weights, n_in + n_mid
+
+
 def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: bool = False, sparse_layout: bool = True,
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ppl: dict | None = None, progress=None) -> dict:
     """Write the packed model directory; returns a summary (bits/weight, sizes, files)."""
@@ -171,9 +194,8 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
         blocks = sorted(int(k) for k in st["blocks"])
         packed_prefixes = {experts_prefix(li) for li in blocks}
         ignore = set()
-        for name, t in _source_tensors(src):
-            if any(name.startswith(p + ".") for p in packed_prefixes):
-                continue  # routed experts are written packed below
+        # routed experts are written packed below (and not read: a model's worth of reads through the heap)
+        for name, t in _source_tensors(src, skip=lambda name: any(name.startswith(p + ".") for p in packed_prefixes)):
             writer.add(name, t)
             if name.endswith(".weight") and t.dim() == 2:
                 ignore.add(name[: -len(".weight")])
@@ -182,20 +204,9 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
         packed_bytes, n_weights, fallbacks = 0, 0, 0
         layout = fmt.export_layout(sparse_layout)
         for li in blocks:
-            results, amax_in, amax_mid = load_block(workdir.verified_block(stage, li))
-            g_in, n_in = input_global_scales(amax_in)
-            g_mid, n_mid = input_global_scales(amax_mid)
-            fallbacks += n_in + n_mid
-            for e, r in enumerate(results):
-                for proj, qw in r.weights().items():
-                    name = expert_linear(experts_prefix(li), e, proj)
-                    tensors = layout.pack(qw)
-                    packed_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-                    n_weights += qw.codes.numel()
-                    g = g_in if proj != "down" else g_mid
-                    tensors.update(fmt.act.packed_tensors(g[e] if g is not None else None))
-                    for suffix, t in tensors.items():
-                        writer.add(f"{name}.{suffix}", t)
+            nbytes, nw, nf = _add_packed_block(writer, workdir.verified_block(stage, li), li, fmt, layout)
+            packed_bytes, n_weights, fallbacks = packed_bytes + nbytes, n_weights + nw, fallbacks + nf
+            release_freed_memory()  # the block's unpacked experts (freed on return), back to the system
             if progress:
                 progress(1)
         shards = writer.finish()
