@@ -54,6 +54,38 @@ def test_a_block_packed_in_chunks_is_the_bytes_of_one_stack(fmt_name, monkeypatc
             assert t.dtype == whole[k].dtype and torch.equal(t, whole[k]), k
 
 
+def test_pack_shards_are_written_from_a_spill_as_save_file_writes_them(tmp_path):
+    """pack's shard writer holds one tensor at a time (the shard's tensors wait in a spill file): each shard is
+    byte for byte what safetensors' save_file writes of its tensors (every dtype pack writes, empty and 0-d
+    tensors, names of any order), and no spill file is left."""
+    from safetensors.torch import save_file
+
+    from moesq_core.checkpoint.export import _ShardWriter
+
+    gen = torch.Generator().manual_seed(0)
+    dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8, torch.bool, torch.int32,
+              torch.int64, torch.float8_e4m3fn]
+    shapes = [(3, 5), (0, 4), (), (7,), (2, 3, 4)]
+    tensors = {(f"model.layers.{i % 7}.w{i}" if i % 3 else f"z{i}"): (torch.randn(shapes[i % 5], generator=gen) * 10)
+               .to(dtypes[i % len(dtypes)]) for i in range(45)}
+    writer = _ShardWriter(tmp_path, 160)  # several shards
+    for k, t in tensors.items():
+        writer.add(k, t)
+    shards = writer.shards + [{k: None for k in writer.cur}]  # the last, written by flush
+    writer.flush()
+    assert len(shards) > 3 and sum(map(len, shards)) == len(tensors)
+    for i, names in enumerate(shards, 1):
+        save_file({k: tensors[k] for k in names}, str(tmp_path / "want"), metadata={"format": "pt"})
+        assert (tmp_path / f".shard{i}.tmp").read_bytes() == (tmp_path / "want").read_bytes(), i
+    assert not list(tmp_path.glob("*.spill"))
+    held = torch.randn(1000, generator=gen)
+    ref = weakref.ref(held)
+    writer.add("held", held)
+    del held
+    gc.collect()
+    assert ref() is None  # written to the spill, not kept
+
+
 def test_the_block_loop_frees_each_block_before_the_next(tmp_path, monkeypatch, one_thread):
     """On a lazily opened model, when a block is compressed nothing of the previous block's results is alive and
     no earlier block's installed experts are: the earlier ones were released once they had propagated the

@@ -15,16 +15,17 @@ byte-deterministic: the same stage gives the same bytes (no timestamps, fixed or
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .. import __version__
 from ..engine import load_block
@@ -75,23 +76,55 @@ def _source_tensors(src: Path, skip=lambda name: False):
 
 
 class _ShardWriter:
-    """Collects tensors in order and writes a shard whenever the next tensor would pass max_bytes."""
+    """Collects tensors in order and writes a shard whenever the next tensor would pass max_bytes.
+
+    A shard's tensors go to a spill file beside it as they come, so host memory holds one tensor rather than
+    a shard (5 GB by default); at the shard's end its file is written as safetensors' save_file writes it,
+    byte for byte: the header (tensors ordered by safetensors' dtype order, then by name; compact JSON padded
+    with spaces to 8 bytes) and the tensors' bytes in that order, copied from the spill."""
+
+    COPY_BYTES = 64 << 20
 
     def __init__(self, out: Path, max_bytes: int):
         self.out, self.max, self.cur, self.cur_bytes, self.shards = out, max_bytes, {}, 0, []
+        self.spill = None
 
     def add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
         if self.cur and self.cur_bytes + nbytes > self.max:
             self.flush()
-        self.cur[name] = t.contiguous()
+        if self.spill is None:
+            self.spill = open(self.out / f".shard{len(self.shards) + 1}.spill", "w+b")
+        self.cur[name] = (t.dtype, tuple(t.shape), self.spill.tell(), nbytes)
+        self.spill.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
         self.cur_bytes += nbytes
 
     def flush(self) -> None:
-        if self.cur:
-            self.shards.append({k: (tuple(t.shape), t.numel() * t.element_size()) for k, t in self.cur.items()})
-            save_file(self.cur, str(self.out / f".shard{len(self.shards)}.tmp"), metadata={"format": "pt"})
-            self.cur, self.cur_bytes = {}, 0
+        if not self.cur:
+            return
+        rank, dtype_name = _safetensors_dtypes(tuple(sorted({d for d, *_ in self.cur.values()}, key=str)))
+        order = sorted(self.cur, key=lambda k: (rank[self.cur[k][0]], k))
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for k in order:
+            dtype, shape, _, nbytes = self.cur[k]
+            header[k] = {"dtype": dtype_name[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.spill.flush()
+        spill = self.spill.fileno()
+        with open(self.out / f".shard{len(self.shards) + 1}.tmp", "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for k in order:
+                _, _, at, nbytes = self.cur[k]
+                for lo in range(at, at + nbytes, self.COPY_BYTES):
+                    f.write(os.pread(spill, min(self.COPY_BYTES, at + nbytes - lo), lo))
+        self.spill.close()
+        os.unlink(self.spill.name)
+        self.spill = None
+        self.shards.append({k: (shape, nbytes) for k, (_, shape, _, nbytes) in self.cur.items()})
+        self.cur, self.cur_bytes = {}, 0
 
     def finish(self) -> dict:
         self.flush()
@@ -107,6 +140,18 @@ class _ShardWriter:
             (self.out / INDEX_FILE).write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
         return {"shards": n, "bytes": total}
+
+
+@functools.cache
+def _safetensors_dtypes(dtypes: tuple) -> tuple[dict, dict]:
+    """({dtype: its place in a safetensors file}, {dtype: its name there}), asked of safetensors itself: the
+    order of one one-element tensor of each dtype in the header of what it saves."""
+    from safetensors.torch import save
+
+    raw = save({str(i): torch.zeros(1, dtype=d) for i, d in enumerate(dtypes)})
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+    keys = [k for k in header if k != "__metadata__"]
+    return ({dtypes[int(k)]: i for i, k in enumerate(keys)}, {dtypes[int(k)]: header[k]["dtype"] for k in keys})
 
 
 def _inside(path: Path, root: Path) -> bool:
