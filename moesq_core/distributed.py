@@ -169,13 +169,16 @@ def all_gather_tensors(tensors: list[torch.Tensor], device, what: str) -> list[l
     out = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
     with _collective(what):
         dist.all_gather(out, buf)
+    del flat, buf
     gathered = []
-    for b in out:
+    for r in range(len(out)):
+        b, out[r] = out[r], None  # each rank's buffer freed once split: one block's results, not twice over
         parts, start = [], 0
         for t, n in zip(tensors, sizes):
             parts.append(b[start : start + n].clone().view(t.dtype).reshape(t.shape))  # clone: aligned storage
             start += n
         gathered.append(parts)
+        del b
     return gathered
 
 

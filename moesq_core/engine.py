@@ -30,7 +30,7 @@ from . import distributed, packing
 from .formats import Format, QuantizedWeight
 from .methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method, TokenRows
 from .models import MoEAdapter, MoEBlock
-from .memory import consecutive_chunks
+from .memory import HOST_CHUNK_BYTES, consecutive_chunks, release_freed_memory
 from .progress import BlockProgress, NullProgress, note, skip
 from .runtime.experts import MoesqExperts
 from .state_checkpoint import EVERY_S, StateCheckpoint
@@ -179,6 +179,9 @@ def _expert(qw: QuantizedWeight, e: int) -> QuantizedWeight:
     return QuantizedWeight(qw.format, qw.codes[e], qw.scales[e], qw.global_scale[e].reshape(()), qw.mask[e])
 
 
+PACK_CHUNK_BYTES = 64 << 20  # of a block's results stacked for packing at a time (see pack_block)
+
+
 def pack_block(results: list[CompressedExpert], act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor,
                device: torch.device | str = "cpu") -> tuple[dict[str, torch.Tensor], str]:
     """(tensors, metadata) of a block's artifact: per projection, the experts' weights stacked and packed by the
@@ -188,9 +191,21 @@ def pack_block(results: list[CompressedExpert], act_amax_in: torch.Tensor, act_a
     fmt = results[0].gate.format
     tensors: dict[str, torch.Tensor] = {"act_amax_in": act_amax_in.float().contiguous(),
                                         "act_amax_mid": act_amax_mid.float().contiguous()}
+    # Packed a chunk of experts at a time into preallocated outputs (the packers work per expert along the
+    # stack's first dimension, so the bytes are the whole stack's): a stacked copy of the whole block's codes
+    # and masks would double the block's results in host memory.
+    proj_weights = results[0].gate.codes.numel()
+    chunks = consecutive_chunks(range(len(results)), [proj_weights * RESULT_BYTES_PER_WEIGHT] * len(results),
+                                PACK_CHUNK_BYTES)
     for proj in PROJECTIONS:
-        packed = packing.pack(_stacked(fmt, [r.weights()[proj].to(device) for r in results]))
-        tensors.update({f"{proj}.{suffix}": t.cpu().contiguous() for suffix, t in packed.items()})
+        for chunk in chunks:
+            packed = packing.pack(_stacked(fmt, [results[e].weights()[proj].to(device) for e in chunk]))
+            for suffix, t in packed.items():
+                name = f"{proj}.{suffix}"
+                if name not in tensors:
+                    tensors[name] = torch.empty((len(results), *t.shape[1:]), dtype=t.dtype)
+                tensors[name][chunk[0] : chunk[-1] + 1].copy_(t)  # from `device`
+            del packed
     # One metadata key: safetensors stores metadata as a hash map whose key order is not stable, and the
     # artifact's checksum must be (resume is checked by comparing checksums).
     meta = json.dumps({"layout": LAYOUT, "format": fmt, "num_experts": len(results),
@@ -243,6 +258,16 @@ class BlockWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _take_expert_timings(results: list[CompressedExpert]) -> dict[str, dict]:
+    """Each expert's timings ({expert: timings}, for the manifest), removed from its info (the artifact's)."""
+    timings = {}
+    for e, r in enumerate(results):
+        r.info, t = split_timings(r.info or {})
+        if t:
+            timings[str(e)] = t
+    return timings
 
 
 def _block_meta(path: Path) -> dict:
@@ -549,11 +574,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     log.info("%s: layer %d, %d experts compressed in %.1f s (rank %d of %d)", spec.name, li,
                              len(results), time.perf_counter() - t0, rank, world)
                     path = stage_dir / f"block_{li:03d}.safetensors"
-                    timings = {}
-                    for e, r in enumerate(results):
-                        r.info, t = split_timings(r.info or {})
-                        if t:
-                            timings[str(e)] = t
+                    timings = _take_expert_timings(results)
                     if is_main:
                         packed = pack_block(results, amax_in, amax_mid, device)
                         record = dict(extra={"experts": len(results)},
@@ -561,6 +582,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                                                **({"experts": timings} if timings else {})})
                         writer.submit(lambda li=li, path=path, packed=packed, record=record: (
                             write_block(path, *packed), workdir.record_block(spec.name, li, path, **record)))
+                        del packed  # the writer holds it until written
                     clock.mark("write")
                     distributed.barrier(f"{spec.name}: block {li} done")
                     clock.mark("wait")
@@ -576,6 +598,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                         _note_estimate(progress, spec.name, [b for b in todo if b > li], block_s, revised=True)
                     tblocks.advance()
                 install_block(block, spec.fmt, results, amax_in, amax_mid, spec.act_quant, device)
+                del results  # the block's artifact is packed and its experts installed
                 clock.mark("install")
             if resumed_after < li < last_moe:
                 for s in splits:
@@ -591,6 +614,9 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     writer.wait()  # the save follows the manifest's blocks up to this one
                     saved.save(li, sorted(blocks), stores)
                     clock.mark("save states")
+            if block is not None and li < last_moe:
+                block.release_installed()  # propagated (or resumed past): on a lazily opened model nothing runs it again
+            release_freed_memory()  # the block's freed per-expert tensors, back to the system
             if block is not None and li > resumed_after:
                 log.info("%s: layer %d phases (s): %s", spec.name, li,
                          {k: round(v - before.get(k, 0.0), 2) for k, v in clock.seconds.items() if v > before.get(k, 0.0)})
@@ -737,13 +763,13 @@ RESULT_BYTES_PER_WEIGHT = 6  # a method's result on the device until the chunk e
 
 
 def expert_chunks(experts: list[int], I: int, H: int, device: torch.device) -> list[list[int]]:
-    """A block's experts in consecutive chunks compressed together: all of them on the CPU; on a GPU as many as
-    fit WEIGHTS_GPU_FRACTION of its free memory with their results (the routed rows are the block's one token
-    matrix, already allocated; the method's working memory takes the rest); at least one expert a chunk."""
-    if device.type != "cuda":
-        return [list(experts)] if experts else []
+    """A block's experts in consecutive chunks compressed together: on a GPU as many as fit WEIGHTS_GPU_FRACTION
+    of its free memory with their results (the routed rows are the block's one token matrix, already
+    allocated; the method's working memory takes the rest), on the CPU as many as fit HOST_CHUNK_BYTES (the
+    whole block's dense fp32 copy would be twice its checkpoint's bf16 experts); at least one expert a chunk."""
     need = [3 * I * H * (4 + RESULT_BYTES_PER_WEIGHT)] * len(experts)
-    return consecutive_chunks(experts, need, torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION)
+    budget = torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION if device.type == "cuda" else HOST_CHUNK_BYTES
+    return consecutive_chunks(experts, need, budget)
 
 
 def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int, device: torch.device) -> dict:

@@ -7,6 +7,10 @@ from typing import Sequence, TypeVar
 
 T = TypeVar("T")
 
+# Host memory for one chunk of a block's experts compressed together on the CPU (dense fp32 copies, results,
+# a method's per-expert state): with the block loop's other copies, a process then holds a few blocks' worth.
+HOST_CHUNK_BYTES = 256 << 20
+
 
 def available_memory_bytes() -> int | None:
     """Memory the system can give new processes (Linux MemAvailable), else free pages, else None."""
@@ -55,3 +59,30 @@ def consecutive_chunks(items: Sequence[T], sizes: Sequence[float], budget: float
             chunks.append([item])
             used = size
     return chunks
+
+
+_LIBC_TRIM = None  # glibc's malloc_trim, once looked up (False where the C library has none)
+
+
+def release_freed_memory() -> None:
+    """Hand memory freed by the C allocator back to the system (glibc's malloc_trim(0)); nothing elsewhere.
+
+    glibc keeps freed heap pages mapped: tensors of up to its (self-raising) mmap threshold come from the heap,
+    so a block's worth of freed per-expert tensors stays in the resident set unless trimmed. Called after each
+    block, it keeps the peak at what the block loop holds rather than at what it ever held."""
+    global _LIBC_TRIM
+    if _LIBC_TRIM is None:
+        _LIBC_TRIM = False
+        try:
+            import ctypes
+            import ctypes.util
+
+            name = ctypes.util.find_library("c")
+            trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+            if trim is not None:
+                trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+                _LIBC_TRIM = trim
+        except OSError:
+            pass
+    if _LIBC_TRIM:
+        _LIBC_TRIM(0)

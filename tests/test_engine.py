@@ -470,11 +470,19 @@ def test_consecutive_chunks_fit_the_budget_in_order():
     assert consecutive_chunks([], [], 4) == []
 
 
-def test_expert_chunks_hold_every_expert_on_the_cpu():
-    from moesq_core.engine import expert_chunks
+def test_expert_chunks_fit_the_host_budget_on_the_cpu():
+    """On the CPU a chunk's fp32 weights and results fit HOST_CHUNK_BYTES: a small block is one chunk, a
+    Kimi-K2 block (384 experts of 2048 x 7168, ~1.2 GB each with its result) one expert a chunk."""
+    from moesq_core.engine import HOST_CHUNK_BYTES, RESULT_BYTES_PER_WEIGHT, expert_chunks
 
-    assert expert_chunks(list(range(384)), 2048, 7168, torch.device("cpu")) == [list(range(384))]
-    assert expert_chunks([], 8, 8, torch.device("cpu")) == []
+    cpu = torch.device("cpu")
+    assert expert_chunks(list(range(64)), 64, 128, cpu) == [list(range(64))]
+    assert expert_chunks(list(range(384)), 2048, 7168, cpu) == [[e] for e in range(384)]
+    per = 3 * 512 * 1024 * (4 + RESULT_BYTES_PER_WEIGHT)
+    chunks = expert_chunks(list(range(64)), 512, 1024, cpu)
+    assert [e for c in chunks for e in c] == list(range(64)) and len(chunks) > 1
+    assert all(len(c) * per <= HOST_CHUNK_BYTES for c in chunks)
+    assert expert_chunks([], 8, 8, cpu) == []
 
 
 @pytest.mark.gpu

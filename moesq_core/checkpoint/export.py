@@ -15,21 +15,23 @@ byte-deterministic: the same stage gives the same bytes (no timestamps, fixed or
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .. import __version__
 from ..engine import load_block
 from ..formats import get_format
 from ..formats.quantizers import input_global_scales
+from ..memory import release_freed_memory
 from ..naming import INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
 from ..workdir import WorkDir, WorkDirError
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
@@ -63,35 +65,69 @@ def quantization_config(fmt_name: str, ignore: list[str], act_quant: bool, spars
     return get_format(fmt_name).quantization_config(list(ignore), act_quant, sparse_layout, moesq)
 
 
-def _source_tensors(src: Path):
-    """Yield (name, tensor) of every tensor in the source checkpoint, file by file, in stored order."""
+def _source_tensors(src: Path, skip=lambda name: False):
+    """Yield (name, tensor) of every tensor in the source checkpoint but those `skip(name)` names (never read),
+    file by file, in stored order."""
     files = sorted(src.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{src}: no .safetensors weights to copy the non-expert tensors from")
     for f in files:
         with safe_open(str(f), "pt") as sf:
             for k in sf.keys():
-                yield k, sf.get_tensor(k)
+                if not skip(k):
+                    yield k, sf.get_tensor(k)
 
 
 class _ShardWriter:
-    """Collects tensors in order and writes a shard whenever the next tensor would pass max_bytes."""
+    """Collects tensors in order and writes a shard whenever the next tensor would pass max_bytes.
+
+    A shard's tensors go to a spill file beside it as they come, so host memory holds one tensor rather than
+    a shard (5 GB by default); at the shard's end its file is written as safetensors' save_file writes it,
+    byte for byte: the header (tensors ordered by safetensors' dtype order, then by name; compact JSON padded
+    with spaces to 8 bytes) and the tensors' bytes in that order, copied from the spill."""
+
+    COPY_BYTES = 64 << 20
 
     def __init__(self, out: Path, max_bytes: int):
         self.out, self.max, self.cur, self.cur_bytes, self.shards = out, max_bytes, {}, 0, []
+        self.spill = None
 
     def add(self, name: str, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
         if self.cur and self.cur_bytes + nbytes > self.max:
             self.flush()
-        self.cur[name] = t.contiguous()
+        if self.spill is None:
+            self.spill = open(self.out / f".shard{len(self.shards) + 1}.spill", "w+b")
+        self.cur[name] = (t.dtype, tuple(t.shape), self.spill.tell(), nbytes)
+        self.spill.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
         self.cur_bytes += nbytes
 
     def flush(self) -> None:
-        if self.cur:
-            self.shards.append({k: (tuple(t.shape), t.numel() * t.element_size()) for k, t in self.cur.items()})
-            save_file(self.cur, str(self.out / f".shard{len(self.shards)}.tmp"), metadata={"format": "pt"})
-            self.cur, self.cur_bytes = {}, 0
+        if not self.cur:
+            return
+        rank, dtype_name = _safetensors_dtypes(tuple(sorted({d for d, *_ in self.cur.values()}, key=str)))
+        order = sorted(self.cur, key=lambda k: (rank[self.cur[k][0]], k))
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for k in order:
+            dtype, shape, _, nbytes = self.cur[k]
+            header[k] = {"dtype": dtype_name[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.spill.flush()
+        spill = self.spill.fileno()
+        with open(self.out / f".shard{len(self.shards) + 1}.tmp", "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for k in order:
+                _, _, at, nbytes = self.cur[k]
+                for lo in range(at, at + nbytes, self.COPY_BYTES):
+                    f.write(os.pread(spill, min(self.COPY_BYTES, at + nbytes - lo), lo))
+        self.spill.close()
+        os.unlink(self.spill.name)
+        self.spill = None
+        self.shards.append({k: (shape, nbytes) for k, (_, shape, _, nbytes) in self.cur.items()})
+        self.cur, self.cur_bytes = {}, 0
 
     def finish(self) -> dict:
         self.flush()
@@ -107,6 +143,18 @@ class _ShardWriter:
             (self.out / INDEX_FILE).write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
         return {"shards": n, "bytes": total}
+
+
+@functools.cache
+def _safetensors_dtypes(dtypes: tuple) -> tuple[dict, dict]:
+    """({dtype: its place in a safetensors file}, {dtype: its name there}), asked of safetensors itself: the
+    order of one one-element tensor of each dtype in the header of what it saves."""
+    from safetensors.torch import save
+
+    raw = save({str(i): torch.zeros(1, dtype=d) for i, d in enumerate(dtypes)})
+    header = json.loads(raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]])
+    keys = [k for k in header if k != "__metadata__"]
+    return ({dtypes[int(k)]: i for i, k in enumerate(keys)}, {dtypes[int(k)]: header[k]["dtype"] for k in keys})
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -147,6 +195,26 @@ def _fix_modes(root: Path) -> None:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
 
 
+def _add_packed_block(writer: _ShardWriter, path: Path, li: int, fmt, layout) -> tuple[int, int, int]:
+    """Block li's experts from its artifact at `path`, packed in the pack's layout with their activation
+    tensors, added to `writer` expert by expert; (packed weight bytes, weights, input-scale fallbacks)."""
+    results, amax_in, amax_mid = load_block(path)
+    g_in, n_in = input_global_scales(amax_in)
+    g_mid, n_mid = input_global_scales(amax_mid)
+    packed_bytes = n_weights = 0
+    for e, r in enumerate(results):
+        for proj, qw in r.weights().items():
+            name = expert_linear(experts_prefix(li), e, proj)
+            tensors = layout.pack(qw)
+            packed_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+            n_weights += qw.codes.numel()
+            g = g_in if proj != "down" else g_mid
+            tensors.update(fmt.act.packed_tensors(g[e] if g is not None else None))
+            for suffix, t in tensors.items():
+                writer.add(f"{name}.{suffix}", t)
+    return packed_bytes, n_weights, n_in + n_mid
+
+
 def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: bool = False, sparse_layout: bool = True,
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ppl: dict | None = None, progress=None) -> dict:
     """Write the packed model directory; returns a summary (bits/weight, sizes, files)."""
@@ -174,9 +242,8 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
         blocks = sorted(int(k) for k in st["blocks"])
         packed_prefixes = {experts_prefix(li) for li in blocks}
         ignore = set()
-        for name, t in _source_tensors(src):
-            if any(name.startswith(p + ".") for p in packed_prefixes):
-                continue  # routed experts are written packed below
+        # routed experts are written packed below (and not read: a model's worth of reads through the heap)
+        for name, t in _source_tensors(src, skip=lambda name: any(name.startswith(p + ".") for p in packed_prefixes)):
             writer.add(name, t)
             if name.endswith(".weight") and t.dim() == 2:
                 ignore.add(name[: -len(".weight")])
@@ -185,20 +252,9 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
         packed_bytes, n_weights, fallbacks = 0, 0, 0
         layout = fmt.export_layout(sparse_layout)
         for li in blocks:
-            results, amax_in, amax_mid = load_block(workdir.verified_block(stage, li))
-            g_in, n_in = input_global_scales(amax_in)
-            g_mid, n_mid = input_global_scales(amax_mid)
-            fallbacks += n_in + n_mid
-            for e, r in enumerate(results):
-                for proj, qw in r.weights().items():
-                    name = expert_linear(experts_prefix(li), e, proj)
-                    tensors = layout.pack(qw)
-                    packed_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
-                    n_weights += qw.codes.numel()
-                    g = g_in if proj != "down" else g_mid
-                    tensors.update(fmt.act.packed_tensors(g[e] if g is not None else None))
-                    for suffix, t in tensors.items():
-                        writer.add(f"{name}.{suffix}", t)
+            nbytes, nw, nf = _add_packed_block(writer, workdir.verified_block(stage, li), li, fmt, layout)
+            packed_bytes, n_weights, fallbacks = packed_bytes + nbytes, n_weights + nw, fallbacks + nf
+            release_freed_memory()  # the block's unpacked experts (freed on return), back to the system
             if progress:
                 progress(1)
         shards = writer.finish()

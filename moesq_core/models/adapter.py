@@ -141,6 +141,17 @@ class MoEBlock:
             dense.release()
             release_installed(dense.model_mlps, keep=self.mlp)
 
+    def release_installed(self) -> None:
+        """On a lazily opened model, free this block's installed experts (a later forward through the block
+        raises, naming the release); an eagerly loaded model keeps them. The engine calls it once the block
+        has propagated the calibration states, so the next block's install does not find it still held."""
+        from .lazy import LazyExperts, ReleasedExperts
+
+        dense = self.dense_experts
+        if isinstance(dense, LazyExperts) and self.mlp.experts is not dense:
+            dense.release()
+            self.mlp.experts = ReleasedExperts(self.layer_index, self.num_experts)
+
     def restore_dense(self) -> None:
         self.mlp.experts = self.dense_experts
 

@@ -37,8 +37,15 @@ class MoesqExperts(nn.Module):
                        act_amax_in: torch.Tensor | None = None, act_amax_mid: torch.Tensor | None = None) -> "MoesqExperts":
         """From per-expert QuantizedWeights and calibrated activation ranges (amax; 0 = none). Experts without a
         range get the fallback scale that `moesq pack` writes, so this module computes what the pack serves."""
-        gate_up = torch.stack([torch.cat([w["gate"].dequantize(), w["up"].dequantize()]) for w in weights])
-        down = torch.stack([w["down"].dequantize() for w in weights])
+        # filled expert by expert: stacking per-expert copies held the block's dequantized weights twice
+        gate_up = down = None
+        for e, w in enumerate(weights):
+            g, u, d = (w[p].dequantize().float() for p in PROJECTIONS)
+            if gate_up is None:
+                gate_up = torch.empty((len(weights), g.shape[0] + u.shape[0], g.shape[1]), device=g.device)
+                down = torch.empty((len(weights), *d.shape), device=d.device)
+            gate_up[e, : g.shape[0]], gate_up[e, g.shape[0] :], down[e] = g, u, d
+            del g, u, d
         return cls(fmt, gate_up, down, act_quant, input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
 
     @classmethod

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ...formats import P48, Format, PatternSet
 from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, TokenRows, row_count
 from ...kernels import relax_triton, rows_add_triton, swiglu_quant_triton
-from ...memory import consecutive_chunks, size
+from ...memory import HOST_CHUNK_BYTES, consecutive_chunks, size
 from . import objective, relaxation
 
 log = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ class RefineConfig:
     compile: bool | str = "auto"  # torch.compile the weight quantizer and the micro-batch forward+loss, and use the fused
     # Triton relaxation and Lion kernels (where Triton is installed); auto = on CUDA
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
-    chunk_gb: float | None = None  # memory for the state of one chunk of a block's experts (None: 85 % of the free GPU memory less the block's tokens, rows and micro-batch; no chunking on CPU)
+    chunk_gb: float | None = None  # memory for the state of one chunk of a block's experts (None: 85 % of the free GPU memory less the block's tokens, rows and micro-batch; on the CPU memory.HOST_CHUNK_BYTES)
     init_split_rows: bool = True  # the block loop also routes the one-shot split's sequences (see above)
     e2e_steps: int | str = "auto"  # end-to-end tuning after the last block (0: none; "auto": see above); e2e.py
     e2e_lr: float = 1e-3  # its Adam learning rate (cosine to 0)
@@ -363,6 +363,10 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
              f"(--micro-batch-rows {cfg.micro_batch_rows:,}), {size(routed_rows * ROW_BYTES)} for {routed_rows:,} routed rows, "
              f"{size(experts * per)} of expert state")
     if available is None:
+        if cfg.chunk_gb is None and device == "cpu" and experts * per > HOST_CHUNK_BYTES:
+            chunks = math.ceil(experts / max(1, HOST_CHUNK_BYTES // per))
+            return (f"~{size(shared + min(experts, max(1, HOST_CHUNK_BYTES // per)) * per)} per block on cpu ({parts}), "
+                    f"refined in {chunks} chunks of experts to bound host memory")
         return f"~{size(whole)} per block on {device} ({parts}); the device's free memory is unknown"
     budget = available * REFINE_GPU_FRACTION
     if shared + per > budget:
@@ -381,8 +385,8 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
 
 def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
     """The block's experts cut into consecutive chunks whose state fits cfg.chunk_gb (default: 85 % of the
-    free CUDA memory less what the block holds whatever its experts, `refine_shared_bytes`; on the CPU one
-    chunk unless chunk_gb is given). Refining chunk by chunk gives the same bytes as all at once: every expert
+    free CUDA memory less what the block holds whatever its experts, `refine_shared_bytes`; on the CPU
+    memory.HOST_CHUNK_BYTES, which bounds the host memory per process). Refining chunk by chunk gives the same bytes as all at once: every expert
     draws from its own generator and batches are sized from the whole block's row counts (ExpertData.block),
     exactly as for expert parallel."""
     if not experts:
@@ -402,7 +406,7 @@ def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -
         shared = refine_shared_bytes(H, I, 0, 0, rows, cfg.micro_batch_rows) + copied
         budget = torch.cuda.mem_get_info(dev)[0] * REFINE_GPU_FRACTION - shared
     else:
-        return [experts]
+        budget = HOST_CHUNK_BYTES
     need = [refine_bytes_per_expert(fmt, I, H)] * len(experts)
     if sum(need) <= budget:
         return [experts]
