@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .paths import inside
 
 log = logging.getLogger("moesq")
 
@@ -220,6 +221,11 @@ class WorkDir:
     def manifest_path(self) -> Path:
         return self.root / MANIFEST
 
+    def path_of(self, relpath: object, entry: str) -> Path:
+        """The work-dir file a manifest entry names, checked to lie inside the work dir (a crafted manifest
+        must not make moesq read or delete files elsewhere)."""
+        return inside(self.root, relpath, f"{self.manifest_path} {entry}")
+
     def exists(self) -> bool:
         return self.manifest_path.is_file()
 
@@ -360,8 +366,10 @@ class WorkDir:
         if old is not None and stage_layout(old) != LAYOUT:
             log.warning("stage %s in %s was written by an older moesq (work-dir layout %d, this moesq writes %d): "
                         "recomputing it", stage, self.root, stage_layout(old), LAYOUT)
-            for rec in old.get("blocks", {}).values():
-                (self.root / rec["file"]).unlink(missing_ok=True)
+            files = [self.path_of(rec.get("file"), f"stages.{stage}.blocks.{b}.file")
+                     for b, rec in old.get("blocks", {}).items()]  # all checked before any is removed
+            for f in files:
+                f.unlink(missing_ok=True)
             del m["stages"][stage]
         st = m["stages"].setdefault(stage, {"config": config, "layout": LAYOUT, "blocks": {}, "done": False})
         if num_blocks is not None:
@@ -413,7 +421,7 @@ class WorkDir:
         rec = (st or {}).get("blocks", {}).get(str(block))
         if rec is None:
             return None
-        path = self.root / rec["file"]
+        path = self.path_of(rec.get("file"), f"stages.{stage}.blocks.{block}.file")
         if not path.is_file():
             raise WorkDirError(f"artifact {path} recorded as finished is missing; remove the work dir entry or restore it")
         if sha256_file(path) != rec["sha256"]:
@@ -443,15 +451,17 @@ class WorkDir:
         st = m["stages"].get(stage)
         if st is None:
             return
+        doomed = []  # every file to remove is checked before any is removed
         if "e2e" in st:
             kept = st.pop("blockwise", st["blocks"])
             for k, rec in st["blocks"].items():
-                if rec["file"] != kept.get(k, {}).get("file"):
-                    (self.root / rec["file"]).unlink(missing_ok=True)
+                if rec.get("file") != kept.get(k, {}).get("file"):
+                    doomed.append(self.path_of(rec.get("file"), f"stages.{stage}.blocks.{k}.file"))
             st["blocks"] = kept
             del st["e2e"]
         for k in [k for k in st["blocks"] if int(k) >= block]:
-            p = self.root / st["blocks"].pop(k)["file"]
+            doomed.append(self.path_of(st["blocks"].pop(k).get("file"), f"stages.{stage}.blocks.{k}.file"))
+        for p in doomed:
             p.unlink(missing_ok=True)
         st["done"] = False
         self.save(m)

@@ -30,15 +30,10 @@ from .. import __version__
 from ..engine import load_block
 from ..formats import get_format
 from ..formats.quantizers import input_global_scales
-from ..naming import INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
+from ..naming import CARRIED_FILES, CARRIED_PATTERNS, INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
 from ..workdir import WorkDir, WorkDirError
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
 
-# Files carried over from the source model besides the weights; remote-code *.py and *.jinja templates too.
-CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                 "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json",
-                 "preprocessor_config.json", "tiktoken.model", "added_tokens.json")
-CARRIED_PATTERNS = ("*.py", "*.jinja")
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hub's customary 5 GB shards
 LARGE_UPLOAD_BYTES = 20 * 10**9  # above this, push with upload_large_folder (resumable, chunked commits)
 PACKED_SLOT = "packed"  # the work dir's own pack location (WORKDIR/packed), the default --out

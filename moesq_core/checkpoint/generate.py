@@ -22,9 +22,10 @@ def resolve_device(device: str) -> torch.device:
 @torch.no_grad()
 def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, device: str = "auto",
                   dtype: str = "float32", chat: bool = False, temperature: float = 0.0, seed: int = 0,
-                  progress=None) -> dict:
+                  progress=None, verify: bool = True) -> dict:
     """Generate a completion of `prompt` with the packed model at `path`; returns the `moesq generate --json`
-    document (schema "moesq.generate/1"). Greedy unless temperature > 0 (then seeded sampling)."""
+    document (schema "moesq.generate/1"). Greedy unless temperature > 0 (then seeded sampling). verify: see
+    load_packed."""
     from .loader import load_packed
 
     path = Path(path)
@@ -38,7 +39,7 @@ def generate_text(path: str | Path, prompt: str, *, max_new_tokens: int = 64, de
         raise ValueError("--prompt is empty")
     dev = resolve_device(device)
     t0 = time.perf_counter()
-    model, tok = load_packed(path, device=dev, dtype=DTYPES[dtype], progress=progress)
+    model, tok = load_packed(path, device=dev, dtype=DTYPES[dtype], progress=progress, verify=verify)
     load_s = time.perf_counter() - t0
     if tok is None:
         raise ValueError(f"{path} has no tokenizer files; generation needs one")
