@@ -194,6 +194,41 @@ def check_location(root: Path) -> None:
 _HELD: dict[str, list] = {}  # real path -> [lock fd, depth]: the locks this process holds (re-entrant)
 
 
+class LockHeld(Exception):
+    """Another process holds a lock file's lock; pid: the pid it wrote there ("unknown" if none yet)."""
+
+    def __init__(self, pid: str):
+        super().__init__(pid)
+        self.pid = pid
+
+
+def take_lock(path: Path) -> int:
+    """An exclusive fcntl lock on `path` (created if missing), with this process's pid written into it; returns
+    the fd: closing it releases the lock, and so does the process's end, even by SIGKILL. LockHeld (naming the
+    holder's pid) at once if another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise LockHeld(holder) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user counts too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 # Config fields that bound memory or pick how the same numbers are computed, not what is computed (chunks of
 # experts give the same bytes; micro-batches change only the float summation order; CUDA graphs replay the
 # same kernels): a stage resumes or counts as done whatever they were, so the out-of-memory advice "lower it
@@ -263,16 +298,11 @@ class WorkDir:
             return
         self.check_usable()
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise WorkDirLocked(f"{self.root} is in use by another moesq process (pid {holder}); wait for it to "
+            fd = take_lock(self.root / LOCK_FILE)
+        except LockHeld as e:
+            raise WorkDirLocked(f"{self.root} is in use by another moesq process (pid {e.pid}); wait for it to "
                                 "finish, or use another --workdir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         _HELD[key] = [fd, 1]
         try:
             self.remove_stale_temp_files()

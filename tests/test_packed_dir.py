@@ -300,10 +300,10 @@ def test_overwrite_replaces_only_an_earlier_pack_atomically(packs, tmp_path, mon
     assert _digests(target) == before  # the earlier pack is untouched until the new one is complete
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no temp dirs left
     monkeypatch.undo()
-    (tmp_path / ".target.tmp-killed").mkdir()  # what a killed pack leaves: removed by the next one
+    (tmp_path / ".target.tmp-mine").mkdir()  # a temp dir's name, but no marker of moesq's: never touched
     export_packed(wd, "init-rtn", target, overwrite=True)
     assert _digests(target) == _digests(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".target.tmp-mine", "target"]
 
 
 @torch.no_grad()
