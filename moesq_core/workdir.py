@@ -206,7 +206,7 @@ def take_lock(path: Path) -> int:
     """An exclusive fcntl lock on `path` (created if missing), with this process's pid written into it; returns
     the fd: closing it releases the lock, and so does the process's end, even by SIGKILL. LockHeld (naming the
     holder's pid) at once if another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never through a symlink
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -73,7 +73,14 @@ def test_a_second_pack_into_the_same_out_is_refused_naming_the_holder(packs, tmp
         assert r.returncode == 1 and len(err) == 1 and f"pid {os.getpid()}" in err[0] and "--out" in err[0]
         assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the lock file goes with the lock
+    lock = tmp_path / ".model.moesq-lock"
+    lock.write_text("a user's file of the lock's name")  # neither written nor removed
+    r = moesq("pack", wd, "--out", out, "--quiet", check=False)
+    assert r.returncode == 1 and "is not moesq's" in r.stderr and lock.read_text().startswith("a user's")
+    lock.unlink()
+    lock.write_text("4194304\n")  # what a killed pack leaves: taken and removed
     moesq("pack", wd, "--out", out, "--quiet")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 
 def test_pack_takes_the_work_dirs_lock(packs, tmp_path):

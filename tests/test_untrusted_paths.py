@@ -112,3 +112,17 @@ def test_crafted_index_reads_no_weights_outside_the_pack(packs, tmp_path):
         load_packed(d, verify=False)  # before the fix: loaded the weights from ../elsewhere
     report = verify_packed_dir(d)
     assert any(e.tensor == INDEX_FILE and "points outside" in e.problem for e in report.errors)
+
+
+def test_a_hub_cache_snapshot_may_link_into_its_repos_blobs(tmp_path):
+    repo = tmp_path / "models--someone--pack"
+    snap = repo / "snapshots" / ("0123456789abcdef" * 3)[:40]
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (repo / "blobs" / "b1").write_text("{}")
+    (tmp_path / "elsewhere").write_text("x")
+    os.symlink("../../blobs/b1", snap / "config.json")
+    os.symlink(tmp_path / "elsewhere", snap / "model.safetensors")
+    assert inside(snap, "config.json", "e") == snap / "config.json"
+    with pytest.raises(UnsafePathError, match="outside"):
+        inside(snap, "model.safetensors", "e")

@@ -153,6 +153,15 @@ def _out_locked(out_dir: Path):
     """Hold --out's lock: a file beside it (`.<name>.moesq-lock`, removed on release) locked like the work dir's
     (workdir.take_lock). A second pack into the same --out is refused at once, naming the holder's pid."""
     path = out_dir.parent / f".{out_dir.name}.moesq-lock"
+    try:  # a file of that name that is not moesq's (it holds a pid or nothing) is neither written nor removed
+        foreign = path.is_symlink() or not re.fullmatch(r"\d*\s*", path.read_text(errors="replace")[:64])
+    except FileNotFoundError:
+        foreign = False
+    except OSError:
+        foreign = True
+    if foreign:
+        raise FileExistsError(f"{path} is in the way of --out {out_dir}'s lock file and is not moesq's; move it "
+                              "away or choose another --out")
     while True:
         try:
             fd = take_lock(path)
