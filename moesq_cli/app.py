@@ -198,6 +198,8 @@ NInitOpt = Annotated[Optional[int], typer.Option("--n-init", min=1, help=f"Seque
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help=f"Seed for the calibration splits (default {_default(_CALIB, 'seed')}).")]
 DeviceOpt = Annotated[str, typer.Option("--device", callback=_check_device, help="auto | cpu | cuda | cuda:N.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
+NoVerifyOpt = Annotated[bool, typer.Option("--no-verify", help="Load a packed dir without checking its files against "
+                                                            "moesq_pack.json (the log says so).")]
 RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, help="Recompute this stage from this layer on.")]
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, help=f"Calibration sequences per forward pass (default {_arg_default('batch_size')}).")]
 CacheOpt = Annotated[Optional[float], typer.Option("--cache-gb", callback=_non_negative_float, help=f"GiB of calibration states kept in memory; the rest spill to the work dir (default {_arg_default('cache_limit_gb')}).")]
@@ -808,6 +810,7 @@ def generate(
                                             "non-expert weights; auto: bf16 on a GPU, fp32 on the CPU.")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N (auto: the GPU when there is one; on "
                                               "sm_90 packed p48 experts run through the fast Hopper module).")] = "auto",
+    no_verify: NoVerifyOpt = False,
     json_out: JsonOpt = None,
     quiet: QuietOpt = False,
 ):
@@ -829,7 +832,7 @@ def generate(
 
     with RichProgress(quiet) as p:
         doc = generate_text(path, prompts, max_new_tokens=max_new_tokens, device=device, dtype=dtype, chat=chat,
-                            temperature=temperature, seed=seed, progress=p)
+                            temperature=temperature, seed=seed, progress=p, verify=not no_verify)
     con = _out_console(json_out)
     dec = doc["decode"]
     step = "CUDA graph" if dec["cuda_graph"] else "eager"
@@ -858,6 +861,7 @@ def eval_cmd(
     num_fewshot: Annotated[Optional[int], typer.Option(min=0, help="lm-eval: override the shots.")] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="lm-eval batch size.")] = 8,
     eval_seed: Annotated[int, typer.Option("--eval-seed", min=0, help="lm-eval seed.")] = 1234,
+    no_verify: NoVerifyOpt = False,
     json_out: JsonOpt = None,
     device: DeviceOpt = "cpu", quiet: QuietOpt = False,
 ):
@@ -877,11 +881,12 @@ def eval_cmd(
     console = _out_console(json_out)
     with RichProgress(quiet) as p:
         if ppl is not None:
-            rows = ppl_for_targets(resolved, ppl, max_tokens=ppl_tokens, window=window, device=device, cache=cache, progress=p)
+            rows = ppl_for_targets(resolved, ppl, max_tokens=ppl_tokens, window=window, device=device, cache=cache, progress=p,
+                                   verify=not no_verify)
             out["ppl"] = rows
         if tasks is not None:
             out["tasks"] = _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, eval_seed, device,
-                                      wd / "eval" / "lm_eval" if wd else None, p, console)
+                                      wd / "eval" / "lm_eval" if wd else None, p, console, verify=not no_verify)
     if out["ppl"]:
         ref = next((r["ppl"] for r in out["ppl"] if r["kind"] == "reference"), None)
         table = Table(title=f"perplexity — {Path(str(ppl)).name}, {out['ppl'][0]['tokens']:,} tokens, window {window}")
@@ -893,7 +898,8 @@ def eval_cmd(
     _write_json(json_out, out)
 
 
-def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed, device, cache_dir, progress, con=console):
+def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed, device, cache_dir, progress, con=console,
+               verify=True):
     try:
         from moesq_core.eval.lm_eval_tasks import evaluate_tasks
         from moesq_core.eval.recovery import recovery_table
@@ -903,7 +909,7 @@ def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed,
 
     results = []
     for t in resolved:
-        model, tok = load_target(t, device, progress=progress)
+        model, tok = load_target(t, device, progress=progress, verify=verify)
         if tok is None:
             _fail(f"{t.path} has no tokenizer files; lm-eval needs one")
         with _TaskBars(progress, t.label) as bars:

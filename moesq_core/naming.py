@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import re
+from fnmatch import fnmatch
 from pathlib import Path
+
+from .paths import inside
 
 PROJECTIONS = ("gate", "up", "down")  # an expert's linears, in this order everywhere
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # their names in checkpoints
@@ -14,6 +17,19 @@ EXPERT_RE = re.compile(
 )
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# What a model directory holds besides config.json and the weights, and loaders read (tokenizer, generation
+# config, templates; remote-code *.py): what `moesq pack` carries over from the source model.
+CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json",
+                 "preprocessor_config.json", "tiktoken.model", "added_tokens.json")
+CARRIED_PATTERNS = ("*.py", "*.jinja")
+
+
+def loaders_read(relpath: str) -> bool:
+    """True for a file of a model directory that loaders read: config.json, the weights and index, CARRIED_*."""
+    name = Path(relpath).name
+    return "/" not in relpath and (name in ("config.json", INDEX_FILE, *CARRIED_FILES)
+                                   or any(fnmatch(name, pat) for pat in ("*.safetensors", *CARRIED_PATTERNS)))
 
 
 def experts_prefix(layer: int) -> str:
@@ -36,7 +52,8 @@ def parse_expert_tensor(name: str) -> tuple[str, int, str, str] | None:
 
 
 def read_index(root: str | Path) -> dict[str, str] | None:
-    """The index's weight map {tensor: file}, None without an index; ValueError("unreadable: ...") if unreadable."""
+    """The index's weight map {tensor: file}, None without an index; ValueError("unreadable: ...") if unreadable,
+    UnsafePathError (a ValueError) naming the entry if a file it lists lies outside root."""
     index = Path(root) / INDEX_FILE
     if not index.exists():
         return None
@@ -46,6 +63,11 @@ def read_index(root: str | Path) -> dict[str, str] | None:
             raise ValueError("weight_map is not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"unreadable: {e}") from None
+    checked: set[str] = set()
+    for name, f in wm.items():
+        if not (isinstance(f, str) and f in checked):
+            inside(root, f, f"weight_map[{name!r}]")
+            checked.add(f)
     return wm
 
 

@@ -79,7 +79,7 @@ def _check_calibration(workdir: WorkDir, m: dict) -> dict | None:
     info = m.get("calibration")
     if not info:
         return None
-    path = workdir.root / info["file"]
+    path = workdir.path_of(info.get("file"), "calibration.file")
     if not path.is_file():
         return None
     if sha256_file(path) != info["sha256"]:
@@ -163,7 +163,7 @@ def load_calibration(workdir: WorkDir) -> dict[str, torch.Tensor]:
     m = workdir.load()
     if "calibration" not in m:
         raise WorkDirError(f"{workdir.root} has no calibration yet; run `moesq calibrate` first")
-    path = workdir.root / m["calibration"]["file"]
+    path = workdir.path_of(m["calibration"].get("file"), "calibration.file")
     if not path.is_file() or sha256_file(path) != m["calibration"]["sha256"]:
         raise WorkDirError(f"{path} is missing or corrupt (checksum mismatch); delete it and re-run `moesq calibrate`")
     return load_file(str(path))
@@ -343,7 +343,7 @@ def improved_on_init(workdir: WorkDir, stage: str) -> dict:
 
     improved = experts = 0
     for rec in (workdir.stage(stage) or {}).get("blocks", {}).values():
-        for info in block_info(workdir.root / rec["file"]).values():
+        for info in block_info(workdir.path_of(rec.get("file"), f"stages.{stage}.blocks.file")).values():
             experts += 1
             improved += int((info.get("refine") or {}).get("best_epoch", 0) > 0
                             or (info.get("e2e") or {}).get("best_pass", 0) > 0)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .paths import inside
 from .workdir import WorkDir, atomic_path, write_json_atomic
 
 log = logging.getLogger("moesq.engine")
@@ -98,7 +99,7 @@ class StateCheckpoint:
             why = "other calibration sequences or batch size"
         elif rec.get("blocks") != self._blocks(int(rec["layer"])):
             why = "the blocks it follows were recomputed or removed"
-        raw = self.dir / rec.get("file", "")
+        raw = inside(self.dir, rec.get("file"), f"{self.record_path} file")
         if why is None and (not raw.is_file() or raw.stat().st_size != rec["bytes"]):
             why = "its file is missing or truncated"
         if why is None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from . import __version__
+from .paths import inside
 
 log = logging.getLogger("moesq")
 
@@ -195,6 +196,41 @@ def check_location(root: Path) -> None:
 _HELD: dict[str, list] = {}  # real path -> [lock fd, depth]: the locks this process holds (re-entrant)
 
 
+class LockHeld(Exception):
+    """Another process holds a lock file's lock; pid: the pid it wrote there ("unknown" if none yet)."""
+
+    def __init__(self, pid: str):
+        super().__init__(pid)
+        self.pid = pid
+
+
+def take_lock(path: Path) -> int:
+    """An exclusive fcntl lock on `path` (created if missing), with this process's pid written into it; returns
+    the fd: closing it releases the lock, and so does the process's end, even by SIGKILL. LockHeld (naming the
+    holder's pid) at once if another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # never through a symlink
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise LockHeld(holder) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one of another user counts too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 # Config fields that bound memory or pick how the same numbers are computed, not what is computed (chunks of
 # experts give the same bytes; micro-batches change only the float summation order; CUDA graphs replay the
 # same kernels): a stage resumes or counts as done whatever they were, so the out-of-memory advice "lower it
@@ -221,6 +257,11 @@ class WorkDir:
     @property
     def manifest_path(self) -> Path:
         return self.root / MANIFEST
+
+    def path_of(self, relpath: object, entry: str) -> Path:
+        """The work-dir file a manifest entry names, checked to lie inside the work dir (a crafted manifest
+        must not make moesq read or delete files elsewhere)."""
+        return inside(self.root, relpath, f"{self.manifest_path} {entry}")
 
     def exists(self) -> bool:
         return self.manifest_path.is_file()
@@ -259,16 +300,11 @@ class WorkDir:
             return
         self.check_usable()
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise WorkDirLocked(f"{self.root} is in use by another moesq process (pid {holder}); wait for it to "
+            fd = take_lock(self.root / LOCK_FILE)
+        except LockHeld as e:
+            raise WorkDirLocked(f"{self.root} is in use by another moesq process (pid {e.pid}); wait for it to "
                                 "finish, or use another --workdir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
         _HELD[key] = [fd, 1]
         try:
             self.remove_stale_temp_files()
@@ -362,8 +398,10 @@ class WorkDir:
         if old is not None and stage_layout(old) != LAYOUT:
             log.warning("stage %s in %s was written by an older moesq (work-dir layout %d, this moesq writes %d): "
                         "recomputing it", stage, self.root, stage_layout(old), LAYOUT)
-            for rec in old.get("blocks", {}).values():
-                (self.root / rec["file"]).unlink(missing_ok=True)
+            files = [self.path_of(rec.get("file"), f"stages.{stage}.blocks.{b}.file")
+                     for b, rec in old.get("blocks", {}).items()]  # all checked before any is removed
+            for f in files:
+                f.unlink(missing_ok=True)
             del m["stages"][stage]
         st = m["stages"].setdefault(stage, {"config": config, "layout": LAYOUT, "blocks": {}, "done": False})
         if num_blocks is not None:
@@ -415,7 +453,7 @@ class WorkDir:
         rec = (st or {}).get("blocks", {}).get(str(block))
         if rec is None:
             return None
-        path = self.root / rec["file"]
+        path = self.path_of(rec.get("file"), f"stages.{stage}.blocks.{block}.file")
         if not path.is_file():
             raise WorkDirError(f"artifact {path} recorded as finished is missing; remove the work dir entry or restore it")
         if sha256_file(path) != rec["sha256"]:
@@ -445,15 +483,17 @@ class WorkDir:
         st = m["stages"].get(stage)
         if st is None:
             return
+        doomed = []  # every file to remove is checked before any is removed
         if "e2e" in st:
             kept = st.pop("blockwise", st["blocks"])
             for k, rec in st["blocks"].items():
-                if rec["file"] != kept.get(k, {}).get("file"):
-                    (self.root / rec["file"]).unlink(missing_ok=True)
+                if rec.get("file") != kept.get(k, {}).get("file"):
+                    doomed.append(self.path_of(rec.get("file"), f"stages.{stage}.blocks.{k}.file"))
             st["blocks"] = kept
             del st["e2e"]
         for k in [k for k in st["blocks"] if int(k) >= block]:
-            p = self.root / st["blocks"].pop(k)["file"]
+            doomed.append(self.path_of(st["blocks"].pop(k).get("file"), f"stages.{stage}.blocks.{k}.file"))
+        for p in doomed:
             p.unlink(missing_ok=True)
         st["done"] = False
         self.save(m)

@@ -242,9 +242,10 @@ def test_damaged_manifest_is_reported(packs, tmp_path):
     (d / MANIFEST).write_text(json.dumps(body, sort_keys=True, indent=1) + "\n")
     report = verify_packed_dir(d)
     assert report.first_error.tensor == MANIFEST and "manifest_sha256" in report.first_error.problem
-    (d / MANIFEST).unlink()
+    (d / MANIFEST).unlink()  # a moesq pack without its manifest fails (its structure is still checked)
     report = verify_packed_dir(d)
-    assert report.ok and report.checksums == "absent" and any("no checksum manifest" in w for w in report.warnings)
+    assert not report.ok and report.checksums == "absent" and report.first_error.tensor == MANIFEST
+    assert report.first_error.problem.startswith("missing") and len(report.errors) == 1 and report.rows
 
 
 # ---- where a pack may go ---------------------------------------------------------------------------------------
@@ -300,10 +301,10 @@ def test_overwrite_replaces_only_an_earlier_pack_atomically(packs, tmp_path, mon
     assert _digests(target) == before  # the earlier pack is untouched until the new one is complete
     assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]  # no temp dirs left
     monkeypatch.undo()
-    (tmp_path / ".target.tmp-killed").mkdir()  # what a killed pack leaves: removed by the next one
+    (tmp_path / ".target.tmp-mine").mkdir()  # a temp dir's name, but no marker of moesq's: never touched
     export_packed(wd, "init-rtn", target, overwrite=True)
     assert _digests(target) == _digests(out)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".target.tmp-mine", "target"]
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from moesq_core.checkpoint.checksums import write_manifest
 from moesq_core.checkpoint.export import quantization_config
 from moesq_core.checkpoint.verify import VerifyReport, verify_packed_dir
 from moesq_core.formats import get_format
@@ -41,13 +42,14 @@ def build_dir(root: Path, fmt_name: str = "p48-nvfp4", layout: str | None = None
     tensors["model.embed_tokens.weight"] = torch.randn(10, H).bfloat16()
     for layer in range(LAYERS):
         tensors[f"model.layers.{layer}.mlp.gate.weight"] = torch.randn(E, H).bfloat16()
-    # the config moesq pack writes (no checksum manifest here: these dirs test the structural checks)
+    # the config moesq pack writes; the checksum manifest is rewritten after every edit (seal): these dirs test
+    # the structural checks
     qc = quantization_config(fmt_name, ["lm_head", "re:.*self_attn.*", "re:.*mlp.gate$"], True, layout is None)
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "quantization_config": qc}))
     if shards == 1:
         save_file(tensors, str(root / "model.safetensors"))
-        return root
+        return seal(root)
     names = sorted(tensors)
     weight_map = {}
     for s in range(shards):
@@ -56,6 +58,13 @@ def build_dir(root: Path, fmt_name: str = "p48-nvfp4", layout: str | None = None
         save_file(part, str(root / fname))
         weight_map.update({n: fname for n in part})
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return seal(root)
+
+
+def seal(root: Path) -> Path:
+    """Record the directory as it is now in its checksum manifest, as if `moesq pack` had written it so."""
+    (root / "moesq_pack.json").unlink(missing_ok=True)
+    write_manifest(root, {})
     return root
 
 
@@ -68,6 +77,7 @@ def rewrite(root: Path, name: str, fn) -> None:
     tensors = load_file(str(root / fname))
     tensors[name] = fn(tensors[name].clone())
     save_file(tensors, str(root / fname))
+    seal(root)
 
 
 @pytest.mark.parametrize("fmt,layout,bits", [
@@ -181,6 +191,7 @@ def test_missing_or_bad_input_scale_is_caught(tmp_path):
     tensors["model.layers.1.mlp.experts.0.gate_proj.input_global_scale"] = torch.tensor([0.0])  # 1/0 when served
     tensors["model.layers.1.mlp.experts.0.up_proj.input_global_scale"] = torch.tensor([float("inf")])
     save_file(tensors, f)
+    seal(root)
     report = verify_packed_dir(root)
     assert [str(e) for e in report.errors] == [
         "model.layers.0.mlp.experts.1.up_proj.input_global_scale[0]: input global scale is -1.0, must be finite and > 0",
@@ -221,6 +232,7 @@ def test_truncated_shard_is_caught_naming_the_file(tmp_path):
     shard = root / "model-00002-of-00002.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(data[:-100])
+    seal(root)
     report = verify_packed_dir(root)
     assert not report.ok
     assert report.first_error.tensor == "model-00002-of-00002.safetensors"
@@ -233,6 +245,7 @@ def test_truncated_single_file_is_caught(tmp_path):
     root = build_dir(tmp_path)
     f = root / "model.safetensors"
     f.write_bytes(f.read_bytes()[:-1])
+    seal(root)
     report = verify_packed_dir(root)
     assert report.first_error.tensor == "model.safetensors" and not report.rows
 
@@ -242,13 +255,16 @@ def test_config_problems_are_caught(tmp_path):
     cfg = json.loads((root / "config.json").read_text())
     del cfg["quantization_config"]["paired48_sparse"]
     (root / "config.json").write_text(json.dumps(cfg))
+    seal(root)
     report = verify_packed_dir(root)
     assert report.first_error.tensor == "config.json" and "paired48_sparse" in report.first_error.problem
 
     cfg["quantization_config"]["moesq"]["format"] = "int4"
     (root / "config.json").write_text(json.dumps(cfg))
+    seal(root)
     assert "moesq.format is 'int4'" in verify_packed_dir(root).first_error.problem
     (root / "config.json").unlink()
+    seal(root)
     assert verify_packed_dir(root).first_error.problem.startswith("missing")
 
 
@@ -258,6 +274,7 @@ def test_missing_shard_is_caught(tmp_path):
     wm = json.loads(index.read_text())
     wm["weight_map"]["model.layers.0.mlp.experts.0.gate_proj.weight_sparse_packed"] = "model-00009-of-00009.safetensors"
     index.write_text(json.dumps(wm))
+    seal(root)
     report = verify_packed_dir(root)
     assert report.first_error.tensor == "model-00009-of-00009.safetensors"
     assert "does not exist" in report.first_error.problem
@@ -270,5 +287,6 @@ def test_missing_projection_is_caught(tmp_path):
     tensors = load_file(str(root / "model.safetensors"))
     tensors = {k: v for k, v in tensors.items() if ".experts.1.down_proj." not in k or ".layers.0." not in k}
     save_file(tensors, str(root / "model.safetensors"))
+    seal(root)
     report = verify_packed_dir(root)
     assert [str(e) for e in report.errors] == ["model.layers.0.mlp.experts.1: expert has no down_proj"]

@@ -17,6 +17,11 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from ..naming import loaders_read
+from ..paths import UnsafePathError, inside
+
 MANIFEST = "moesq_pack.json"
 MANIFEST_VERSION = 1
 _CHUNK = 1 << 22
@@ -141,6 +146,10 @@ def is_moesq_pack(root: Path) -> bool:
     return True
 
 
+TENSOR_CHANGED = "checksum mismatch: this tensor's bytes changed after packing"
+MISSING = "listed in the checksum manifest but missing"
+
+
 @dataclass
 class ChecksumProblem:
     file: str
@@ -157,8 +166,57 @@ class ChecksumResult:
     files_checked: int = 0
 
 
+def _check_file(root: Path, rel: str, want: dict, whole: bool = True) -> list[ChecksumProblem]:
+    """A listed file against its recorded digests. whole=False skips the tensors' bytes of a safetensors file
+    (its size and header are checked; a loader checks each tensor as it reads it, see ManifestCheck)."""
+    try:
+        p = inside(root, rel, f"{MANIFEST} entry")
+    except UnsafePathError as e:
+        return [ChecksumProblem(rel, None, str(e))]
+    if not p.is_file():
+        return [ChecksumProblem(rel, None, MISSING)]
+    if p.stat().st_size != want.get("bytes"):
+        return [ChecksumProblem(rel, None, f"size is {p.stat().st_size} bytes, the pack wrote {want.get('bytes')}")]
+    try:
+        if "tensors" not in want:
+            got = {"sha256": file_digest(p)["sha256"]}
+        elif whole:
+            got = file_digest(p)
+        else:
+            data_start, _ = safetensors_layout(p)
+            with open(p, "rb") as f:
+                got = {"sha256": None, "header": hashlib.sha256(f.read(data_start)).hexdigest(), "tensors": want["tensors"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [ChecksumProblem(rel, None, f"checksum mismatch; its safetensors header is unreadable ({e})")]
+    if got["sha256"] == want.get("sha256"):
+        return []
+    if "tensors" not in want:
+        return [ChecksumProblem(rel, None, "checksum mismatch: the file changed after packing")]
+    problems = []
+    if got["header"] != want.get("header"):
+        problems.append(ChecksumProblem(rel, None, "checksum mismatch in the safetensors header (tensor names, "
+                                        "dtypes, shapes or offsets changed)"))
+    changed = [n for n, h in want["tensors"].items() if got["tensors"].get(n) != h]
+    problems += [ChecksumProblem(rel, n, TENSOR_CHANGED) for n in changed]
+    if whole and not problems:
+        problems.append(ChecksumProblem(rel, None, "checksum mismatch outside every tensor's bytes"))
+    return problems
+
+
+
+
+def _unlisted(root: Path, listed) -> tuple[list[ChecksumProblem], list[str]]:
+    """(problems for the unlisted files that loaders read, the other unlisted files)."""
+    extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
+                   if p.is_file() and p.name != MANIFEST and p.relative_to(root).as_posix() not in listed)
+    read = [ChecksumProblem(f, None, "not listed in the checksum manifest, and loaders read it (added after "
+                            "packing?)") for f in extra if loaders_read(f)]
+    return read, [f for f in extra if not loaders_read(f)]
+
+
 def check_manifest(root: Path) -> ChecksumResult:
-    """Compare every listed file with its recorded digests, naming the changed file and tensor(s)."""
+    """Compare every listed file with its recorded digests, naming the changed file and tensor(s); an unlisted
+    file that loaders read is a problem too, other unlisted files are only listed (extra_files)."""
     root = Path(root)
     if not (root / MANIFEST).is_file():
         return ChecksumResult(False)
@@ -169,34 +227,55 @@ def check_manifest(root: Path) -> ChecksumResult:
         res.problems.append(ChecksumProblem(MANIFEST, None, f"checksum manifest is damaged: {e}"))
         return res
     for rel, want in sorted(body["files"].items()):
-        p = root / rel
-        if not p.is_file():
-            res.problems.append(ChecksumProblem(rel, None, "listed in the checksum manifest but missing"))
-            continue
-        res.files_checked += 1
-        if p.stat().st_size != want.get("bytes"):
-            res.problems.append(ChecksumProblem(rel, None, f"size is {p.stat().st_size} bytes, the pack wrote {want.get('bytes')}"))
-            continue
-        try:
-            got = file_digest(p) if "tensors" in want else {"sha256": file_digest(p)["sha256"]}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            res.problems.append(ChecksumProblem(rel, None, f"checksum mismatch; its safetensors header is unreadable ({e})"))
-            continue
-        if got["sha256"] == want.get("sha256"):
-            continue
-        if "tensors" not in want:
-            res.problems.append(ChecksumProblem(rel, None, "checksum mismatch: the file changed after packing"))
-            continue
-        if got["header"] != want.get("header"):
-            res.problems.append(ChecksumProblem(rel, None, "checksum mismatch in the safetensors header (tensor names, "
-                                                "dtypes, shapes or offsets changed)"))
-        changed = [n for n, h in want["tensors"].items() if got["tensors"].get(n) != h]
-        for n in changed:
-            res.changed_tensors.add(n)
-            res.problems.append(ChecksumProblem(rel, n, "checksum mismatch: this tensor's bytes changed after packing"))
-        if got["header"] == want.get("header") and not changed:
-            res.problems.append(ChecksumProblem(rel, None, "checksum mismatch outside every tensor's bytes"))
-    listed = set(body["files"])
-    res.extra_files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                             if p.is_file() and p.name != MANIFEST and p.relative_to(root).as_posix() not in listed)
+        problems = _check_file(root, rel, want)
+        res.files_checked += not any(p.problem == MISSING or p.problem.startswith(f"{MANIFEST} entry") for p in problems)
+        res.problems += problems
+        res.changed_tensors.update(p.tensor for p in problems if p.tensor)
+    unlisted_read, res.extra_files = _unlisted(root, set(body["files"]))
+    res.problems += unlisted_read
     return res
+
+
+class ManifestCheck:
+    """Checks a pack against its manifest while a loader reads it, so that what is loaded is what `moesq pack`
+    wrote: on creation the manifest itself, every listed file's size, the small files' hashes and the
+    safetensors headers, and that no unlisted file a loader reads is there; then each tensor's bytes as the
+    loader reads them (`tensor`), and at the end that every listed tensor was read (`finish`). A header and all
+    its tensors cover a safetensors file exactly (safetensors checks that on opening), so this checks every
+    byte once, without reading the weights twice. Problems raise ValueError naming the file and tensor."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        if not (self.root / MANIFEST).is_file():
+            self._fail(MANIFEST, None, "missing: a moesq pack lists its files' checksums there (deleted, or written "
+                       "by another tool?)")
+        try:
+            body = read_manifest(self.root)
+        except (OSError, ValueError) as e:
+            self._fail(MANIFEST, None, f"checksum manifest is damaged: {e}")
+        self.files = body["files"]
+        problems = [p for rel, want in sorted(self.files.items()) for p in _check_file(self.root, rel, want, whole=False)]
+        problems += _unlisted(self.root, set(self.files))[0]
+        if problems:
+            self._fail(problems[0].file, problems[0].tensor, problems[0].problem)
+        self.unread = {(rel, n) for rel, want in self.files.items() for n in want.get("tensors", {})}
+
+    def _fail(self, file: str, tensor: str | None, problem: str):
+        where = f"{file}: {tensor}" if tensor else file
+        raise ValueError(f"{self.root}: {where}: {problem}; run `moesq verify {self.root}` (or load with "
+                         "verify=False / --no-verify to load it anyway)")
+
+    def tensor(self, file: str, name: str, t) -> None:
+        """Check the bytes of tensor `name` as read from `file` (a torch tensor, as stored)."""
+        data = t.detach().contiguous().reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+        want = self.files.get(file, {}).get("tensors", {}).get(name)
+        if want is None or hashlib.sha256(data).hexdigest() != want:
+            self._fail(file, name, TENSOR_CHANGED if want is not None else "not listed in the checksum manifest")
+        self.unread.discard((file, name))
+
+    def finish(self) -> int:
+        """After loading: every listed tensor was read and checked; returns the number of files checked."""
+        if self.unread:
+            file, name = min(self.unread)
+            self._fail(file, name, f"listed in the checksum manifest but not read by the loader ({len(self.unread)} such)")
+        return len(self.files)

@@ -9,16 +9,21 @@ sharded by size (`max_shard_bytes`) with a `model.safetensors.index.json` when t
 
 Safety: the output is validated before anything is written (never the work dir or the source model, never a
 directory holding anything but an earlier moesq pack); the pack is built in a temp dir beside the output and
-renamed into place, an earlier pack being removed only after the new one is complete. Every file is listed
+renamed into place, an earlier pack being removed only after the new one is complete. The work dir's lock and
+a lock on the output are held throughout; temp dirs a killed pack left are removed only when their marker
+proves moesq made them and their process has ended. Every file is listed
 with its sha256 (and each tensor's) in `moesq_pack.json`, which `moesq verify` checks. The output is
 byte-deterministic: the same stage gives the same bytes (no timestamps, fixed ordering).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+import logging
 import os
 import re
+import secrets
 import shutil
 import struct
 import tempfile
@@ -32,15 +37,11 @@ from ..engine import load_block
 from ..formats import get_format
 from ..formats.quantizers import input_global_scales
 from ..memory import release_freed_memory
-from ..naming import INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
-from ..workdir import WorkDir, WorkDirError
+from ..naming import CARRIED_FILES, CARRIED_PATTERNS, INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
+from ..workdir import LockHeld, WorkDir, WorkDirError, pid_alive, take_lock
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
 
-# Files carried over from the source model besides the weights; remote-code *.py and *.jinja templates too.
-CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                 "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json",
-                 "preprocessor_config.json", "tiktoken.model", "added_tokens.json")
-CARRIED_PATTERNS = ("*.py", "*.jinja")
+log = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hub's customary 5 GB shards
 LARGE_UPLOAD_BYTES = 20 * 10**9  # above this, push with upload_large_folder (resumable, chunked commits)
 PACKED_SLOT = "packed"  # the work dir's own pack location (WORKDIR/packed), the default --out
@@ -215,9 +216,99 @@ def _add_packed_block(writer: _ShardWriter, path: Path, li: int, fmt, layout) ->
     return packed_bytes, n_weights, n_in + n_mid
 
 
+class OutputLocked(FileExistsError):
+    """Another moesq process is writing the same --out."""
+
+
+@contextlib.contextmanager
+def _out_locked(out_dir: Path):
+    """Hold --out's lock: a file beside it (`.<name>.moesq-lock`, removed on release) locked like the work dir's
+    (workdir.take_lock). A second pack into the same --out is refused at once, naming the holder's pid."""
+    path = out_dir.parent / f".{out_dir.name}.moesq-lock"
+    try:  # a file of that name that is not moesq's (it holds a pid or nothing) is neither written nor removed
+        foreign = path.is_symlink() or not re.fullmatch(r"\d*\s*", path.read_text(errors="replace")[:64])
+    except FileNotFoundError:
+        foreign = False
+    except OSError:
+        foreign = True
+    if foreign:
+        raise FileExistsError(f"{path} is in the way of --out {out_dir}'s lock file and is not moesq's; move it "
+                              "away or choose another --out")
+    while True:
+        try:
+            fd = take_lock(path)
+        except LockHeld as e:
+            raise OutputLocked(f"--out {out_dir} is being written by another moesq process (pid {e.pid}); wait for "
+                               "it to finish, or choose another --out") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the holder removed the file as this process opened it: lock the new one
+    try:
+        yield
+    finally:
+        os.unlink(path)  # before releasing: a process that opened this file sees it is gone and retries
+        os.close(fd)
+
+
+# A pack's temp dirs beside --out (`.<name>.tmp-<token>` while building, `.<name>.old-<token>` holding the pack
+# it replaces during the swap) carry this marker, "moesq <pid> <token>": a later pack removes such a dir only
+# when the marker proves moesq made it (its token is the dir's) and its process has ended. Other dirs, a user's
+# of the same name among them, are never touched.
+OWNER_MARKER = ".moesq-owner"
+
+
+def _owned_dir(parent: Path, prefix: str) -> Path:
+    """A new dir `<prefix><token>` in parent, marked as this process's."""
+    token = secrets.token_hex(8)
+    d = parent / f"{prefix}{token}"
+    d.mkdir(mode=0o700)
+    (d / OWNER_MARKER).write_text(f"moesq {os.getpid()} {token}\n")
+    return d
+
+
+def _stale(d: Path, prefix: str) -> bool:
+    """d was made by _owned_dir(parent, prefix) of a process that has ended (or of this one)."""
+    try:
+        tag, pid, token = (d / OWNER_MARKER).read_text().split()
+    except (OSError, ValueError):
+        return False
+    if tag != "moesq" or d.name != prefix + token or not pid.isdigit():
+        return False
+    return int(pid) == os.getpid() or not pid_alive(int(pid))
+
+
+def _remove_stale(out_dir: Path) -> None:
+    """Remove what killed packs into out_dir left beside it (call with --out's lock held). A pack killed between
+    the swap's two renames left no out_dir and the earlier pack in its `.old-` dir: that pack is put back."""
+    for kind in ("tmp", "old"):
+        prefix = f".{out_dir.name}.{kind}-"
+        for d in sorted(out_dir.parent.glob(prefix + "*")):
+            if not d.is_dir() or d.is_symlink() or not _stale(d, prefix):
+                continue
+            if kind == "old" and (d / "pack").is_dir() and not out_dir.exists():
+                (d / "pack").rename(out_dir)
+                log.warning("put back the earlier pack %s that an interrupted `moesq pack --overwrite` had moved "
+                            "aside", out_dir)
+            shutil.rmtree(d, ignore_errors=True)
+            log.info("removed %s, left by an interrupted pack", d)
+
+
 def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: bool = False, sparse_layout: bool = True,
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ppl: dict | None = None, progress=None) -> dict:
-    """Write the packed model directory; returns a summary (bits/weight, sizes, files)."""
+    """Write the packed model directory; returns a summary (bits/weight, sizes, files). Holds the work dir's lock
+    and --out's lock throughout: another command writing the work dir, or another pack into --out, refuses."""
+    workdir.load()  # not a work dir: say so before the lock creates anything
+    with workdir.locked(), contextlib.ExitStack() as held:
+        return _export_packed(workdir, stage, Path(out_dir), held, overwrite=overwrite, sparse_layout=sparse_layout,
+                              max_shard_bytes=max_shard_bytes, ppl=ppl, progress=progress)
+
+
+def _export_packed(workdir: WorkDir, stage: str, out_dir: Path, held: contextlib.ExitStack, *, overwrite: bool,
+                   sparse_layout: bool, max_shard_bytes: int, ppl: dict | None, progress) -> dict:
     m = workdir.load()
     st = m["stages"].get(stage)
     if st is None or not st.get("done"):
@@ -232,10 +323,12 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
     out_dir = Path(out_dir)
     check_output_dir(out_dir, workdir.root, src, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # left by an interrupted pack
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    held.enter_context(_out_locked(out_dir))
+    _remove_stale(out_dir)
+    check_output_dir(out_dir, workdir.root, src, overwrite)  # an earlier pack may have been put back
+    work = _owned_dir(out_dir.parent, f".{out_dir.name}.tmp-")
+    tmp = work / "pack"  # built here, then renamed to out_dir
+    tmp.mkdir()
     old = None
     try:
         writer = _ShardWriter(tmp, max_shard_bytes)
@@ -277,15 +370,15 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
         if out_dir.exists():
             # keep the earlier pack until the new one is in place; re-check it is still only a moesq pack
             check_output_dir(out_dir, workdir.root, src, overwrite)
-            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            old = _owned_dir(out_dir.parent, f".{out_dir.name}.old-")
             out_dir.rename(old / "pack")
         tmp.rename(out_dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
             old = None
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
         if old is not None and (old / "pack").exists() and not out_dir.exists():
             (old / "pack").rename(out_dir)  # the swap failed half-way: put the earlier pack back
             shutil.rmtree(old, ignore_errors=True)

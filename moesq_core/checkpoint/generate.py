@@ -75,14 +75,15 @@ class LoadedPack:
         return sorted({type(m).__name__ for m in self.model.modules() if type(m).__name__.endswith("Experts")})
 
 
-def load_pack(path: str | Path, device: str = "auto", dtype: str = "auto", progress=None) -> LoadedPack:
+def load_pack(path: str | Path, device: str = "auto", dtype: str = "auto", progress=None,
+              verify: bool = True) -> LoadedPack:
     from .loader import load_packed
 
     path = Path(path)
     dev = resolve_device(device)
     dtype_name = resolve_dtype(dtype, dev)
     t0 = time.perf_counter()
-    model, tok = load_packed(path, device=dev, dtype=DTYPES[dtype_name], progress=progress)
+    model, tok = load_packed(path, device=dev, dtype=DTYPES[dtype_name], progress=progress, verify=verify)
     load_s = time.perf_counter() - t0
     if tok is None:
         raise ValueError(f"{path} has no tokenizer files; generation needs one")
@@ -161,9 +162,9 @@ def generate_batch(pack: LoadedPack, prompts: list[str], *, max_new_tokens: int 
 
 def generate_text(path: str | Path, prompts: list[str], *, max_new_tokens: int = 64, device: str = "auto",
                   dtype: str = "auto", chat: bool = False, temperature: float = 0.0, seed: int = 0,
-                  progress=None) -> dict:
+                  progress=None, verify: bool = True) -> dict:
     """Generate a completion of every prompt with the packed model at `path`, in one batch; returns the
-    `moesq generate --json` document (schema "moesq.generate/2")."""
+    `moesq generate --json` document (schema "moesq.generate/2"). verify: see load_packed."""
     if not prompts:
         raise ValueError("give a prompt: --prompt TEXT (repeatable) or --prompts FILE")
     if max_new_tokens < 1:
@@ -173,7 +174,7 @@ def generate_text(path: str | Path, prompts: list[str], *, max_new_tokens: int =
     if any(not p for p in prompts):
         raise ValueError("--prompt is empty")
     resolve_dtype(dtype, torch.device("cpu"))  # a bad --dtype fails before the load
-    pack = load_pack(path, device, dtype, progress)
+    pack = load_pack(path, device, dtype, progress, verify=verify)
     run = generate_batch(pack, prompts, max_new_tokens=max_new_tokens, chat=chat, temperature=temperature, seed=seed)
     return {
         "schema": "moesq.generate/2", "path": str(pack.path), "format": pack.format, "device": str(pack.device),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -14,16 +15,19 @@ from ..formats import get_format
 from ..models import adapter_for, load_model
 from ..naming import INDEX_FILE, PROJECTIONS, SINGLE_FILE, expert_linear, parse_expert_tensor, weight_files
 from ..workdir import WorkDir, WorkDirError
+from .checksums import MANIFEST, ManifestCheck
+
+log = logging.getLogger(__name__)
 
 
 class _PackedTensors:
     """Reads a packed directory's tensors one at a time through memory-mapped safe_open handles (never a whole
     shard at once): the weight map comes from the index or the single file's header."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, check: ManifestCheck | None):
         from safetensors import safe_open
 
-        self.path, self.handles = path, {}
+        self.path, self.handles, self.check = path, {}, check
         try:
             files = weight_files(path) or [SINGLE_FILE]
         except ValueError as e:
@@ -43,9 +47,12 @@ class _PackedTensors:
 
     def get(self, name: str) -> torch.Tensor:
         try:
-            return self.handles[self.where[name]].get_tensor(name)
+            t = self.handles[self.where[name]].get_tensor(name)
         except Exception as e:
             raise ValueError(f"{self.path / self.where[name]}: reading {name} failed ({e}); run `moesq verify {self.path}`") from None
+        if self.check is not None:
+            self.check.tensor(self.where[name], name, t)
+        return t
 
 
 @contextlib.contextmanager
@@ -96,13 +103,16 @@ def install_packed_experts(block, reader: _PackedTensors, fmt, act_quant: bool, 
 
 
 def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                act_quant: bool | None = None, fast: bool | None = None, progress=None):
+                act_quant: bool | None = None, fast: bool | None = None, progress=None, verify: bool = True):
     """(model, tokenizer) from a packed directory written by `moesq pack`, in any moesq format.
 
     The one call that loads every moesq checkpoint: routed experts become the module the format serves them
     with (a fast GPU module where the format has one for `device`; `fast` forces it on/off), every other tensor is copied into the
     transformers model. Tensors are read one at a time (safe_open). progress: a moesq Progress (one bar over
-    the MoE blocks) or None.
+    the MoE blocks) or None. verify (default): load only what `moesq pack` wrote: every file and tensor is
+    checked against the checksum manifest as it is read (checksums.ManifestCheck; a missing manifest, a changed
+    byte or an unlisted file that loaders read raises ValueError naming the file and tensor); verify=False skips
+    that, and says so in the log.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -110,6 +120,11 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path}: no config.json; is this a directory written by `moesq pack`?")
+    if verify:
+        check = ManifestCheck(path)
+    else:
+        check = None
+        log.warning("%s: loading without checking its files against %s (verify off)", path, MANIFEST)
     try:
         raw = json.loads(cfg_path.read_text())
     except ValueError as e:
@@ -125,7 +140,7 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     adapter = adapter_for(config)
     with _parameters_on_meta():  # no memory (nor random init) for weights that the checkpoint replaces
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    reader = _PackedTensors(path)
+    reader = _PackedTensors(path, check)
     names = reader.names()
     blocks = adapter.blocks(model)
     expert_names = set()
@@ -157,6 +172,8 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta or unexpected:
         raise ValueError(f"{path}: checkpoint does not match the config (missing {still_meta[:5]}, unexpected {unexpected[:5]})")
+    if check is not None:
+        log.info("%s: %d files checked against %s while loading", path, check.finish(), MANIFEST)
     model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
     return model, tok

@@ -10,7 +10,8 @@ tensors (moesq_core.formats) plus what the format's activation quantizer stores 
 
 Checks, in order: the checksum manifest `moesq_pack.json` written by `moesq pack` (every file's sha256; for a
 changed safetensors file the tensor(s) whose bytes changed are named, the header giving each tensor's byte range;
-a missing manifest is a warning, a damaged one an error); then the structure, which also catches files
+a missing or damaged manifest is an error, and so is an unlisted file that loaders read, e.g. a tokenizer file;
+other unlisted files are a warning); then the structure, which also catches files
 re-encoded by other tools: each file opens (safetensors rejects truncated files and bad headers) and the index
 matches the files; the config has `quantization_status: "compressed"` and passes the format's checks
 (`Format.check_config`: group size, format name, markers), and no other format's marker; per linear: dtypes
@@ -288,7 +289,8 @@ def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> Veri
         return report
     sums = check_manifest(root)
     if not sums.present:
-        report.warnings.append(f"no checksum manifest ({MANIFEST}): only the structure is checked")
+        report._error(MANIFEST, "missing: a moesq pack lists every file's checksum there (deleted, or written by "
+                      "another tool?); the structure is still checked below")
     else:
         report.checksums = "failed" if sums.problems else "ok"
         report.checksum_files = sums.files_checked
@@ -298,8 +300,6 @@ def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> Veri
         if sums.extra_files:
             report.warnings.append(f"{len(sums.extra_files)} file(s) not written by moesq pack, e.g. {sums.extra_files[0]}")
     if checksums_only:
-        if not sums.present:
-            report._error(MANIFEST, "missing: there are no checksums to check (pack written by another tool?)")
         return report
     fmt, qc, config = _read_config(root, report)
     if fmt is None:

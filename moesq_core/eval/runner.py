@@ -64,8 +64,10 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
     return out
 
 
-def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress=None):
-    """(model, tokenizer); a packed dir of any moesq format goes through load_packed (fast path on sm_90)."""
+def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress=None,
+                verify: bool = True):
+    """(model, tokenizer); a packed dir of any moesq format goes through load_packed (fast path on sm_90;
+    checked against its checksum manifest unless verify=False)."""
     from ..checkpoint.loader import load_packed, load_workdir_model
     from ..models import load_model
 
@@ -74,7 +76,7 @@ def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.
         return model, tok
     if t.kind == "stage":
         return load_workdir_model(t.path, t.stage, device=device, dtype=dtype)
-    return load_packed(t.path, device=device, dtype=dtype, progress=progress)
+    return load_packed(t.path, device=device, dtype=dtype, progress=progress, verify=verify)
 
 
 def target_identity(t: EvalTarget) -> str:
@@ -124,7 +126,7 @@ def computation_fingerprint(model: torch.nn.Module, tokens: torch.Tensor) -> str
 
 
 def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: int = 65536, window: int = 512,
-                    device="cpu", cache: ResultCache | None = None, progress=None) -> list[dict]:
+                    device="cpu", cache: ResultCache | None = None, progress=None, verify: bool = True) -> list[dict]:
     """Perplexity rows of `targets`, in order. A target that computes exactly what one evaluated before it in
     this call does (computation_fingerprint; e.g. a packed dir and its stage on the CPU) takes that target's
     perplexity instead of evaluating again; its row names it in `same_as`."""
@@ -137,7 +139,7 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
         key = cache.key("ppl", target_identity(t), digest, max_tokens, window)
         hit = cache.get(key)
         if hit is None:
-            model, tok = load_target(t, device, progress=progress)
+            model, tok = load_target(t, device, progress=progress, verify=verify)
             tokens = load_eval_tokens(tok, text_file, max_tokens)
             n = len(tokens) // window
             same = computation_fingerprint(model, tokens[: n * window]) if torch.device(device).type == "cpu" else None
