@@ -33,6 +33,7 @@ from ..formats.quantizers import input_global_scales
 from ..naming import INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
 from ..workdir import WorkDir, WorkDirError
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
+from .model_card import model_card, work_dir_evals
 
 # Files carried over from the source model besides the weights; remote-code *.py and *.jinja templates too.
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -145,8 +146,9 @@ def _fix_modes(root: Path) -> None:
 
 
 def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: bool = False, sparse_layout: bool = True,
-                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ppl: dict | None = None, progress=None) -> dict:
-    """Write the packed model directory; returns a summary (bits/weight, sizes, files)."""
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress=None) -> dict:
+    """Write the packed model directory; returns a summary (bits/weight, sizes, files). Its model card
+    (model_card.py) carries the work dir's evaluation results for the stage, where there are any."""
     m = workdir.load()
     st = m["stages"].get(stage)
     if st is None or not st.get("done"):
@@ -210,7 +212,7 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
                    "act_quant": act_quant, "bits_per_weight": 8 * packed_bytes / max(1, n_weights),
                    "expert_weights": n_weights, "expert_bytes": packed_bytes,
                    "input_scale_fallbacks": fallbacks, "moesq_version": __version__, **shards}
-        (tmp / "README.md").write_text(model_card(m, src, summary, ppl))
+        (tmp / "README.md").write_text(model_card(m, src, summary, work_dir_evals(workdir.root, stage)))
         _fix_modes(tmp)
         manifest = write_manifest(tmp, summary)
         os.chmod(tmp / MANIFEST, 0o644)
@@ -232,62 +234,6 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
             shutil.rmtree(old, ignore_errors=True)
     summary["path"] = str(out_dir)
     return summary
-
-
-# -- model card ---------------------------------------------------------------------------------------------
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-def hub_id_of(source: str) -> str | None:
-    """The Hub id a model came from: the source itself when it is an id, or read from a Hub cache path."""
-    m = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", source)
-    if m:
-        return f"{m.group(1)}/{m.group(2)}"
-    if not Path(source).expanduser().exists() and _HUB_ID.match(source):
-        return source
-    return None
-
-
-def _base_license(src: Path) -> str | None:
-    from huggingface_hub import ModelCard
-
-    readme = src / "README.md"
-    if not readme.is_file():
-        return None
-    try:
-        return ModelCard.load(readme).data.license
-    except Exception:  # a base model card without front matter
-        return None
-
-
-def model_card(manifest: dict, src: Path, summary: dict, ppl: dict | None) -> str:
-    """README.md with Hub front matter (huggingface_hub.ModelCardData); reproducible (no dates)."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    source = manifest["model"]["source"]
-    hub_id = hub_id_of(source) or hub_id_of(str(src))
-    fmt = get_format(summary["format"])
-    data = ModelCardData(license=_base_license(src), pipeline_tag="text-generation", base_model=hub_id,
-                         base_model_relation="quantized" if hub_id else None,
-                         tags=["moesq", "moe", *fmt.card_tags])
-    name = hub_id or Path(source).name
-    lines = [
-        f"# {name.split('/')[-1]} — moesq {fmt.name}", "",
-        f"The routed experts of {'`' + hub_id + '`' if hub_id else 'the base model'} compressed by moesq "
-        f"{__version__}; every other weight is unchanged.", "",
-        "| | |", "|---|---|",
-        f"| base model | `{hub_id or Path(source).name}` |",
-        f"| method | {summary['method']} |",
-        f"| format | {fmt.name} ({fmt.description}) |",
-        f"| activations | {'quantized (' + fmt.act_label + ')' if summary['act_quant'] else 'not quantized (weights only)'} |",
-        f"| expert bits per weight | {summary['bits_per_weight']:.3f} |",
-        f"| expert weights | {summary['expert_weights']:,} in {summary['expert_bytes']:,} bytes |",
-    ]
-    if ppl:
-        lines += ["", "## Measured perplexity", "", "| model | perplexity |", "|---|---|"]
-        lines += [f"| {k} | {v:.3f} |" for k, v in sorted(ppl.items())]
-    lines += ["", "## Loading", "", *[f"- {x}" for x in fmt.card_loaders], "",
-              "`moesq verify DIR` checks every file against the checksums in `moesq_pack.json` and every packed "
-              "expert tensor's structure.", ""]
-    return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(lines)))
 
 
 # -- Hub ----------------------------------------------------------------------------------------------------
