@@ -657,10 +657,9 @@ def pack(
     stage = stage or default_stage(wd)
     out = out or workdir / "packed"
     check_output_dir(out, workdir, Path(wd.load()["model"]["path"]), overwrite)  # before any progress is shown
-    ppl = _known_ppl(workdir, stage)
     n_blocks = len(wd.stage(stage)["blocks"]) if wd.stage(stage) else 0
     with RichProgress(quiet) as p, p.task(f"pack {stage}", n_blocks) as t:
-        summary = export_packed(wd, stage, out, overwrite=overwrite, sparse_layout=not dense_layout, ppl=ppl,
+        summary = export_packed(wd, stage, out, overwrite=overwrite, sparse_layout=not dense_layout,
                                 max_shard_bytes=max_bytes, progress=t.advance)
     doc = {"schema": "moesq.pack/1", **summary, "hub": None}
     con = _out_console(json_out)
@@ -682,16 +681,6 @@ def pack(
             raise
         con.print(f"pushed to {doc['hub']['url']}" + "".join(f" ({n})" for n in doc["hub"]["notes"]))
     _write_json(json_out, doc)
-
-
-def _known_ppl(workdir: Path, stage: str) -> dict | None:
-    path = workdir / "eval" / "results.json"
-    if not path.is_file():
-        return None
-    rows = json.loads(path.read_text())
-    got = {r["label"]: r["ppl"] for r in rows.values() if r.get("kind") in ("reference", "stage") and
-           (r.get("kind") == "reference" or r.get("stage") == stage)}
-    return got or None
 
 
 @app.command()

@@ -22,7 +22,7 @@ from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError
 
 from .calibration import CalibConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # imported where the config-file validator is built (_config_adapter): refinement is heavy
     from .methods.refine import RefineConfig
 
 ASSETS = Path(__file__).parent / "assets"
@@ -270,7 +270,7 @@ _EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", 
 def _error_lines(errors: list[dict]) -> str:
     """pydantic's errors as `key.path: what is wrong`, joined by "; ". The alternatives of a union-typed key
     (e2e_steps: an integer or "auto") make one line."""
-    lines: dict[str, list] = {}  # path -> [expected, ..., input] or a finished line
+    lines: dict[str, str | tuple] = {}  # path -> its line, or (what is expected, the input) while a union's gather
     for err in errors:
         loc = tuple(str(p) for p in err["loc"])
         if len(loc) > 1 and isinstance(err["loc"][-1], str) and not _section_keys(loc[:-1]):

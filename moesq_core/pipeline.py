@@ -481,9 +481,9 @@ def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *
         if not distributed.is_main_process():
             return None  # expert parallel: rank 0 packs, verifies and evaluates
         out = wd.root / "packed"
-        with progress.task(f"pack {handle.stage}", None):
-            handle.save_pretrained(out, overwrite=True)
-        report = verify_packed_dir(out)
+        with progress.task(f"pack {handle.stage}", len(wd.stage(handle.stage)["blocks"])) as t:
+            handle.save_pretrained(out, overwrite=True, progress=t.advance)
+        report = verify_packed_dir(out, progress=progress)
         if not report.ok:
             raise RuntimeError(f"verify failed on the packed model: {report.first_error}")
         targets = resolve_targets([str(wd.root), str(out)])

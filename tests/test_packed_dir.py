@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from moesq_core.checkpoint.checksums import MANIFEST, safetensors_layout
-from moesq_core.checkpoint.export import check_output_dir, export_packed, input_global_scales, model_card
+from moesq_core.checkpoint.export import check_output_dir, export_packed, input_global_scales
+from moesq_core.checkpoint.model_card import model_card
 from moesq_core.checkpoint.loader import load_packed
 from moesq_core.checkpoint.verify import verify_packed_dir
 
-from conftest import PACK_FORMATS as FORMATS, packed_expert_linears
+from conftest import EVAL, PACK_FORMATS as FORMATS, packed_expert_linears
 
 
 def _digests(d: Path) -> dict:
@@ -178,9 +179,59 @@ def test_model_card_front_matter(packs, tmp_path):
     base.mkdir()
     (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# base\n")
     summary = json.loads((packs["p48-nvfp4"][1] / MANIFEST).read_text())["summary"]
-    card = ModelCard(model_card({"model": {"source": "Qwen/Qwen3-30B-A3B"}}, base, summary, {"reference": 1.5}))
+    manifest = {**packs["p48-nvfp4"][0].load(), "model": {"source": "Qwen/Qwen3-30B-A3B"}}
+    card = ModelCard(model_card(manifest, base, summary))
     assert card.data.license == "apache-2.0" and card.data.base_model == "Qwen/Qwen3-30B-A3B"
-    assert card.data.base_model_relation == "quantized"
+    assert card.data.base_model_relation == "quantized" and card.data.library_name == "moesq"
+
+
+def test_model_card_says_how_it_was_made_how_it_evaluated_and_how_to_load_it(micro_path, tmp_path):
+    """A refined micro model, evaluated (perplexity and the shipped lm-eval task) and packed: the card carries
+    the front matter, the calibration in sequences x tokens, the configuration as a recipe that loads back to
+    it, the work dir's evaluation numbers for the stage and the ways to load it."""
+    import re
+
+    import yaml
+    from huggingface_hub import ModelCard
+
+    from moesq_core import CompressConfig, compress
+    from moesq_core.eval.runner import ResultCache, load_target, ppl_for_targets, resolve_targets, target_identity
+    from moesq_core.workdir import WorkDir
+
+    lm_eval_tasks = pytest.importorskip("moesq_core.eval.lm_eval_tasks")
+    wd = tmp_path / "wd"
+    cfg = CompressConfig.from_dict({"calib": {"seq_len": 32, "n_train": 4, "n_val": 2, "n_init": 4},
+                                    "init": {"method": "rtn"},
+                                    "refine": {"epochs": 1, "steps_per_epoch": 2, "e2e_steps": 0,
+                                               "init_split_rows": False}})
+    compress(micro_path, cfg, workdir=wd, device="cpu")
+    targets = resolve_targets([str(wd)])
+    rows = ppl_for_targets(targets, EVAL, max_tokens=1024, window=256, cache=ResultCache(wd / "eval" / "results.json"))
+    scores = {}
+    for t in targets:
+        model, tok = load_target(t)
+        res = lm_eval_tasks.evaluate_tasks(model, tok, "moesq_cloze", label=t.label, limit=8, batch_size=4,
+                                           cache_dir=wd / "eval" / "lm_eval", model_id=target_identity(t))
+        scores[t.label] = res.results["moesq_cloze"].metric("acc_norm")
+    export_packed(WorkDir(wd), "refine", tmp_path / "packed")
+    card = ModelCard.load(tmp_path / "packed" / "README.md")
+    d = card.data
+    assert (d.library_name, d.pipeline_tag, d.base_model) == ("moesq", "text-generation", None)  # a local source
+    assert {"moesq", "moe", "quantized", "nvfp4", "sparse"} <= set(d.tags)
+    text = card.text
+    assert "- Calibration: 10 sequences × 32 tokens (320 tokens, " in text
+    assert "4 for refinement, 2 held out for its validation, 4 for the one-shot init" in text
+    assert "calib-sample.txt.xz" in text and str(tmp_path) not in text and "/work" not in text  # no machine paths
+    recipe = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
+    assert recipe["calib_source"] is None  # the embedded sample, as a recipe names it
+    assert CompressConfig.from_dict(recipe).to_dict() == cfg.to_dict()  # the same configuration
+    ref, refined = (next(r["ppl"] for r in rows if r["kind"] == k) for k in ("reference", "stage"))
+    assert f"| reference (base model) | {ref:.3f} |  | {EVAL.name} | 1,024 (256) |" in text
+    assert f"| this model (refine) | {refined:.3f} | {refined / ref:.3f} | {EVAL.name} | 1,024 (256) |" in text
+    assert f"| moesq_cloze | acc_norm | {scores['reference']:.4f} | {scores['refine']:.4f} |" in text
+    for how in ("from moesq_core import load_packed", 'load_packed("DIR")', "moesq generate DIR --prompt",
+                "moesq verify DIR"):
+        assert how in text
 
 
 # ---- checksums -------------------------------------------------------------------------------------------------

@@ -40,14 +40,12 @@ from ..memory import release_freed_memory
 from ..naming import CARRIED_FILES, CARRIED_PATTERNS, INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
 from ..workdir import LockHeld, WorkDir, WorkDirError, pid_alive, take_lock
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
+from .model_card import model_card, work_dir_evals
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hub's customary 5 GB shards
 LARGE_UPLOAD_BYTES = 20 * 10**9  # above this, push with upload_large_folder (resumable, chunked commits)
 PACKED_SLOT = "packed"  # the work dir's own pack location (WORKDIR/packed), the default --out
-TRANSFORMERS_LOADER = ("`pip install moesq`, then `import moesq_core` and `transformers.AutoModelForCausalLM."
-                       "from_pretrained(DIR)`: the same model as `load_packed` (moesq routes its packs through "
-                       "transformers' loader).")  # the model card's first loader, every format
 
 
 def parse_size(text: str) -> int:
@@ -298,17 +296,19 @@ def _remove_stale(out_dir: Path) -> None:
 
 
 def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: bool = False, sparse_layout: bool = True,
-                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ppl: dict | None = None, progress=None) -> dict:
-    """Write the packed model directory; returns a summary (bits/weight, sizes, files). Holds the work dir's lock
-    and --out's lock throughout: another command writing the work dir, or another pack into --out, refuses."""
+                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress=None) -> dict:
+    """Write the packed model directory; returns a summary (bits/weight, sizes, files). Its model card
+    (model_card.py) carries the work dir's evaluation results for the stage, where there are any. Holds the work
+    dir's lock and --out's lock throughout: another command writing the work dir, or another pack into --out,
+    refuses."""
     workdir.load()  # not a work dir: say so before the lock creates anything
     with workdir.locked(), contextlib.ExitStack() as held:
         return _export_packed(workdir, stage, Path(out_dir), held, overwrite=overwrite, sparse_layout=sparse_layout,
-                              max_shard_bytes=max_shard_bytes, ppl=ppl, progress=progress)
+                              max_shard_bytes=max_shard_bytes, progress=progress)
 
 
 def _export_packed(workdir: WorkDir, stage: str, out_dir: Path, held: contextlib.ExitStack, *, overwrite: bool,
-                   sparse_layout: bool, max_shard_bytes: int, ppl: dict | None, progress) -> dict:
+                   sparse_layout: bool, max_shard_bytes: int, progress) -> dict:
     m = workdir.load()
     st = m["stages"].get(stage)
     if st is None or not st.get("done"):
@@ -362,7 +362,7 @@ def _export_packed(workdir: WorkDir, stage: str, out_dir: Path, held: contextlib
                    "act_quant": act_quant, "bits_per_weight": 8 * packed_bytes / max(1, n_weights),
                    "expert_weights": n_weights, "expert_bytes": packed_bytes,
                    "input_scale_fallbacks": fallbacks, "moesq_version": __version__, **shards}
-        (tmp / "README.md").write_text(model_card(m, src, summary, ppl))
+        (tmp / "README.md").write_text(model_card(m, src, summary, work_dir_evals(workdir.root, stage)))
         _fix_modes(tmp)
         manifest = write_manifest(tmp, summary)
         os.chmod(tmp / MANIFEST, 0o644)
@@ -384,62 +384,6 @@ def _export_packed(workdir: WorkDir, stage: str, out_dir: Path, held: contextlib
             shutil.rmtree(old, ignore_errors=True)
     summary["path"] = str(out_dir)
     return summary
-
-
-# -- model card ---------------------------------------------------------------------------------------------
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-def hub_id_of(source: str) -> str | None:
-    """The Hub id a model came from: the source itself when it is an id, or read from a Hub cache path."""
-    m = re.search(r"models--([^/]+?)--([^/]+)/snapshots/", source)
-    if m:
-        return f"{m.group(1)}/{m.group(2)}"
-    if not Path(source).expanduser().exists() and _HUB_ID.match(source):
-        return source
-    return None
-
-
-def _base_license(src: Path) -> str | None:
-    from huggingface_hub import ModelCard
-
-    readme = src / "README.md"
-    if not readme.is_file():
-        return None
-    try:
-        return ModelCard.load(readme).data.license
-    except Exception:  # a base model card without front matter
-        return None
-
-
-def model_card(manifest: dict, src: Path, summary: dict, ppl: dict | None) -> str:
-    """README.md with Hub front matter (huggingface_hub.ModelCardData); reproducible (no dates)."""
-    from huggingface_hub import ModelCard, ModelCardData
-
-    source = manifest["model"]["source"]
-    hub_id = hub_id_of(source) or hub_id_of(str(src))
-    fmt = get_format(summary["format"])
-    data = ModelCardData(license=_base_license(src), pipeline_tag="text-generation", base_model=hub_id,
-                         base_model_relation="quantized" if hub_id else None,
-                         tags=["moesq", "moe", *fmt.card_tags])
-    name = hub_id or Path(source).name
-    lines = [
-        f"# {name.split('/')[-1]} — moesq {fmt.name}", "",
-        f"The routed experts of {'`' + hub_id + '`' if hub_id else 'the base model'} compressed by moesq "
-        f"{__version__}; every other weight is unchanged.", "",
-        "| | |", "|---|---|",
-        f"| base model | `{hub_id or Path(source).name}` |",
-        f"| method | {summary['method']} |",
-        f"| format | {fmt.name} ({fmt.description}) |",
-        f"| activations | {'quantized (' + fmt.act_label + ')' if summary['act_quant'] else 'not quantized (weights only)'} |",
-        f"| expert bits per weight | {summary['bits_per_weight']:.3f} |",
-        f"| expert weights | {summary['expert_weights']:,} in {summary['expert_bytes']:,} bytes |",
-    ]
-    if ppl:
-        lines += ["", "## Measured perplexity", "", "| model | perplexity |", "|---|---|"]
-        lines += [f"| {k} | {v:.3f} |" for k, v in sorted(ppl.items())]
-    lines += ["", "## Loading", "", *[f"- {x}" for x in (TRANSFORMERS_LOADER, *fmt.card_loaders)], "",
-              "`moesq verify DIR` checks every file against the checksums in `moesq_pack.json` and every packed "
-              "expert tensor's structure.", ""]
-    return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(lines)))
 
 
 # -- Hub ----------------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..progress import NullProgress
 from ..workdir import WorkDir, sha256_file, weight_files_sha256, write_json_atomic
 
 
@@ -139,7 +140,8 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
         key = cache.key("ppl", target_identity(t), digest, max_tokens, window)
         hit = cache.get(key)
         if hit is None:
-            model, tok = load_target(t, device, progress=progress, verify=verify)
+            with (progress or NullProgress()).task(f"loading {t.label}", None):
+                model, tok = load_target(t, device, progress=progress, verify=verify)
             tokens = load_eval_tokens(tok, text_file, max_tokens)
             n = len(tokens) // window
             same = computation_fingerprint(model, tokens[: n * window]) if torch.device(device).type == "cpu" else None

@@ -202,18 +202,21 @@ class EndToEndTuner:
         """Tune on the sequences `train` [n, seq], validate on `val`; the model's experts end up dense."""
         for b, *_ in self.blocks.values():
             b.restore_dense()
-        ref_train, ref_val = self._reference_states(train), self._reference_states(val)
-        for p in self.model.parameters():
-            p.requires_grad_(False)
-        for li, (b, results, amax_in, amax_mid) in self.blocks.items():
-            m = TunableExperts(self.fmt, [r.weights() for r in results], self.act_quant, amax_in, amax_mid, self.device)
-            self.modules[li] = m
-            b.mlp.experts = m  # every block at once (not set_experts: a lazily opened model would release them)
-        try:
-            return self._train(train, val, ref_train, ref_val, progress)
-        finally:
-            for b, *_ in self.blocks.values():
-                b.restore_dense()
+        # a task for the whole step: its reference states, its Fisher matrix and its validations are long too
+        with (progress or NullProgress()).task("refine: end-to-end step (references, validation)", None):
+            ref_train, ref_val = self._reference_states(train), self._reference_states(val)
+            for p in self.model.parameters():
+                p.requires_grad_(False)
+            for li, (b, results, amax_in, amax_mid) in self.blocks.items():
+                m = TunableExperts(self.fmt, [r.weights() for r in results], self.act_quant, amax_in, amax_mid,
+                                   self.device)
+                self.modules[li] = m
+                b.mlp.experts = m  # every block at once (not set_experts: a lazily opened model would release them)
+            try:
+                return self._train(train, val, ref_train, ref_val, progress)
+            finally:
+                for b, *_ in self.blocks.values():
+                    b.restore_dense()
 
     def _train(self, train, val, ref_train, ref_val, progress) -> E2EResult:
         cfg = self.cfg
