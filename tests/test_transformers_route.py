@@ -166,3 +166,19 @@ def test_install_wraps_only_transformers_own_entries_once():
     with pytest.raises(RuntimeError, match="not its own classes"):
         install(foreign)
     assert foreign.AUTO_QUANTIZATION_CONFIG_MAPPING["compressed-tensors"] is dict
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.1.mlp.experts.3.down_proj.weight_sparse_packed", "model.embed_tokens.weight"])
+def test_from_pretrained_refuses_a_changed_pack_naming_the_tensor(route_packs, tensor, tmp_path):
+    """The route checks the pack against moesq_pack.json as load_packed does: an expert byte (read by moesq) and an
+    embedding byte (read by transformers) are both caught."""
+    from transformers import AutoModelForCausalLM
+
+    from moesq_core.naming import SINGLE_FILE
+    from test_load_verified import flip_byte
+
+    pack = tmp_path / "pack"
+    shutil.copytree(route_packs["p48-nvfp4"], pack)
+    flip_byte(pack / SINGLE_FILE, tensor)
+    with pytest.raises(ValueError, match=rf"{SINGLE_FILE}: {tensor}: checksum mismatch"):
+        AutoModelForCausalLM.from_pretrained(pack)

@@ -128,14 +128,21 @@ class MoesqPackQuantizer(HfQuantizer):
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         from ..models import adapter_for
+        from .checksums import ManifestCheck
         from .loader import _PackedTensors, install_packed_experts
 
         qc = self.quantization_config
-        reader = _PackedTensors(self.pack_dir)
+        check = ManifestCheck(self.pack_dir)  # as load_packed(verify=True): what is loaded is what `moesq pack` wrote
+        reader = _PackedTensors(self.pack_dir, check)
+        installed = set()
         for block in adapter_for(model.config).blocks(model):
             device = _block_device(block)
-            install_packed_experts(block, reader, qc.format, qc.act_quant, device)
+            installed.update(install_packed_experts(block, reader, qc.format, qc.act_quant, device))
             block.mlp.experts.to(device).train(block.mlp.training)
+        for name in reader.names():  # transformers read these itself: check the same bytes (mapped, cached) here
+            if name not in installed:
+                reader.get(name)
+        log.info("%s: %d files checked against the checksum manifest while loading", self.pack_dir, check.finish())
         return model
 
     def is_serializable(self) -> bool:
