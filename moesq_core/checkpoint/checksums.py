@@ -147,7 +147,6 @@ def is_moesq_pack(root: Path) -> bool:
 
 
 TENSOR_CHANGED = "checksum mismatch: this tensor's bytes changed after packing"
-MISSING = "listed in the checksum manifest but missing"
 
 
 @dataclass
@@ -166,15 +165,20 @@ class ChecksumResult:
     files_checked: int = 0
 
 
-def _check_file(root: Path, rel: str, want: dict, whole: bool = True) -> list[ChecksumProblem]:
-    """A listed file against its recorded digests. whole=False skips the tensors' bytes of a safetensors file
-    (its size and header are checked; a loader checks each tensor as it reads it, see ManifestCheck)."""
+def _check_file(root: Path, rel: str, want: dict, whole: bool = True) -> tuple[bool, list[ChecksumProblem]]:
+    """(whether the file was there to check, what is wrong with it): a listed file against its recorded digests.
+    whole=False skips the tensors' bytes of a safetensors file (its size and header are checked; a loader checks
+    each tensor as it reads it, see ManifestCheck)."""
     try:
         p = inside(root, rel, f"{MANIFEST} entry")
     except UnsafePathError as e:
-        return [ChecksumProblem(rel, None, str(e))]
+        return False, [ChecksumProblem(rel, None, str(e))]
     if not p.is_file():
-        return [ChecksumProblem(rel, None, MISSING)]
+        return False, [ChecksumProblem(rel, None, "listed in the checksum manifest but missing")]
+    return True, _compare(p, rel, want, whole)
+
+
+def _compare(p: Path, rel: str, want: dict, whole: bool) -> list[ChecksumProblem]:
     if p.stat().st_size != want.get("bytes"):
         return [ChecksumProblem(rel, None, f"size is {p.stat().st_size} bytes, the pack wrote {want.get('bytes')}")]
     try:
@@ -184,7 +188,7 @@ def _check_file(root: Path, rel: str, want: dict, whole: bool = True) -> list[Ch
             got = file_digest(p)
         else:
             data_start, _ = safetensors_layout(p)
-            with open(p, "rb") as f:
+            with open(p, "rb") as f:  # no whole-file hash; the tensors are taken as recorded (checked when read)
                 got = {"sha256": None, "header": hashlib.sha256(f.read(data_start)).hexdigest(), "tensors": want["tensors"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [ChecksumProblem(rel, None, f"checksum mismatch; its safetensors header is unreadable ({e})")]
@@ -201,8 +205,6 @@ def _check_file(root: Path, rel: str, want: dict, whole: bool = True) -> list[Ch
     if whole and not problems:
         problems.append(ChecksumProblem(rel, None, "checksum mismatch outside every tensor's bytes"))
     return problems
-
-
 
 
 def _unlisted(root: Path, listed) -> tuple[list[ChecksumProblem], list[str]]:
@@ -227,8 +229,8 @@ def check_manifest(root: Path) -> ChecksumResult:
         res.problems.append(ChecksumProblem(MANIFEST, None, f"checksum manifest is damaged: {e}"))
         return res
     for rel, want in sorted(body["files"].items()):
-        problems = _check_file(root, rel, want)
-        res.files_checked += not any(p.problem == MISSING or p.problem.startswith(f"{MANIFEST} entry") for p in problems)
+        checked, problems = _check_file(root, rel, want)
+        res.files_checked += checked
         res.problems += problems
         res.changed_tensors.update(p.tensor for p in problems if p.tensor)
     unlisted_read, res.extra_files = _unlisted(root, set(body["files"]))
@@ -254,7 +256,7 @@ class ManifestCheck:
         except (OSError, ValueError) as e:
             self._fail(MANIFEST, None, f"checksum manifest is damaged: {e}")
         self.files = body["files"]
-        problems = [p for rel, want in sorted(self.files.items()) for p in _check_file(self.root, rel, want, whole=False)]
+        problems = [p for rel, want in sorted(self.files.items()) for p in _check_file(self.root, rel, want, whole=False)[1]]
         problems += _unlisted(self.root, set(self.files))[0]
         if problems:
             self._fail(problems[0].file, problems[0].tensor, problems[0].problem)
