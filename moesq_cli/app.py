@@ -337,7 +337,7 @@ def _guard(fn):
         from moesq_core.distributed import PeerFailed, RankZeroFailed, launched_world
         from moesq_core.engine import StageOutOfMemoryError
         from moesq_core.models import UnsupportedModelError
-        from moesq_core.workdir import WorkDirError
+        from moesq_core.workdir import DiskWriteError, WorkDirError
 
         workdir = kw.get("workdir")
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -365,7 +365,7 @@ def _guard(fn):
                 traceback.print_exc()
             msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.strerror or e}: {e.filename}"
             if not isinstance(e, (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError,
-                                  StageOutOfMemoryError, PeerFailed)):
+                                  StageOutOfMemoryError, PeerFailed, DiskWriteError)):
                 msg = f"{type(e).__name__}: {msg}" + (f" (traceback in {logfile})" if logfile else "")
             _fail(msg)
         except Exception as e:  # a bug: say so, keep the traceback

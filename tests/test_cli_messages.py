@@ -128,3 +128,80 @@ def test_json_writers_refuse_non_finite_and_json_output_writes_null(tmp_path):
 
     doc = json.loads((tmp_path / "out.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
     assert doc["ppl"] == [{"label": "x", "ppl": None}, {"ppl": None}] and doc["n"] == 3
+
+
+# -- full and read-only disks -------------------------------------------------------------------------------------
+def _mount_namespace() -> bool:
+    """Whether this process may mount in a private mount namespace (root, or a user namespace): a tmpfs or a
+    read-only bind mount there is the only way to make a disk full or read-only for root, whom chmod does not stop."""
+    import shutil
+
+    return bool(shutil.which("unshare")) and subprocess.run(
+        ["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+needs_mounts = pytest.mark.skipif(not _mount_namespace(), reason="cannot mount in a private mount namespace")
+
+
+def in_namespace(setup: str, *commands: list) -> list[subprocess.CompletedProcess]:
+    """Run moesq commands in a private mount namespace after `setup` (shell mount commands); each command's
+    exit code and output separated by markers."""
+    import shlex
+
+    script = "set -e\n" + setup + "\nset +e\n" + "\n".join(
+        f"echo '@@ START'; {shlex.join([sys.executable, '-m', 'moesq_cli', *map(str, c)])}; echo \"@@ RC $?\"; "
+        f"echo '@@ START' >&2" for c in commands)
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                       timeout=600)
+    outs, errs = r.stdout.split("@@ START")[1:], r.stderr.split("@@ START")
+    assert len(outs) == len(commands), (r.stdout, r.stderr)
+    return [subprocess.CompletedProcess(c, int(o.rsplit("@@ RC", 1)[1]), o.rsplit("@@ RC", 1)[0], e)
+            for c, o, e in zip(commands, outs, errs)]
+
+
+@pytest.fixture
+def work_copy(stages, tmp_path):
+    """A copy of a work dir with a finished init-rtn stage (p48-nvfp4)."""
+    import shutil
+
+    wd = tmp_path / "wd"
+    shutil.copytree(stages["p48-nvfp4"].root, wd)
+    return wd
+
+
+@needs_mounts
+def test_pack_to_a_full_disk_names_the_path_and_what_to_free(work_copy, tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    (r,) = in_namespace(f"mount -t tmpfs -o size=64k tmpfs {full}", ["pack", work_copy, "--out", full / "packed", "-q"])
+    assert r.returncode == 1, r
+    line = r.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line and "unexpected" not in line, line
+    assert f"cannot write {full / 'packed'}: no space left on the device" in line and "free" in line, line
+    assert not (full / "packed").exists()
+
+
+@needs_mounts
+def test_reading_commands_work_on_a_read_only_work_dir(work_copy, tmp_path):
+    from conftest import EVAL
+
+    ro = f"mount --bind {work_copy} {work_copy}; mount -o remount,ro,bind {work_copy}"
+    before = sorted(p.relative_to(work_copy) for p in work_copy.rglob("*"))
+    pack, ev, verify = in_namespace(ro, ["pack", work_copy, "--out", tmp_path / "packed", "-q"],
+                                    ["eval", work_copy, "--ppl", EVAL, "--ppl-tokens", 1024],
+                                    ["verify", tmp_path / "packed", "-q"])
+    for r in (pack, ev, verify):
+        assert r.returncode == 0 and "Traceback" not in r.stderr and "Logging error" not in r.stderr, r
+    assert "evaluation results are not cached" in ev.stderr and "Read-only file system" not in ev.stdout
+    assert "rtn" in ev.stdout and "verify: ok" in verify.stdout
+    assert sorted(p.relative_to(work_copy) for p in work_copy.rglob("*")) == before
+
+
+def test_an_unwritable_log_file_is_skipped_quietly(work_copy, tmp_path):
+    """Without mounts: a directory where the log file goes makes the log's writes fail as on a read-only disk."""
+    import shutil
+
+    shutil.rmtree(work_copy / "logs", ignore_errors=True)
+    (work_copy / "logs" / "moesq.log").mkdir(parents=True)
+    r = cli("pack", work_copy, "--out", tmp_path / "packed", "-q")
+    assert r.returncode == 0 and "Logging error" not in r.stderr and r.stderr.strip() == "", r.stderr

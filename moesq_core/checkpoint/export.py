@@ -31,7 +31,7 @@ from ..engine import load_block
 from ..formats import get_format
 from ..formats.quantizers import input_global_scales
 from ..naming import INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
-from ..workdir import WorkDir, WorkDirError
+from ..workdir import WorkDir, WorkDirError, disk_errors
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
 
 # Files carried over from the source model besides the weights; remote-code *.py and *.jinja templates too.
@@ -144,9 +144,15 @@ def _fix_modes(root: Path) -> None:
         os.chmod(p, 0o755 if p.is_dir() else 0o644)
 
 
-def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: bool = False, sparse_layout: bool = True,
-                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ppl: dict | None = None, progress=None) -> dict:
-    """Write the packed model directory; returns a summary (bits/weight, sizes, files)."""
+def export_packed(workdir: WorkDir, stage: str, out_dir: Path, **options) -> dict:
+    """Write the packed model directory; returns a summary (bits/weight, sizes, files). A disk that is full or
+    read-only raises DiskWriteError naming --out."""
+    with disk_errors(Path(out_dir)):
+        return _export_packed(workdir, stage, out_dir, **options)
+
+
+def _export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: bool = False, sparse_layout: bool = True,
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, ppl: dict | None = None, progress=None) -> dict:
     m = workdir.load()
     st = m["stages"].get(stage)
     if st is None or not st.get("done"):

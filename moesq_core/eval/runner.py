@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..workdir import WorkDir, sha256_file, weight_files_sha256, write_json_atomic
+from ..workdir import DiskWriteError, WorkDir, sha256_file, weight_files_sha256, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,13 @@ class ResultCache:
     def put(self, key: str, value) -> None:
         self.data[key] = value
         if self.path:
-            write_json_atomic(self.path, self.data)
+            try:
+                write_json_atomic(self.path, self.data)
+            except DiskWriteError as e:  # a read-only work dir: the results are shown, not cached
+                log.warning("evaluation results are not cached: %s", e)
+                self.path = None
+            except ValueError:  # a non-finite result (a diverged model): JSON cannot hold it
+                del self.data[key]
 
 
 def computation_fingerprint(model: torch.nn.Module, tokens: torch.Tensor) -> str:
