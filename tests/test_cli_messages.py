@@ -205,3 +205,25 @@ def test_an_unwritable_log_file_is_skipped_quietly(work_copy, tmp_path):
     (work_copy / "logs" / "moesq.log").mkdir(parents=True)
     r = cli("pack", work_copy, "--out", tmp_path / "packed", "-q")
     assert r.returncode == 0 and "Logging error" not in r.stderr and r.stderr.strip() == "", r.stderr
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("delay", [0.4, 1.0, 2.5])  # after the interpreter itself started
+def test_ctrl_c_at_any_time_of_start_up_is_one_line_and_exit_130(micro_path, delay):
+    """SIGINT while Python imports typer, torch or transformers, loads the model or computes: never a traceback."""
+    import signal
+    import time
+
+    from conftest import EVAL
+
+    p = subprocess.Popen([sys.executable, "-m", "moesq_cli", "eval", micro_path, "--ppl", EVAL, "--ppl-tokens", "2048"],
+                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=300)
+    if p.returncode == 0:  # finished before the signal (a slow machine would not get here)
+        assert "perplexity" in out
+        return
+    assert p.returncode == 130, (p.returncode, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "interrupted (SIGINT)" in lines[0], err
