@@ -376,6 +376,9 @@ def _report(e: Exception, workdir: Path | None):
     if isinstance(e, _loaded("moesq_core.distributed", "RankZeroFailed")):  # rank 0 printed the error
         _log_traceback(workdir)
         raise typer.Exit(1)
+    if isinstance(e, _loaded("moesq_core.models.adapter", "CheckpointError")):  # a bad input: exit 2
+        _log_traceback(workdir)
+        _fail(str(e), 2)
     unsupported = _loaded("moesq_core.models.adapter", "UnsupportedModelError")
     clear = (WorkDirError, DiskWriteError, unsupported, FileNotFoundError, FileExistsError, ValueError,
              _loaded("moesq_core.engine", "StageOutOfMemoryError"), _loaded("moesq_core.distributed", "PeerFailed"))

@@ -227,3 +227,55 @@ def test_ctrl_c_at_any_time_of_start_up_is_one_line_and_exit_130(micro_path, del
     assert p.returncode == 130, (p.returncode, err)
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "interrupted (SIGINT)" in lines[0], err
+
+
+# -- damaged checkpoints ------------------------------------------------------------------------------------------
+def _damaged_variants(src: Path) -> dict[str, bytes]:
+    import json
+    import struct
+
+    data = (src / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    begin = header[name]["data_offsets"][0]
+
+    def with_tensor(**info) -> bytes:
+        h = json.dumps({**header, name: {**header[name], **info}}).encode()
+        h += b" " * (-len(h) % 8)
+        return struct.pack("<Q", len(h)) + h + data[8 + n:]
+
+    return {"truncated": data[: len(data) // 2], "garbage": bytes(range(256)) * 64, "empty": b"",
+            "header-claims-2^62-bytes": struct.pack("<Q", 2**62) + data[8:],
+            "tensor-2^31x2^31": with_tensor(shape=[2**31, 2**31]),
+            "tensor-2^31x2^31-with-offsets": with_tensor(shape=[2**31, 2**31], data_offsets=[begin, begin + 2**63])}
+
+
+def test_damaged_checkpoints_are_one_line_naming_the_file_exit_2(micro_path, tmp_path):
+    import shutil
+
+    from moesq_core.models.adapter import check_safetensors
+
+    check_safetensors(micro_path / "model.safetensors")  # an intact file passes
+    for kind, payload in _damaged_variants(micro_path).items():
+        model = tmp_path / kind
+        shutil.copytree(micro_path, model)
+        (model / "model.safetensors").chmod(0o644)
+        (model / "model.safetensors").write_bytes(payload)
+        wd = tmp_path / f"wd-{kind}"
+        r = cli("calibrate", "--model", model, "-w", wd, "-q")
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, (kind, r.stderr)
+        assert f"{model / 'model.safetensors'}: damaged weight file" in lines[0], (kind, lines)
+        assert not wd.exists()
+    r = cli("eval", tmp_path / "truncated", "-q")
+    assert r.returncode == 2 and "the file is truncated" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_perplexity_refuses_a_zero_window_before_loading(tmp_path):
+    from moesq_core.eval.runner import EvalTarget, ppl_for_targets
+
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    with pytest.raises(ValueError, match="window"):
+        ppl_for_targets([EvalTarget("x", "reference", str(tmp_path / "no-model"), None)], text, window=0)

@@ -139,6 +139,8 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
     perplexity instead of evaluating again; its row names it in `same_as`."""
     from .perplexity import load_eval_tokens, perplexity
 
+    if window < 1 or max_tokens < 1:
+        raise ValueError(f"window ({window}) and max_tokens ({max_tokens}) must be at least 1")
     cache = cache or ResultCache(None)
     digest = sha256_file(Path(text_file))
     rows, evaluated = [], {}  # computation fingerprint -> the row evaluated for it
