@@ -26,6 +26,7 @@ from rich.table import Table
 
 from moesq_core.formats import FORMAT_NAMES
 
+from . import command_started
 from .progress import RichProgress, console, err_console
 
 app = typer.Typer(
@@ -336,21 +337,16 @@ def _guard(fn):
 
     @functools.wraps(fn)
     def wrapper(*a, **kw):
-        from moesq_core.distributed import PeerFailed, RankZeroFailed, launched_world
-        from moesq_core.engine import StageOutOfMemoryError
-        from moesq_core.models import UnsupportedModelError
-        from moesq_core.workdir import WorkDirError
-
         workdir = kw.get("workdir")
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
         try:
+            command_started()
             return fn(*a, **kw)
         except (typer.Exit, typer.Abort, click.exceptions.ClickException):
             raise
-        except RankZeroFailed:  # rank 0 printed the error
-            _log_traceback(workdir)
-            raise typer.Exit(1)
-        except (KeyboardInterrupt, _Terminated) as e:
+        except (KeyboardInterrupt, _Terminated) as e:  # also while the command still imports torch
+            from moesq_core.distributed import launched_world
+
             what = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
             if what == "SIGTERM" and launched_world() > 1:
                 what += " from torchrun: another rank failed, or the run was stopped"
@@ -360,25 +356,45 @@ def _guard(fn):
             err_console.print(f"[bold yellow]interrupted ({what}):[/] {_saved_state(workdir)}", highlight=False,
                               soft_wrap=True)
             raise typer.Exit(130 if what.startswith("SIGINT") else 143)
-        except (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError, RuntimeError,
-                OSError) as e:
-            logfile = _log_traceback(workdir)
-            if _DEBUG:
-                traceback.print_exc()
-            msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.strerror or e}: {e.filename}"
-            if not isinstance(e, (WorkDirError, UnsupportedModelError, FileNotFoundError, FileExistsError, ValueError,
-                                  StageOutOfMemoryError, PeerFailed)):
-                msg = f"{type(e).__name__}: {msg}" + (f" (traceback in {logfile})" if logfile else "")
-            _fail(msg)
-        except Exception as e:  # a bug: say so, keep the traceback
-            logfile = _log_traceback(workdir)
-            if _DEBUG or logfile is None:
-                traceback.print_exc()
-            _fail(f"unexpected {type(e).__name__}: {e}" + (f" (traceback in {logfile}; --debug prints it)" if logfile else ""))
+        except Exception as e:
+            _report(e, workdir)
         finally:
             signal.signal(signal.SIGTERM, previous)
 
     return wrapper
+
+
+def _loaded(module: str, name: str):
+    """A class of a moesq_core module the command imported, else () (nothing of an unimported module was
+    raised): reporting an error does not import torch."""
+    return getattr(sys.modules.get(module), name, ())
+
+
+def _report(e: Exception, workdir: Path | None):
+    """A command's error as one line (exit 1): what the user can fix as it is, other OS and runtime errors with
+    their type, anything else as unexpected; the traceback goes to the log (and the screen with --debug)."""
+    from moesq_core.workdir import DiskWriteError, WorkDirError
+
+    if isinstance(e, _loaded("moesq_core.distributed", "RankZeroFailed")):  # rank 0 printed the error
+        _log_traceback(workdir)
+        raise typer.Exit(1)
+    if isinstance(e, _loaded("moesq_core.models.adapter", "CheckpointError")):  # a bad input: exit 2
+        _log_traceback(workdir)
+        _fail(str(e), 2)
+    unsupported = _loaded("moesq_core.models.adapter", "UnsupportedModelError")
+    clear = (WorkDirError, DiskWriteError, unsupported, FileNotFoundError, FileExistsError, ValueError,
+             _loaded("moesq_core.engine", "StageOutOfMemoryError"), _loaded("moesq_core.distributed", "PeerFailed"))
+    logfile = _log_traceback(workdir)
+    if isinstance(e, (WorkDirError, unsupported, FileNotFoundError, FileExistsError, ValueError, RuntimeError, OSError)):
+        if _DEBUG:
+            traceback.print_exc()
+        msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.strerror or e}: {e.filename}"
+        if not isinstance(e, clear):
+            msg = f"{type(e).__name__}: {msg}" + (f" (traceback in {logfile})" if logfile else "")
+        _fail(msg)
+    if _DEBUG or logfile is None:  # a bug: say so, keep the traceback
+        traceback.print_exc()
+    _fail(f"unexpected {type(e).__name__}: {e}" + (f" (traceback in {logfile}; --debug prints it)" if logfile else ""))
 
 
 def _setup(workdir: Path | None, quiet: bool):

@@ -34,7 +34,7 @@ from .memory import HOST_CHUNK_BYTES, consecutive_chunks, release_freed_memory
 from .progress import BlockProgress, NullProgress, note, skip
 from .runtime.experts import MoesqExperts
 from .state_checkpoint import EVERY_S, StateCheckpoint
-from .workdir import LAYOUT, StaleStageError, WorkDir, atomic_path
+from .workdir import LAYOUT, StaleStageError, WorkDir, atomic_path, disk_errors
 
 log = logging.getLogger("moesq.engine")
 
@@ -74,14 +74,15 @@ class StateStore:
             self.chunks.append(t)
             self.in_memory += nbytes
             return
-        if self.spill_path is None:
-            self.spill_dir.mkdir(parents=True, exist_ok=True)
-            fd, path = tempfile.mkstemp(suffix=".states", dir=self.spill_dir)
-            os.close(fd)
-            self.spill_path = Path(path)
         raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        with open(self.spill_path, "ab") as f:
-            f.write(raw.tobytes())
+        with disk_errors(self.spill_dir):
+            if self.spill_path is None:
+                self.spill_dir.mkdir(parents=True, exist_ok=True)
+                fd, path = tempfile.mkstemp(suffix=".states", dir=self.spill_dir)
+                os.close(fd)
+                self.spill_path = Path(path)
+            with open(self.spill_path, "ab") as f:
+                f.write(raw.tobytes())
         self.chunks.append(SpilledChunk(self.spilled, nbytes, tuple(t.shape), t.dtype, t.device))
         self.spilled += nbytes
 

@@ -19,12 +19,15 @@ running the stage again recomputes it from scratch.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import logging
 import os
 import re
+import shutil
+import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +62,46 @@ class StaleStageError(WorkDirError):
     """A stage (or block artifact) written in another work-dir layout, by an older moesq: never read."""
 
 
+class DiskWriteError(RuntimeError):
+    """A write that failed for the disk's sake (full, over quota, read-only, not permitted), naming the path and
+    what to free or change."""
+
+
+# errno -> (what happened, what to do), for writes that fail for the disk's sake; safetensors' SafetensorError
+# carries only the OS message, so each is also recognised by its strerror
+_DISK_ERRORS = {
+    errno.ENOSPC: ("no space left on the device", "free space there or use a --workdir / --out on another disk"),
+    errno.EDQUOT: ("disk quota exceeded", "free space there or use a --workdir / --out on another disk"),
+    errno.EROFS: ("read-only file system", "use a --workdir / --out on a writable file system"),
+    errno.EACCES: ("permission denied", "make it writable or use another --workdir / --out"),
+    errno.EPERM: ("operation not permitted", "make it writable or use another --workdir / --out"),
+}
+
+
+@contextmanager
+def disk_errors(path: Path):
+    """Writes under `path` inside this block that fail for the disk's sake raise DiskWriteError, naming `path`,
+    the free space on its disk when it is full, and what to free or change; other errors pass unchanged."""
+    try:
+        yield
+    except DiskWriteError:
+        raise
+    except Exception as e:
+        code = getattr(e, "errno", None)
+        code = code if code in _DISK_ERRORS else next(
+            (c for c in _DISK_ERRORS if os.strerror(c) in str(e)), None)
+        if code is None:
+            raise
+        what, todo = _DISK_ERRORS[code]
+        where = Path(getattr(e, "filename", None) or path)
+        if code in (errno.ENOSPC, errno.EDQUOT):
+            from .memory import size
+
+            existing = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
+            what += f" ({size(shutil.disk_usage(existing).free)} free)"
+        raise DiskWriteError(f"cannot write {where}: {what}; {todo}") from e
+
+
 def stage_layout(record: dict) -> int:
     """The layout a stage record was written in (records without one predate layout 2)."""
     return int(record.get("layout", 1))
@@ -76,18 +119,19 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 def atomic_path(path: Path):
     """Yield a temp path beside `path`; on success fsync and rename it over `path` (never a half file)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        yield Path(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; artifacts are ordinary files
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with disk_errors(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            yield Path(tmp)
+            os.chmod(tmp, 0o644)  # mkstemp makes 0600; artifacts are ordinary files
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -509,8 +553,11 @@ class WorkDirLogHandler(logging.Handler):
         self.root = Path(root)
         self.pending: list[logging.LogRecord] = []
         self.file: logging.FileHandler | None = None
+        self.unwritable = False
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.unwritable:
+            return
         try:
             if self.file is None:
                 if not (self.root / MANIFEST).is_file():
@@ -520,16 +567,26 @@ class WorkDirLogHandler(logging.Handler):
                 (self.root / "logs").mkdir(exist_ok=True)
                 self.file = logging.FileHandler(self.root / "logs" / "moesq.log")
                 self.file.setFormatter(self.formatter)
+                self.file.handleError = self._file_error
                 for r in self.pending:
                     self.file.emit(r)
                 self.pending = []
             self.file.emit(record)
+        except OSError:  # a read-only or full work dir: reading commands still work, without a log
+            self.unwritable, self.pending = True, []
         except Exception:
             self.handleError(record)
 
+    def _file_error(self, record: logging.LogRecord) -> None:
+        """The log file's handleError: a write that failed for the disk stops the log quietly."""
+        if isinstance(sys.exc_info()[1], OSError):
+            self.unwritable = True
+        else:
+            logging.FileHandler.handleError(self.file, record)
+
     @property
     def path(self) -> Path | None:
-        return self.root / "logs" / "moesq.log" if self.file is not None else None
+        return self.root / "logs" / "moesq.log" if self.file is not None and not self.unwritable else None
 
     def close(self) -> None:
         if self.file is not None:

@@ -128,3 +128,154 @@ def test_json_writers_refuse_non_finite_and_json_output_writes_null(tmp_path):
 
     doc = json.loads((tmp_path / "out.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in --json output"))
     assert doc["ppl"] == [{"label": "x", "ppl": None}, {"ppl": None}] and doc["n"] == 3
+
+
+# -- full and read-only disks -------------------------------------------------------------------------------------
+def _mount_namespace() -> bool:
+    """Whether this process may mount in a private mount namespace (root, or a user namespace): a tmpfs or a
+    read-only bind mount there is the only way to make a disk full or read-only for root, whom chmod does not stop."""
+    import shutil
+
+    return bool(shutil.which("unshare")) and subprocess.run(
+        ["unshare", "-m", "true"], capture_output=True).returncode == 0
+
+
+needs_mounts = pytest.mark.skipif(not _mount_namespace(), reason="cannot mount in a private mount namespace")
+
+
+def in_namespace(setup: str, *commands: list) -> list[subprocess.CompletedProcess]:
+    """Run moesq commands in a private mount namespace after `setup` (shell mount commands); each command's
+    exit code and output separated by markers."""
+    import shlex
+
+    script = "set -e\n" + setup + "\nset +e\n" + "\n".join(
+        f"echo '@@ START'; {shlex.join([sys.executable, '-m', 'moesq_cli', *map(str, c)])}; echo \"@@ RC $?\"; "
+        f"echo '@@ START' >&2" for c in commands)
+    r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                       timeout=600)
+    outs, errs = r.stdout.split("@@ START")[1:], r.stderr.split("@@ START")
+    assert len(outs) == len(commands), (r.stdout, r.stderr)
+    return [subprocess.CompletedProcess(c, int(o.rsplit("@@ RC", 1)[1]), o.rsplit("@@ RC", 1)[0], e)
+            for c, o, e in zip(commands, outs, errs)]
+
+
+@pytest.fixture
+def work_copy(stages, tmp_path):
+    """A copy of a work dir with a finished init-rtn stage (p48-nvfp4)."""
+    import shutil
+
+    wd = tmp_path / "wd"
+    shutil.copytree(stages["p48-nvfp4"].root, wd)
+    return wd
+
+
+@needs_mounts
+def test_pack_to_a_full_disk_names_the_path_and_what_to_free(work_copy, tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    (r,) = in_namespace(f"mount -t tmpfs -o size=64k tmpfs {full}", ["pack", work_copy, "--out", full / "packed", "-q"])
+    assert r.returncode == 1, r
+    line = r.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line and "unexpected" not in line, line
+    assert f"cannot write {full / 'packed'}: no space left on the device" in line and "free" in line, line
+    assert not (full / "packed").exists()
+
+
+@needs_mounts
+def test_reading_commands_work_on_a_read_only_work_dir(work_copy, tmp_path):
+    from conftest import EVAL
+
+    ro = f"mount --bind {work_copy} {work_copy}; mount -o remount,ro,bind {work_copy}"
+    before = sorted(p.relative_to(work_copy) for p in work_copy.rglob("*"))
+    pack, ev, verify = in_namespace(ro, ["pack", work_copy, "--out", tmp_path / "packed", "-q"],
+                                    ["eval", work_copy, "--ppl", EVAL, "--ppl-tokens", 1024],
+                                    ["verify", tmp_path / "packed", "-q"])
+    for r in (pack, ev, verify):
+        assert r.returncode == 0 and "Traceback" not in r.stderr and "Logging error" not in r.stderr, r
+    assert "evaluation results are not cached" in ev.stderr and "Read-only file system" not in ev.stdout
+    assert "rtn" in ev.stdout and "verify: ok" in verify.stdout
+    assert sorted(p.relative_to(work_copy) for p in work_copy.rglob("*")) == before
+
+
+def test_an_unwritable_log_file_is_skipped_quietly(work_copy, tmp_path):
+    """Without mounts: a directory where the log file goes makes the log's writes fail as on a read-only disk."""
+    import shutil
+
+    shutil.rmtree(work_copy / "logs", ignore_errors=True)
+    (work_copy / "logs" / "moesq.log").mkdir(parents=True)
+    r = cli("pack", work_copy, "--out", tmp_path / "packed", "-q")
+    assert r.returncode == 0 and "Logging error" not in r.stderr and r.stderr.strip() == "", r.stderr
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("delay", [0.4, 1.0, 2.5])  # after the interpreter itself started
+def test_ctrl_c_at_any_time_of_start_up_is_one_line_and_exit_130(micro_path, delay):
+    """SIGINT while Python imports typer, torch or transformers, loads the model or computes: never a traceback."""
+    import signal
+    import time
+
+    from conftest import EVAL
+
+    p = subprocess.Popen([sys.executable, "-m", "moesq_cli", "eval", micro_path, "--ppl", EVAL, "--ppl-tokens", "2048"],
+                         env=ENV, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=300)
+    if p.returncode == 0:  # finished before the signal (a slow machine would not get here)
+        assert "perplexity" in out
+        return
+    assert p.returncode == 130, (p.returncode, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "interrupted (SIGINT)" in lines[0], err
+
+
+# -- damaged checkpoints ------------------------------------------------------------------------------------------
+def _damaged_variants(src: Path) -> dict[str, bytes]:
+    import json
+    import struct
+
+    data = (src / "model.safetensors").read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    begin = header[name]["data_offsets"][0]
+
+    def with_tensor(**info) -> bytes:
+        h = json.dumps({**header, name: {**header[name], **info}}).encode()
+        h += b" " * (-len(h) % 8)
+        return struct.pack("<Q", len(h)) + h + data[8 + n:]
+
+    return {"truncated": data[: len(data) // 2], "garbage": bytes(range(256)) * 64, "empty": b"",
+            "header-claims-2^62-bytes": struct.pack("<Q", 2**62) + data[8:],
+            "tensor-2^31x2^31": with_tensor(shape=[2**31, 2**31]),
+            "tensor-2^31x2^31-with-offsets": with_tensor(shape=[2**31, 2**31], data_offsets=[begin, begin + 2**63])}
+
+
+def test_damaged_checkpoints_are_one_line_naming_the_file_exit_2(micro_path, tmp_path):
+    import shutil
+
+    from moesq_core.models.adapter import check_safetensors
+
+    check_safetensors(micro_path / "model.safetensors")  # an intact file passes
+    for kind, payload in _damaged_variants(micro_path).items():
+        model = tmp_path / kind
+        shutil.copytree(micro_path, model)
+        (model / "model.safetensors").chmod(0o644)
+        (model / "model.safetensors").write_bytes(payload)
+        wd = tmp_path / f"wd-{kind}"
+        r = cli("calibrate", "--model", model, "-w", wd, "-q")
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, (kind, r.stderr)
+        assert f"{model / 'model.safetensors'}: damaged weight file" in lines[0], (kind, lines)
+        assert not wd.exists()
+    r = cli("eval", tmp_path / "truncated", "-q")
+    assert r.returncode == 2 and "the file is truncated" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_perplexity_refuses_a_zero_window_before_loading(tmp_path):
+    from moesq_core.eval.runner import EvalTarget, ppl_for_targets
+
+    text = tmp_path / "t.txt"
+    text.write_text("some text")
+    with pytest.raises(ValueError, match="window"):
+        ppl_for_targets([EvalTarget("x", "reference", str(tmp_path / "no-model"), None)], text, window=0)

@@ -15,6 +15,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -153,3 +154,17 @@ def test_examples_fail_cleanly_without_gpu_or_network(tmp_path):
     for cmd in lacking:
         run_as_written(cmd, tmp_path)
     assert not any(tmp_path.iterdir())  # nothing was created by a refused command
+
+
+@pytest.mark.slow
+def test_readme_python_example_runs_as_written(tmp_path):
+    """The README's Python block, run as a script from a directory holding the recipes it names."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    assert len(blocks) == 1
+    shutil.copytree(REPO / "recipes", tmp_path / "recipes")
+    (tmp_path / "example.py").write_text(blocks[0])
+    r = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=ENV,
+                       capture_output=True, text=True, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.startswith("The capital of France is"), r.stdout
+    assert (tmp_path / "micro-p48" / "moesq_pack.json").is_file()

@@ -38,7 +38,7 @@ from ..formats import get_format
 from ..formats.quantizers import input_global_scales
 from ..memory import release_freed_memory
 from ..naming import CARRIED_FILES, CARRIED_PATTERNS, INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
-from ..workdir import LockHeld, WorkDir, WorkDirError, pid_alive, take_lock
+from ..workdir import LockHeld, WorkDir, WorkDirError, disk_errors, pid_alive, take_lock
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
 from .model_card import model_card, work_dir_evals
 
@@ -299,12 +299,17 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress=None) -> dict:
     """Write the packed model directory; returns a summary (bits/weight, sizes, files). Its model card
     (model_card.py) carries the work dir's evaluation results for the stage, where there are any. Holds the work
-    dir's lock and --out's lock throughout: another command writing the work dir, or another pack into --out,
-    refuses."""
+    dir's lock (unless the work dir is read-only) and --out's lock throughout: another command writing the work
+    dir, or another pack into --out, refuses. A disk that is full or read-only raises DiskWriteError naming --out."""
     workdir.load()  # not a work dir: say so before the lock creates anything
-    with workdir.locked(), contextlib.ExitStack() as held:
-        return _export_packed(workdir, stage, Path(out_dir), held, overwrite=overwrite, sparse_layout=sparse_layout,
-                              max_shard_bytes=max_shard_bytes, progress=progress)
+    with contextlib.ExitStack() as held:
+        if os.access(workdir.root, os.W_OK):
+            held.enter_context(workdir.locked())
+        else:  # a read-only work dir (a read-only mount): no process can change it while it is packed
+            log.info("%s is read-only: packing it without its lock", workdir.root)
+        with disk_errors(Path(out_dir)):
+            return _export_packed(workdir, stage, Path(out_dir), held, overwrite=overwrite,
+                                  sparse_layout=sparse_layout, max_shard_bytes=max_shard_bytes, progress=progress)
 
 
 def _export_packed(workdir: WorkDir, stage: str, out_dir: Path, held: contextlib.ExitStack, *, overwrite: bool,

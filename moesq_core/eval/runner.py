@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..progress import NullProgress
-from ..workdir import WorkDir, sha256_file, weight_files_sha256, write_json_atomic
+from ..workdir import DiskWriteError, WorkDir, sha256_file, weight_files_sha256, write_json_atomic
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,13 @@ class ResultCache:
     def put(self, key: str, value) -> None:
         self.data[key] = value
         if self.path:
-            write_json_atomic(self.path, self.data)
+            try:
+                write_json_atomic(self.path, self.data)
+            except DiskWriteError as e:  # a read-only work dir: the results are shown, not cached
+                log.warning("evaluation results are not cached: %s", e)
+                self.path = None
+            except ValueError:  # a non-finite result (a diverged model): JSON cannot hold it
+                del self.data[key]
 
 
 def computation_fingerprint(model: torch.nn.Module, tokens: torch.Tensor) -> str:
@@ -133,6 +142,8 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
     perplexity instead of evaluating again; its row names it in `same_as`."""
     from .perplexity import load_eval_tokens, perplexity
 
+    if window < 1 or max_tokens < 1:
+        raise ValueError(f"window ({window}) and max_tokens ({max_tokens}) must be at least 1")
     cache = cache or ResultCache(None)
     digest = sha256_file(Path(text_file))
     rows, evaluated = [], {}  # computation fingerprint -> the row evaluated for it

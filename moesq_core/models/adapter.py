@@ -23,6 +23,59 @@ class UnsupportedModelError(ValueError):
     pass
 
 
+class CheckpointError(ValueError):
+    """A model weight file that cannot be read: truncated, not safetensors, or a header describing tensors that
+    cannot be in it. Raised before any weights are loaded, naming the file."""
+
+
+# bytes per element of the safetensors dtypes; others (sub-byte formats) are only checked to lie in the file
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
+
+
+def check_safetensors(file: Path) -> None:
+    """Read a safetensors file's header (not its tensors) and raise CheckpointError naming the file unless
+    every tensor's dtype, shape and byte range fit inside it."""
+    file = Path(file)
+
+    def damaged(what: str) -> CheckpointError:
+        return CheckpointError(f"{file}: damaged weight file ({what}); restore or re-download the model")
+
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise damaged(f"{size} bytes, shorter than a safetensors header")
+        n = int.from_bytes(prefix, "little")
+        if n > min(size - 8, _MAX_HEADER_BYTES):
+            raise damaged(f"its header claims {n:,} bytes of the file's {size:,}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, ValueError):
+            raise damaged("its header is not JSON") from None
+    data_bytes = size - 8 - n
+    if not isinstance(header, dict):
+        raise damaged("its header is not a table of tensors")
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            if not all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end)):
+                raise TypeError
+        except (TypeError, KeyError, ValueError):
+            raise damaged(f"tensor {name!r} has no valid dtype, shape and data offsets") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if dtype in _DTYPE_BYTES and numel * _DTYPE_BYTES[dtype] != end - begin:
+            raise damaged(f"tensor {name!r} of shape {shape} {dtype} needs {numel * _DTYPE_BYTES[dtype]:,} bytes, "
+                          f"its header gives it {end - begin:,}")
+        if not begin <= end <= data_bytes:
+            raise damaged(f"tensor {name!r} lies at bytes {begin:,}..{end:,} of {data_bytes:,}: the file is truncated")
+
+
 @dataclass(frozen=True)
 class MoEAdapter:
     family: str
@@ -172,6 +225,8 @@ def resolve_model_path(source: str) -> Path:
     if p.exists():
         if not (p / "config.json").is_file():
             raise FileNotFoundError(f"{source} exists but has no config.json; pass a model directory or a Hub id")
+        for f in sorted(p.glob("*.safetensors")):
+            check_safetensors(f)
         return p
     if source.count("/") != 1 or source.startswith((".", "/")):
         raise FileNotFoundError(f"model {source!r}: no such directory, and it is not a Hub id of the form org/name")
@@ -179,12 +234,15 @@ def resolve_model_path(source: str) -> Path:
         from huggingface_hub import snapshot_download
 
         # *.jinja / *.py: chat templates and remote code that `moesq pack` carries over; README.md: its license
-        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja", "*.py", "README.md"]))
+        path = Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja", "*.py", "README.md"]))
     except Exception as e:  # network, auth, missing repo: one clear message
         raise FileNotFoundError(
             f"model {source!r}: could not be found locally nor downloaded from the Hugging Face Hub ({type(e).__name__}: {e}). "
             "Check the id, your network and HF_TOKEN, or pass a local directory."
         ) from None
+    for f in sorted(path.glob("*.safetensors")):
+        check_safetensors(f)
+    return path
 
 
 def load_model(source: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
