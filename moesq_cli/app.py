@@ -66,9 +66,34 @@ def _source_defaults(module: str, scope: str) -> dict:
         a = node.args
         pairs = [(arg.arg, d) for arg, d in [*zip(a.args[len(a.args) - len(a.defaults):], a.defaults),
                                              *zip(a.kwonlyargs, a.kw_defaults)] if d is not None]
-    return {name: eval(compile(ast.Expression(value), str(path), "eval"), {"__builtins__": {}})
-            for name, value in pairs
-            if not any(isinstance(n, (ast.Name, ast.Call, ast.Attribute)) for n in ast.walk(value))}
+    out = {}
+    for name, value in pairs:
+        try:
+            out[name] = _constant(value)
+        except ValueError:  # not a constant expression (a call, a name): no default shown from the source
+            pass
+    return out
+
+
+def _constant(node):
+    """The value of a constant expression: literals, tuples/lists of them, unary minus and + - * / // ** on
+    numbers. Anything else raises ValueError (nothing is evaluated)."""
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow}
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Tuple):
+        return tuple(map(_constant, node.elts))
+    if isinstance(node, ast.List):
+        return list(map(_constant, node.elts))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        return -_constant(node.operand)
+    if isinstance(node, ast.BinOp) and type(node.op) in ops:
+        return ops[type(node.op)](_constant(node.left), _constant(node.right))
+    raise ValueError(ast.dump(node))
 
 
 def _default(cls_path: str, field: str):
