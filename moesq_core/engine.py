@@ -584,6 +584,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                         writer.submit(lambda li=li, path=path, packed=packed, record=record: (
                             write_block(path, *packed), workdir.record_block(spec.name, li, path, **record)))
                         del packed  # the writer holds it until written
+                        release_freed_memory()  # packing's stacked copies, before the install's dequantized block
                     clock.mark("write")
                     distributed.barrier(f"{spec.name}: block {li} done")
                     clock.mark("wait")
@@ -737,6 +738,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
             results_mine += results
             clock.mark("ranges")
             del data, results
+            release_freed_memory()  # the chunk's dense copies and the method's working memory
     del tokens
     by_e = {e: (r, a) for e, r, a in zip(mine, results_mine, amax_mine)}
     if dist:

@@ -183,9 +183,9 @@ def _peak_rss_per_process(cmd: list[str], env: dict) -> list[int]:
 
 @pytest.mark.slow
 def test_peak_rss_per_process_is_bounded_by_three_blocks(tmp_path):
-    """init-sgptq --method rtn (one process and --nproc 2) and pack on a 6-block model whose blocks are each
+    """init-sgptq --method rtn (one process and --nproc 2) and pack on a 4-block model whose blocks are each
     ~100 MiB of bf16 experts: every process's peak RSS <= non-expert weights + 3 blocks' experts + 1 GiB."""
-    layers, hidden, experts, inter = 6, 1024, 32, 512
+    layers, hidden, experts, inter = 4, 1024, 32, 512
     model = tmp_path / "model"
     size = _tiny_model(model, layers=layers, hidden=hidden, experts=experts, inter=inter)
     block = experts * 3 * inter * hidden * 2

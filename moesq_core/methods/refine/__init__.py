@@ -13,6 +13,7 @@ import time
 import torch
 
 from ...formats import Format
+from ...memory import release_freed_memory
 from ..base import CompressedExpert, ExpertData, Method, ProgressFn
 from .trainer import PAPER_STEPS, BlockRefiner, RefineConfig, RefineSchedule, expert_chunks
 
@@ -61,12 +62,15 @@ class RefineMethod:
                     done = refiner.run(_StepReport(steps, i * refiner.total_steps, refiner.total_steps, refiner.device))
                     by_index = {ex.index: r for ex, r in zip(ordered, done)}
                     out += [by_index[ex.index] for ex in chunk]
+                    plan = refiner.plan
+                    del refiner, done, by_index
+                    release_freed_memory()  # the chunk's trainer state: the next chunk's starts from the system
                 except torch.OutOfMemoryError as exc:
                     raise torch.OutOfMemoryError(
                         f"refine: out of memory refining {len(chunk)} of the block's {len(experts)} experts together; "
                         f"lower the refine option chunk_gb or micro_batch_rows") from exc
         log.info("refine: %d experts in %d chunk(s), init %.1f s, refinement %.1f s (%s)", len(experts), len(chunks),
-                 t_init, time.perf_counter() - t0 - t_init, refiner.plan)
+                 t_init, time.perf_counter() - t0 - t_init, plan)
         if progress is not None:
             progress(len(experts))
         return out
