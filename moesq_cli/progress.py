@@ -142,12 +142,12 @@ class _ProgressLinesToStderr(logging.Handler):
         self.tasks: list[_Task] = []
         self.last_done: str | None = None  # the description of the task that closed last
         self.started = time.time()
-        self.lock = threading.Lock()
+        self.state_lock = threading.Lock()
         self.stop_event: threading.Event | None = None
         self.thread: threading.Thread | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        with self.lock:
+        with self.state_lock:
             if self.last is not None and record.created - self.last < self.every_s:
                 return
             self.last = record.created
@@ -164,7 +164,7 @@ class _ProgressLinesToStderr(logging.Handler):
     def heartbeat(self, now: float | None = None) -> bool:
         """Print the innermost open task's line if nothing was printed for `every_s`; whether it printed."""
         now = time.time() if now is None else now
-        with self.lock:
+        with self.state_lock:
             if self.last is not None and now - self.last < self.every_s:
                 return False
             self.last = now

@@ -64,3 +64,30 @@ def test_a_command_with_stderr_to_a_pipe_prints_progress_lines(micro_path, tmp_p
     assert any(re.fullmatch(r"calibrate: reading and tokenizing, 0:\d\d elapsed", x) for x in lines), r.stderr
     assert all(re.fullmatch(r"(calibrate: reading and tokenizing|working), 0:\d\d elapsed(, .* done)?", x)
                for x in lines), r.stderr
+
+
+def test_core_progress_lines_reach_stderr_through_logging(capsys):
+    """The core's "moesq.progress" records go through logging's Handler.handle (which takes the handler's own
+    lock) to the stderr echo: printed, never blocking the command."""
+    import logging
+    import threading
+
+    from moesq_cli.progress import _ProgressLinesToStderr
+
+    echo = _ProgressLinesToStderr(every_s=0.0)
+    log = logging.getLogger("moesq.progress.test-echo")
+    log.setLevel(logging.INFO)
+    log.addHandler(echo)
+    done = threading.Event()
+
+    def work():
+        log.info("block 1/2: step 4/8")
+        log.info("block 2/2: step 8/8")
+        done.set()
+
+    try:
+        threading.Thread(target=work, daemon=True).start()
+        assert done.wait(30), "a progress log line blocked the command"
+    finally:
+        log.removeHandler(echo)
+    assert _stamped(capsys.readouterr().err) == ["block 1/2: step 4/8", "block 2/2: step 8/8"]
