@@ -1028,10 +1028,10 @@ def run(
     """
     import dataclasses
 
-    from moesq_core.api import default_run_config
+    from moesq_core.api import default_run_config, run_all
     from moesq_core.config import CompressConfig, MethodConfig
     from moesq_core.formats import get_format
-    from moesq_core.pipeline import run_all, run_config_of
+    from moesq_core.pipeline import run_config_of
 
     _setup(workdir, quiet)
     if ppl is not None and not ppl.is_file():
