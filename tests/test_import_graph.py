@@ -96,7 +96,7 @@ def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
     on_stack: set[str] = set()
     stack: list[str] = []
     out = []
-    for root in graph:
+    for root in sorted(graph):
         if root in index:
             continue
         work = [(root, iter(sorted(graph[root])))]
@@ -174,13 +174,34 @@ def test_no_import_circles():
     assert not found, f"{len(found)} import circle(s):\n{report}"
 
 
-@pytest.mark.xfail(strict=True, reason="the formats build their runtime experts and kernels")
+def _formats_imports_above() -> set[tuple[str, str]]:
+    """(formats module, module above the formats) for every such import, by the graph's rules."""
+    return {(a, b) for a, targets in import_graph().items() if a == "moesq_core.formats" or a.startswith("moesq_core.formats.")
+            for b in targets if any(b == m or b.startswith(m + ".") for m in ABOVE_FORMATS)}
+
+
+# Where the formats still reach up: a Format builds the runtime module serving it (Format.make_experts, a
+# function-local import: the reference module, or the format's Hopper one), and the NVFP4 activation quantizer
+# runs its fused SwiGLU + quantization kernel (kernels/swiglu_quant_triton, imported at module level) where one
+# can run. Moving these out would take format-specific
+# dispatch out of the format modules, which test_format_rule forbids; they stay until the runtime modules and
+# that kernel are looked up through the format instead.
+KNOWN_ABOVE = {
+    ("moesq_core.formats.base", "moesq_core.runtime.experts"),
+    ("moesq_core.formats.p48_nvfp4", "moesq_core.runtime.p48_hopper"),
+    ("moesq_core.formats.s24_fp8", "moesq_core.runtime.s24_hopper"),
+    ("moesq_core.formats.quantizers", "moesq_core.kernels.swiglu_quant_triton"),
+}
+
+
+@pytest.mark.xfail(strict=True, reason="the formats build their runtime modules and run a fused kernel (KNOWN_ABOVE)")
 def test_formats_import_nothing_above_them():
-    modules = module_files()
-    bad = [f"{modules[a].relative_to(REPO)}:{line}: {a} imports {b}"
-           for a, targets in import_graph().items() if a == "moesq_core.formats" or a.startswith("moesq_core.formats.")
-           for b, line in sorted(targets.items()) if any(b == m or b.startswith(m + ".") for m in ABOVE_FORMATS)]
-    assert not bad, "\n".join(bad)
+    assert not _formats_imports_above()
+
+
+def test_formats_reach_above_only_where_known():
+    """No new import from the formats up; a known one that is gone must leave KNOWN_ABOVE too."""
+    assert _formats_imports_above() == KNOWN_ABOVE
 
 
 if __name__ == "__main__":  # print today's circles
