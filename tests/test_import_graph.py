@@ -164,7 +164,6 @@ def test_graph_reads_function_local_and_relative_imports():
     assert circles({"a": {"b": 1}, "b": {}}) == []
 
 
-@pytest.mark.xfail(strict=True, reason="today's circles are broken one commit each")
 def test_no_import_circles():
     modules = module_files()
     graph = import_graph()
