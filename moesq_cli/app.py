@@ -403,10 +403,10 @@ def _report(e: Exception, workdir: Path | None):
     if isinstance(e, _loaded("moesq_core.distributed", "RankZeroFailed")):  # rank 0 printed the error
         _log_traceback(workdir)
         raise typer.Exit(1)
-    if isinstance(e, _loaded("moesq_core.models.adapter", "CheckpointError")):  # a bad input: exit 2
+    if isinstance(e, _loaded("moesq_core.models.errors", "CheckpointError")):  # a bad input: exit 2
         _log_traceback(workdir)
         _fail(str(e), 2)
-    unsupported = _loaded("moesq_core.models.adapter", "UnsupportedModelError")
+    unsupported = _loaded("moesq_core.models.errors", "UnsupportedModelError")
     clear = (WorkDirError, DiskWriteError, unsupported, FileNotFoundError, FileExistsError, ValueError,
              _loaded("moesq_core.engine", "StageOutOfMemoryError"), _loaded("moesq_core.distributed", "PeerFailed"))
     logfile = _log_traceback(workdir)
@@ -1028,10 +1028,10 @@ def run(
     """
     import dataclasses
 
-    from moesq_core.api import default_run_config
+    from moesq_core.api import default_run_config, run_all
     from moesq_core.config import CompressConfig, MethodConfig
     from moesq_core.formats import get_format
-    from moesq_core.pipeline import run_all, run_config_of
+    from moesq_core.pipeline import run_config_of
 
     _setup(workdir, quiet)
     if ppl is not None and not ppl.is_file():

@@ -7,7 +7,7 @@
 Importing moesq_core also lets transformers load packs: `AutoModelForCausalLM.from_pretrained("out")` gives
 load_packed's model (checkpoint/transformers_route.py).
 """
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["compress", "CompressConfig", "CompressedModel", "load_packed", "__version__"]
 

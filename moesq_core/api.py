@@ -7,16 +7,18 @@ work dir, and returns a handle whose `save_pretrained(out)` writes the packed mo
                       workdir="qwen3-work")
     handle.save_pretrained("qwen3-p48")
 
-The CLI's stage commands and `moesq run` call the same functions (moesq_core.pipeline).
+`run_all` is `moesq run`: compress, then pack, verify and evaluate. The CLI's stage commands call the functions
+compress runs (moesq_core.pipeline).
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from . import distributed
 from .calibration import CalibConfig
-from .config import CompressConfig, MethodConfig
+from .config import DEFAULT_EVAL, CompressConfig, MethodConfig
 
 
 def default_run_config() -> CompressConfig:
@@ -104,3 +106,36 @@ def compress(model=None, config: CompressConfig | str | Path | None = None,
                                                batch_size=batch_size, progress=progress,
                                                cache_limit_gb=cache_limit_gb)
     return CompressedModel(wd.root, stage, config, summaries)
+
+
+def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *, device: str | None = None,
+            ppl: str | Path | None = None, ppl_tokens: int = 65536, progress=None) -> dict:
+    """`moesq run`: compress (calibrate → baselines → init → refine, as the CompressConfig says; default: the
+    micro-quick recipe) → pack → verify → perplexity of the reference, every stage and the packed model.
+    Returns {stage, config, packed, rows, bits_per_weight} (None on the ranks other than 0 under torchrun)."""
+    from . import pipeline
+    from .checkpoint.verify import verify_packed_dir
+    from .eval.runner import ResultCache, ppl_for_targets, resolve_targets
+    from .progress import NullProgress
+    from .workdir import WorkDir, atomic_path
+
+    progress = progress or NullProgress()
+    wd = WorkDir(workdir)
+    with pipeline._command_lock(wd):
+        handle = compress(model, config, workdir, device=device, progress=progress)
+        if not distributed.is_main_process():
+            return None  # expert parallel: rank 0 packs, verifies and evaluates
+        out = wd.root / "packed"
+        with progress.task(f"pack {handle.stage}", len(wd.stage(handle.stage)["blocks"])) as t:
+            handle.save_pretrained(out, overwrite=True, progress=t.advance)
+        report = verify_packed_dir(out, progress=progress)
+        if not report.ok:
+            raise RuntimeError(f"verify failed on the packed model: {report.first_error}")
+        targets = resolve_targets([str(wd.root), str(out)])
+        rows = ppl_for_targets(targets, ppl or DEFAULT_EVAL, max_tokens=ppl_tokens, device="cpu",
+                               cache=ResultCache(wd.root / "eval" / "results.json"), progress=progress)
+        (wd.root / "eval").mkdir(exist_ok=True)
+        with atomic_path(wd.root / "eval" / "run_table.json") as tmp:
+            tmp.write_text(json.dumps(rows, indent=2))
+    return {"stage": handle.stage, "config": handle.config.to_dict(), "packed": str(out), "rows": rows,
+            "bits_per_weight": report.bits_per_weight}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 from pathlib import Path
 
@@ -463,37 +462,6 @@ def run_config_of(workdir: str | Path, config):
     rec = RunConfig.from_dict(wd.load()["config"])
     return dataclasses.replace(config, format=rec.format, act_quant=rec.act_quant, calib=rec.calib,
                                calib_source=rec.calib_source)
-
-
-def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *, device: str | None = None,
-            ppl: str | Path | None = None, ppl_tokens: int = 65536, progress=None) -> dict:
-    """`moesq run`: compress (calibrate → baselines → init → refine, as the CompressConfig says; default: the
-    micro-quick recipe) → pack → verify → perplexity of the reference, every stage and the packed model.
-    Returns {stage, config, packed, rows, bits_per_weight} (None on the ranks other than 0 under torchrun)."""
-    from .api import compress as compress_model
-    from .checkpoint.verify import verify_packed_dir
-    from .eval.runner import ResultCache, ppl_for_targets, resolve_targets
-
-    progress = progress or NullProgress()
-    wd = WorkDir(workdir)
-    with _command_lock(wd):
-        handle = compress_model(model, config, workdir, device=device, progress=progress)
-        if not distributed.is_main_process():
-            return None  # expert parallel: rank 0 packs, verifies and evaluates
-        out = wd.root / "packed"
-        with progress.task(f"pack {handle.stage}", len(wd.stage(handle.stage)["blocks"])) as t:
-            handle.save_pretrained(out, overwrite=True, progress=t.advance)
-        report = verify_packed_dir(out, progress=progress)
-        if not report.ok:
-            raise RuntimeError(f"verify failed on the packed model: {report.first_error}")
-        targets = resolve_targets([str(wd.root), str(out)])
-        rows = ppl_for_targets(targets, ppl or DEFAULT_EVAL, max_tokens=ppl_tokens, device="cpu",
-                               cache=ResultCache(wd.root / "eval" / "results.json"), progress=progress)
-        (wd.root / "eval").mkdir(exist_ok=True)
-        with atomic_path(wd.root / "eval" / "run_table.json") as tmp:
-            tmp.write_text(json.dumps(rows, indent=2))
-    return {"stage": handle.stage, "config": handle.config.to_dict(), "packed": str(out), "rows": rows,
-            "bits_per_weight": report.bits_per_weight}
 
 
 def finished_stages(workdir: WorkDir) -> list[str]:

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from . import __version__
+from .version import __version__
 from .paths import inside
 
 log = logging.getLogger("moesq")

@@ -27,6 +27,13 @@ import torch
 
 L2_ROTATE_BYTES = 256 << 20  # rotate weight copies until one graph replay touches at least this much
 MAX_COPIES = 16
+# The paper's Table 8 layers (M, K): every kernel benchmark's default shapes.
+PAPER_SHAPES: dict[str, tuple[int, int]] = {
+    "Qwen3-30B-A3B gate/up": (1536, 2048),
+    "Qwen3-30B-A3B down": (2048, 768),
+    "Kimi-K2.5 gate/up": (4096, 7168),
+    "Kimi-K2.5 down": (7168, 2048),
+}
 
 
 def token_counts(N: int, G: int) -> list[int]:

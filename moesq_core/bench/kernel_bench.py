@@ -20,15 +20,9 @@ from pathlib import Path
 
 import torch
 
-from .harness import BASELINES, REPO_ROOT, Problem, new_row, run_header, Timing, copies_for, effective_tflops, graph_time, pack_logical
+from .harness import BASELINES, PAPER_SHAPES, REPO_ROOT, Problem, new_row, run_header, Timing, copies_for, effective_tflops, graph_time, pack_logical
 from .harness import random_2to4_dense_e4m3, random_e4m3, time_method
 
-PAPER_SHAPES: dict[str, tuple[int, int]] = {
-    "Qwen3-30B-A3B gate/up": (1536, 2048),
-    "Qwen3-30B-A3B down": (2048, 768),
-    "Kimi-K2.5 gate/up": (4096, 7168),
-    "Kimi-K2.5 down": (7168, 2048),
-}
 DEFAULT_G = [8, 32, 128, 384]
 DEFAULT_N = [16, 32, 64, 128, 256, 512, 1024]
 

@@ -35,8 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .harness import BASELINES, Problem, new_row, run_header, Timing, copies_for, effective_tflops, graph_time, time_method
-from .kernel_bench import PAPER_SHAPES
+from .harness import BASELINES, PAPER_SHAPES, Problem, new_row, run_header, Timing, copies_for, effective_tflops, graph_time, time_method
 
 P48_METHODS = {
     "p48_w4a16": "moesq p48 Triton grouped GEMM, bf16 activations, inline-PTX weight expansion",

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .. import __version__
+from ..version import __version__
 from ..engine import load_block
 from ..formats import get_format
 from ..formats.quantizers import input_global_scales

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from .. import __version__
+from ..version import __version__
 from ..formats import get_format
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -5,11 +5,12 @@ Everything is vectorised torch over arbitrary leading dimensions ([out, in] or s
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from .base import QuantizedWeight
+if TYPE_CHECKING:  # annotations only: base.py (the Format's checks) builds on these helpers, not the reverse
+    from .base import QuantizedWeight
 
 # Per-linear tensors that belong to the activation side; packers ignore them when present.
 ACTIVATION_SUFFIXES = ("input_global_scale",)

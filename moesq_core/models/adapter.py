@@ -17,15 +17,7 @@ import torch
 from torch import nn
 
 from ..naming import experts_prefix
-
-
-class UnsupportedModelError(ValueError):
-    pass
-
-
-class CheckpointError(ValueError):
-    """A model weight file that cannot be read: truncated, not safetensors, or a header describing tensors that
-    cannot be in it. Raised before any weights are loaded, naming the file."""
+from .errors import CheckpointError, UnsupportedModelError
 
 
 # bytes per element of the safetensors dtypes; others (sub-byte formats) are only checked to lie in the file

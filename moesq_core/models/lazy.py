@@ -19,12 +19,16 @@ from __future__ import annotations
 import re
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..naming import PROJ_NAMES
-from .adapter import MoEAdapter, UnsupportedModelError
+from .errors import UnsupportedModelError
+
+if TYPE_CHECKING:  # adapter.py imports this module (load_model, MoEBlock); the adapter is only an annotation here
+    from .adapter import MoEAdapter
 
 _PER_EXPERT = re.compile(r"^(?P<mlp>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(?P<mlp>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
