@@ -34,6 +34,51 @@ def moesq(*args, check=True, timeout=900):
     return r
 
 
+def moesq_here(*args, check=True, cwd=None):
+    """`moesq` run in this process (typer's runner, the same ENV): where a test needs no process boundary (not
+    about start-up, signals, locks between processes or the console script), torch and transformers are imported
+    once instead of per command. Returns what `moesq` does (returncode, stdout, stderr); an exception that
+    escaped the command is in stderr as its traceback, as a process would print it. The loggers, the torch
+    thread count, sys.argv and the working directory are restored afterwards."""
+    import contextlib
+    import logging
+    import traceback
+    import types
+
+    from typer.testing import CliRunner
+
+    from moesq_cli.app import app
+
+    argv = [str(a) for a in args]
+    loggers = [logging.getLogger(n) for n in ("moesq", "moesq_core", "moesq.progress")]
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
+    threads, old_argv = torch.get_num_threads(), sys.argv
+    sys.argv = ["moesq", *argv]
+    try:
+        with contextlib.chdir(cwd or os.getcwd()):
+            res = CliRunner().invoke(app, argv, env={k: ENV[k] for k in ("HF_HUB_OFFLINE", "COLUMNS", "MOESQ_CACHE_DIR")})
+    finally:
+        sys.argv = old_argv
+        torch.set_num_threads(threads)
+        for lg, handlers, level, propagate in saved:
+            for h in lg.handlers:
+                if h not in handlers:
+                    lg.removeHandler(h)
+                    h.close()
+            for h in handlers:
+                if h not in lg.handlers:
+                    lg.addHandler(h)
+            lg.setLevel(level)
+            lg.propagate = propagate
+    stderr = res.stderr
+    if res.exc_info is not None and not isinstance(res.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*res.exc_info))
+    r = types.SimpleNamespace(returncode=res.exit_code, stdout=res.stdout, stderr=stderr)
+    if check and r.returncode != 0:
+        raise AssertionError(f"moesq {' '.join(argv)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
 @pytest.mark.parametrize("cmd", ["", "calibrate", "init-sgptq", "refine", "pack", "verify", "bench-kernel", "eval", "run"])
 def test_help(cmd):
     r = moesq(*([cmd] if cmd else []), "--help")
