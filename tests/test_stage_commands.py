@@ -97,11 +97,12 @@ def test_refine_says_how_many_experts_improved_on_their_init(wd):
                          "refinement to pay; raise --epochs / --steps-per-epoch)")
 
 
-def test_refine_then_init(micro_path, tmp_path):
+def test_refine_then_init(uninterrupted, tmp_path):
     """The reverse order: refine from nothing calibrates and refines (its init runs inside its block loop, no
-    init stage is written); init-sgptq afterwards is a baseline stage of its own and leaves refine as it is."""
+    init stage is written: `uninterrupted` ran that command); init-sgptq afterwards is a baseline stage of its
+    own and leaves refine as it is."""
     wd = tmp_path / "wd"
-    moesq_here("refine", "--model", micro_path, "-w", wd, *TINY, *SHORT, *FAST)
+    shutil.copytree(uninterrupted[3], wd)
     assert set(_manifest(wd)["stages"]) == {"refine"}
     init = _manifest(wd)["stages"]["refine"]["config"]["init"]
     assert init["method"] == "sgptq" and init["options"]["refit"] is True  # part of refine's identity, normalised
@@ -297,8 +298,9 @@ KILL_CMD = ["refine", *TINY, *SHORT, *FAST]
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory, micro_path):
-    """Artifacts of one uninterrupted calibrate → refine, its wall time and the time at which its
-    calibration was recorded (so kills can aim at the calibration phase too)."""
+    """Artifacts of one uninterrupted calibrate → refine (`moesq refine --model` on a new work dir), its wall
+    time, the time at which its calibration was recorded (so kills can aim at the calibration phase too) and
+    the work dir (tests copy it)."""
     wd = tmp_path_factory.mktemp("ref") / "wd"
     t0 = time.time()
     p = subprocess.Popen([MOESQ, *KILL_CMD, "--model", str(micro_path), "-w", str(wd)], env=ENV,
@@ -306,7 +308,7 @@ def uninterrupted(tmp_path_factory, micro_path):
     assert _wait_for(lambda: p.poll() is not None or "calibration" in _manifest(wd))
     t_calib = time.time() - t0
     assert p.wait(timeout=1200) == 0, p.stderr.read()
-    return _artifacts(wd), time.time() - t0, t_calib
+    return _artifacts(wd), time.time() - t0, t_calib, wd
 
 
 def _state(wd: Path) -> str:
@@ -321,7 +323,7 @@ def _state(wd: Path) -> str:
 
 
 def _kill_and_resume(micro_path, wd: Path, seed: int, uninterrupted, kills: int = 2) -> list[str]:
-    want, seconds, t_calib = uninterrupted
+    want, seconds, t_calib, _ = uninterrupted
     rng = random.Random(seed)
     stops = []
     for k in range(kills):
