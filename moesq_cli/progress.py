@@ -142,12 +142,13 @@ class _ProgressLinesToStderr(logging.Handler):
         self.tasks: list[_Task] = []
         self.last_done: str | None = None  # the description of the task that closed last
         self.started = time.time()
-        self.state_lock = threading.Lock()
+        # not `lock`: logging.Handler.handle holds self.lock around emit, which takes this one
+        self.tasks_lock = threading.Lock()
         self.stop_event: threading.Event | None = None
         self.thread: threading.Thread | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        with self.state_lock:
+        with self.tasks_lock:
             if self.last is not None and record.created - self.last < self.every_s:
                 return
             self.last = record.created
@@ -164,8 +165,9 @@ class _ProgressLinesToStderr(logging.Handler):
     def heartbeat(self, now: float | None = None) -> bool:
         """Print the innermost open task's line if nothing was printed for `every_s`; whether it printed."""
         now = time.time() if now is None else now
-        with self.state_lock:
-            if self.last is not None and now - self.last < self.every_s:
+        with self.tasks_lock:
+            # nothing printed yet: the first heartbeat comes every_s after start()
+            if now - (self.started if self.last is None else self.last) < self.every_s:
                 return False
             self.last = now
             task = self.tasks[-1] if self.tasks else None
@@ -175,7 +177,7 @@ class _ProgressLinesToStderr(logging.Handler):
 
     def start(self) -> None:
         """Start the heartbeat thread: its first line comes `every_s` after this call at the earliest."""
-        self.last = self.started = time.time()
+        self.started = time.time()  # not a printed line: the core's first line still prints at once
         self.stop_event = threading.Event()
         tick = min(max(self.every_s / 5, 0.01), 1.0)
 
@@ -251,13 +253,13 @@ class RichProgress:
         t = _Task(None if self.quiet else self.bar, tid, description, total)
         echo = self.echo
         if echo is not None:
-            with echo.lock:
+            with echo.tasks_lock:
                 echo.tasks.append(t)
         try:
             yield t
         finally:
             if echo is not None:
-                with echo.lock:
+                with echo.tasks_lock:
                     echo.tasks.remove(t)
                     echo.last_done = description
             if tid is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import moesq
+from test_cli import moesq_here
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -69,10 +69,10 @@ def test_config_errors_name_the_key(tmp_path):
         bad.write_text(text)
         with pytest.raises(ValueError, match=re.escape(f"recipe {bad}: {msg}")):
             CompressConfig.from_file(bad)
-    r = moesq("run", "--recipe", bad.with_name("typo.yaml"), "-w", tmp_path / "w", check=False)
+    r = moesq_here("run", "--recipe", bad.with_name("typo.yaml"), "-w", tmp_path / "w", check=False)
     assert r.returncode == 2 and "no such file" in r.stderr
     bad.write_text("refine: {epoch: 2}")
-    r = moesq("run", "--recipe", bad, "-w", tmp_path / "w", check=False)
+    r = moesq_here("run", "--recipe", bad, "-w", tmp_path / "w", check=False)
     assert r.returncode == 2 and "refine.epoch: unknown key (did you mean epochs?)" in r.stderr
     assert not (tmp_path / "w").exists()  # refused before the work dir is made
     with pytest.raises(ValueError, match="steps_per_epoch is a refinement option"):
@@ -91,7 +91,7 @@ def test_compress_api_and_cli_recipe_give_identical_artifacts(micro_path, tmp_pa
     summary = handle.save_pretrained(tmp_path / "api-packed")
     assert summary["bits_per_weight"] == pytest.approx(2.75, abs=0.01)
     assert (tmp_path / "api-packed" / "config.json").is_file()
-    r = moesq("run", "--recipe", recipe, "--model", micro_path, "-w", tmp_path / "cli", "--ppl-tokens", "1024",
+    r = moesq_here("run", "--recipe", recipe, "--model", micro_path, "-w", tmp_path / "cli", "--ppl-tokens", "1024",
               "--quiet", "--device", "cpu", "--json", "-")
     out = json.loads(r.stdout)
     assert out["stage"] == "refine" and out["config"]["init"]["method"] == "rtn"
@@ -100,7 +100,7 @@ def test_compress_api_and_cli_recipe_give_identical_artifacts(micro_path, tmp_pa
     again = compress(micro_path, CompressConfig.from_file(recipe), workdir=tmp_path / "api", device="cpu")
     assert all(s["computed_now"] == 0 for s in again.summaries.values())
     # command-line options override the recipe, and a work dir made otherwise is refused
-    r = moesq("run", "--recipe", recipe, "-w", tmp_path / "cli", "--seq-len", "64", "--quiet", check=False)
+    r = moesq_here("run", "--recipe", recipe, "-w", tmp_path / "cli", "--seq-len", "64", "--quiet", check=False)
     assert r.returncode == 1 and "seq_len: 32 (work dir) vs 64 (now)" in r.stderr
 
 
@@ -127,9 +127,9 @@ def test_compress_takes_a_loaded_model(micro_path, tmp_path):
 
 def test_stage_commands_print_json(micro_path, tmp_path):
     wd = tmp_path / "wd"
-    r = moesq("calibrate", "--model", micro_path, "-w", wd, "--seq-len", "32", "--n-train", "2", "--n-val", "2",
+    r = moesq_here("calibrate", "--model", micro_path, "-w", wd, "--seq-len", "32", "--n-train", "2", "--n-val", "2",
               "--n-init", "4", "--quiet", "--json", "-")
     assert json.loads(r.stdout)["calibration"]["sequences"] == {"train": 2, "val": 2, "init": 4}
-    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--quiet", "--device", "cpu", "--json", "-")
+    r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", "--quiet", "--device", "cpu", "--json", "-")
     out = json.loads(r.stdout)
     assert out["stage"] == "init-rtn" and out["blocks"] == 4 and out["config"] == {"method": "rtn", "options": {"report_errors": True}}

@@ -1,5 +1,6 @@
 """The installed `moesq` command, run in a subprocess as a user would: help texts, a small end-to-end
-pipeline on the shared micro model, kill-and-resume with identical artifacts, and clear errors for bad input."""
+pipeline on the shared micro model, kill-and-resume with identical artifacts; and clear errors for bad input
+(those in this process, `moesq_here`, which other test files use where no process boundary is tested)."""
 from __future__ import annotations
 
 import json
@@ -31,6 +32,51 @@ def moesq(*args, check=True, timeout=900):
     r = subprocess.run([*MOESQ_CMD, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout)
     if check and r.returncode != 0:
         raise AssertionError(f"moesq {' '.join(map(str, args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def moesq_here(*args, check=True, cwd=None):
+    """`moesq` run in this process (typer's runner, the same ENV): where a test needs no process boundary (not
+    about start-up, signals, locks between processes or the console script), torch and transformers are imported
+    once instead of per command. Returns what `moesq` does (returncode, stdout, stderr); an exception that
+    escaped the command is in stderr as its traceback, as a process would print it. The loggers, the torch
+    thread count, sys.argv and the working directory are restored afterwards."""
+    import contextlib
+    import logging
+    import traceback
+    import types
+
+    from typer.testing import CliRunner
+
+    from moesq_cli.app import app
+
+    argv = [str(a) for a in args]
+    loggers = [logging.getLogger(n) for n in ("moesq", "moesq_core", "moesq.progress")]
+    saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
+    threads, old_argv = torch.get_num_threads(), sys.argv
+    sys.argv = ["moesq", *argv]
+    try:
+        with contextlib.chdir(cwd or os.getcwd()):
+            res = CliRunner().invoke(app, argv, env={k: ENV[k] for k in ("HF_HUB_OFFLINE", "COLUMNS", "MOESQ_CACHE_DIR")})
+    finally:
+        sys.argv = old_argv
+        torch.set_num_threads(threads)
+        for lg, handlers, level, propagate in saved:
+            for h in lg.handlers:
+                if h not in handlers:
+                    lg.removeHandler(h)
+                    h.close()
+            for h in handlers:
+                if h not in lg.handlers:
+                    lg.addHandler(h)
+            lg.setLevel(level)
+            lg.propagate = propagate
+    stderr = res.stderr
+    if res.exc_info is not None and not isinstance(res.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(*res.exc_info))
+    r = types.SimpleNamespace(returncode=res.exit_code, stdout=res.stdout, stderr=stderr)
+    if check and r.returncode != 0:
+        raise AssertionError(f"moesq {' '.join(argv)} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r
 
 
@@ -95,7 +141,7 @@ def test_killed_stage_resumes_to_identical_artifacts(micro_path, tmp_path):
 
 def test_bad_inputs_get_clear_errors(micro_path, tmp_path):
     # a wrong model id / path
-    r = moesq("calibrate", "--model", tmp_path / "nope", "-w", tmp_path / "a", check=False)
+    r = moesq_here("calibrate", "--model", tmp_path / "nope", "-w", tmp_path / "a", check=False)
     assert r.returncode == 1 and "no such directory" in r.stdout + r.stderr
     # a non-MoE model
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -103,29 +149,29 @@ def test_bad_inputs_get_clear_errors(micro_path, tmp_path):
     dense = tmp_path / "dense"
     LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                  vocab_size=64)).save_pretrained(dense)
-    r = moesq("calibrate", "--model", dense, "-w", tmp_path / "b", check=False)
+    r = moesq_here("calibrate", "--model", dense, "-w", tmp_path / "b", check=False)
     assert r.returncode == 1 and "dense (non-MoE) model" in r.stdout + r.stderr
     assert not (tmp_path / "b").exists()
     # a work dir from another config is refused and left as it was
     wd = tmp_path / "wd"
-    moesq("calibrate", "--model", micro_path, "-w", wd, *SMALL, "--quiet")
+    moesq_here("calibrate", "--model", micro_path, "-w", wd, *SMALL, "--quiet")
     before = (wd / "manifest.json").read_text()
-    r = moesq("calibrate", "--model", micro_path, "-w", wd, *SMALL, "--format", "s24-fp8", check=False)
+    r = moesq_here("calibrate", "--model", micro_path, "-w", wd, *SMALL, "--format", "s24-fp8", check=False)
     assert r.returncode == 1 and "format: 'p48-nvfp4' (work dir) vs 's24-fp8' (now)" in r.stdout + r.stderr
     assert (wd / "manifest.json").read_text() == before
-    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--seq-len", "128", check=False)  # no --model: still checked
+    r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", "--seq-len", "128", check=False)  # no --model: still checked
     assert r.returncode == 1 and "seq_len: 64 (work dir) vs 128 (now)" in r.stdout + r.stderr
     assert (wd / "manifest.json").read_text() == before
     # a bad end-to-end length or memory budget is refused before the work dir is touched
     for opt, val, msg in (("--e2e-steps", "many", "a number of steps >= 0 or auto"), ("--e2e-steps", "-3", "must be >= 0"),
                           ("--e2e-memory-gb", "0", "must be > 0")):
-        r = moesq("refine", "-w", wd, opt, val, check=False)
+        r = moesq_here("refine", "-w", wd, opt, val, check=False)
         assert r.returncode == 2 and msg in r.stdout + r.stderr, (opt, val)
         assert (wd / "manifest.json").read_text() == before and "refine" not in json.loads(before)["stages"]
     # a truncated calibration artifact
     calib = wd / "calib" / "calibration.safetensors"
     calib.write_bytes(calib.read_bytes()[:100])
-    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", check=False)
+    r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", check=False)
     assert r.returncode == 1 and "corrupt" in r.stdout + r.stderr
 
 
@@ -146,7 +192,7 @@ def test_nan_weights_and_unholdable_dims(micro_path, tmp_path):
             model.model.layers[2].mlp.experts.down_proj[5, 7, 3] = float("nan")
 
     nan_model = _save_variant(micro_path, tmp_path / "nan", poison)
-    r = moesq("init-sgptq", "--model", nan_model, "-w", tmp_path / "w1", "--method", "rtn", *SMALL, check=False)
+    r = moesq_here("init-sgptq", "--model", nan_model, "-w", tmp_path / "w1", "--method", "rtn", *SMALL, check=False)
     out = r.stdout + r.stderr
     assert r.returncode == 1 and "layer 2 expert 5 down" in out and "non-finite" in out
     # hidden size 48 is not a multiple of the p48 scale block (32)
@@ -158,5 +204,5 @@ def test_nan_weights_and_unholdable_dims(micro_path, tmp_path):
                                        num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2,
                                        num_key_value_heads=1, head_dim=24, vocab_size=8192)).save_pretrained(odd)
     AutoTokenizer.from_pretrained(micro_path).save_pretrained(odd)
-    r = moesq("init-sgptq", "--model", odd, "-w", tmp_path / "w2", "--method", "rtn", *SMALL, check=False)
+    r = moesq_here("init-sgptq", "--model", odd, "-w", tmp_path / "w2", "--method", "rtn", *SMALL, check=False)
     assert r.returncode == 1 and "not a multiple of 32" in r.stdout + r.stderr

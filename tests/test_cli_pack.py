@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from test_cli import moesq_here
+
 MOESQ = shutil.which("moesq") or str(Path(sys.executable).parent / "moesq")
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "200"}
 
@@ -35,15 +37,15 @@ def test_version_and_exit_codes(tmp_path):
 def test_pack_verify_generate_json(stages, tmp_path):
     wd = stages["p48-nvfp4"].root
     out = tmp_path / "model"
-    moesq("pack", wd, "--out", out, "--json", tmp_path / "pack.json", "--quiet")
+    moesq_here("pack", wd, "--out", out, "--json", tmp_path / "pack.json", "--quiet")
     doc = json.loads((tmp_path / "pack.json").read_text())
     assert doc["schema"] == "moesq.pack/1" and doc["format"] == "p48-nvfp4" and doc["hub"] is None
     assert set(doc["produced"]) == {"moesq", "commit", "date"} and doc["produced"]["date"].startswith("20")
     assert "moesq_pack.json" in doc["files"] and doc["bits_per_weight"] > 2.75
-    r = moesq("verify", out, "--json", "-", "--quiet")
+    r = moesq_here("verify", out, "--json", "-", "--quiet")
     v = json.loads(r.stdout)  # stdout holds only the JSON; the table went to stderr
     assert v["schema"] == "moesq.verify/1" and v["ok"] and v["checksums"] == "ok"
-    r = moesq("generate", out, "--prompt", "Memory barriers order", "--max-new-tokens", "3", "--json", "-", "--quiet")
+    r = moesq_here("generate", out, "--prompt", "Memory barriers order", "--max-new-tokens", "3", "--json", "-", "--quiet")
     g = json.loads(r.stdout)
     assert g["schema"] == "moesq.generate/2" and g["new_tokens"] == 3 and g["device"] == "cpu"
 
@@ -52,13 +54,13 @@ def test_pack_refusals_lose_nothing(stages, tmp_path):
     wd = stages["dense-nvfp4"].root
     f = tmp_path / "existing-file"
     f.write_text("keep")
-    r = moesq("pack", wd, "--out", f, "--overwrite", check=False)
+    r = moesq_here("pack", wd, "--out", f, "--overwrite", check=False)
     assert r.returncode == 1 and "existing file" in r.stderr and "Traceback" not in r.stderr
     assert f.read_text() == "keep"
-    r = moesq("pack", wd, "--out", wd, "--overwrite", check=False)
+    r = moesq_here("pack", wd, "--out", wd, "--overwrite", check=False)
     assert r.returncode == 1 and "is the work dir" in r.stderr
     assert (wd / "manifest.json").is_file()
-    r = moesq("pack", wd, "--out", tmp_path / "m", "--max-shard-size", "lots", check=False)
+    r = moesq_here("pack", wd, "--out", tmp_path / "m", "--max-shard-size", "lots", check=False)
     assert r.returncode == 2 and "--max-shard-size" in r.stderr and not (tmp_path / "m").exists()
 
 

@@ -13,7 +13,7 @@ from moesq_core.formats import QuantizedWeight, get_format
 from moesq_core.packing import PackingError, bits_per_weight, pack, unpack
 
 from conftest import EVAL, packed_expert_linears
-from test_cli import SMALL, moesq
+from test_cli import SMALL, moesq_here
 
 FMT = "dense-fp8"
 
@@ -171,12 +171,12 @@ def test_verify_catches_a_nan_weight(fp8_pack, tmp_path):
 def test_stage_commands_end_to_end(micro_path, tmp_path):
     """gptq → refine → pack → verify → eval, as a user runs them; the packed model is the stage's model."""
     wd = tmp_path / "wd"
-    moesq("init-sgptq", "--model", micro_path, "-w", wd, "--method", "gptq", "--format", FMT, *SMALL, "--quiet")
-    moesq("refine", "-w", wd, "--init", "gptq", "--epochs", "1", "--steps-per-epoch", "2", "--quiet", "--device", "cpu")
-    r = moesq("pack", wd, "--out", tmp_path / "packed", "--quiet")
+    moesq_here("init-sgptq", "--model", micro_path, "-w", wd, "--method", "gptq", "--format", FMT, *SMALL, "--quiet")
+    moesq_here("refine", "-w", wd, "--init", "gptq", "--epochs", "1", "--steps-per-epoch", "2", "--quiet", "--device", "cpu")
+    r = moesq_here("pack", wd, "--out", tmp_path / "packed", "--quiet")
     assert "8.194 bits/weight" in r.stdout  # 8 bits + a 32-bit scale per row (192 columns for gate/up, 128 for down)
-    assert "verify: ok" in moesq("verify", tmp_path / "packed", "--quiet").stdout
-    moesq("eval", wd, tmp_path / "packed", "--ppl", EVAL, "--ppl-tokens", "2048", "--json", tmp_path / "ppl.json", "--quiet")
+    assert "verify: ok" in moesq_here("verify", tmp_path / "packed", "--quiet").stdout
+    moesq_here("eval", wd, tmp_path / "packed", "--ppl", EVAL, "--ppl-tokens", "2048", "--json", tmp_path / "ppl.json", "--quiet")
     rows = {x["label"]: x["ppl"] for x in json.loads((tmp_path / "ppl.json").read_text())["ppl"]}
     assert set(rows) == {"reference", "gptq", "refine", "packed:packed"}, rows
     assert rows["refine"] == pytest.approx(rows["packed:packed"], rel=1e-5)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_cli import ENV, MOESQ, moesq
+from test_cli import ENV, MOESQ, moesq_here
 
 REPO = Path(__file__).resolve().parents[1]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?(@[\w.:%\[\]-]+)?$")
@@ -120,7 +120,7 @@ def test_page_commands_run_as_written(page, tmp_path):
 def example_dir(tmp_path_factory, micro_path) -> Path:
     """A directory whose `moesq-work` is calibrated with the examples' small budget."""
     d = tmp_path_factory.mktemp("examples")
-    moesq("calibrate", "--model", micro_path, "-w", d / "moesq-work", "--seq-len", "32", "--n-train", "2",
+    moesq_here("calibrate", "--model", micro_path, "-w", d / "moesq-work", "--seq-len", "32", "--n-train", "2",
           "--n-val", "2", "--n-init", "8", "--quiet")
     return d
 

@@ -11,7 +11,7 @@ from moesq_core.checkpoint.checksums import MANIFEST, safetensors_layout
 from moesq_core.checkpoint.loader import load_packed
 from moesq_core.checkpoint.verify import verify_packed_dir
 from moesq_core.naming import SINGLE_FILE
-from test_cli_pack import moesq
+from test_cli import moesq_here
 
 EXPERT = "model.layers.1.mlp.experts.3.down_proj.weight_sparse_packed"
 EMBED = "model.embed_tokens.weight"
@@ -87,8 +87,8 @@ def test_generate_and_eval_refuse_a_changed_pack_unless_no_verify(pack, tmp_path
     flip_byte(pack / SINGLE_FILE, EXPERT)
     for cmd in (["generate", pack, "--prompt", "Memory", "--max-new-tokens", "1", "--quiet"],
                 ["eval", pack, "--ppl", EVAL, "--ppl-tokens", "128", "--window", "64", "--quiet"]):
-        r = moesq(*cmd, check=False)
+        r = moesq_here(*cmd, check=False)
         err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode == 1 and len(err) == 1 and EXPERT in err[0] and "Traceback" not in r.stderr, r.stderr
-        r = moesq(*cmd[:-1], "--no-verify", check=False)  # not --quiet: the warning goes to stderr
+        r = moesq_here(*cmd[:-1], "--no-verify", check=False)  # not --quiet: the warning goes to stderr
         assert r.returncode == 0 and "without checking" in r.stderr, r.stderr

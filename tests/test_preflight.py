@@ -11,7 +11,7 @@ import pytest
 
 from moesq_core.preflight import (GiB, CalibrationStates, StatesDiskError, check_states_fit, fits_disk,
                                   free_disk_bytes, size, states_footprint)
-from test_cli import moesq
+from test_cli import moesq_here
 from test_stage_commands import FAST, TINY
 
 # 5 training and 3 validation sequences of 4 tokens, 2 wide, fp32, batches of 2: 32 bytes a sequence, so the
@@ -132,7 +132,7 @@ def _snapshot(wd: Path) -> dict[str, bytes]:
 @pytest.fixture
 def calibrated(micro_path, tmp_path, monkeypatch) -> Path:
     wd = tmp_path / "wd"
-    moesq("calibrate", "--model", micro_path, "-w", wd, *TINY, "--quiet")
+    moesq_here("calibrate", "--model", micro_path, "-w", wd, *TINY, "--quiet")
     monkeypatch.setenv("MOESQ_CACHE_DIR", str(tmp_path / "user-cache"))  # the weight-hash cache, not the home's
     return wd
 
@@ -160,7 +160,7 @@ def test_stage_refused_before_anything_is_written(calibrated, stage, option):
 
 def test_cli_prints_the_summary_line(micro_path, tmp_path):
     wd = tmp_path / "wd"
-    r = moesq("init-sgptq", "--method", "rtn", "--model", micro_path, "-w", wd, *TINY, *FAST)
+    r = moesq_here("init-sgptq", "--method", "rtn", "--model", micro_path, "-w", wd, *TINY, *FAST)
     line = next(x for x in r.stderr.splitlines() if x.startswith("calibration states:"))
     # the one-shot split: 4 sequences of 32 tokens, the model's width, fp32 on the CPU
     hidden = json.loads((micro_path / "config.json").read_text())["hidden_size"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import CALIB, ENV, MOESQ, moesq
+from test_cli import CALIB, ENV, MOESQ, moesq, moesq_here
 
 # a tiny calibration set (fast, and refine's default budget derives only a few steps from it)
 TINY = ["--seq-len", "32", "--n-train", "2", "--n-val", "2", "--n-init", "4", "--calib", str(CALIB)]
@@ -39,7 +39,7 @@ def _artifacts(wd: Path) -> dict[str, str]:
 def sgptq_workdir(tmp_path_factory, micro_path) -> Path:
     """A work dir calibrated on the small split and with init-sgptq done (made once; tests copy it)."""
     wd = tmp_path_factory.mktemp("base") / "wd"
-    moesq("init-sgptq", "--model", micro_path, "-w", wd, *TINY, *FAST)
+    moesq_here("init-sgptq", "--model", micro_path, "-w", wd, *TINY, *FAST)
     return wd
 
 
@@ -52,7 +52,7 @@ def wd(sgptq_workdir, tmp_path) -> Path:
 
 def test_init_then_refine_with_default_budget_then_redo(wd):
     """`init-sgptq` then `refine` (no budget options) on one work dir, then `init-sgptq --redo-from` on it."""
-    r = moesq("refine", "-w", wd, *FAST)
+    r = moesq_here("refine", "-w", wd, *FAST)
     assert "stage refine: 4 blocks (4 computed now)" in r.stdout
     # the schedule is printed before training: 10 epochs (default) × steps derived from the data
     sched = next(line for line in r.stderr.splitlines() if line.startswith("refine schedule:"))
@@ -64,16 +64,16 @@ def test_init_then_refine_with_default_budget_then_redo(wd):
     assert _manifest(wd)["stages"]["refine"]["config"]["init"] == _manifest(wd)["stages"]["init-sgptq"]["config"]
     before = _artifacts(wd)
     # typed options or defaults: the same init-sgptq stage
-    r = moesq("init-sgptq", "-w", wd, "--percdamp", "0.01", "--exact-scales", *FAST)
+    r = moesq_here("init-sgptq", "-w", wd, "--percdamp", "0.01", "--exact-scales", *FAST)
     assert "(0 computed now)" in r.stdout
-    r = moesq("init-sgptq", "-w", wd, "--redo-from", "2", *FAST)
+    r = moesq_here("init-sgptq", "-w", wd, "--redo-from", "2", *FAST)
     assert "(2 computed now)" in r.stdout
     assert _artifacts(wd) == before  # recomputed blocks are byte-identical
-    assert moesq("refine", "-w", wd, *FAST).stdout.count("(0 computed now)") == 1
+    assert moesq_here("refine", "-w", wd, *FAST).stdout.count("(0 computed now)") == 1
 
 
 def test_refine_on_the_training_split_alone(wd):
-    r = moesq("refine", "-w", wd, "--stage", "refine-train", "--no-init-split-rows", *SHORT, *FAST)
+    r = moesq_here("refine", "-w", wd, "--stage", "refine-train", "--no-init-split-rows", *SHORT, *FAST)
     sched = next(line for line in r.stderr.splitlines() if line.startswith("refine-train schedule:"))
     assert "from 2 training sequences" in sched, sched
     assert "init_split_rows" not in _manifest(wd)["stages"]["refine-train"]["config"]["refine"]
@@ -82,7 +82,7 @@ def test_refine_on_the_training_split_alone(wd):
 def test_refine_says_how_many_experts_improved_on_their_init(wd):
     from moesq_core.engine import block_info
 
-    r = moesq("refine", "-w", wd, *SHORT, *FAST)
+    r = moesq_here("refine", "-w", wd, *SHORT, *FAST)
     m = re.search(r"stage refine: 4 blocks \(4 computed now\) in .+?; (\d+) of (\d+) experts improved on their init",
                   " ".join(r.stdout.split()))  # the console wraps long lines
     assert m, r.stdout
@@ -97,39 +97,40 @@ def test_refine_says_how_many_experts_improved_on_their_init(wd):
                          "refinement to pay; raise --epochs / --steps-per-epoch)")
 
 
-def test_refine_then_init(micro_path, tmp_path):
+def test_refine_then_init(uninterrupted, tmp_path):
     """The reverse order: refine from nothing calibrates and refines (its init runs inside its block loop, no
-    init stage is written); init-sgptq afterwards is a baseline stage of its own and leaves refine as it is."""
+    init stage is written: `uninterrupted` ran that command); init-sgptq afterwards is a baseline stage of its
+    own and leaves refine as it is."""
     wd = tmp_path / "wd"
-    moesq("refine", "--model", micro_path, "-w", wd, *TINY, *SHORT, *FAST)
+    shutil.copytree(uninterrupted[3], wd)
     assert set(_manifest(wd)["stages"]) == {"refine"}
     init = _manifest(wd)["stages"]["refine"]["config"]["init"]
     assert init["method"] == "sgptq" and init["options"]["refit"] is True  # part of refine's identity, normalised
     before = _artifacts(wd)
-    r = moesq("init-sgptq", "-w", wd, *FAST)
+    r = moesq_here("init-sgptq", "-w", wd, *FAST)
     assert "stage init-sgptq: 4 blocks (4 computed now)" in r.stdout
-    r = moesq("init-sgptq", "-w", wd, "--redo-from", "3", *FAST)
+    r = moesq_here("init-sgptq", "-w", wd, "--redo-from", "3", *FAST)
     assert "(1 computed now)" in r.stdout
     # the init stage made with refine's init options: refine is the same stage, only checked
-    assert "(0 computed now)" in moesq("refine", "-w", wd, *SHORT, *FAST).stdout
+    assert "(0 computed now)" in moesq_here("refine", "-w", wd, *SHORT, *FAST).stdout
     assert {k: v for k, v in _artifacts(wd).items() if "init-sgptq" not in k} == before
 
 
 def test_refit_is_part_of_the_stage_identity(wd):
     before = (wd / "manifest.json").read_bytes()
-    r = moesq("init-sgptq", "-w", wd, "--no-refit", *FAST, check=False)  # refit is sgptq's default
+    r = moesq_here("init-sgptq", "-w", wd, "--no-refit", *FAST, check=False)  # refit is sgptq's default
     assert r.returncode == 1 and "options.refit: True (work dir) vs False (now)" in r.stderr
     assert (wd / "manifest.json").read_bytes() == before
     assert _manifest(wd)["stages"]["init-sgptq"]["config"]["options"]["refit"] is True
-    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--refit", *FAST, check=False)
+    r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", "--refit", *FAST, check=False)
     assert r.returncode == 2 and "--refit/--no-refit does not apply to --method rtn" in r.stderr
     # how the refit's least squares are solved is part of the identity too (cg is the default)
     assert _manifest(wd)["stages"]["init-sgptq"]["config"]["options"]["solve"] == "cg"
-    r = moesq("init-sgptq", "-w", wd, "--solve", "exact", *FAST, check=False)
+    r = moesq_here("init-sgptq", "-w", wd, "--solve", "exact", *FAST, check=False)
     assert r.returncode == 1 and "options.solve: 'cg' (work dir) vs 'exact' (now)" in r.stderr, r.stderr
-    r = moesq("init-sgptq", "-w", wd, "--solve", "lu", *FAST, check=False)
+    r = moesq_here("init-sgptq", "-w", wd, "--solve", "lu", *FAST, check=False)
     assert r.returncode == 2 and "'lu' is not one of: cg, exact" in r.stderr
-    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--solve", "cg", *FAST, check=False)
+    r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", "--solve", "cg", *FAST, check=False)
     assert r.returncode == 2 and "--solve does not apply to --method rtn" in r.stderr
     assert (wd / "manifest.json").read_bytes() == before
 
@@ -148,17 +149,17 @@ def _changed_copy(src: Path, dst: Path, factor: float) -> Path:
 def test_other_weights_are_refused(wd, micro_path, tmp_path):
     before = (wd / "manifest.json").read_bytes()
     other = _changed_copy(micro_path, tmp_path / "other", 1.05)
-    r = moesq("init-sgptq", "--model", other, "-w", wd, *FAST, check=False)
+    r = moesq_here("init-sgptq", "--model", other, "-w", wd, *FAST, check=False)
     assert r.returncode == 1 and "was made for another model" in r.stderr and "other weights" in r.stderr
     assert (wd / "manifest.json").read_bytes() == before
     # the model a work dir was made from, changed in place afterwards
     copy = tmp_path / "copy"
     shutil.copytree(micro_path, copy)
     wd2 = tmp_path / "wd2"
-    moesq("calibrate", "--model", copy, "-w", wd2, *TINY, "--quiet")
+    moesq_here("calibrate", "--model", copy, "-w", wd2, *TINY, "--quiet")
     _changed_copy(micro_path, tmp_path / "tmpmodel", 0.95)
     shutil.copy(tmp_path / "tmpmodel" / "model.safetensors", copy / "model.safetensors")
-    r = moesq("init-sgptq", "-w", wd2, "--method", "rtn", *FAST, check=False)
+    r = moesq_here("init-sgptq", "-w", wd2, "--method", "rtn", *FAST, check=False)
     assert r.returncode == 1 and "changed since this work dir was made" in r.stderr
     assert "init-rtn" not in _manifest(wd2)["stages"]
 
@@ -177,7 +178,7 @@ def test_interrupted_calibration_and_temp_files(micro_path, tmp_path):
     """What a kill during calibration leaves (a manifest without calibration, temp files) is resumed by any
     stage command, even with other calibration options; only moesq's own temp names are removed."""
     wd = tmp_path / "wd"
-    moesq("calibrate", "--model", micro_path, "-w", wd, *TINY, "--quiet")
+    moesq_here("calibrate", "--model", micro_path, "-w", wd, *TINY, "--quiet")
     m = _manifest(wd)
     del m["calibration"]
     (wd / "manifest.json").write_text(json.dumps(m))
@@ -188,7 +189,7 @@ def test_interrupted_calibration_and_temp_files(micro_path, tmp_path):
     (wd / "cache" / "refine-rank0" / "tmpe_tprqyf.states").write_bytes(b"x")  # StateStore's spill (mkstemp)
     (wd / "cache" / "refine-rank0" / "mine.states").write_text("mine")
     (wd / "notes.tmp").write_text("mine")
-    r = moesq("init-sgptq", "-w", wd, "--method", "rtn", "--n-init", "6", *FAST)
+    r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", "--n-init", "6", *FAST)
     assert "4 computed now" in r.stdout
     assert _manifest(wd)["config"]["calib"]["n_init"] == 6 and _manifest(wd)["calibration"]["sequences"]["init"] == 6
     assert not list(wd.rglob("*.k3j_x9a0.tmp")) and not list(wd.rglob("tmpab12cd34.pt"))
@@ -201,10 +202,10 @@ def test_failed_calibration_leaves_nothing(micro_path, tmp_path):
     for name, data in (("binary.txt", bytes(range(256)) * 20), ("empty.txt", b""), ("nul.txt", b"abc\0def")):
         f = tmp_path / name
         f.write_bytes(data)
-        r = moesq("calibrate", "--model", micro_path, "-w", wd, "--calib", f, "--quiet", check=False)
+        r = moesq_here("calibrate", "--model", micro_path, "-w", wd, "--calib", f, "--quiet", check=False)
         assert r.returncode == 1 and str(f) in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert not wd.exists()
-    moesq("calibrate", "--model", micro_path, "-w", wd, *TINY, "--quiet")
+    moesq_here("calibrate", "--model", micro_path, "-w", wd, *TINY, "--quiet")
     assert "calibration" in _manifest(wd)
 
 
@@ -221,7 +222,7 @@ def test_bad_options_never_touch_the_manifest(wd):
         (["init-sgptq", "-w", wd, "--hessian-weighting", "w3"], 2, "--hessian-weighting"),
     ]
     for args, code, text in cases:
-        r = moesq(*args, *FAST, check=False)
+        r = moesq_here(*args, *FAST, check=False)
         assert r.returncode == code and text in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)
     assert (wd / "manifest.json").read_bytes() == before
     assert "refine" not in _manifest(wd)["stages"]
@@ -252,7 +253,7 @@ def test_usage_errors_name_the_option(args, option, tmp_path):
 def test_workdir_that_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    r = moesq("refine", "-w", f, check=False)
+    r = moesq_here("refine", "-w", f, check=False)
     assert r.returncode == 2 and "is a file" in _flat(r.stderr) and f.read_text() == "x"
 
 
@@ -288,7 +289,7 @@ def test_signal_says_what_was_saved(wd, sig, code):
     assert "Traceback" not in err
     assert "Traceback" in (wd / "logs" / "moesq.log").read_text()  # kept, not swallowed
     assert not list(wd.rglob("*.tmp"))
-    moesq("refine", "-w", wd, *SHORT, *FAST)
+    moesq_here("refine", "-w", wd, *SHORT, *FAST)
 
 
 # -- kill at random points, resume, compare bytes --------------------------------------------------------
@@ -297,8 +298,9 @@ KILL_CMD = ["refine", *TINY, *SHORT, *FAST]
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory, micro_path):
-    """Artifacts of one uninterrupted calibrate → refine, its wall time and the time at which its
-    calibration was recorded (so kills can aim at the calibration phase too)."""
+    """Artifacts of one uninterrupted calibrate → refine (`moesq refine --model` on a new work dir), its wall
+    time, the time at which its calibration was recorded (so kills can aim at the calibration phase too) and
+    the work dir (tests copy it)."""
     wd = tmp_path_factory.mktemp("ref") / "wd"
     t0 = time.time()
     p = subprocess.Popen([MOESQ, *KILL_CMD, "--model", str(micro_path), "-w", str(wd)], env=ENV,
@@ -306,7 +308,7 @@ def uninterrupted(tmp_path_factory, micro_path):
     assert _wait_for(lambda: p.poll() is not None or "calibration" in _manifest(wd))
     t_calib = time.time() - t0
     assert p.wait(timeout=1200) == 0, p.stderr.read()
-    return _artifacts(wd), time.time() - t0, t_calib
+    return _artifacts(wd), time.time() - t0, t_calib, wd
 
 
 def _state(wd: Path) -> str:
@@ -321,7 +323,7 @@ def _state(wd: Path) -> str:
 
 
 def _kill_and_resume(micro_path, wd: Path, seed: int, uninterrupted, kills: int = 2) -> list[str]:
-    want, seconds, t_calib = uninterrupted
+    want, seconds, t_calib, _ = uninterrupted
     rng = random.Random(seed)
     stops = []
     for k in range(kills):
