@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moesq_core import pipeline  # noqa: E402
+from moesq_core.bench.harness import git_commit  # noqa: E402
 from moesq_core.calibration import CalibConfig  # noqa: E402
 from moesq_core.config import MethodConfig  # noqa: E402
 from moesq_core.engine import StageSpec, run_stage  # noqa: E402
@@ -51,7 +52,6 @@ from moesq_core.eval.runner import EvalTarget, ResultCache, ppl_for_targets  # n
 from moesq_core.formats import get_format  # noqa: E402
 from moesq_core.methods.refine import RefineConfig  # noqa: E402
 from moesq_core.methods.registry import get_method  # noqa: E402
-from moesq_core.bench.harness import git_commit  # noqa: E402
 from moesq_core.workdir import WorkDir  # noqa: E402
 
 log = logging.getLogger("accuracy_table")

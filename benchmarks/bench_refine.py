@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch._dynamo  # noqa: E402,F401  (imported up front: torch.optim pulls it in on first use, ~5 s)
+
 from moesq_core.formats import get_format  # noqa: E402
 from moesq_core.kernels import relax_triton, rows_add_triton, swiglu_quant_triton  # noqa: E402
 from moesq_core.methods.base import ExpertData, TokenRows  # noqa: E402

@@ -152,7 +152,7 @@ def bench_factorisations(dev, bases=(32, 64, 128), shapes=FACTORISATION_SHAPES) 
                 row[f"{strategy}_base{base}"] = {"seconds": t, "max_rel_dev_vs_torch": dev_rel}
                 del got
         out[name] = row
-        del A, ref, rhs
+        A = ref = rhs = None  # free the device memory before the next shape
     spd.BASE, spd.STRATEGY = saved
     return out
 
@@ -263,7 +263,7 @@ def main():
             print(name, "FAILED", exc, flush=True)
         empty_cache()
         save()
-    del block
+    block = None  # free the device memory
     empty_cache()
     if args.kimi:
         E, H, I = 384, 7168, 2048

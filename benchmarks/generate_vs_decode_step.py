@@ -36,12 +36,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from real_size_run import SMALL  # noqa: E402  (the same architecture at a width a CPU runs in seconds)
 
 from moesq_core.bench.harness import git_commit  # noqa: E402
 from moesq_core.bench.synthetic_model import QWEN3_30B_A3B, qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
 from moesq_core.config import DEFAULT_EVAL  # noqa: E402
 from moesq_core.formats import FORMAT_NAMES  # noqa: E402
-from real_size_run import SMALL  # noqa: E402  (the same architecture at a width a CPU runs in seconds)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -39,8 +39,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from real_size_run import (PHASES_LINE, REFINE_LINE, State, block_phases, generate, model_config, moesq,  # noqa: E402
-                           refine_schedule, relative, run_step)
+from real_size_run import (  # noqa: E402
+    PHASES_LINE,
+    REFINE_LINE,
+    State,
+    block_phases,
+    generate,
+    model_config,
+    moesq,
+    refine_schedule,
+    relative,
+    run_step,
+)
 
 STATE_FILE = "refine_paper_state.json"
 STEM = "refine_paper_calibration"

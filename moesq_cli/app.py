@@ -679,7 +679,8 @@ def pack(
     ./moesq-work into moesq-work/packed and uploads it to <your user>/<model>-moesq-<format>.
     """
     _setup(workdir, quiet)
-    from moesq_core.checkpoint.export import check_output_dir, export_packed, parse_size, push_to_hub as core_push
+    from moesq_core.checkpoint.export import check_output_dir, export_packed, parse_size
+    from moesq_core.checkpoint.export import push_to_hub as core_push
     from moesq_core.pipeline import default_stage
     from moesq_core.workdir import WorkDir
 
@@ -988,7 +989,8 @@ def _render_recovery(table, console=console) -> None:
         t.add_column(f"{c} ({table.metrics.get(c, '')})", justify="right")
     t.add_column("average", justify="right")
     t.add_column("recovery %", justify="right")
-    pct = lambda v: "" if v is None else f"{100 * v:.2f}"
+    def pct(v):
+        return "" if v is None else f"{100 * v:.2f}"
     for row in table.rows:
         t.add_row(row.label, *[pct(row.scores.get(c)) for c in table.tasks], pct(row.average),
                   "" if row.recovery is None else f"{row.recovery:.2f}")

@@ -16,6 +16,10 @@ import logging
 import os
 import re
 import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 TIMEOUT_ENV = "MOESQ_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 1800

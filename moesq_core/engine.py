@@ -28,9 +28,9 @@ from torch import nn
 
 from . import distributed, packing
 from .formats import Format, QuantizedWeight
+from .memory import HOST_CHUNK_BYTES, consecutive_chunks, release_freed_memory
 from .methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method, TokenRows
 from .models import MoEAdapter, MoEBlock
-from .memory import HOST_CHUNK_BYTES, consecutive_chunks, release_freed_memory
 from .progress import BlockProgress, NullProgress, note, skip
 from .runtime.experts import MoesqExperts
 from .state_checkpoint import EVERY_S, StateCheckpoint

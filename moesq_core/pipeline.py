@@ -15,9 +15,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from . import distributed
-from .calibration import CalibConfig, build_calibration, read_documents
-from .config import (DEFAULT_CALIB, DEFAULT_EVAL, DEFAULT_MODEL, ASSETS, MethodConfig, RunConfig,  # noqa: F401
-                     refine_identity)
+from .calibration import build_calibration, read_documents
+from .config import ASSETS, DEFAULT_CALIB, DEFAULT_EVAL, DEFAULT_MODEL, MethodConfig, RunConfig, refine_identity  # noqa: F401
 from .engine import StageSpec, run_stage
 from .formats import get_format
 from .models import load_model

@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import time
-from pathlib import Path
 
 import numpy as np
 import torch

@@ -35,8 +35,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from .version import __version__
 from .paths import inside
+from .version import __version__
 
 log = logging.getLogger("moesq")
 
@@ -427,7 +427,7 @@ class WorkDir:
             if problems:
                 raise WorkDirError(
                     f"stage {stage!r} in {self.root} was run with another config:\n  " + "\n  ".join(problems)
-                    + f"\nUse another --workdir, or another stage name (refine: --stage), to keep both."
+                    + "\nUse another --workdir, or another stage name (refine: --stage), to keep both."
                 )
         return st
 

@@ -196,8 +196,7 @@ def test_nan_weights_and_unholdable_dims(micro_path, tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 1 and "layer 2 expert 5 down" in out and "non-finite" in out
     # hidden size 48 is not a multiple of the p48 scale block (32)
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     odd = tmp_path / "odd"
     Qwen3MoeForCausalLM(Qwen3MoeConfig(hidden_size=48, intermediate_size=64, moe_intermediate_size=64, num_experts=4,

@@ -284,6 +284,7 @@ def test_memory_estimate_counts_every_expert_weight_and_refuses_a_qwen3_30b_on_o
 def test_auto_end_to_end_runs_where_it_fits_and_is_skipped_with_a_reason_where_not(micro_path, tmp_path, caplog):
     from moesq_core.pipeline import run_refine
     from moesq_core.workdir import WorkDir
+
     from test_block_loop import Recorder
 
     seqs = RUN["n_train"] + RUN["n_init"]

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import EVAL
 from moesq_core.eval.perplexity import load_eval_tokens, perplexity
 from moesq_core.eval.runner import computation_fingerprint, load_target, ppl_for_targets, resolve_targets
+
+from conftest import EVAL
 
 TOKENS = 2048
 

@@ -9,8 +9,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moesq_core.formats import (E2M1_GRID, FORMATS, P48, S24, e2m1_decode, e2m1_encode, get_format, round_e2m1,
-                                round_e4m3)
+from moesq_core.formats import (
+    E2M1_GRID,
+    FORMATS,
+    P48,
+    S24,
+    e2m1_decode,
+    e2m1_encode,
+    get_format,
+    round_e2m1,
+    round_e4m3,
+)
 from moesq_core.formats.e2m1 import e2m1_magnitude_index
 from moesq_core.formats.e4m3 import round_ue4m3_scale
 from moesq_core.formats.quantizers import NVFP4Quantizer, nvfp4_global_scale, nvfp4_quantize_unscaled

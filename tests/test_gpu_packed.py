@@ -90,9 +90,9 @@ def test_s24_fast_path_logits_and_generation(packed_micro_s24):
 def test_from_pretrained_serves_the_fast_experts_like_load_packed(request, fixture, fast_module):
     """`import moesq_core` + `AutoModelForCausalLM.from_pretrained(pack, device_map="cuda")`: the format's fast
     experts module, and exactly load_packed's logits (the same modules on the same weights and inputs)."""
-    import moesq_core  # noqa: F401  (routes moesq packs through transformers' loader)
     from transformers import AutoModelForCausalLM
 
+    import moesq_core  # noqa: F401  (routes moesq packs through transformers' loader)
     from moesq_core.checkpoint.loader import load_packed
 
     path, tok = request.getfixturevalue(fixture)

@@ -140,8 +140,7 @@ def test_refinement_on_the_cpu_goes_in_chunks_of_the_host_budget(monkeypatch):
     """On the CPU (no chunk_gb) refinement holds the state of as many experts as fit memory.HOST_CHUNK_BYTES at
     a time, and its pre-flight line says so; a block within the budget stays one chunk."""
     from moesq_core.formats import get_format
-    from moesq_core.methods.refine import RefineConfig
-    from moesq_core.methods.refine import trainer
+    from moesq_core.methods.refine import RefineConfig, trainer
     from moesq_core.methods.refine.trainer import expert_chunks, refine_bytes_per_expert, refine_memory_plan
 
     from test_refine import make_block

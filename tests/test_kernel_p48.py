@@ -10,12 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import P48GroupedCase, run_triton_interpreted
 from moesq_core.formats import get_format
 from moesq_core.formats.quantizers import NVFP4ActQuantizer
 from moesq_core.kernels import p48_reference as ref
 from moesq_core.kernels import p48_triton as pt
 from moesq_core.packing import pack, unpack
+
+from conftest import P48GroupedCase, run_triton_interpreted
 
 FMT = get_format("p48-nvfp4")
 

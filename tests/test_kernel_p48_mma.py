@@ -9,10 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import P48GroupedCase
 from moesq_core.bench.p48_bench import random_p48_tensors
 from moesq_core.kernels import p48_mma as pm
 from moesq_core.kernels import p48_sparse24 as ps
+
+from conftest import P48GroupedCase
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:

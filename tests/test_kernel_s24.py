@@ -5,16 +5,14 @@ machines without CUDA or with another GPU, and fail (not skip) on a Hopper GPU w
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesq_core.formats import get_format
-from moesq_core.kernels import s24_fp8 as s24
 from moesq_core.formats import s24_fp8 as s24_packing
+from moesq_core.kernels import s24_fp8 as s24
 
 # ------------------------------------------------------------------------------------------------ helpers
 

@@ -22,7 +22,6 @@ from moesq_core.models import load_model
 from moesq_core.models.lazy import LazyExperts, ReleasedExperts
 from moesq_core.workdir import WorkDir
 
-from conftest import MICRO
 from test_models import _configs
 
 REPO = Path(__file__).resolve().parents[1]

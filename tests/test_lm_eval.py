@@ -13,7 +13,13 @@ pytest.importorskip("lm_eval")
 torch = pytest.importorskip("torch")
 
 from moesq_core.eval.lm_eval_tasks import (  # noqa: E402
-    OFFLINE_TASK, TaskResult, TaskResults, TaskUnavailableError, evaluate_tasks, load_tokenizer, resolve_tasks,
+    OFFLINE_TASK,
+    TaskResult,
+    TaskResults,
+    TaskUnavailableError,
+    evaluate_tasks,
+    load_tokenizer,
+    resolve_tasks,
 )
 from moesq_core.eval.recovery import MAIN_METRICS, main_metric_name, recovery_table  # noqa: E402
 

@@ -11,6 +11,7 @@ from moesq_core.checkpoint.checksums import MANIFEST, safetensors_layout
 from moesq_core.checkpoint.loader import load_packed
 from moesq_core.checkpoint.verify import verify_packed_dir
 from moesq_core.naming import SINGLE_FILE
+
 from test_cli import moesq_here
 
 EXPERT = "model.layers.1.mlp.experts.3.down_proj.weight_sparse_packed"

@@ -1,7 +1,6 @@
 """The one-shot methods through the `Method` interface: registry, outputs, fallbacks, and a real expert."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F

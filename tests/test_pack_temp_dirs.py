@@ -15,6 +15,7 @@ import pytest
 from moesq_core.checkpoint import export
 from moesq_core.checkpoint.export import export_packed
 from moesq_core.workdir import WorkDir, WorkDirLocked
+
 from conftest import REPO
 from test_cli_pack import moesq
 

@@ -15,11 +15,12 @@ import torch
 
 from moesq_core.checkpoint.checksums import MANIFEST, safetensors_layout
 from moesq_core.checkpoint.export import check_output_dir, export_packed, input_global_scales
-from moesq_core.checkpoint.model_card import model_card
 from moesq_core.checkpoint.loader import load_packed
+from moesq_core.checkpoint.model_card import model_card
 from moesq_core.checkpoint.verify import verify_packed_dir
 
-from conftest import EVAL, PACK_FORMATS as FORMATS, packed_expert_linears
+from conftest import EVAL, packed_expert_linears
+from conftest import PACK_FORMATS as FORMATS
 
 
 def _digests(d: Path) -> dict:

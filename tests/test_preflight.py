@@ -9,8 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from moesq_core.preflight import (GiB, CalibrationStates, StatesDiskError, check_states_fit, fits_disk,
-                                  free_disk_bytes, size, states_footprint)
+from moesq_core.preflight import (
+    CalibrationStates,
+    GiB,
+    StatesDiskError,
+    check_states_fit,
+    fits_disk,
+    free_disk_bytes,
+    size,
+    states_footprint,
+)
+
 from test_cli import moesq_here
 from test_stage_commands import FAST, TINY
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import benchmark_module, run_benchmark_script
 
 REPO = Path(__file__).resolve().parents[1]

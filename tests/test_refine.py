@@ -10,11 +10,9 @@ import torch.nn.functional as F
 from moesq_core.formats import P48, S24, get_format
 from moesq_core.formats.quantizers import NVFP4ActQuantizer, nvfp4_global_scale
 from moesq_core.methods.base import PROJECTIONS, ExpertData
-from moesq_core.methods.refine import BlockRefiner, RefineConfig, RefineMethod
-from moesq_core.methods.refine import objective, relaxation
+from moesq_core.methods.refine import BlockRefiner, RefineConfig, RefineMethod, objective, relaxation
 from moesq_core.methods.refine.trainer import batched_act_quant, batched_weight_global
 from moesq_core.methods.rtn import RTN
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors, one intra-op thread
 
@@ -36,7 +34,8 @@ def make_block(E=4, H=64, I=64, n=300, n_val=100, seed=0, with_val=True, device=
         gate = torch.randn(I, H, generator=g) * H ** -0.5
         up = torch.randn(I, H, generator=g) * H ** -0.5
         down = torch.randn(H, I, generator=g) * I ** -0.5
-        t = lambda a: None if a is None else a.to(device)
+        def t(a):
+            return None if a is None else a.to(device)
         experts.append(ExpertData(e, t(gate), t(up), t(down), t(x), t(w), t(xv), t(wv)))
     return experts
 
@@ -395,7 +394,8 @@ def test_steps_per_epoch_rule():
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=2, n=300, n_val=20, seed=19)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
-    steps = lambda **kw: BlockRefiner(ex, inits, fmt, RefineConfig(epochs=0, **kw)).steps_per_epoch
+    def steps(**kw):
+        return BlockRefiner(ex, inits, fmt, RefineConfig(epochs=0, **kw)).steps_per_epoch
     assert steps() == 300 // 8  # the paper's 128, capped at >= 8 rows per expert and step
     assert steps(steps_per_epoch=10) == 10
     assert steps(batch_rows=100) == 16  # 600 training rows / 100 = 6, raised to the floor of 16
@@ -510,8 +510,9 @@ def test_budget_rule_keeps_the_papers_travel():
     small = RefineConfig(epochs=2, steps_per_epoch=8).schedule(10**6, 8)
     assert small.lr_scale_values == 80.0 and math.isclose(small.lr_values, 80 * 5e-5)
     # Σ lr over the run (cosine to 0.1×) matches the paper's within the discretisation of the cosine
-    travel = lambda s: sum(s.lr_values * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t / (s.total_steps - 1))))
-                           for t in range(s.total_steps))
+    def travel(s):
+        return sum(s.lr_values * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t / (s.total_steps - 1))))
+                               for t in range(s.total_steps))
     assert travel(small) == pytest.approx(travel(paper), rel=0.05)
     # capped: 1 step per block would need ×1280
     tiny = RefineConfig(epochs=1, steps_per_epoch=1, lr_budget_cap_values=100).schedule(10**6, 8)
@@ -822,7 +823,12 @@ def test_rows_of_a_shared_token_matrix_refine_to_the_bytes_of_rows_held_per_expe
 def test_refinement_memory_estimate_counts_the_token_matrix_once():
     """The pre-flight estimate: the token matrix once (not per routed row), ROW_BYTES per routed row, one
     micro-batch; the per-expert state does not grow with the calibration."""
-    from moesq_core.methods.refine.trainer import ROW_BYTES, micro_batch_bytes, refine_bytes_per_expert, refine_shared_bytes
+    from moesq_core.methods.refine.trainer import (
+        ROW_BYTES,
+        micro_batch_bytes,
+        refine_bytes_per_expert,
+        refine_shared_bytes,
+    )
 
     H, I, T, k = 2048, 768, 1024 * 4096, 8
     shared = refine_shared_bytes(H, I, T, 2, T * k, 262144)

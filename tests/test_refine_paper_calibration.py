@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+
 from conftest import benchmark_module, run_benchmark_script
 
 SMOKE = ["--small", "--device", "cpu", "--seq-len", "32", "--n-train", "8", "--n-init", "4", "--n-val", "4",
@@ -67,10 +68,10 @@ def _recorded_work_dir(root: Path) -> Path:
         f"2026-12-05 10:00:30,000 {M}calibration: {cal}",
         f"2026-12-05 10:00:42,500 {M}{SCHEDULE}",
         f"2026-12-05 10:00:42,600 {M}calibration states: 17.2 GiB per copy; up to 4.0 GiB in cuda memory",
-        f"2026-12-05 10:01:10,000 INFO moesq.progress: refine: layer 0 steps 1/1280 (0 %)",
+        "2026-12-05 10:01:10,000 INFO moesq.progress: refine: layer 0 steps 1/1280 (0 %)",
         f"2026-12-05 10:06:00,000 {R}128 experts in 1 chunk(s), init 4.0 s, refinement 290.0 s (80 epochs × 16 steps)",
-        f"2026-12-05 10:06:05,000 INFO moesq.engine: refine: layer 0, 128 experts compressed in 300.0 s (rank 0 of 1)",
-        f"2026-12-05 10:06:20,000 INFO moesq.engine: refine: calibration states after layer 0 saved for resuming "
+        "2026-12-05 10:06:05,000 INFO moesq.engine: refine: layer 0, 128 experts compressed in 300.0 s (rank 0 of 1)",
+        "2026-12-05 10:06:20,000 INFO moesq.engine: refine: calibration states after layer 0 saved for resuming "
         "(19.33 GB in 9.5 s)",
         # the block loop started at 10:06:20 - 320 s = 10:01:00: embedding took 17.5 s after the schedule line
         f"2026-12-05 10:06:20,000 {E}layer 0 phases (s): {{'other': 0.0, 'write': 1.0, 'route': 2.0, 'weights': 1.0, "

@@ -8,10 +8,11 @@ import contextlib
 import pytest
 import torch
 
-from conftest import run_triton_interpreted
 from moesq_core.formats import get_format
 from moesq_core.kernels import relax_triton
 from moesq_core.methods.refine import relaxation
+
+from conftest import run_triton_interpreted
 
 
 def check_against_reference(device: str, shapes=((3, 5, 48), (1, 7, 8), (2, 3, 136)),

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_triton_interpreted
 from moesq_core.kernels import rows_add_triton
+
+from conftest import run_triton_interpreted
 
 
 def check_against_index_add(device: str, shapes=((5, 3, 7), (4, 2, 4096), (6, 1, 4097), (3, 0, 9))) -> list[str]:

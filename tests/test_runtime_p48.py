@@ -8,13 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (assert_experts_module_rejects_bad_inputs, assert_graph_replays, rel, routing,
-                      run_triton_interpreted)
 from moesq_core.formats import get_format
 from moesq_core.kernels import p48_mma as pm
 from moesq_core.packing import pack, unpack
 from moesq_core.runtime.experts import MoesqExperts
 from moesq_core.runtime.p48_hopper import P48HopperExperts
+
+from conftest import (
+    assert_experts_module_rejects_bad_inputs,
+    assert_graph_replays,
+    rel,
+    routing,
+    run_triton_interpreted,
+)
 
 FMT = get_format("p48-nvfp4")
 REPO = Path(__file__).resolve().parents[1]

@@ -3,16 +3,16 @@ micro model, CPU), its capacity modes, input checks, and on a Hopper GPU the ker
 path (eager and CUDA-graph replay with changing routes)."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from conftest import assert_experts_module_rejects_bad_inputs, assert_graph_replays, rel, routing
 from moesq_core.formats import get_format
 from moesq_core.packing import pack, unpack
 from moesq_core.runtime import s24_hopper
 from moesq_core.runtime.experts import MoesqExperts
 from moesq_core.runtime.s24_hopper import S24HopperExperts
+
+from conftest import assert_experts_module_rejects_bad_inputs, assert_graph_replays, rel, routing
 
 FMT = get_format("s24-fp8")
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)

@@ -11,8 +11,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moesq_core.engine import (StageSpec, StateStore, capture_layer_inputs, gather_experts, load_block, run_stage,
-                               save_block)
+from moesq_core.engine import (
+    StageSpec,
+    StateStore,
+    capture_layer_inputs,
+    gather_experts,
+    load_block,
+    run_stage,
+    save_block,
+)
 from moesq_core.formats import get_format
 from moesq_core.methods.base import PROJECTIONS, ExpertData
 from moesq_core.methods.refine import RefineConfig, RefineMethod

@@ -5,9 +5,9 @@ signals, and SIGKILL at random points of every stage (calibration included) resu
 from __future__ import annotations
 
 import hashlib
-import re
 import json
 import random
+import re
 import shutil
 import signal
 import subprocess

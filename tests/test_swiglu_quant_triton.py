@@ -15,13 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_triton_interpreted
 from moesq_core.formats import get_format
-from moesq_core.formats.e4m3 import round_ue4m3_scale
 from moesq_core.formats.e2m1 import round_e2m1
+from moesq_core.formats.e4m3 import round_ue4m3_scale
 from moesq_core.formats.quantizers import NVFP4ActQuantizer, nvfp4_global_scale, swiglu_quant_reference
 from moesq_core.kernels import swiglu_quant_triton
 from moesq_core.kernels.triton_support import HAS_TRITON, tl, triton
+
+from conftest import run_triton_interpreted
 
 # (experts, rows, width, scale block): partial row and column tiles, one expert, both NVFP4 formats' blocks,
 # a width wider than one program's columns
@@ -265,13 +266,12 @@ def test_refuses_what_it_cannot_run():
 def check_compiled_trainer() -> str:
     """The compiled trainer (inductor, with the fused SwiGLU quantizer and relaxation kernels) computes the eager
     trainer's steps: losses, latent values and validation (the CPU trainer under the interpreter)."""
-    from test_refine import make_block
-
+    from moesq_core.kernels import rows_add_triton
     from moesq_core.methods.base import PROJECTIONS
     from moesq_core.methods.refine import BlockRefiner, RefineConfig
     from moesq_core.methods.rtn import RTN
 
-    from moesq_core.kernels import rows_add_triton
+    from test_refine import make_block
 
     assert swiglu_quant_triton.USE and rows_add_triton.STRIDED  # the defaults
     fmt = get_format("p48-nvfp4")

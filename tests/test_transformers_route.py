@@ -152,8 +152,11 @@ def test_install_wraps_only_transformers_own_entries_once():
     from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from moesq_core.checkpoint.transformers_route import (CompressedTensorsOrMoesqConfig,
-                                                          CompressedTensorsOrMoesqQuantizer, install)
+    from moesq_core.checkpoint.transformers_route import (
+        CompressedTensorsOrMoesqConfig,
+        CompressedTensorsOrMoesqQuantizer,
+        install,
+    )
 
     table = SimpleNamespace(AUTO_QUANTIZATION_CONFIG_MAPPING={"compressed-tensors": CompressedTensorsConfig},
                             AUTO_QUANTIZER_MAPPING={"compressed-tensors": CompressedTensorsHfQuantizer})
@@ -175,6 +178,7 @@ def test_from_pretrained_refuses_a_changed_pack_naming_the_tensor(route_packs, t
     from transformers import AutoModelForCausalLM
 
     from moesq_core.naming import SINGLE_FILE
+
     from test_load_verified import flip_byte
 
     pack = tmp_path / "pack"

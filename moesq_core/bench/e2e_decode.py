@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .harness import git_commit
-from .p48_bench import random_p48_tensors
 from ..runtime.p48_hopper import P48HopperExperts
 from ..runtime.s24_hopper import S24HopperExperts
+from .harness import git_commit
+from .p48_bench import random_p48_tensors
 
 VARIANTS = ("bf16", "fp8", "s24_w8a8", "p48_w4a16", "p48_w4a4")
 
@@ -215,9 +215,8 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=3.0, help="stop timing a configuration after this long")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     args = ap.parse_args(argv)
-    from transformers import AutoModelForCausalLM
-
     import transformers
+    from transformers import AutoModelForCausalLM
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -20,8 +20,22 @@ from pathlib import Path
 
 import torch
 
-from .harness import BASELINES, PAPER_SHAPES, REPO_ROOT, Problem, new_row, run_header, Timing, copies_for, effective_tflops, graph_time, pack_logical
-from .harness import random_2to4_dense_e4m3, random_e4m3, time_method
+from .harness import (
+    BASELINES,
+    PAPER_SHAPES,
+    REPO_ROOT,
+    Problem,
+    Timing,
+    copies_for,
+    effective_tflops,
+    graph_time,
+    new_row,
+    pack_logical,
+    random_2to4_dense_e4m3,
+    random_e4m3,
+    run_header,
+    time_method,
+)
 
 DEFAULT_G = [8, 32, 128, 384]
 DEFAULT_N = [16, 32, 64, 128, 256, 512, 1024]

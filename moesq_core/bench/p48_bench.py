@@ -35,7 +35,18 @@ from pathlib import Path
 
 import torch
 
-from .harness import BASELINES, PAPER_SHAPES, Problem, new_row, run_header, Timing, copies_for, effective_tflops, graph_time, time_method
+from .harness import (
+    BASELINES,
+    PAPER_SHAPES,
+    Problem,
+    Timing,
+    copies_for,
+    effective_tflops,
+    graph_time,
+    new_row,
+    run_header,
+    time_method,
+)
 
 P48_METHODS = {
     "p48_w4a16": "moesq p48 Triton grouped GEMM, bf16 activations, inline-PTX weight expansion",
@@ -346,7 +357,7 @@ def markdown(result: dict) -> str:
     cols = list(BASELINE_NAMES) + [m for m in P48_METHODS if m in result["methods"]]
     ratio_cols = [m for m in ("p48_w4a16", "p48_w4a4", *MMA_METHODS) if m in result["methods"]]
     lines = [
-        f"# p48-nvfp4 grouped GEMM on Hopper vs torch bf16 / fp8 grouped GEMMs",
+        "# p48-nvfp4 grouped GEMM on Hopper vs torch bf16 / fp8 grouped GEMMs",
         "",
         f"{result['date']} · {result['gpu']} ({result['sm_count']} SMs) · torch {result['torch']} (CUDA "
         f"{result['cuda']}) · triton {result['triton']} · commit `{result['commit']}` · {result['repeats']} "

@@ -26,18 +26,17 @@ import re
 import secrets
 import shutil
 import struct
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from ..version import __version__
 from ..engine import load_block
 from ..formats import get_format
 from ..formats.quantizers import input_global_scales
 from ..memory import release_freed_memory
 from ..naming import CARRIED_FILES, CARRIED_PATTERNS, INDEX_FILE, SINGLE_FILE, expert_linear, experts_prefix
+from ..version import __version__
 from ..workdir import LockHeld, WorkDir, WorkDirError, disk_errors, pid_alive, take_lock
 from .checksums import MANIFEST, is_moesq_pack, write_manifest
 from .model_card import model_card, work_dir_evals

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from ..version import __version__
 from ..formats import get_format
+from ..version import __version__
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _EMBEDDED_CALIB = "calib-sample.txt.xz"  # moesq_core/assets: the default calibration text

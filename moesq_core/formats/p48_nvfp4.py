@@ -61,8 +61,8 @@ from .pack_common import (
     nibble_positions,
     nibbles_to_bytes,
     primary_dims,
-    spread_pairs,
     select,
+    spread_pairs,
     to_e4m3,
 )
 from .patterns import P48

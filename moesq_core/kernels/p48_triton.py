@@ -47,7 +47,6 @@ from dataclasses import dataclass
 import torch
 
 from .p48_reference import WEIGHT_SUFFIXES
-
 from .triton_support import HAS_TRITON, INTERPRET, tl, triton  # noqa: F401
 
 SCALE_BLOCK = 32

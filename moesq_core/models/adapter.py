@@ -19,7 +19,6 @@ from torch import nn
 from ..naming import experts_prefix
 from .errors import CheckpointError, UnsupportedModelError
 
-
 # bytes per element of the safetensors dtypes; others (sub-byte formats) are only checked to lie in the file
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
                 "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}

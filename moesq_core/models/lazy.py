@@ -42,7 +42,6 @@ class ShardReader:
     would keep every page it ever touched in the process's resident set."""
 
     def __init__(self, path: Path):
-        from safetensors import safe_open
 
         self.files: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}

@@ -20,7 +20,6 @@ from ..formats.base import Layout
 from ..formats.pack_common import ACTIVATION_SUFFIXES, PackingError, packed_nbytes
 from ..formats.registry import formats
 
-
 LAYOUTS: dict[str, Layout] = {lay.name: lay for fmt in formats().values() for lay in fmt.layouts}
 
 

@@ -35,8 +35,8 @@ from torch import nn
 
 from ...formats import Format, QuantizedWeight
 from ...formats.quantizers import input_global_scales
-from ...runtime.experts import MoesqExperts
 from ...progress import NullProgress
+from ...runtime.experts import MoesqExperts
 from ..base import PROJECTIONS, CompressedExpert
 
 log = logging.getLogger(__name__)

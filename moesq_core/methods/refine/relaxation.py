@@ -15,7 +15,6 @@ import torch
 
 from ...formats import PatternSet
 
-
 Generators = Union[torch.Generator, Sequence[torch.Generator], None]
 
 

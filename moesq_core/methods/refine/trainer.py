@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F
 
 from ...formats import P48, Format, PatternSet
-from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, TokenRows, row_count
 from ...kernels import relax_triton, rows_add_triton, swiglu_quant_triton
 from ...memory import HOST_CHUNK_BYTES, consecutive_chunks, size
+from ..base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, TokenRows, row_count
 from . import objective, relaxation
 
 log = logging.getLogger(__name__)
