@@ -356,6 +356,32 @@ def _log_traceback(workdir: Path | None) -> Path | None:
     return next((h.path for h in log.handlers if isinstance(h, WorkDirLogHandler) and h.path), None)
 
 
+def _interrupt_inside(e: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt / SIGTERM an exception was raised from, if any (its cause or context chain)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, (KeyboardInterrupt, _Terminated)):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _interrupted(e: BaseException, workdir: Path | None):
+    """Report a SIGINT / SIGTERM as one line saying what was saved; exit 130 / 143."""
+    from moesq_core.distributed import launched_world
+
+    what = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
+    if what == "SIGTERM" and launched_world() > 1:
+        what += " from torchrun: another rank failed, or the run was stopped"
+    if _rank() != 0:  # rank 0 says what was saved
+        raise typer.Exit(130 if what == "SIGINT" else 143)
+    _log_traceback(workdir)
+    err_console.print(f"[bold yellow]interrupted ({what}):[/] {_saved_state(workdir)}", highlight=False,
+                      soft_wrap=True)
+    raise typer.Exit(130 if what.startswith("SIGINT") else 143)
+
+
 def _guard(fn):
     """Errors as one clear line (exit 1; 2 for a usage error), tracebacks to the log (and the screen with
     --debug); SIGINT / SIGTERM as one line saying what was saved (exit 130 / 143)."""
@@ -370,18 +396,11 @@ def _guard(fn):
         except (typer.Exit, typer.Abort, click.exceptions.ClickException):
             raise
         except (KeyboardInterrupt, _Terminated) as e:  # also while the command still imports torch
-            from moesq_core.distributed import launched_world
-
-            what = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
-            if what == "SIGTERM" and launched_world() > 1:
-                what += " from torchrun: another rank failed, or the run was stopped"
-            if _rank() != 0:  # rank 0 says what was saved
-                raise typer.Exit(130 if what == "SIGINT" else 143)
-            _log_traceback(workdir)
-            err_console.print(f"[bold yellow]interrupted ({what}):[/] {_saved_state(workdir)}", highlight=False,
-                              soft_wrap=True)
-            raise typer.Exit(130 if what.startswith("SIGINT") else 143)
+            _interrupted(e, workdir)
         except Exception as e:
+            cause = _interrupt_inside(e)
+            if cause is not None:  # a Ctrl-C that a library wrapped (e.g. in a RuntimeError from __set_name__)
+                _interrupted(cause, workdir)
             _report(e, workdir)
         finally:
             signal.signal(signal.SIGTERM, previous)
