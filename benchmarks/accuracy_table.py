@@ -43,16 +43,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moesq_core import pipeline  # noqa: E402
-from moesq_core.bench.harness import git_commit  # noqa: E402
-from moesq_core.calibration import CalibConfig  # noqa: E402
-from moesq_core.config import MethodConfig  # noqa: E402
-from moesq_core.engine import StageSpec, run_stage  # noqa: E402
+from moesq_core.compression import pipeline  # noqa: E402
+from moesq_core.compression.calibration import CalibConfig  # noqa: E402
+from moesq_core.compression.config import MethodConfig  # noqa: E402
+from moesq_core.compression.engine import StageSpec, run_stage  # noqa: E402
+from moesq_core.compression.methods.refine import RefineConfig  # noqa: E402
+from moesq_core.compression.methods.registry import get_method  # noqa: E402
+from moesq_core.compression.workdir import WorkDir  # noqa: E402
 from moesq_core.eval.runner import EvalTarget, ResultCache, ppl_for_targets  # noqa: E402
 from moesq_core.formats import get_format  # noqa: E402
-from moesq_core.methods.refine import RefineConfig  # noqa: E402
-from moesq_core.methods.registry import get_method  # noqa: E402
-from moesq_core.workdir import WorkDir  # noqa: E402
+from moesq_core.serving.bench.harness import git_commit  # noqa: E402
 
 log = logging.getLogger("accuracy_table")
 
@@ -252,9 +252,9 @@ def workdir_for(root: Path, model: str, fmt: str, act: bool, calib: CalibConfig)
 
 
 def compress_stage(wd: WorkDir, method: str, options: dict, name: str, batch_size: int) -> None:
-    """pipeline.compress under a chosen stage name (two variants of one method in one work dir)."""
+    """pipeline.init_stage under a chosen stage name (two variants of one method in one work dir)."""
     if name == pipeline.init_stage_name(method):
-        pipeline.compress(wd, method, options, device=DEVICE, batch_size=batch_size)
+        pipeline.init_stage(wd, method, options, device=DEVICE, batch_size=batch_size)
         return
     m = wd.load()
     fmt = get_format(m["config"]["format"])
@@ -286,7 +286,7 @@ def ensure_stage(wd: WorkDir, row: str, refine_cfg: dict, batch_size: int) -> di
 
 def patterns_changed(wd: WorkDir, stage: str) -> float | None:
     """Fraction of the sparsity groups whose refined pattern differs from the init's (from the stage's blocks)."""
-    from moesq_core.engine import load_block
+    from moesq_core.compression.engine import load_block
 
     changed = total = 0
     for rec in wd.stage(stage)["blocks"].values():  # the stage's blocks (end-to-end tuning keeps the patterns)

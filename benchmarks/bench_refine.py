@@ -34,11 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch._dynamo  # noqa: E402,F401  (imported up front: torch.optim pulls it in on first use, ~5 s)
 
+from moesq_core.compression.kernels import relax_triton, rows_add_triton, swiglu_quant_triton  # noqa: E402
+from moesq_core.compression.methods.base import ExpertData, TokenRows  # noqa: E402
+from moesq_core.compression.methods.refine import BlockRefiner, RefineConfig, trainer  # noqa: E402
+from moesq_core.compression.methods.rtn import RTN  # noqa: E402
 from moesq_core.formats import get_format  # noqa: E402
-from moesq_core.kernels import relax_triton, rows_add_triton, swiglu_quant_triton  # noqa: E402
-from moesq_core.methods.base import ExpertData, TokenRows  # noqa: E402
-from moesq_core.methods.refine import BlockRefiner, RefineConfig, trainer  # noqa: E402
-from moesq_core.methods.rtn import RTN  # noqa: E402
 
 # name -> (description, RefineConfig overrides of the base configuration)
 VARIANTS = {

@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
+from moesq_core.compression.methods.base import PROJECTIONS, ExpertData
+from moesq_core.compression.methods.batching import memory_budget, solver_bytes_per_expert
+from moesq_core.compression.methods.registry import get_method
 from moesq_core.formats import get_format
-from moesq_core.methods.base import PROJECTIONS, ExpertData
-from moesq_core.methods.batching import memory_budget, solver_bytes_per_expert
-from moesq_core.methods.registry import get_method
 
 METHOD_FORMATS = {"sgptq": "p48-nvfp4", "gptq": "dense-nvfp4", "obr": "p48-nvfp4"}
 
@@ -127,7 +127,7 @@ FACTORISATION_SHAPES = (("kept_set_solve_256x1024", 256, 1024), ("hessian_factor
 def bench_factorisations(dev, bases=(32, 64, 128), shapes=FACTORISATION_SHAPES) -> dict:
     """Batched SPD factorisations at this block's sizes: torch's batched cuSOLVER calls vs the recursive
     versions (`spd`, each strategy and leaf size), with their largest relative deviation from torch's."""
-    from moesq_core.methods import spd
+    from moesq_core.compression.methods import spd
     out = {}
     saved = spd.BASE, spd.STRATEGY
     for name, B, n in shapes:
@@ -187,7 +187,7 @@ def main():
     args = ap.parse_args()
     dev = torch.device(args.device)
     solve_log = SolveLog()
-    hlog = logging.getLogger("moesq_core.methods.hessian")
+    hlog = logging.getLogger("moesq_core.compression.methods.hessian")
     hlog.setLevel(logging.DEBUG)
     hlog.addHandler(solve_log)
     commit = os.environ.get("MOESQ_COMMIT") or subprocess.run(
@@ -214,7 +214,7 @@ def main():
     res["shape"]["default_chunk_experts"] = int(max(1, budget // solver_bytes_per_expert(args.inter, args.hidden)))
     save()
     if args.factorisations:
-        from moesq_core.methods import spd
+        from moesq_core.compression.methods import spd
         try:
             shapes = FACTORISATION_SHAPES if dev.type == "cuda" else (("kept_set_solve_4x128", 4, 128), ("hessian_factor_2x256", 2, 256))
             res["factorisations"] = bench_factorisations(dev, shapes=shapes)

@@ -5,7 +5,7 @@
     python benchmarks/generate_vs_decode_step.py --root DIR --small --device cpu --out DIR        # a CPU smoke run
 
 Builds under --root, once (later runs reuse it): a random-weight checkpoint of Qwen3-30B-A3B's shape with
---layers decoder layers (`moesq_core.bench.synthetic_model`; every layer is the real block shape), its one-shot
+--layers decoder layers (`benchmarks/synthetic_model.py`; every layer is the real block shape), its one-shot
 RTN stage (`moesq init-sgptq --method rtn`, a small calibration: the weights are random, only speed is measured)
 and its pack (`moesq pack`, --format). Then, on the pack loaded once, per batch size:
 
@@ -37,11 +37,11 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from real_size_run import SMALL  # noqa: E402  (the same architecture at a width a CPU runs in seconds)
+from synthetic_model import QWEN3_30B_A3B, qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
 
-from moesq_core.bench.harness import git_commit  # noqa: E402
-from moesq_core.bench.synthetic_model import QWEN3_30B_A3B, qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
-from moesq_core.config import DEFAULT_EVAL  # noqa: E402
+from moesq_core.compression.config import DEFAULT_EVAL  # noqa: E402
 from moesq_core.formats import FORMAT_NAMES  # noqa: E402
+from moesq_core.serving.bench.harness import git_commit  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -103,8 +103,8 @@ def median(values):
 
 
 def measure(pack, batch: int, args) -> dict:
-    from moesq_core.bench.e2e_decode import run_decode
-    from moesq_core.checkpoint.generate import generate_batch
+    from moesq_core.serving.bench.e2e_decode import run_decode
+    from moesq_core.serving.generate import generate_batch
 
     texts = prompts(batch, args.prompt_chars)
     generate_batch(pack, texts, max_new_tokens=args.new_tokens)  # warm-up: kernels compile, autotuners settle
@@ -159,7 +159,7 @@ def main(argv=None) -> int:
         return 2
     import transformers
 
-    from moesq_core.checkpoint.generate import load_pack
+    from moesq_core.serving.generate import load_pack
 
     t0 = time.perf_counter()
     path = build_pack(args)

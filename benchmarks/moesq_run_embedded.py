@@ -23,7 +23,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from moesq_core.bench.harness import git_commit  # noqa: E402
+from moesq_core.serving.bench.harness import git_commit  # noqa: E402
 
 OUT = REPO / "benchmarks" / "results" / "moesq_run_embedded.json"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moesq_core.bench.p48_bench import MMA_METHODS, bench_p48  # noqa: E402
+from moesq_core.serving.bench.p48_bench import MMA_METHODS, bench_p48  # noqa: E402
 
 SHAPES = [(1536, 2048, 128), (2048, 768, 128), (4096, 7168, 48), (7168, 2048, 48)]  # (M, K, G)
 NS = [1, 2, 4, 8, 16, 64, 128, 256]

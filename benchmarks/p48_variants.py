@@ -6,11 +6,11 @@
     python benchmarks/p48_variants.py --variants 0 4 --compare-early --out DIR   # early_first_unit on and off
 
 Rows: the kernel bench's shapes (Qwen3-30B-A3B with G = 128, Kimi-K2.5 with G = 48) x N, token counts
-{N, 3N/4, N/2, N/4} per expert, as moesq_core.bench.p48_bench; with --routed k instead those of a batch of N
+{N, 3N/4, N/2, N/4} per expert, as moesq_core.serving.bench.p48_bench; with --routed k instead those of a batch of N
 tokens routed to k experts each, uniformly at random (seeded; some experts get none, as in serving; TB/s then still
 counts every expert's bytes, so compare the µs). Per row: the fp8 baseline once, then every variant
 (W4A16; with --fused also W4A4 quantized in the kernel) checked against p48_reference and timed with
-moesq_core.bench.harness.graph_time (CUDA graphs, weight copies rotated past L2, median), in `--rounds` rounds
+moesq_core.serving.bench.harness.graph_time (CUDA graphs, weight copies rotated past L2, median), in `--rounds` rounds
 of alternating order; each variant's W4A16 output is compared bit for bit with the first variant's. Writes
 p48_variants.json / .md into --out.
 """
@@ -25,9 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moesq_core.bench.harness import BASELINES, copies_for, graph_time, new_row, run_header, time_method  # noqa: E402
-from moesq_core.bench.p48_bench import P48Bench  # noqa: E402
-from moesq_core.kernels import p48_mma as pm  # noqa: E402
+from moesq_core.serving.bench.harness import BASELINES, copies_for, graph_time, new_row, run_header, time_method  # noqa: E402
+from moesq_core.serving.bench.p48_bench import P48Bench  # noqa: E402
+from moesq_core.serving.kernels import p48_mma as pm  # noqa: E402
 
 SHAPES = [("Qwen3-30B-A3B gate/up", 1536, 2048, 128), ("Qwen3-30B-A3B down", 2048, 768, 128),
           ("Kimi-K2.5 gate/up", 4096, 7168, 48), ("Kimi-K2.5 down", 7168, 2048, 48)]

@@ -6,7 +6,7 @@
     python benchmarks/real_size_run.py --root DIR --shape kimi-k2-block --no-refit --out benchmarks/results   # the same, paper SGPTQ stage
     python benchmarks/real_size_run.py --root DIR --layers 2 --small --device cpu --nproc 2   # a smoke run
 
-Pipeline mode writes the model under DIR (generated on the GPU when there is one; `moesq_core.bench.
+Pipeline mode writes the model under DIR (generated on the GPU when there is one; `moesq_core.serving.bench.
 synthetic_model`) and runs, as a user would, `moesq calibrate → init-sgptq → refine (a reduced budget) →
 pack → verify → eval --ppl` on one work dir, each as its own process, recording per command the wall time,
 the peak host memory of its process tree (RSS summed over torchrun's ranks, sampled every 0.5 s), the peak
@@ -44,10 +44,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from synthetic_model import SHAPES, qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
 
-from moesq_core.bench.harness import git_commit  # noqa: E402
-from moesq_core.bench.synthetic_model import SHAPES, qwen3_moe_config, write_random_qwen3_moe  # noqa: E402
-from moesq_core.config import ASSETS  # noqa: E402
+from moesq_core.compression.config import ASSETS  # noqa: E402
+from moesq_core.serving.bench.harness import git_commit  # noqa: E402
 
 GIB = 2 ** 30
 EVAL_TEXT = ASSETS / "eval-sample.txt.xz"

@@ -32,10 +32,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moesq_core.compression.methods.base import ExpertData  # noqa: E402
+from moesq_core.compression.methods.refine import BlockRefiner, RefineConfig, relaxation  # noqa: E402
+from moesq_core.compression.methods.registry import get_method  # noqa: E402
 from moesq_core.formats import get_format  # noqa: E402
-from moesq_core.methods.base import ExpertData  # noqa: E402
-from moesq_core.methods.refine import BlockRefiner, RefineConfig, relaxation  # noqa: E402
-from moesq_core.methods.registry import get_method  # noqa: E402
 
 
 def make_block(E: int, H: int, I: int, tokens: int, val_tokens: int, topk: int, std: float, seed: int):

@@ -374,7 +374,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from moesq_core.bench.harness import git_commit
+    from moesq_core.serving.bench.harness import git_commit
 
     def report(status: str) -> str:
         """Write the results as they stand (also after a stop at the deadline: what was measured so far)."""

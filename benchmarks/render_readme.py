@@ -64,7 +64,7 @@ def render_run() -> str:
             steps = refine.get("e2e_steps")
             if steps == "auto":  # the step's automatic length on this calibration (RefineConfig.e2e_steps_for)
                 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-                from moesq_core.methods.refine import RefineConfig
+                from moesq_core.compression.methods.refine import RefineConfig
 
                 cal = d["config"]["calib"]
                 steps = RefineConfig(e2e_batch_size=refine["e2e_batch_size"]).e2e_steps_for(cal["n_train"] + cal["n_init"])

@@ -1,4 +1,4 @@
 """`python -m moesq_cli` = the `moesq` command (what `--nproc N` starts under torchrun)."""
-from .app import main
+from moesq_cli.app import main
 
 main()

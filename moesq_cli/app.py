@@ -24,10 +24,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from moesq_cli import command_started
+from moesq_cli.progress_display import RichProgress, console, err_console
 from moesq_core.formats import FORMAT_NAMES
-
-from . import command_started
-from .progress import RichProgress, console, err_console
 
 app = typer.Typer(
     name="moesq", no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
@@ -42,7 +41,7 @@ app = typer.Typer(
 
 def _version_callback(value: bool):
     if value:
-        from moesq_core import __version__
+        from moesq_core.version import __version__
 
         print(f"moesq {__version__}")
         raise typer.Exit()
@@ -55,10 +54,10 @@ def _source_defaults(module: str, scope: str) -> dict:
     constant expression (`8 * 4096`). The CLI holds no defaults of its own; a test checks these against the
     imported objects."""
     import ast
+    import importlib.util
 
-    import moesq_core
-
-    path = Path(moesq_core.__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    package = Path(importlib.util.find_spec("moesq_core").origin).parent  # found, not imported
+    path = package.joinpath(*module.split(".")[1:]).with_suffix(".py")
     node = next(n for n in ast.parse(path.read_text()).body if getattr(n, "name", None) == scope)
     if isinstance(node, ast.ClassDef):
         pairs = [(s.target.id, s.value) for s in node.body if isinstance(s, ast.AnnAssign) and s.value is not None]
@@ -103,8 +102,8 @@ def _default(cls_path: str, field: str):
 
 
 def _arg_default(name: str):
-    """A stage function's default (moesq_core.pipeline.run_refine's), for --help."""
-    return _source_defaults("moesq_core.pipeline", "run_refine")[name]
+    """A stage function's default (moesq_core.compression.pipeline.run_refine's), for --help."""
+    return _source_defaults("moesq_core.compression.pipeline", "run_refine")[name]
 
 
 def _stage_kw(batch_size, cache_gb) -> dict:
@@ -112,8 +111,8 @@ def _stage_kw(batch_size, cache_gb) -> dict:
     return {k: v for k, v in (("batch_size", batch_size), ("cache_limit_gb", cache_gb)) if v is not None}
 
 
-_CALIB = "moesq_core.calibration.CalibConfig"
-_REFINE = "moesq_core.methods.refine.trainer.RefineConfig"
+_CALIB = "moesq_core.compression.calibration.CalibConfig"
+_REFINE = "moesq_core.compression.methods.refine.trainer.RefineConfig"
 
 
 _DEBUG = False  # `moesq --debug ...`: tracebacks on screen too
@@ -129,7 +128,7 @@ def _main(debug: Annotated[bool, typer.Option("--debug", help="Print the traceba
 
 # -- option validation (usage errors exit 2, naming the option) ------------------------------------------------
 def _check_workdir(value: Path | None) -> Path | None:
-    from moesq_core.workdir import WorkDirError, check_location
+    from moesq_core.compression.workdir import WorkDirError, check_location
 
     if value is not None:
         try:
@@ -195,7 +194,7 @@ def _stage_name(value: str) -> str:
 
 
 def _methods() -> tuple[str, ...]:
-    from moesq_core.methods.registry import METHODS
+    from moesq_core.compression.methods.registry import METHODS
 
     return METHODS
 
@@ -241,8 +240,8 @@ def _produced() -> dict:
     """Where a --json result came from, so a results file can be traced to the code and the day."""
     import datetime
 
-    from moesq_core import __version__
-    from moesq_core.bench.harness import git_commit
+    from moesq_core.serving.bench.harness import git_commit
+    from moesq_core.version import __version__
 
     return {"moesq": __version__, "commit": git_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
@@ -281,7 +280,7 @@ log = logging.getLogger("moesq")
 
 
 def _rank() -> int:
-    from moesq_core.distributed import launched_rank
+    from moesq_core.compression.distributed import launched_rank
 
     return launched_rank()
 
@@ -306,7 +305,7 @@ def _progress(quiet: bool):
 def _ranks(device: str, nproc: int, workdir: Path):
     """Expert parallel. `--nproc N` (N > 1) runs this same command as N ranks under torchrun and exits with
     their status; under torchrun this process joins the process group. Yields the device to compute on."""
-    from moesq_core import distributed
+    from moesq_core.compression import distributed
 
     try:
         distributed.check_launch(nproc, device)
@@ -333,7 +332,7 @@ def _on_sigterm(signum, frame):
 
 def _saved_state(workdir: Path | None) -> str:
     """What an interrupted command left in the work dir, and how to go on (one line)."""
-    from moesq_core.workdir import WorkDir, WorkDirError
+    from moesq_core.compression.workdir import WorkDir, WorkDirError
 
     if workdir is None or not WorkDir(workdir).exists():
         return "nothing was saved; re-run the command"
@@ -350,7 +349,7 @@ def _saved_state(workdir: Path | None) -> str:
 
 def _log_traceback(workdir: Path | None) -> Path | None:
     """Write the current exception's traceback to the work dir's log; the log's path (None without one)."""
-    from moesq_core.workdir import WorkDirLogHandler
+    from moesq_core.compression.workdir import WorkDirLogHandler
 
     log.info("traceback:\n%s", traceback.format_exc())
     return next((h.path for h in log.handlers if isinstance(h, WorkDirLogHandler) and h.path), None)
@@ -369,7 +368,7 @@ def _interrupt_inside(e: BaseException) -> BaseException | None:
 
 def _interrupted(e: BaseException, workdir: Path | None):
     """Report a SIGINT / SIGTERM as one line saying what was saved; exit 130 / 143."""
-    from moesq_core.distributed import launched_world
+    from moesq_core.compression.distributed import launched_world
 
     what = "SIGINT" if isinstance(e, KeyboardInterrupt) else "SIGTERM"
     if what == "SIGTERM" and launched_world() > 1:
@@ -417,9 +416,9 @@ def _loaded(module: str, name: str):
 def _report(e: Exception, workdir: Path | None):
     """A command's error as one line (exit 1): what the user can fix as it is, other OS and runtime errors with
     their type, anything else as unexpected; the traceback goes to the log (and the screen with --debug)."""
-    from moesq_core.workdir import DiskWriteError, WorkDirError
+    from moesq_core.compression.workdir import DiskWriteError, WorkDirError
 
-    if isinstance(e, _loaded("moesq_core.distributed", "RankZeroFailed")):  # rank 0 printed the error
+    if isinstance(e, _loaded("moesq_core.compression.distributed", "RankZeroFailed")):  # rank 0 printed the error
         _log_traceback(workdir)
         raise typer.Exit(1)
     if isinstance(e, _loaded("moesq_core.models.errors", "CheckpointError")):  # a bad input: exit 2
@@ -427,7 +426,7 @@ def _report(e: Exception, workdir: Path | None):
         _fail(str(e), 2)
     unsupported = _loaded("moesq_core.models.errors", "UnsupportedModelError")
     clear = (WorkDirError, DiskWriteError, unsupported, FileNotFoundError, FileExistsError, ValueError,
-             _loaded("moesq_core.engine", "StageOutOfMemoryError"), _loaded("moesq_core.distributed", "PeerFailed"))
+             _loaded("moesq_core.compression.engine", "StageOutOfMemoryError"), _loaded("moesq_core.compression.distributed", "PeerFailed"))
     logfile = _log_traceback(workdir)
     if isinstance(e, (WorkDirError, unsupported, FileNotFoundError, FileExistsError, ValueError, RuntimeError, OSError)):
         if _DEBUG:
@@ -444,7 +443,7 @@ def _report(e: Exception, workdir: Path | None):
 def _setup(workdir: Path | None, quiet: bool):
     from transformers.utils import logging as hf_logging
 
-    from moesq_core.workdir import setup_logging
+    from moesq_core.compression.workdir import setup_logging
 
     hf_logging.disable_progress_bar()  # moesq shows its own progress; per-load weight bars are noise
     # the log file starts once the work dir exists (see WorkDirLogHandler); under torchrun rank 0 shows warnings
@@ -501,7 +500,7 @@ def calibrate(
 
       moesq calibrate --model Qwen/Qwen3-30B-A3B -w qwen3-work --calib allenai/c4:en@train
     """
-    from moesq_core.pipeline import run_calibrate
+    from moesq_core.compression.pipeline import run_calibrate
 
     _setup(workdir, quiet)
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
@@ -517,7 +516,7 @@ def calibrate(
 
 def _run_config_check(**given):
     """Validate run options alone (format, counts) before any model or work dir is looked at."""
-    from moesq_core.config import RunConfig
+    from moesq_core.compression.config import RunConfig
 
     return RunConfig.from_options(given)
 
@@ -551,9 +550,9 @@ def init_sgptq(
 
       moesq init-sgptq -w moesq-work --redo-from 2
     """
-    from moesq_core.config import MethodConfig
-    from moesq_core.methods.registry import method_options
-    from moesq_core.pipeline import init_stage_name, run_init
+    from moesq_core.compression.config import MethodConfig
+    from moesq_core.compression.methods.registry import method_options
+    from moesq_core.compression.pipeline import init_stage_name, run_init
 
     _setup(workdir, quiet)
     given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
@@ -648,8 +647,8 @@ def refine(
 
       moesq refine --model Qwen/Qwen3-30B-A3B -w qwen3-work --device cuda
     """
-    from moesq_core.methods.refine import RefineConfig
-    from moesq_core.pipeline import run_refine
+    from moesq_core.compression.methods.refine import RefineConfig
+    from moesq_core.compression.pipeline import run_refine
 
     _setup(workdir, quiet)
     if values_only and support_only:
@@ -698,10 +697,10 @@ def pack(
     ./moesq-work into moesq-work/packed and uploads it to <your user>/<model>-moesq-<format>.
     """
     _setup(workdir, quiet)
-    from moesq_core.checkpoint.export import check_output_dir, export_packed, parse_size
-    from moesq_core.checkpoint.export import push_to_hub as core_push
-    from moesq_core.pipeline import default_stage
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression.export import check_output_dir, export_packed, parse_size
+    from moesq_core.compression.export import push_to_hub as core_push
+    from moesq_core.compression.pipeline import default_stage
+    from moesq_core.compression.workdir import WorkDir
 
     try:
         max_bytes = parse_size(max_shard_size)
@@ -730,7 +729,7 @@ def pack(
         con.print(f"[yellow]note:[/] {summary['input_scale_fallbacks']} expert linears saw no calibration token; "
                   "their input global scale is the layer's calibrated one")
     if push_to_hub:
-        from moesq_core.checkpoint.export import default_repo_name
+        from moesq_core.compression.export import default_repo_name
 
         repo = None if push_to_hub == _DEFAULT_REPO else push_to_hub
         name = default_repo_name(wd.load()["model"]["source"], summary["format"])
@@ -793,7 +792,7 @@ def verify(
         _fail(f"first bad tensor: {report.first_error}")
     if kernel:
         try:
-            from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+            from moesq_core.serving.kernels.verify_kernel import kernel_check_packed_dir
         except ImportError as e:
             _fail(f"the native kernel check is not available in this build ({e})")
         info: dict = {}
@@ -837,9 +836,9 @@ def bench_kernel(
         import runpy
 
         sys.argv = ["e2e_decode_bench", "--out", str(out)]
-        runpy.run_module("moesq_core.bench.e2e_decode", run_name="__main__", alter_sys=True)
+        runpy.run_module("moesq_core.serving.bench.e2e_decode", run_name="__main__", alter_sys=True)
         return
-    from moesq_core.bench.kernel_bench import bench_kernel as core_bench
+    from moesq_core.serving.bench.kernel_bench import bench_kernel as core_bench
 
     result = core_bench(format, shapes, G or [8, 32, 128, 384], N or [16, 64, 128, 256, 1024], out, repeats)
     _out_console(json_out).print(f"results written to {out} ({len(result.get('rows', []))} rows)")
@@ -871,7 +870,7 @@ def generate(
     Example: [bold]moesq generate moesq-work/packed --prompt "The capital of France is" --max-new-tokens 16[/]
     """
     _setup(None, quiet)
-    from moesq_core.checkpoint.generate import DTYPE_CHOICES, generate_text, read_prompts
+    from moesq_core.serving.generate import DTYPE_CHOICES, generate_text, read_prompts
 
     if dtype not in DTYPE_CHOICES:
         _fail(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}", 2)
@@ -918,8 +917,8 @@ def eval_cmd(
     """Perplexity and/or lm-eval task accuracy for reference, fake-quantized (work dir stages) and packed models,
     side by side in one table. Results are cached in the first work dir, so re-runs and resumes are instant."""
     _setup(None, quiet)
+    from moesq_core.compression.pipeline import DEFAULT_EVAL
     from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
-    from moesq_core.pipeline import DEFAULT_EVAL
 
     targets = targets or ["moesq-work"]
     if ppl is None and tasks is None:
@@ -1049,10 +1048,9 @@ def run(
     """
     import dataclasses
 
-    from moesq_core.api import default_run_config, run_all
-    from moesq_core.config import CompressConfig, MethodConfig
+    from moesq_core.compression.config import CompressConfig, MethodConfig
+    from moesq_core.compression.pipeline import default_run_config, run_all, run_config_of
     from moesq_core.formats import get_format
-    from moesq_core.pipeline import run_config_of
 
     _setup(workdir, quiet)
     if ppl is not None and not ppl.is_file():
@@ -1077,7 +1075,7 @@ def run(
     if refine_stage is False:
         changes["refine"] = None
     elif refine_stage and cfg.refine is None:
-        from moesq_core.methods.refine import RefineConfig
+        from moesq_core.compression.methods.refine import RefineConfig
 
         changes["refine"] = RefineConfig()
     cfg = dataclasses.replace(cfg, **changes)

@@ -7,22 +7,22 @@
 Importing moesq_core also lets transformers load packs: `AutoModelForCausalLM.from_pretrained("out")` gives
 load_packed's model (checkpoint/transformers_route.py).
 """
-from .version import __version__
+from moesq_core.version import __version__
 
 __all__ = ["compress", "CompressConfig", "CompressedModel", "load_packed", "__version__"]
 
 
 def __getattr__(name):  # lazy: `import moesq_core` stays light (no torch until the API is used)
     if name in ("compress", "CompressedModel"):
-        from . import api
+        from moesq_core.compression import pipeline
 
-        return getattr(api, name)
+        return getattr(pipeline, name)
     if name == "CompressConfig":
-        from .config import CompressConfig
+        from moesq_core.compression.config import CompressConfig
 
         return CompressConfig
     if name == "load_packed":
-        from .checkpoint.loader import load_packed
+        from moesq_core.serving.loader import load_packed
 
         return load_packed
     raise AttributeError(f"module 'moesq_core' has no attribute {name!r}")
@@ -36,7 +36,7 @@ def _route_packs_through_moesq(auto_module) -> None:
     import warnings
 
     try:
-        from .checkpoint.transformers_route import install
+        from moesq_core.serving.transformers_route import install
 
         install(auto_module)
     except Exception as e:  # never break transformers itself; say that moesq packs will not load through it

@@ -7,7 +7,7 @@ import re
 from fnmatch import fnmatch
 from pathlib import Path
 
-from .paths import inside
+from moesq_core.paths import inside
 
 PROJECTIONS = ("gate", "up", "down")  # an expert's linears, in this order everywhere
 PROJ_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}  # their names in checkpoints

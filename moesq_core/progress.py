@@ -46,7 +46,7 @@ def skip(task, n: int = 1) -> None:
 
 # Progress inside one block. The records go to the "moesq.progress" logger, a child of "moesq": wherever
 # "moesq" logs (the work dir's logs/moesq.log under the CLI), these lines go too. The CLI's RichProgress also
-# echoes them to stderr while its bar is not visible (see moesq_cli.progress); the core prints nothing.
+# echoes them to stderr while its bar is not visible (see moesq_cli.progress_display); the core prints nothing.
 progress_log = logging.getLogger("moesq.progress")
 
 

@@ -96,7 +96,7 @@ def one_thread():
 def micro_calibrated(micro_path):
     """(model, adapter, path, calibration splits): the micro model, loaded per module (stages replace its
     experts), and a small calibration set (32-token sequences: 4 train, 2 val, 4 init)."""
-    from moesq_core.calibration import CalibConfig, build_calibration, read_documents
+    from moesq_core.compression.calibration import CalibConfig, build_calibration, read_documents
     from moesq_core.models import load_model
 
     model, tok, adapter, path = load_model(micro_path)
@@ -111,13 +111,13 @@ PACK_FORMATS = ("p48-nvfp4", "dense-nvfp4", "s24-fp8")
 
 def finished_stage(micro_path: Path, root: Path, fmt: str):
     """A WorkDir at `root` with a finished init-rtn stage of the embedded model in format `fmt` (seconds)."""
-    from moesq_core.calibration import CalibConfig, build_calibration, read_documents
-    from moesq_core.engine import StageSpec, run_stage
+    from moesq_core.compression.calibration import CalibConfig, build_calibration, read_documents
+    from moesq_core.compression.engine import StageSpec, run_stage
+    from moesq_core.compression.methods.rtn import RTN
+    from moesq_core.compression.pipeline import DEFAULT_CALIB
+    from moesq_core.compression.workdir import WorkDir, model_fingerprint
     from moesq_core.formats import get_format
-    from moesq_core.methods.rtn import RTN
     from moesq_core.models import load_model
-    from moesq_core.pipeline import DEFAULT_CALIB
-    from moesq_core.workdir import WorkDir, model_fingerprint
 
     model, tok, adapter, path = load_model(micro_path)  # fresh: run_stage replaces the model's experts
     calib = build_calibration(tok, read_documents(DEFAULT_CALIB, max_chars=200_000),
@@ -140,7 +140,7 @@ def stages(micro_path, tmp_path_factory):
 @pytest.fixture(scope="session")
 def packs(stages, tmp_path_factory):
     """{format: (work dir, packed dir, pack summary)}."""
-    from moesq_core.checkpoint.export import export_packed
+    from moesq_core.compression.export import export_packed
 
     root = tmp_path_factory.mktemp("packs")
     return {fmt: (wd, root / fmt, export_packed(wd, "init-rtn", root / fmt)) for fmt, wd in stages.items()}
@@ -202,7 +202,7 @@ class P48GroupedCase:
 
     def __init__(self, tensors: list[dict[str, torch.Tensor]], counts: list[int], act_quant: bool,
                  gen: torch.Generator, spread: float = 0.0):
-        from moesq_core.kernels import p48_reference as ref
+        from moesq_core.serving.kernels import p48_reference as ref
 
         E = len(tensors)
         M, K = tensors[0]["weight_sparse_packed"].shape[0], tensors[0]["weight_sparse_packed"].shape[1] * 4
@@ -225,7 +225,7 @@ class P48GroupedCase:
 
     def gemm_input(self) -> torch.Tensor:
         """What a GEMM without in-kernel quantization reads: x, or in W4A4 the NVFP4 pre-pass of x."""
-        from moesq_core.kernels import p48_triton as pt
+        from moesq_core.serving.kernels import p48_triton as pt
 
         if not self.act_quant:
             return self.x

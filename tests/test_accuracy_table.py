@@ -17,7 +17,7 @@ def table():
 
 
 def test_sgptq_rows_say_whether_they_refit(table):
-    from moesq_core.methods.registry import get_method
+    from moesq_core.compression.methods.registry import get_method
 
     assert get_method("sgptq").refit  # moesq's default init: the `sgptq` row
     assert table.ROWS["sgptq-paper"][3] == {"refit": False}

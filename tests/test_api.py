@@ -28,7 +28,7 @@ def _artifacts(wd: Path) -> dict[str, str]:
 
 def test_shipped_recipes():
     from moesq_core import CompressConfig
-    from moesq_core.api import default_run_config
+    from moesq_core.compression.pipeline import default_run_config
 
     quick = CompressConfig.from_file(REPO / "recipes" / "micro-quick.yaml")
     assert quick.to_dict() == default_run_config().to_dict()  # `moesq run`'s default is this recipe

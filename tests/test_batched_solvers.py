@@ -12,10 +12,9 @@ import logging
 import pytest
 import torch
 
-from moesq_core.formats import get_format
-from moesq_core.methods import spd
-from moesq_core.methods.base import PROJECTIONS, CompressedExpert, ExpertData
-from moesq_core.methods.hessian import (
+from moesq_core.compression.methods import spd
+from moesq_core.compression.methods.base import PROJECTIONS, CompressedExpert, ExpertData
+from moesq_core.compression.methods.hessian import (
     damped_factor,
     damped_factors,
     fix_dead,
@@ -24,8 +23,9 @@ from moesq_core.methods.hessian import (
     masked_optimum,
     masked_optimum_batched,
 )
-from moesq_core.methods.registry import get_method
-from moesq_core.methods.sparsegpt_gptq import SGPTQSolver
+from moesq_core.compression.methods.registry import get_method
+from moesq_core.compression.methods.sparsegpt_gptq import SGPTQSolver
+from moesq_core.formats import get_format
 
 FORMATS = ["p48-nvfp4", "dense-nvfp4", "s24-fp8"]
 # (method, options): every Hessian-based method and variant the batched path implements
@@ -142,7 +142,7 @@ def test_damped_factors_equal_the_per_expert_factor_with_per_expert_retries(capl
     H = torch.stack(Hs)
     W = torch.randn(4, 8, 32, generator=g)
     Hf, Wf = fix_dead_batched(H, W)
-    with caplog.at_level(logging.WARNING, logger="moesq_core.methods.hessian"):
+    with caplog.at_level(logging.WARNING, logger="moesq_core.compression.methods.hessian"):
         fac = damped_factors(Hf, 0.01, what=[f"expert {e}" for e in range(4)])
     msgs = [r.getMessage() for r in caplog.records]
     assert len(msgs) == 2 and all(m.startswith("expert 2:") for m in msgs)
@@ -431,7 +431,7 @@ def test_batched_on_cuda_matches_the_cpu_reference(name):
 def test_expert_chunks_are_sized_from_the_memory_free_before_each(monkeypatch):
     """Without chunk_gb the budget is read again before every chunk (the finished chunks' results hold memory the
     next one cannot use); the chunks change size with it and the results stay those of one pass."""
-    from moesq_core.methods import batching
+    from moesq_core.compression.methods import batching
 
     experts = make_block(E=5, seed=3)
     fmt = get_format("p48-nvfp4")
@@ -448,7 +448,7 @@ def test_expert_chunks_are_sized_from_the_memory_free_before_each(monkeypatch):
 
 
 def test_out_of_memory_names_the_option_that_lowers_it():
-    from moesq_core.methods.batching import compress_batched
+    from moesq_core.compression.methods.batching import compress_batched
 
     def boom(chunk, budget):
         raise torch.OutOfMemoryError("CUDA out of memory")

@@ -11,10 +11,10 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from moesq_core.engine import StageOutOfMemoryError, StageSpec, run_stage
+from moesq_core.compression.engine import StageOutOfMemoryError, StageSpec, run_stage
+from moesq_core.compression.methods.rtn import RTN
+from moesq_core.compression.workdir import WorkDir, model_fingerprint
 from moesq_core.formats import get_format
-from moesq_core.methods.rtn import RTN
-from moesq_core.workdir import WorkDir, model_fingerprint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,7 +82,7 @@ def test_cli_prints_out_of_memory_as_one_line(tmp_path):
     import typer
 
     from moesq_cli.app import _guard
-    from moesq_cli.progress import err_console
+    from moesq_cli.progress_display import err_console
 
     def command(workdir=None):
         raise StageOutOfMemoryError("stage refine: out of device memory in block 5 (layer 5) (CUDA out of memory.); "
@@ -98,7 +98,7 @@ def test_cli_prints_out_of_memory_as_one_line(tmp_path):
 
 
 def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, monkeypatch):
-    from moesq_core import engine
+    from moesq_core.compression import engine
 
     model, adapter, path, calib = micro_calibrated
     wd = _new_wd(tmp_path / "wd", path)
@@ -144,7 +144,7 @@ def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, mon
 
 
 def test_progress_bar_eta_ignores_skipped_units():
-    from moesq_cli.progress import RichProgress, time_remaining, work_rate
+    from moesq_cli.progress_display import RichProgress, time_remaining, work_rate
 
     clock = [0.0]
     p = RichProgress()

@@ -165,7 +165,7 @@ def _rendered(p) -> str:
 
 
 def test_the_rich_bar_shows_steps_rows_per_second_and_both_etas():
-    from moesq_cli.progress import RichProgress
+    from moesq_cli.progress_display import RichProgress
 
     clock = FakeClock()
     p = RichProgress(quiet=False)
@@ -186,7 +186,7 @@ def test_the_rich_bar_shows_steps_rows_per_second_and_both_etas():
 
 
 def test_a_quiet_rich_progress_takes_the_steps_and_still_logs(lines):
-    from moesq_cli.progress import RichProgress
+    from moesq_cli.progress_display import RichProgress
 
     clock = FakeClock()
     with RichProgress(quiet=True) as p:
@@ -201,7 +201,7 @@ def test_a_quiet_rich_progress_takes_the_steps_and_still_logs(lines):
 
 @pytest.mark.parametrize("quiet", [True, False], ids=["quiet", "stderr-to-a-file"])
 def test_without_a_visible_bar_the_lines_reach_stderr_at_most_every_30_s(quiet, capsys, monkeypatch, lines):
-    from moesq_cli.progress import RichProgress, _ProgressLinesToStderr
+    from moesq_cli.progress_display import RichProgress, _ProgressLinesToStderr
 
     clock = FakeClock()
     p = RichProgress(quiet=quiet)
@@ -229,7 +229,7 @@ def test_without_a_visible_bar_the_lines_reach_stderr_at_most_every_30_s(quiet, 
 
 
 def test_a_visible_bar_prints_no_progress_lines(capsys, monkeypatch, lines):
-    from moesq_cli.progress import RichProgress, _ProgressLinesToStderr
+    from moesq_cli.progress_display import RichProgress, _ProgressLinesToStderr
 
     p = RichProgress(quiet=False)
     monkeypatch.setattr(p.bar.console, "_force_terminal", True)

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from moesq_core.calibration import CalibConfig, DocumentStream, build_calibration, read_documents
+from moesq_core.compression.calibration import CalibConfig, DocumentStream, build_calibration, read_documents
 
 from conftest import CALIB
 
@@ -53,9 +53,9 @@ def test_a_hub_dataset_is_streamed_and_read_only_as_far_as_needed(micro_path, lo
 
 
 def test_calibrate_records_the_documents_a_stream_gave(micro_path, local_hub_dataset, tmp_path):
-    from moesq_core.config import RunConfig
-    from moesq_core.pipeline import calibrate
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression.config import RunConfig
+    from moesq_core.compression.pipeline import calibrate
+    from moesq_core.compression.workdir import WorkDir
 
     calls, n_docs = local_hub_dataset
     info = calibrate(WorkDir(tmp_path / "wd"), micro_path,

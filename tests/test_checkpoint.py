@@ -7,9 +7,10 @@ import json
 import pytest
 import torch
 
-from moesq_core.checkpoint.export import export_packed
-from moesq_core.checkpoint.loader import load_packed, load_workdir_model
 from moesq_core.checkpoint.verify import verify_packed_dir
+from moesq_core.compression.engine import load_workdir_model
+from moesq_core.compression.export import export_packed
+from moesq_core.serving.loader import load_packed
 
 
 @pytest.fixture(scope="module", params=["p48-nvfp4", "s24-fp8"])
@@ -70,7 +71,7 @@ def test_packed_load_errors(packed, tmp_path):
 
 def test_pack_refuses_unfinished_stage_and_existing_output(packed, tmp_path):
     fmt, wd, out, summary, tok = packed
-    from moesq_core.workdir import WorkDirError
+    from moesq_core.compression.workdir import WorkDirError
 
     with pytest.raises(WorkDirError, match="not finished"):
         export_packed(wd, "refine", tmp_path / "x")
@@ -80,7 +81,7 @@ def test_pack_refuses_unfinished_stage_and_existing_output(packed, tmp_path):
 
 def test_push_to_hub_without_network_keeps_local_dir(packed, monkeypatch):
     fmt, wd, out, summary, tok = packed
-    from moesq_core.checkpoint.export import push_to_hub
+    from moesq_core.compression.export import push_to_hub
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     before = sorted(p.name for p in out.iterdir())

@@ -47,15 +47,15 @@ def test_version_and_help_do_not_import_torch(args):
 def test_help_defaults_read_from_source_match_the_objects():
     """--help reads config defaults from moesq_core's source (no torch); they must be the imported ones."""
     from moesq_cli import app as cli_app
-    from moesq_core.calibration import CalibConfig
-    from moesq_core.methods.refine import RefineConfig
-    from moesq_core.pipeline import run_refine
+    from moesq_core.compression.calibration import CalibConfig
+    from moesq_core.compression.methods.refine import RefineConfig
+    from moesq_core.compression.pipeline import run_refine
 
     for cls in (CalibConfig, RefineConfig):
         read = cli_app._source_defaults(cls.__module__, cls.__name__)
         real = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
         assert read and all(real[k] == v for k, v in read.items()), (cls, read)
-    read = cli_app._source_defaults("moesq_core.pipeline", "run_refine")
+    read = cli_app._source_defaults("moesq_core.compression.pipeline", "run_refine")
     real = {k: p.default for k, p in inspect.signature(run_refine).parameters.items()}
     assert read and all(real[k] == v for k, v in read.items())
 
@@ -118,7 +118,7 @@ def test_bad_numbers_exit_2_with_one_line_before_any_work(tmp_path):
 
 def test_json_writers_refuse_non_finite_and_json_output_writes_null(tmp_path):
     from moesq_cli.app import _write_json
-    from moesq_core.workdir import write_json_atomic
+    from moesq_core.compression.workdir import write_json_atomic
 
     with pytest.raises(ValueError):
         write_json_atomic(tmp_path / "manifest.json", {"lr_logits": float("inf")})

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesq_core.formats import QuantizedWeight, get_format
-from moesq_core.packing import PackingError, bits_per_weight, pack, unpack
+from moesq_core.formats.packing import PackingError, bits_per_weight, pack, unpack
 
 from conftest import EVAL, packed_expert_linears
 from test_cli import SMALL, moesq_here
@@ -76,13 +76,13 @@ def test_packing_refuses_what_it_cannot_store():
 @pytest.fixture(scope="module")
 def fp8_pack(micro_path, tmp_path_factory):
     """(work dir, packed dir) of an init-rtn stage in dense-fp8 on the embedded model."""
-    from moesq_core.calibration import CalibConfig, build_calibration, read_documents
-    from moesq_core.checkpoint.export import export_packed
-    from moesq_core.engine import StageSpec, run_stage
-    from moesq_core.methods.rtn import RTN
+    from moesq_core.compression.calibration import CalibConfig, build_calibration, read_documents
+    from moesq_core.compression.engine import StageSpec, run_stage
+    from moesq_core.compression.export import export_packed
+    from moesq_core.compression.methods.rtn import RTN
+    from moesq_core.compression.pipeline import DEFAULT_CALIB
+    from moesq_core.compression.workdir import WorkDir, model_fingerprint
     from moesq_core.models import load_model
-    from moesq_core.pipeline import DEFAULT_CALIB
-    from moesq_core.workdir import WorkDir, model_fingerprint
 
     root = tmp_path_factory.mktemp("fp8")
     model, tok, adapter, path = load_model(micro_path)
@@ -115,7 +115,7 @@ def test_compressed_tensors_decompresses_exactly_what_load_packed_serves(fp8_pac
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors import safe_open
 
-    from moesq_core.checkpoint.loader import load_packed
+    from moesq_core.serving.loader import load_packed
 
     out = fp8_pack[1]
     scheme = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"]).config_groups["group_0"]
@@ -132,8 +132,9 @@ def test_compressed_tensors_decompresses_exactly_what_load_packed_serves(fp8_pac
 
 @torch.no_grad()
 def test_load_packed_equals_the_work_dirs_fake_quantized_model(fp8_pack):
-    from moesq_core.checkpoint.loader import load_packed, load_workdir_model
     from moesq_core.checkpoint.verify import verify_packed_dir
+    from moesq_core.compression.engine import load_workdir_model
+    from moesq_core.serving.loader import load_packed
 
     wd, out = fp8_pack
     report = verify_packed_dir(out)

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from moesq_core.compression.methods.base import PROJECTIONS
+from moesq_core.compression.methods.refine import RefineConfig
+from moesq_core.compression.methods.refine.e2e import EndToEndTuner, TunableExperts
 from moesq_core.formats import get_format
-from moesq_core.methods.base import PROJECTIONS
-from moesq_core.methods.refine import RefineConfig
-from moesq_core.methods.refine.e2e import EndToEndTuner, TunableExperts
-from moesq_core.runtime.experts import MoesqExperts
+from moesq_core.serving.experts import MoesqExperts
 
 from conftest import CALIB
 
@@ -81,7 +81,7 @@ def _artifacts(root: Path) -> dict[str, str]:
 
 
 def _refine(wd, micro_path, **kw):
-    from moesq_core.pipeline import run_refine
+    from moesq_core.compression.pipeline import run_refine
 
     return run_refine(wd, RCFG, micro_path, RUN_TUNED, device="cpu", batch_size=4, **kw)
 
@@ -95,7 +95,7 @@ def tuned(micro_path, tmp_path_factory):
 
 
 def test_end_to_end_lowers_the_validation_kl(tuned):
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression.workdir import WorkDir
 
     st = WorkDir(tuned).stage("refine")
     rec = st["e2e"]
@@ -106,7 +106,7 @@ def test_end_to_end_lowers_the_validation_kl(tuned):
     assert all(b["file"].endswith(".e2e.safetensors") for b in st["blocks"].values())
     assert all(not b["file"].endswith(".e2e.safetensors") for b in st["blockwise"].values())
     # the patterns stay the block-wise result's
-    from moesq_core.engine import load_block
+    from moesq_core.compression.engine import load_block
 
     for li, rec in st["blocks"].items():
         tuned_experts = load_block(tuned / rec["file"])[0]
@@ -148,8 +148,8 @@ def test_fisher_matrix_is_the_averaged_softmax_fisher_and_its_loss_the_kl_to_sec
 def test_end_to_end_on_the_second_order_loss_lowers_the_validation_kl(micro_path, tmp_path):
     import dataclasses
 
-    from moesq_core.pipeline import run_refine
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression.pipeline import run_refine
+    from moesq_core.compression.workdir import WorkDir
 
     rcfg = dataclasses.replace(RCFG, e2e_loss="fisher")
     run_refine(tmp_path / "wd", rcfg, micro_path, RUN_TUNED, device="cpu", batch_size=4)
@@ -161,7 +161,7 @@ def test_end_to_end_on_the_second_order_loss_lowers_the_validation_kl(micro_path
 
 def test_interrupted_end_to_end_resumes_to_the_same_bytes_and_redo_from_restores_the_prefix(
         tuned, micro_path, tmp_path, monkeypatch):
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression.workdir import WorkDir
 
     wd = tmp_path / "wd"
 
@@ -207,7 +207,7 @@ def test_e2e_recipe_is_micro_quick_with_the_end_to_end_step():
 
 
 def test_stage_identity_without_the_end_to_end_step_is_unchanged():
-    from moesq_core.config import MethodConfig, refine_identity
+    from moesq_core.compression.config import MethodConfig, refine_identity
 
     plain = refine_identity(RefineConfig(e2e_steps=0, e2e_lr=5e-4), MethodConfig("rtn"))["refine"]
     assert not any(k.startswith("e2e_") for k in plain)  # a stage recorded before the e2e options matches
@@ -223,10 +223,10 @@ def test_block_loop_routes_the_one_shot_split_when_asked(micro_path, tmp_path, w
     """init_split_rows (the default): the in-loop init and block-wise training see the training and the one-shot
     sequences' routed rows (every token reaches top-k experts); off, the training split's alone. The option is
     part of the stage identity only when on (stages recorded before it existed ran with it off)."""
-    from moesq_core.config import MethodConfig, refine_identity
-    from moesq_core.engine import load_block
-    from moesq_core.pipeline import run_refine
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression.config import MethodConfig, refine_identity
+    from moesq_core.compression.engine import load_block
+    from moesq_core.compression.pipeline import run_refine
+    from moesq_core.compression.workdir import WorkDir
 
     rcfg = RefineConfig(epochs=1, steps_per_epoch=2, init_split_rows=with_init_split)
     assert RefineConfig().init_split_rows
@@ -243,7 +243,7 @@ def test_block_loop_routes_the_one_shot_split_when_asked(micro_path, tmp_path, w
 
 
 def test_auto_length_is_two_passes_over_the_calibration_capped():
-    from moesq_core.methods.refine.trainer import E2E_AUTO_MAX_STEPS
+    from moesq_core.compression.methods.refine.trainer import E2E_AUTO_MAX_STEPS
 
     auto = RefineConfig()
     assert auto.e2e_steps == "auto" and auto.e2e_batch_size == 4
@@ -262,7 +262,7 @@ def test_auto_length_is_two_passes_over_the_calibration_capped():
 def test_memory_estimate_counts_every_expert_weight_and_refuses_a_qwen3_30b_on_one_gpu(micro_path):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from moesq_core.methods.refine.e2e import STATE_BYTES_PER_WEIGHT, memory_need_bytes
+    from moesq_core.compression.methods.refine.e2e import STATE_BYTES_PER_WEIGHT, memory_need_bytes
     from moesq_core.models import load_model
     from moesq_core.models.adapter import adapter_for
 
@@ -282,8 +282,8 @@ def test_memory_estimate_counts_every_expert_weight_and_refuses_a_qwen3_30b_on_o
 
 
 def test_auto_end_to_end_runs_where_it_fits_and_is_skipped_with_a_reason_where_not(micro_path, tmp_path, caplog):
-    from moesq_core.pipeline import run_refine
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression.pipeline import run_refine
+    from moesq_core.compression.workdir import WorkDir
 
     from test_block_loop import Recorder
 
@@ -345,8 +345,8 @@ def test_auto_end_to_end_on_cuda_plans_from_the_gpu_memory_and_ships_the_best_va
     """On 8 calibration sequences of 32 tokens a pass may validate worse than the block-wise result (seen on the
     H200 in bf16); what must hold is the plan and the choice. That the step helps on real calibration sizes is
     in the GPU tables (README, accuracy)."""
-    from moesq_core.pipeline import run_refine
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression.pipeline import run_refine
+    from moesq_core.compression.workdir import WorkDir
 
     run_refine(tmp_path / "wd", RefineConfig(epochs=1, steps_per_epoch=2, init_split_rows=False),
                micro_path, RUN, device="cuda", batch_size=4)

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moesq_core.calibration import CalibConfig, build_calibration, read_documents
-from moesq_core.engine import SpilledChunk, StageSpec, StateStore, load_block, run_stage
+from moesq_core.compression.calibration import CalibConfig, build_calibration, read_documents
+from moesq_core.compression.engine import SpilledChunk, StageSpec, StateStore, load_block, run_stage
+from moesq_core.compression.methods.rtn import RTN
+from moesq_core.compression.workdir import WorkDir, WorkDirError, model_fingerprint, sha256_file
 from moesq_core.formats import get_format
-from moesq_core.methods.rtn import RTN
 from moesq_core.models import load_model
-from moesq_core.workdir import WorkDir, WorkDirError, model_fingerprint, sha256_file
 
 from conftest import CALIB
 
@@ -85,7 +85,7 @@ def test_stage_resumes_with_identical_artifacts(micro, tmp_path):
 def test_a_block_written_in_the_background_is_kept_when_the_next_step_fails(micro, tmp_path, monkeypatch):
     # the artifact is written on a background thread while the block is installed and the states propagated: an
     # error there (or a stop) still finishes and records the block
-    import moesq_core.engine as engine
+    import moesq_core.compression.engine as engine
 
     model, tok, adapter, path, calib = micro
     full = _new_wd(tmp_path / "full", path)
@@ -110,7 +110,7 @@ def test_a_block_written_in_the_background_is_kept_when_the_next_step_fails(micr
 
 
 def test_a_failed_block_write_is_raised_and_not_recorded(micro, tmp_path, monkeypatch):
-    import moesq_core.engine as engine
+    import moesq_core.compression.engine as engine
 
     model, tok, adapter, path, calib = micro
     write, calls = engine.write_block, []
@@ -254,7 +254,7 @@ def test_compressed_prefix_is_seen_by_later_blocks(micro, tmp_path):
     wd = _new_wd(tmp_path / "wd", path)
     run_stage(model, adapter, calib, _spec(), wd)
     results, amax_in, amax_mid = load_block(wd.root / wd.stage("init-rtn")["blocks"]["1"]["file"])
-    from moesq_core.engine import capture_layer_inputs, gather_experts
+    from moesq_core.compression.engine import capture_layer_inputs, gather_experts
 
     for b in adapter.blocks(model):
         b.restore_dense()
@@ -274,9 +274,9 @@ import os, sys, torch, torch.distributed as dist
 sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
 from test_engine import _spec, _new_wd, _checksums, CALIB
 from moesq_core.models import load_model
-from moesq_core.calibration import CalibConfig, build_calibration, read_documents
-from moesq_core.engine import run_stage
-from moesq_core.workdir import WorkDir
+from moesq_core.compression.calibration import CalibConfig, build_calibration, read_documents
+from moesq_core.compression.engine import run_stage
+from moesq_core.compression.workdir import WorkDir
 from conftest import MICRO
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
@@ -315,7 +315,7 @@ def test_expert_parallel_equals_single_process(micro, tmp_path, cache_limit, por
 
 
 def test_timings_are_kept_out_of_artifacts():
-    from moesq_core.engine import split_timings
+    from moesq_core.compression.engine import split_timings
 
     info = {"init": {"method": "sgptq", "seconds": 1.5}, "refine": {"best_epoch": 2, "seconds_block": 3.0,
                                                                       "init_seconds": 0.5, "val_loss": [1.0]}}
@@ -325,7 +325,7 @@ def test_timings_are_kept_out_of_artifacts():
 
 
 def test_stage_identity_is_the_normalised_config():
-    from moesq_core.config import MethodConfig, RunConfig
+    from moesq_core.compression.config import MethodConfig, RunConfig
 
     assert MethodConfig("sgptq").to_dict() == MethodConfig("sgptq", {"percdamp": 0.01, "exact_scales": True}).to_dict()
     assert MethodConfig("sgptq", {"refit": False}).to_dict() != MethodConfig("sgptq").to_dict()
@@ -361,7 +361,7 @@ def test_fingerprint_covers_weight_content(micro_path, tmp_path, monkeypatch):
 
 
 def test_lock_is_exclusive_and_cleans_temp_files(tmp_path):
-    from moesq_core.workdir import WorkDirLocked
+    from moesq_core.compression.workdir import WorkDirLocked
 
     wd = WorkDir(tmp_path / "wd")
     wd.init({"source": "m", "path": "m", "fingerprint": "0" * 32}, {"format": "p48-nvfp4"})
@@ -370,7 +370,7 @@ def test_lock_is_exclusive_and_cleans_temp_files(tmp_path):
     stale.write_bytes(b"half")
     mine = wd.root / "stages" / "s" / "user.tmp"
     mine.write_bytes(b"keep")
-    code = ("import sys; sys.path.insert(0, %r); from moesq_core.workdir import WorkDir\n"
+    code = ("import sys; sys.path.insert(0, %r); from moesq_core.compression.workdir import WorkDir\n"
             "with WorkDir(%r).locked(): pass" % (str(REPO), str(wd.root)))
     with wd.locked():
         assert not stale.exists() and mine.exists()
@@ -393,9 +393,9 @@ def test_lock_is_exclusive_and_cleans_temp_files(tmp_path):
 def test_block_compressed_in_expert_chunks_gives_the_same_bytes(micro_path, tmp_path, monkeypatch, one_thread):
     """A block whose dense fp32 experts do not fit the device at once is compressed chunk by chunk (a Kimi-K2
     block is 68 GB in fp32): SGPTQ and refinement write the bytes of one pass over all experts."""
-    import moesq_core.engine as engine
-    from moesq_core.methods.refine import RefineConfig
-    from moesq_core.pipeline import MethodConfig, run_init, run_refine
+    import moesq_core.compression.engine as engine
+    from moesq_core.compression.methods.refine import RefineConfig
+    from moesq_core.compression.pipeline import MethodConfig, run_init, run_refine
 
     run = {"calib_source": str(CALIB), "seq_len": 32, "n_train": 4, "n_val": 2, "n_init": 4}
     rcfg = RefineConfig(epochs=2, steps_per_epoch=2, lr_logits=0.01)
@@ -416,7 +416,7 @@ def test_routed_rows_are_each_experts_tokens_in_order(micro):
     """gather_experts keeps each token's MoE input once; an expert's rows are the inputs of the tokens routed
     to it, in token order across batches, with the router weight of that slot (the definition, one expert at a
     time), and only the experts asked for get rows."""
-    from moesq_core.engine import _moe_inputs, capture_layer_inputs, gather_experts
+    from moesq_core.compression.engine import _moe_inputs, capture_layer_inputs, gather_experts
 
     model, tok, adapter, path, calib = micro
     block = adapter.blocks(model)[0]
@@ -445,8 +445,8 @@ def test_routed_rows_past_the_device_budget_wait_on_the_host(micro, monkeypatch)
     are kept on the host; an expert's rows, made on the device, are the same as when they stay there."""
     import copy
 
-    import moesq_core.engine as engine
-    from moesq_core.engine import capture_layer_inputs, gather_experts
+    import moesq_core.compression.engine as engine
+    from moesq_core.compression.engine import capture_layer_inputs, gather_experts
 
     model, tok, adapter, path, calib = micro
     model = copy.deepcopy(model).to("cuda")
@@ -473,7 +473,7 @@ def test_consecutive_chunks_fit_the_budget_in_order():
 def test_expert_chunks_fit_the_host_budget_on_the_cpu():
     """On the CPU a chunk's fp32 weights and results fit HOST_CHUNK_BYTES: a small block is one chunk, a
     Kimi-K2 block (384 experts of 2048 x 7168, ~1.2 GB each with its result) one expert a chunk."""
-    from moesq_core.engine import HOST_CHUNK_BYTES, RESULT_BYTES_PER_WEIGHT, expert_chunks
+    from moesq_core.compression.engine import HOST_CHUNK_BYTES, RESULT_BYTES_PER_WEIGHT, expert_chunks
 
     cpu = torch.device("cpu")
     assert expert_chunks(list(range(64)), 64, 128, cpu) == [list(range(64))]
@@ -490,7 +490,7 @@ def test_expert_chunks_fit_the_weights_on_a_gpu():
     """On a GPU a chunk's fp32 weights and results fit WEIGHTS_GPU_FRACTION of the free memory (the routed rows
     are the block's one token matrix, already allocated): weights that do not fit together make more chunks,
     in expert order, one expert at the least."""
-    from moesq_core.engine import RESULT_BYTES_PER_WEIGHT, WEIGHTS_GPU_FRACTION, expert_chunks
+    from moesq_core.compression.engine import RESULT_BYTES_PER_WEIGHT, WEIGHTS_GPU_FRACTION, expert_chunks
 
     dev = torch.device("cuda")
     assert expert_chunks(list(range(8)), 64, 64, dev) == [list(range(8))]

@@ -8,7 +8,7 @@ from pathlib import Path
 from moesq_core.formats.registry import FORMAT_MODULES, FORMAT_NAMES
 
 REPO = Path(__file__).resolve().parents[1]
-EXEMPT = ("moesq_core/formats/", "moesq_core/kernels/", "moesq_core/bench/")
+EXEMPT = ("moesq_core/formats/", "moesq_core/serving/kernels/", "moesq_core/serving/bench/")
 # Words that name a format or a number format; a comparison against a string holding one is format branching.
 FORMAT_WORDS = (*FORMAT_NAMES, "dense-p48", "nvfp4", "fp8", "p48", "s24")
 

@@ -1,4 +1,4 @@
-"""`moesq generate`'s static-cache decode step (moesq_core.runtime.decode_step): batched, left-padded generation
+"""`moesq generate`'s static-cache decode step (moesq_core.serving.decode_step): batched, left-padded generation
 gives exactly the tokens of transformers' own `generate` per prompt; sampling filters; the CLI's batch options
 and refusals; on a GPU the CUDA-graph step gives the eager step's tokens."""
 from __future__ import annotations
@@ -33,7 +33,7 @@ def p48_pack(packs):
 
 @torch.no_grad()
 def test_batched_static_cache_matches_transformers_generate(p48_pack):
-    from moesq_core.checkpoint.generate import generate_batch, load_pack
+    from moesq_core.serving.generate import generate_batch, load_pack
 
     pack = load_pack(p48_pack, device="cpu", dtype="auto")
     assert pack.dtype == "float32"
@@ -60,8 +60,8 @@ def test_batched_static_cache_matches_transformers_generate(p48_pack):
 def test_tokens_equal_per_row_and_rows_stop_at_their_end_token(p48_pack):
     """The token ids themselves (not only their text) equal transformers' per prompt; a row that emits the end
     token is padded afterwards and its completion ends there, while the other rows go on."""
-    from moesq_core.checkpoint.generate import left_padded, load_pack
-    from moesq_core.runtime.decode_step import generate_tokens
+    from moesq_core.serving.decode_step import generate_tokens
+    from moesq_core.serving.generate import left_padded, load_pack
 
     pack = load_pack(p48_pack, device="cpu")
     tok, model = pack.tokenizer, pack.model
@@ -85,8 +85,8 @@ def test_tokens_equal_per_row_and_rows_stop_at_their_end_token(p48_pack):
 
 
 def test_prefill_refuses_right_padding(p48_pack):
-    from moesq_core.checkpoint.generate import load_pack
-    from moesq_core.runtime.decode_step import DecodeStep
+    from moesq_core.serving.decode_step import DecodeStep
+    from moesq_core.serving.generate import load_pack
 
     model = load_pack(p48_pack, device="cpu").model
     step = DecodeStep(model, 2, 8)
@@ -95,7 +95,7 @@ def test_prefill_refuses_right_padding(p48_pack):
 
 
 def test_select_tokens_filters():
-    from moesq_core.runtime.decode_step import Sampling, select_tokens
+    from moesq_core.serving.decode_step import Sampling, select_tokens
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(64, 50, generator=g)
@@ -117,7 +117,7 @@ def test_select_tokens_filters():
 
 
 def test_dtype_auto_is_bf16_on_a_gpu_fp32_on_the_cpu():
-    from moesq_core.checkpoint.generate import resolve_dtype
+    from moesq_core.serving.generate import resolve_dtype
 
     assert resolve_dtype("auto", torch.device("cuda")) == "bfloat16"
     assert resolve_dtype("auto", torch.device("cpu")) == "float32"
@@ -128,7 +128,7 @@ def test_dtype_auto_is_bf16_on_a_gpu_fp32_on_the_cpu():
 
 
 def test_sampling_is_seeded(p48_pack):
-    from moesq_core.checkpoint.generate import generate_batch, load_pack
+    from moesq_core.serving.generate import generate_batch, load_pack
 
     pack = load_pack(p48_pack, device="cpu")
     a = generate_batch(pack, PROMPTS[:2], max_new_tokens=8, temperature=1.5, seed=3)["completions"]
@@ -155,8 +155,8 @@ def test_cli_batch_from_prompts_and_file(p48_pack, tmp_path):
 
 def test_decode_benchmark_times_the_generate_step(p48_pack):
     """The decode benchmark's loop is generate's DecodeStep (eager here): it prefills, steps and times."""
-    from moesq_core.bench.e2e_decode import run_decode
-    from moesq_core.checkpoint.generate import load_pack
+    from moesq_core.serving.bench.e2e_decode import run_decode
+    from moesq_core.serving.generate import load_pack
 
     model = load_pack(p48_pack, device="cpu").model
     rec = run_decode(model, 2, 8, 4, 30.0, torch.Generator().manual_seed(0))
@@ -205,7 +205,7 @@ def test_generate_vs_decode_step_smoke_run_on_cpu(tmp_path):
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
 @torch.no_grad()
 def test_graph_step_matches_eager_step(packs, dtype):
-    from moesq_core.checkpoint.generate import generate_batch, load_pack
+    from moesq_core.serving.generate import generate_batch, load_pack
 
     hopper = torch.cuda.get_device_capability() == (9, 0)
     for fmt, (_, path, _) in packs.items():
@@ -227,7 +227,7 @@ def test_graph_step_matches_eager_step(packs, dtype):
 @torch.no_grad()
 def test_graph_step_matches_transformers_generate_on_gpu(packs):
     """fp32 on the GPU: the batched, captured step gives transformers' per-prompt greedy tokens."""
-    from moesq_core.checkpoint.generate import generate_batch, load_pack
+    from moesq_core.serving.generate import generate_batch, load_pack
 
     pack = load_pack(packs["p48-nvfp4"][1], device="cuda", dtype="fp32")
     run = generate_batch(pack, PROMPTS, max_new_tokens=12)

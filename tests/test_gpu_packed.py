@@ -10,13 +10,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
 
 def _pack_micro(micro_path, root, fmt_name):
-    from moesq_core.calibration import CalibConfig, build_calibration, read_documents
-    from moesq_core.checkpoint.export import export_packed
-    from moesq_core.engine import StageSpec, run_stage
+    from moesq_core.compression.calibration import CalibConfig, build_calibration, read_documents
+    from moesq_core.compression.engine import StageSpec, run_stage
+    from moesq_core.compression.export import export_packed
+    from moesq_core.compression.methods.rtn import RTN
+    from moesq_core.compression.workdir import WorkDir, model_fingerprint
     from moesq_core.formats import get_format
-    from moesq_core.methods.rtn import RTN
     from moesq_core.models import load_model
-    from moesq_core.workdir import WorkDir, model_fingerprint
 
     from conftest import CALIB
 
@@ -43,8 +43,8 @@ def packed_micro_s24(micro_path, tmp_path_factory):
 @pytest.mark.parametrize("act_quant", [False, True])
 @torch.no_grad()
 def test_fast_path_logits_and_generation(packed_micro, act_quant):
-    from moesq_core.checkpoint.loader import load_packed
-    from moesq_core.runtime.p48_hopper import P48HopperExperts
+    from moesq_core.serving.loader import load_packed
+    from moesq_core.serving.p48_hopper import P48HopperExperts
 
     path, tok = packed_micro
     ref, _ = load_packed(path, device="cpu", act_quant=act_quant)
@@ -64,8 +64,8 @@ def test_fast_path_logits_and_generation(packed_micro, act_quant):
 
 @torch.no_grad()
 def test_s24_fast_path_logits_and_generation(packed_micro_s24):
-    from moesq_core.checkpoint.loader import load_packed
-    from moesq_core.runtime.s24_hopper import S24HopperExperts
+    from moesq_core.serving.loader import load_packed
+    from moesq_core.serving.s24_hopper import S24HopperExperts
 
     path, tok = packed_micro_s24
     ref, _ = load_packed(path, device="cpu")  # MoesqExperts: fp32 GEMMs, fake-quantized e4m3 activations
@@ -93,7 +93,7 @@ def test_from_pretrained_serves_the_fast_experts_like_load_packed(request, fixtu
     from transformers import AutoModelForCausalLM
 
     import moesq_core  # noqa: F401  (routes moesq packs through transformers' loader)
-    from moesq_core.checkpoint.loader import load_packed
+    from moesq_core.serving.loader import load_packed
 
     path, tok = request.getfixturevalue(fixture)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, device_map="cuda")

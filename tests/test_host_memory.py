@@ -14,15 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from moesq_core import engine
-from moesq_core.bench.synthetic_model import qwen3_moe_config, write_random_qwen3_moe
+from moesq_core.compression import engine
+from moesq_core.compression.methods.base import CompressedExpert
+from moesq_core.compression.pipeline import MethodConfig, run_init
 from moesq_core.formats.registry import formats
-from moesq_core.methods.base import CompressedExpert
 from moesq_core.models.lazy import ReleasedExperts
-from moesq_core.pipeline import MethodConfig, run_init
-from moesq_core.runtime.experts import MoesqExperts
+from moesq_core.serving.experts import MoesqExperts
 
-from conftest import CALIB
+from conftest import CALIB, benchmark_module
+
+synthetic = benchmark_module("synthetic_model")  # benchmarks/synthetic_model.py
+qwen3_moe_config = synthetic.qwen3_moe_config
+write_random_qwen3_moe = synthetic.write_random_qwen3_moe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,7 +63,7 @@ def test_pack_shards_are_written_from_a_spill_as_save_file_writes_them(tmp_path)
     tensors, names of any order), and no spill file is left."""
     from safetensors.torch import save_file
 
-    from moesq_core.checkpoint.export import _ShardWriter
+    from moesq_core.compression.export import _ShardWriter
 
     gen = torch.Generator().manual_seed(0)
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8, torch.bool, torch.int32,
@@ -139,9 +142,9 @@ def test_released_experts_refuse_to_run_and_an_eager_model_keeps_its_own(micro_p
 def test_refinement_on_the_cpu_goes_in_chunks_of_the_host_budget(monkeypatch):
     """On the CPU (no chunk_gb) refinement holds the state of as many experts as fit memory.HOST_CHUNK_BYTES at
     a time, and its pre-flight line says so; a block within the budget stays one chunk."""
+    from moesq_core.compression.methods.refine import RefineConfig, trainer
+    from moesq_core.compression.methods.refine.trainer import expert_chunks, refine_bytes_per_expert, refine_memory_plan
     from moesq_core.formats import get_format
-    from moesq_core.methods.refine import RefineConfig, trainer
-    from moesq_core.methods.refine.trainer import expert_chunks, refine_bytes_per_expert, refine_memory_plan
 
     from test_refine import make_block
 

@@ -1,4 +1,11 @@
-"""The import graph of moesq_core and moesq_cli has no circles, and the formats are its ground floor.
+"""The import graph of moesq_core and moesq_cli: no circles, the formats are the ground floor, and the rooms
+(below) stand on at most MAX_FLOORS floors.
+
+The library has three wings along the checkpoint: compression (moesq_core.compression: pipeline, engine, work
+dir, calibration, methods, refinement's kernels, export), formats (numerics and layouts, importing nothing
+outside moesq_core.formats) and serving (moesq_core.serving: experts modules, kernels, loader, generate, the
+kernel benchmark); shared rooms (checkpoint, models, eval, naming, paths, memory, progress, version,
+triton_support) sit between them.
 
 The graph is read from the source with `ast`, not by importing anything:
 - a node is a module, i.e. one .py file; a package's __init__.py is the node named after the package
@@ -24,8 +31,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("moesq_core", "moesq_cli")
-# The formats are the ground floor: they know nothing of what runs, packs, compresses or serves them.
-ABOVE_FORMATS = tuple(f"moesq_core.{m}" for m in ("runtime", "kernels", "checkpoint", "methods", "engine", "pipeline"))
+WINGS = ("compression", "serving")
+MAX_FLOORS = 8
 
 
 def module_files() -> dict[str, Path]:
@@ -146,9 +153,9 @@ def test_graph_reads_function_local_and_relative_imports():
     """The reader sees what the circles hide behind: function-local imports, `from pkg import submodule`,
     relative imports; and skips `if TYPE_CHECKING:`."""
     graph = import_graph()
-    assert "moesq_core.api" in graph["moesq_core"]  # `from . import api` inside moesq_core.__getattr__
-    assert "moesq_core.formats.registry" in graph["moesq_core.formats"]  # `from .registry import ...`
-    assert "moesq_core" not in graph["moesq_core.api"]  # parents are no edges
+    assert "moesq_core.compression.pipeline" in graph["moesq_core"]  # imported inside moesq_core.__getattr__
+    assert "moesq_core.formats.registry" in graph["moesq_core.formats"]
+    assert "moesq_core" not in graph["moesq_core.compression.pipeline"]  # parents are no edges
     modules = {"p", "p.a", "p.b", "p.c", "p.d", "p.e", "p.q", "p.q.m", "p.q.x", "p.q.y"}
     source = (
         "import typing\n"
@@ -173,38 +180,79 @@ def test_no_import_circles():
     assert not found, f"{len(found)} import circle(s):\n{report}"
 
 
-def _formats_imports_above() -> set[tuple[str, str]]:
-    """(formats module, module above the formats) for every such import, by the graph's rules."""
-    return {(a, b) for a, targets in import_graph().items() if a == "moesq_core.formats" or a.startswith("moesq_core.formats.")
-            for b in targets if any(b == m or b.startswith(m + ".") for m in ABOVE_FORMATS)}
+def room(module: str) -> str:
+    """The room a module belongs to: a wing's module or subpackage (moesq_core.serving.kernels), another
+    moesq_core package or module (moesq_core.formats, moesq_core.naming), moesq_core itself, or moesq_cli."""
+    parts = module.split(".")
+    if parts[0] != "moesq_core" or len(parts) == 1:
+        return parts[0]
+    return ".".join(parts[:3] if parts[1] in WINGS and len(parts) > 2 else parts[:2])
 
 
-# Where the formats still reach up: a Format builds the runtime module serving it (Format.make_experts, a
-# function-local import: the reference module, or the format's Hopper one), and the NVFP4 activation quantizer
-# runs its fused SwiGLU + quantization kernel (kernels/swiglu_quant_triton, imported at module level) where one
-# can run. Moving these out would take format-specific
-# dispatch out of the format modules, which test_format_rule forbids; they stay until the runtime modules and
-# that kernel are looked up through the format instead.
-KNOWN_ABOVE = {
-    ("moesq_core.formats.base", "moesq_core.runtime.experts"),
-    ("moesq_core.formats.p48_nvfp4", "moesq_core.runtime.p48_hopper"),
-    ("moesq_core.formats.s24_fp8", "moesq_core.runtime.s24_hopper"),
-    ("moesq_core.formats.quantizers", "moesq_core.kernels.swiglu_quant_triton"),
-}
+def room_graph(graph: dict[str, dict[str, int]]) -> dict[str, set[str]]:
+    rooms: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        rooms.setdefault(room(a), set())
+        for b in targets:
+            if room(a) != room(b):
+                rooms[room(a)].add(room(b))
+    return rooms
 
 
-@pytest.mark.xfail(strict=True, reason="the formats build their runtime modules and run a fused kernel (KNOWN_ABOVE)")
-def test_formats_import_nothing_above_them():
-    assert not _formats_imports_above()
+def floors(rooms: dict[str, set[str]]) -> dict[str, int]:
+    """Each room's floor: 1 + the highest floor of the rooms it imports (1: it imports none). Needs no circles."""
+    out: dict[str, int] = {}
+
+    def floor(r: str) -> int:
+        if r not in out:
+            out[r] = 1 + max((floor(x) for x in rooms[r]), default=0)
+        return out[r]
+
+    for r in rooms:
+        floor(r)
+    return out
 
 
-def test_formats_reach_above_only_where_known():
-    """No new import from the formats up; a known one that is gone must leave KNOWN_ABOVE too."""
-    assert _formats_imports_above() == KNOWN_ABOVE
+def test_room_floors_on_examples():
+    assert room("moesq_core.serving.kernels.p48_mma") == "moesq_core.serving.kernels"
+    assert room("moesq_core.compression.pipeline") == "moesq_core.compression.pipeline"
+    assert room("moesq_core.formats.base") == "moesq_core.formats"
+    assert room("moesq_core") == "moesq_core" and room("moesq_cli.app") == "moesq_cli"
+    assert floors({"a": {"b", "c"}, "b": {"c"}, "c": set()}) == {"a": 3, "b": 2, "c": 1}
+
+
+def test_rooms_have_no_circles_and_at_most_max_floors():
+    rooms = room_graph(import_graph())
+    assert not circles({r: dict.fromkeys(t, 0) for r, t in rooms.items()})
+    high = floors(rooms)
+    top = max(high.values())
+    assert top <= MAX_FLOORS, "\n".join(f"{f} {r}" for r, f in sorted(high.items(), key=lambda x: x[1]))
+
+
+def test_formats_import_only_the_formats():
+    """The ground floor: nothing of the wings, the checkpoint, models, eval, or even the shared utilities."""
+    out = {(a, b) for a, targets in import_graph().items() if room(a) == "moesq_core.formats"
+           for b in targets if room(b) != "moesq_core.formats"}
+    assert not out, sorted(out)
+
+
+def test_compression_and_serving_do_not_import_each_other_in_circles():
+    """Serving never imports the compression wing (a pack loads without it); compression uses only the
+    reference experts module of serving (the module a compressed block runs as)."""
+    graph = import_graph()
+    serving_to_compression = {(a, b) for a, t in graph.items() if a.startswith("moesq_core.serving")
+                              for b in t if b.startswith("moesq_core.compression")}
+    assert not serving_to_compression, sorted(serving_to_compression)
+    compression_to_serving = {b for a, t in graph.items() if a.startswith("moesq_core.compression")
+                              for b in t if b.startswith("moesq_core.serving")}
+    assert compression_to_serving <= {"moesq_core.serving.experts"}, sorted(compression_to_serving)
 
 
 if __name__ == "__main__":  # print today's circles
     _m, _g = module_files(), import_graph()
     for _c in circles(_g):
         print(describe(_c, _g, _m))
+    _rooms = room_graph(_g)
+    for _r, _f in sorted(floors(_rooms).items(), key=lambda x: x[1]):
+        print(_f, _r, sorted(_rooms[_r]))
     pytest.main([__file__, "-q"])

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from moesq_core.methods.jsq import clip_activations, jsq_scores, range_saliency
+from moesq_core.compression.methods.jsq import clip_activations, jsq_scores, range_saliency
 
 
 def test_range_term_is_the_range_left_after_removing_the_weight():

@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moesq_core.formats import get_format
-from moesq_core.methods import hessian as hm
-from moesq_core.methods.base import PROJECTIONS
-from moesq_core.methods.hessian import (
+from moesq_core.compression.methods import hessian as hm
+from moesq_core.compression.methods.base import PROJECTIONS
+from moesq_core.compression.methods.hessian import (
     block_statistics,
     damped_factors,
     fix_dead_batched,
@@ -26,8 +25,9 @@ from moesq_core.methods.hessian import (
     row_sets_batched,
     top_eigenpairs,
 )
-from moesq_core.methods.registry import get_method
-from moesq_core.methods.sparsegpt_gptq import SGPTQSolver
+from moesq_core.compression.methods.registry import get_method
+from moesq_core.compression.methods.sparsegpt_gptq import SGPTQSolver
+from moesq_core.formats import get_format
 
 from test_batched_solvers import FORMATS, make_block, real_block
 
@@ -220,7 +220,7 @@ def test_cg_on_cuda_reaches_the_cpu_exact_optimum(rank, monkeypatch):
 def test_methods_with_cg_on_cuda_match_the_cpu_exact_reference(name):
     fmt = get_format("p48-nvfp4")
     experts = make_block(E=3, H=128, I=64, seed=13)
-    from moesq_core.methods.base import CompressedExpert, ExpertData
+    from moesq_core.compression.methods.base import CompressedExpert, ExpertData
 
     ref = get_method(name, batched=False, solve="exact").compress_block(experts, fmt)
     cuda = [ExpertData(ex.index, *(t.cuda() for t in (ex.gate, ex.up, ex.down, ex.x, ex.w))) for ex in experts]

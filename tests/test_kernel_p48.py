@@ -11,10 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesq_core.formats import get_format
+from moesq_core.formats.packing import pack, unpack
 from moesq_core.formats.quantizers import NVFP4ActQuantizer
-from moesq_core.kernels import p48_reference as ref
-from moesq_core.kernels import p48_triton as pt
-from moesq_core.packing import pack, unpack
+from moesq_core.serving.kernels import p48_reference as ref
+from moesq_core.serving.kernels import p48_triton as pt
 
 from conftest import P48GroupedCase, run_triton_interpreted
 
@@ -216,7 +216,7 @@ def test_ptx_expansion_matches_reference_dequant():
 
 _INTERP_SCRIPT = r"""
 import sys, torch
-from moesq_core.kernels import p48_reference as ref, p48_triton as pt
+from moesq_core.serving.kernels import p48_reference as ref, p48_triton as pt
 from tests.test_kernel_p48 import packed_weight, stacked
 torch.manual_seed(0)
 E, M, K, C = 3, 80, 96, 19
@@ -251,8 +251,8 @@ def test_plain_triton_kernel_under_interpreter():
 
 _ACT_QUANT_SCRIPT = """
 import torch
-import moesq_core.kernels.p48_triton as pt
-import moesq_core.kernels.p48_reference as ref
+import moesq_core.serving.kernels.p48_triton as pt
+import moesq_core.serving.kernels.p48_reference as ref
 torch.manual_seed(0)
 # 37 rows (a partial row block) x 416 columns (three full 128-column blocks and a partial one)
 x = torch.randn(37, 416) * torch.exp(torch.randn(37, 1) * 3)

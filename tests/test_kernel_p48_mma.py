@@ -1,4 +1,4 @@
-"""p48-nvfp4 on the 2:4 sparse tensor cores (moesq_core.kernels.p48_mma, native/src/p48_gemm.cu): the record
+"""p48-nvfp4 on the 2:4 sparse tensor cores (moesq_core.serving.kernels.p48_mma, native/src/p48_gemm.cu): the record
 layout round-trips bit for bit, the kernel's register decode (emulated with the same integer operations on
 the CPU) gives the reference's values, and on an H200/H100 the kernel matches the CPU reference on awkward
 sizes with poisoned outputs."""
@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moesq_core.bench.p48_bench import random_p48_tensors
-from moesq_core.kernels import p48_mma as pm
-from moesq_core.kernels import p48_sparse24 as ps
+from moesq_core.serving.bench.p48_bench import random_p48_tensors
+from moesq_core.serving.kernels import p48_mma as pm
+from moesq_core.serving.kernels import p48_sparse24 as ps
 
 from conftest import P48GroupedCase
 
@@ -155,7 +155,7 @@ def test_k_order_is_the_kernels_staging_permutation():
 def test_permute_rows_moves_whole_rows_and_keeps_the_scales():
     """Release tensors of one projection (with the per-tensor scales the packer writes) in a new row order: row j
     is row order[j] in every per-row tensor, bit for bit; the decoded weight is the natural one's rows."""
-    from moesq_core.kernels import p48_reference as ref
+    from moesq_core.serving.kernels import p48_reference as ref
 
     t = {k: v[0] for k, v in random_p48_tensors(1, 24, 64, torch.Generator().manual_seed(3), "cpu").items()}
     t["input_global_scale"] = torch.tensor([7.5])
@@ -620,7 +620,7 @@ def test_gpu_kernel_rejects_bad_arguments():
 
 
 def test_native_build_reuses_objects_of_unchanged_units(monkeypatch, tmp_path):
-    from moesq_core.kernels import native_build as nb
+    from moesq_core.serving.kernels import native_build as nb
 
     (tmp_path / "include").mkdir()
     (tmp_path / "src").mkdir()
@@ -638,7 +638,7 @@ def test_native_build_reuses_objects_of_unchanged_units(monkeypatch, tmp_path):
 
 
 def test_bench_targets_and_table_include_the_native_kernel():
-    from moesq_core.bench import p48_bench as pb
+    from moesq_core.serving.bench import p48_bench as pb
 
     def row(N, us, tbps, vs8):
         return {"shape": "Qwen3-30B-A3B gate/up", "G": 128, "N": N,
@@ -665,7 +665,7 @@ def test_bench_targets_and_table_include_the_native_kernel():
 
 
 def test_kernel_check_of_p48_dir_without_gpu_says_why(packs, monkeypatch):
-    from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+    from moesq_core.serving.kernels.verify_kernel import kernel_check_packed_dir
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="kernel check of .* impossible: no CUDA GPU"):
@@ -690,7 +690,7 @@ def _p48_linears(packed_dir) -> set[str]:
 
 
 def _check_embedded_model(packed_dir, kernel: str):
-    from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+    from moesq_core.serving.kernels.verify_kernel import kernel_check_packed_dir
 
     info: dict = {}
     res = kernel_check_packed_dir(packed_dir, info=info)
@@ -728,7 +728,7 @@ def test_gpu_kernel_check_flags_a_wrong_output(packs, monkeypatch):
         return out
 
     monkeypatch.setattr(pm, "p48_mma_gemm_rows", off_by_a_little)
-    from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+    from moesq_core.serving.kernels.verify_kernel import kernel_check_packed_dir
 
     res = kernel_check_packed_dir(packs["p48-nvfp4"][1])
     bad = [n for n, _, ok in res if not ok]

@@ -1,4 +1,4 @@
-"""Paired 4:8 -> 2:4 re-layout (moesq_core.kernels.p48_sparse24): bit-exact against the packer and the s24
+"""Paired 4:8 -> 2:4 re-layout (moesq_core.serving.kernels.p48_sparse24): bit-exact against the packer and the s24
 decoder on CPU, the expert forward with permuted gate/up rows equal to the p48 reference, and on a GPU the
 operand run through 2:4 sparse tensor cores (cuSPARSELt via torch) against the reference."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesq_core.formats import get_format
-from moesq_core.kernels import p48_reference as ref
-from moesq_core.kernels import p48_sparse24 as ps
-from moesq_core.kernels import s24_fp8
-from moesq_core.packing import pack, unpack
+from moesq_core.formats.packing import pack, unpack
+from moesq_core.serving.kernels import p48_reference as ref
+from moesq_core.serving.kernels import p48_sparse24 as ps
+from moesq_core.serving.kernels import s24_gemm as s24_fp8
 
 FMT = get_format("p48-nvfp4")
 

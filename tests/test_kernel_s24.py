@@ -1,6 +1,6 @@
 """s24-fp8 grouped GEMM: CPU reference and load-time re-layout (CI), and the Hopper kernel against them (GPU).
 
-GPU tests need an sm_90 GPU and the native build (`python -m moesq_core.kernels.native_build`); they skip on
+GPU tests need an sm_90 GPU and the native build (`python -m moesq_core.serving.kernels.native_build`); they skip on
 machines without CUDA or with another GPU, and fail (not skip) on a Hopper GPU whose build is missing.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from moesq_core.formats import get_format
 from moesq_core.formats import s24_fp8 as s24_packing
-from moesq_core.kernels import s24_fp8 as s24
+from moesq_core.serving.kernels import s24_gemm as s24
 
 # ------------------------------------------------------------------------------------------------ helpers
 
@@ -169,7 +169,7 @@ def test_gpu_entry_points_raise_clearly_without_hopper():
 
 def test_native_build_says_what_is_missing(monkeypatch, tmp_path, capsys):
     """Without nvcc the first use (and the build command) stops with a message naming the fix."""
-    from moesq_core.kernels import native_build as nb
+    from moesq_core.serving.kernels import native_build as nb
 
     monkeypatch.setenv("MOESQ_NATIVE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("MOESQ_NATIVE_EXT", raising=False)
@@ -192,7 +192,7 @@ def test_native_build_says_what_is_missing(monkeypatch, tmp_path, capsys):
 
 def test_native_build_runs_as_many_compilers_as_the_memory_holds():
     # one CUTLASS unit's compiler peaks near 5 GB: 16 cores with 24 GiB free run 4 at a time, not 16
-    from moesq_core.kernels import native_build as nb
+    from moesq_core.serving.kernels import native_build as nb
 
     GiB = 1 << 30
     assert nb.default_jobs(16, 24 * GiB, 12) == 4
@@ -393,7 +393,7 @@ def _write_packed_dir(path, E=3, M=72, K=160, seed=0):
 def test_kernel_check_raises_clearly_without_hopper(tmp_path):
     if HOPPER:
         pytest.skip("this machine has a Hopper GPU")
-    from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+    from moesq_core.serving.kernels.verify_kernel import kernel_check_packed_dir
 
     _write_packed_dir(tmp_path)
     with pytest.raises(RuntimeError, match="kernel check of .* impossible"):
@@ -404,7 +404,7 @@ def test_kernel_check_raises_clearly_without_hopper(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.hopper
 def test_kernel_check_packed_dir(tmp_path):
-    from moesq_core.kernels.verify_kernel import kernel_check_packed_dir
+    from moesq_core.serving.kernels.verify_kernel import kernel_check_packed_dir
 
     _write_packed_dir(tmp_path)
     res = kernel_check_packed_dir(tmp_path)
@@ -417,7 +417,7 @@ def test_kernel_check_packed_dir(tmp_path):
 
 
 def test_bench_token_pattern_and_packing():
-    from moesq_core.bench.harness import pack_logical, random_2to4_dense_e4m3, token_counts
+    from moesq_core.serving.bench.harness import pack_logical, random_2to4_dense_e4m3, token_counts
 
     assert token_counts(16, 6) == [16, 12, 8, 4, 16, 12]
     assert token_counts(2, 4) == [2, 1, 1, 1]
@@ -430,7 +430,7 @@ def test_bench_token_pattern_and_packing():
 
 
 def test_bench_reports_from_synthetic_rows(tmp_path):
-    from moesq_core.bench import kernel_bench as kb
+    from moesq_core.serving.bench import kernel_bench as kb
 
     rows = []
     for (name, (M, K)) in kb.PAPER_SHAPES.items():

@@ -15,14 +15,18 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from moesq_core import pipeline
-from moesq_core.bench.synthetic_model import qwen3_moe_config, write_random_qwen3_moe
-from moesq_core.calibration import CalibConfig
+from moesq_core.compression import pipeline
+from moesq_core.compression.calibration import CalibConfig
+from moesq_core.compression.workdir import WorkDir
 from moesq_core.models import load_model
 from moesq_core.models.lazy import LazyExperts, ReleasedExperts
-from moesq_core.workdir import WorkDir
 
+from conftest import benchmark_module
 from test_models import _configs
+
+synthetic = benchmark_module("synthetic_model")  # benchmarks/synthetic_model.py
+qwen3_moe_config = synthetic.qwen3_moe_config
+write_random_qwen3_moe = synthetic.write_random_qwen3_moe
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,7 +112,7 @@ def _compress_rtn(root: Path, model: Path, lazy: bool, monkeypatch) -> dict:
     wd = WorkDir(root)
     cfg = pipeline.RunConfig(format="p48-nvfp4", calib=CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
     pipeline.calibrate(wd, model, cfg)
-    pipeline.compress(wd, "rtn", batch_size=4)
+    pipeline.init_stage(wd, "rtn", batch_size=4)
     assert opened == [lazy]
     return {k: v["sha256"] for k, v in wd.stage("init-rtn")["blocks"].items()}
 
@@ -121,7 +125,7 @@ def test_pipeline_stage_on_a_lazy_model_writes_identical_artifacts(micro_path, t
 
 @torch.no_grad()
 def test_installing_a_block_releases_the_others(micro_path):
-    from moesq_core.runtime.experts import MoesqExperts
+    from moesq_core.serving.experts import MoesqExperts
 
     model, tok, adapter, _ = load_model(micro_path, lazy=True)
     blocks = adapter.blocks(model)
@@ -170,24 +174,25 @@ sys.path.insert(0, {repo!r})
 import psutil, torch
 torch.set_num_threads(1)
 import transformers.models.qwen3_moe.modeling_qwen3_moe, tokenizers
-from moesq_core import pipeline
-from moesq_core.calibration import CalibConfig
-from moesq_core.methods.registry import get_method
-from moesq_core.workdir import WorkDir
+from moesq_core.compression import pipeline
+from moesq_core.compression.calibration import CalibConfig
+from moesq_core.compression.methods.registry import get_method
+from moesq_core.compression.workdir import WorkDir
+
 get_method("rtn")
 torch.ones(64, 64) @ torch.ones(64, 64)
 base = psutil.Process().memory_info().rss
 wd = WorkDir({root!r})
 cfg = pipeline.RunConfig(format="p48-nvfp4", calib=CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
 pipeline.calibrate(wd, {model!r}, cfg)
-summary = pipeline.compress(wd, "rtn", batch_size=4, device="cpu")
+summary = pipeline.init_stage(wd, "rtn", batch_size=4, device="cpu")
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({{"baseline": base, "peak": peak, "blocks": summary["blocks"]}}))
 """
 
 
 def _peak_rss_of_compressing(tmp_path: Path, **shape) -> tuple[int, dict]:
-    """(model weight bytes, RSS figures) of `moesq calibrate` + `init-rtn` through moesq_core.pipeline as is: the
+    """(model weight bytes, RSS figures) of `moesq calibrate` + `init-rtn` through moesq_core.compression.pipeline as is: the
     stages must open the model lazily for the bound to hold (eagerly, the 48-block model takes ~7x its size)."""
     model = tmp_path / "model"
     size = write_synthetic_qwen3_moe(model, **shape)

@@ -8,9 +8,9 @@ import shutil
 import pytest
 
 from moesq_core.checkpoint.checksums import MANIFEST, safetensors_layout
-from moesq_core.checkpoint.loader import load_packed
 from moesq_core.checkpoint.verify import verify_packed_dir
 from moesq_core.naming import SINGLE_FILE
+from moesq_core.serving.loader import load_packed
 
 from test_cli import moesq_here
 
@@ -72,7 +72,7 @@ def test_verify_false_loads_a_changed_pack_and_says_so(pack):
     records = []
     handler = logging.Handler()
     handler.emit = records.append
-    logger = logging.getLogger("moesq_core.checkpoint.loader")
+    logger = logging.getLogger("moesq_core.serving.loader")
     logger.addHandler(handler)
     try:
         model, _ = load_packed(pack, verify=False)

@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moesq_core.compression.methods.base import PROJECTIONS, CompressedExpert, ExpertData
+from moesq_core.compression.methods.registry import METHODS, get_method, method_options
+from moesq_core.compression.methods.rtn import RTN
 from moesq_core.formats import get_format
-from moesq_core.methods.base import PROJECTIONS, CompressedExpert, ExpertData
-from moesq_core.methods.registry import METHODS, get_method, method_options
-from moesq_core.methods.rtn import RTN
 
 FORMATS = ["p48-nvfp4", "dense-nvfp4", "s24-fp8"]
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from moesq_core.models import UnsupportedModelError, adapter_for, load_model
-from moesq_core.runtime.experts import MoesqExperts
+from moesq_core.serving.experts import MoesqExperts
 
 
 def _configs():

@@ -12,9 +12,9 @@ import textwrap
 
 import pytest
 
-from moesq_core.checkpoint import export
-from moesq_core.checkpoint.export import export_packed
-from moesq_core.workdir import WorkDir, WorkDirLocked
+from moesq_core.compression import export
+from moesq_core.compression.export import export_packed
+from moesq_core.compression.workdir import WorkDir, WorkDirLocked
 
 from conftest import REPO
 from test_cli_pack import moesq
@@ -98,7 +98,7 @@ def test_pack_takes_the_work_dirs_lock(packs, tmp_path):
 def _export_while_locked(wd, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import sys
-        from moesq_core.workdir import WorkDir
+        from moesq_core.compression.workdir import WorkDir
         with WorkDir({str(wd.root)!r}).locked():
             print("locked", flush=True)
             sys.stdin.readline()
@@ -113,8 +113,8 @@ def _export_while_locked(wd, tmp_path):
 
 KILL_DURING_SWAP = """
 import os, pathlib, sys
-from moesq_core.checkpoint.export import export_packed
-from moesq_core.workdir import WorkDir
+from moesq_core.compression.export import export_packed
+from moesq_core.compression.workdir import WorkDir
 
 wd, out, when = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3]
 rename = pathlib.Path.rename

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from moesq_core.checkpoint.checksums import MANIFEST, safetensors_layout
-from moesq_core.checkpoint.export import check_output_dir, export_packed, input_global_scales
-from moesq_core.checkpoint.loader import load_packed
 from moesq_core.checkpoint.model_card import model_card
 from moesq_core.checkpoint.verify import verify_packed_dir
+from moesq_core.compression.export import check_output_dir, export_packed, input_global_scales
+from moesq_core.serving.loader import load_packed
 
 from conftest import EVAL, packed_expert_linears
 from conftest import PACK_FORMATS as FORMATS
@@ -67,7 +67,7 @@ def test_input_global_scale_fallback_never_zero():
 
 def test_fake_quantized_module_uses_the_packs_fallback_scale():
     from moesq_core.formats import get_format
-    from moesq_core.runtime.experts import MoesqExperts
+    from moesq_core.serving.experts import MoesqExperts
 
     fmt = get_format("p48-nvfp4")
     gen = torch.Generator().manual_seed(0)
@@ -151,7 +151,7 @@ def test_load_packed_reads_tensor_by_tensor(packs, monkeypatch):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_generate_loads_every_format(packs, fmt):
-    from moesq_core.checkpoint.generate import generate_text
+    from moesq_core.serving.generate import generate_text
 
     doc = generate_text(packs[fmt][1], ["Memory barriers order"], max_new_tokens=4, device="cpu")
     assert doc["schema"] == "moesq.generate/2" and doc["format"] == fmt and doc["new_tokens"] == 4
@@ -196,8 +196,8 @@ def test_model_card_says_how_it_was_made_how_it_evaluated_and_how_to_load_it(mic
     from huggingface_hub import ModelCard
 
     from moesq_core import CompressConfig, compress
+    from moesq_core.compression.workdir import WorkDir
     from moesq_core.eval.runner import ResultCache, load_target, ppl_for_targets, resolve_targets, target_identity
-    from moesq_core.workdir import WorkDir
 
     lm_eval_tasks = pytest.importorskip("moesq_core.eval.lm_eval_tasks")
     wd = tmp_path / "wd"
@@ -342,7 +342,7 @@ def test_overwrite_replaces_only_an_earlier_pack_atomically(packs, tmp_path, mon
     with pytest.raises(FileExistsError, match="--overwrite"):
         export_packed(wd, "init-rtn", target)
     before = _digests(target)
-    import moesq_core.checkpoint.export as export_mod
+    import moesq_core.compression.export as export_mod
 
     def boom(*a, **k):
         raise RuntimeError("interrupted while writing the manifest")

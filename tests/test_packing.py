@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesq_core.formats import E2M1_GRID, P48, S24, QuantizedWeight, e2m1_decode, get_format
-from moesq_core.packing import (
+from moesq_core.formats.packing import (
     LAYOUTS,
     PackingError,
     bits_per_weight,

@@ -1,4 +1,4 @@
-"""The disk check before a blockwise stage (moesq_core/preflight.py): the calibration states' memory and disk
+"""The disk check before a blockwise stage (moesq_core/compression/preflight.py): the calibration states' memory and disk
 counted by hand on small cases, the refusal and what it suggests at the paper's calibration size, and through
 the stage functions a refusal that leaves the work dir as it was; the summary line through the CLI."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from moesq_core.preflight import (
+from moesq_core.compression.preflight import (
     CalibrationStates,
     GiB,
     StatesDiskError,
@@ -148,8 +148,8 @@ def calibrated(micro_path, tmp_path, monkeypatch) -> Path:
 
 @pytest.mark.parametrize("stage, option", [("refine", "--n-train"), ("init-rtn", "--n-init")])
 def test_stage_refused_before_anything_is_written(calibrated, stage, option):
-    from moesq_core import pipeline
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression import pipeline
+    from moesq_core.compression.workdir import WorkDir
 
     before = _snapshot(calibrated)
     manifest = (calibrated / "manifest.json").read_bytes()
@@ -158,7 +158,7 @@ def test_stage_refused_before_anything_is_written(calibrated, stage, option):
             pipeline.refine(WorkDir(calibrated), {"epochs": 1, "steps_per_epoch": 2}, device="cpu",
                             disk_free_bytes=0)
         else:
-            pipeline.compress(WorkDir(calibrated), "rtn", device="cpu", disk_free_bytes=0)
+            pipeline.init_stage(WorkDir(calibrated), "rtn", device="cpu", disk_free_bytes=0)
     msg = str(e.value)
     assert msg.startswith(f"stage {stage}: its calibration states") and str(calibrated / "cache") in msg
     assert "but 0 B is free there" in msg and f"no {option} at --cache-gb 4" in msg

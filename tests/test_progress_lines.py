@@ -1,5 +1,5 @@
 """Without a terminal (a log file, CI), every phase of a command prints a progress line on stderr at least every
-`every_s` seconds (moesq_cli.progress: 30 s; a tiny interval here): the innermost open task's count, elapsed
+`every_s` seconds (moesq_cli.progress_display: 30 s; a tiny interval here): the innermost open task's count, elapsed
 time and ETA."""
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _stamped(text: str) -> list[str]:
 
 
 def test_every_open_task_prints_its_line_at_the_interval(capsys, monkeypatch):
-    from moesq_cli.progress import RichProgress
+    from moesq_cli.progress_display import RichProgress
 
     p = RichProgress(quiet=False, every_s=0.05)
     monkeypatch.setattr(p.bar.console, "_force_terminal", False)  # as when stderr is redirected to a file
@@ -43,7 +43,7 @@ def test_every_open_task_prints_its_line_at_the_interval(capsys, monkeypatch):
 
 
 def test_a_visible_bar_prints_no_heartbeat(capsys, monkeypatch):
-    from moesq_cli.progress import RichProgress
+    from moesq_cli.progress_display import RichProgress
 
     p = RichProgress(quiet=False, every_s=0.05)
     monkeypatch.setattr(p.bar.console, "_force_terminal", True)
@@ -55,7 +55,7 @@ def test_a_visible_bar_prints_no_heartbeat(capsys, monkeypatch):
 def test_a_command_with_stderr_to_a_pipe_prints_progress_lines(micro_path, tmp_path):
     """`moesq calibrate` with stderr to a pipe and a 0.05 s interval: its phases print their lines (loading the
     model and tokenizer outside any task: that it is working)."""
-    run = ("import sys, moesq_cli.progress as p; p.PROGRESS_EVERY_S = 0.05; from moesq_cli.app import main; "
+    run = ("import sys, moesq_cli.progress_display as p; p.PROGRESS_EVERY_S = 0.05; from moesq_cli.app import main; "
            "sys.argv[0] = 'moesq'; main()")
     r = subprocess.run([sys.executable, "-c", run, "calibrate", "--model", str(micro_path), "-w", str(tmp_path / "wd"),
                         *SMALL], capture_output=True, text=True, env=ENV, timeout=600)
@@ -72,7 +72,7 @@ def test_core_progress_lines_reach_stderr_through_logging(capsys):
     import logging
     import threading
 
-    from moesq_cli.progress import _ProgressLinesToStderr
+    from moesq_cli.progress_display import _ProgressLinesToStderr
 
     echo = _ProgressLinesToStderr(every_s=0.0)
     log = logging.getLogger("moesq.progress.test-echo")

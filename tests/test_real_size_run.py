@@ -37,7 +37,7 @@ def test_per_block_phases_come_from_the_engine_log(tmp_path):
     block_phases = _driver().block_phases
     log = tmp_path / "moesq.log"
     E = "2026-12-01 20:15:47,214 INFO moesq.engine: "
-    R = "2026-12-01 20:25:37,457 INFO moesq_core.methods.refine: refine: 128 experts in 1 chunk(s), "
+    R = "2026-12-01 20:25:37,457 INFO moesq_core.compression.methods.refine: refine: 128 experts in 1 chunk(s), "
     log.write_text("\n".join([
         E + "init-sgptq: layer 0 phases (s): {'route': 1.43, 'compress': 9.11, 'write': 1.28, 'propagate': 0.55}",
         E + "init-sgptq: layer 1 phases (s): {'route': 0.1, 'compress': 7.04, 'write': 1.23, 'propagate': 0.77}",

@@ -1,4 +1,4 @@
-"""Refinement (moesq_core/methods/refine): relaxation, objective, batched trainer, export, ablations."""
+"""Refinement (moesq_core/compression/methods/refine): relaxation, objective, batched trainer, export, ablations."""
 from __future__ import annotations
 
 import math
@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moesq_core.compression.methods.base import PROJECTIONS, ExpertData
+from moesq_core.compression.methods.refine import BlockRefiner, RefineConfig, RefineMethod, objective, relaxation
+from moesq_core.compression.methods.refine.trainer import batched_act_quant, batched_weight_global
+from moesq_core.compression.methods.rtn import RTN
 from moesq_core.formats import P48, S24, get_format
 from moesq_core.formats.quantizers import NVFP4ActQuantizer, nvfp4_global_scale
-from moesq_core.methods.base import PROJECTIONS, ExpertData
-from moesq_core.methods.refine import BlockRefiner, RefineConfig, RefineMethod, objective, relaxation
-from moesq_core.methods.refine.trainer import batched_act_quant, batched_weight_global
-from moesq_core.methods.rtn import RTN
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors, one intra-op thread
 
@@ -221,7 +221,7 @@ def test_refine_beats_its_init_on_held_out_rows(fmt_name):
 
 
 def test_refine_beats_sgptq():
-    sg = pytest.importorskip("moesq_core.methods.sparsegpt_gptq")
+    sg = pytest.importorskip("moesq_core.compression.methods.sparsegpt_gptq")
     fmt = get_format("p48-nvfp4")
     ex = make_block(seed=8)
     inits = sg.SGPTQ().compress_block(ex, fmt)
@@ -602,8 +602,8 @@ def test_short_refinement_is_invariant_to_the_weights_scale(rule):
 
 
 def test_can_change_patterns_from_the_init_gap():
-    from moesq_core.methods.refine.relaxation import init_gap
-    from moesq_core.methods.refine.trainer import remaining_gap
+    from moesq_core.compression.methods.refine.relaxation import init_gap
+    from moesq_core.compression.methods.refine.trainer import remaining_gap
 
     assert init_gap(P48) == pytest.approx(0.01 * 4 * (2 - 0)) and init_gap(S24) == pytest.approx(0.08)
     # two logits closing 2·lr per step from a gap of 0.08: constant lr 0.01 without decay needs 4 steps
@@ -626,7 +626,7 @@ def test_no_pattern_moves_when_the_schedule_says_it_cannot(caplog):
     ex = make_block(E=2, n=200, n_val=40, seed=22)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
     cfg = RefineConfig(epochs=2, steps_per_epoch=6, micro_batch_rows=512, lr_budget_steps=None, lr_logits=1e-3, seed=3)
-    from moesq_core.methods.refine import trainer
+    from moesq_core.compression.methods.refine import trainer
 
     trainer._WARNED.clear()
     with caplog.at_level("WARNING"):
@@ -715,7 +715,7 @@ def test_release_faithful_recipe_names_real_options():
     yaml = pytest.importorskip("yaml")
     from pathlib import Path
 
-    from moesq_core.methods.registry import get_method
+    from moesq_core.compression.methods.registry import get_method
 
     r = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes/release-faithful.yaml").read_text())
     get_format(r["format"])
@@ -731,7 +731,7 @@ def test_any_sharding_of_a_block_gives_bitwise_the_same_experts(with_val):
     """Expert parallel: refining any subset of a block's experts (ExpertData.block carrying the whole block's
     row counts) gives each expert exactly what refining the whole block gives it: per-expert random numbers,
     batch shapes from the block's counts, no cross-expert reductions."""
-    from moesq_core.methods.base import BlockRows
+    from moesq_core.compression.methods.base import BlockRows
 
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=5, n=120, n_val=30, seed=21, with_val=with_val)
@@ -766,8 +766,8 @@ def test_refining_a_block_in_memory_chunks_gives_bitwise_the_same_experts(with_b
     """chunk_gb bounds the memory of one refinement (a Kimi-K2 block does not fit one GPU at once): the experts
     are refined chunk by chunk, each sized from the whole block, so every expert gets exactly the bytes of the
     unchunked run; without ExpertData.block the chunks are given the block the experts form."""
-    from moesq_core.methods.base import BlockRows
-    from moesq_core.methods.refine.trainer import expert_chunks, refine_bytes_per_expert
+    from moesq_core.compression.methods.base import BlockRows
+    from moesq_core.compression.methods.refine.trainer import expert_chunks, refine_bytes_per_expert
 
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=5, n=120, n_val=30, seed=5)
@@ -794,7 +794,7 @@ def test_rows_of_a_shared_token_matrix_refine_to_the_bytes_of_rows_held_per_expe
     """The engine hands refinement each expert's rows as indices into one token matrix (every token once,
     though top-k routing sends it to several experts); the trainer gathers them by index. That gives exactly
     the experts of the same rows held as tensors of their own, with or without given validation rows."""
-    from moesq_core.methods.base import TokenRows
+    from moesq_core.compression.methods.base import TokenRows
 
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=4, n=90, n_val=20, seed=11, with_val=with_val)
@@ -823,7 +823,7 @@ def test_rows_of_a_shared_token_matrix_refine_to_the_bytes_of_rows_held_per_expe
 def test_refinement_memory_estimate_counts_the_token_matrix_once():
     """The pre-flight estimate: the token matrix once (not per routed row), ROW_BYTES per routed row, one
     micro-batch; the per-expert state does not grow with the calibration."""
-    from moesq_core.methods.refine.trainer import (
+    from moesq_core.compression.methods.refine.trainer import (
         ROW_BYTES,
         micro_batch_bytes,
         refine_bytes_per_expert,
@@ -842,7 +842,7 @@ def test_refinement_says_before_the_block_loop_whether_a_block_fits():
     """The pre-flight memory plan of a Qwen3-30B-A3B block at the paper's calibration (1,024 + 128 sequences of
     4,096 tokens, bf16 tokens): one chunk on an H200, chunks on a smaller GPU, and on a 24 GiB GPU a refusal
     that names the GiB needed and the options that lower it, before any work."""
-    from moesq_core.methods.refine.trainer import RefineMemoryError, refine_memory_plan
+    from moesq_core.compression.methods.refine.trainer import RefineMemoryError, refine_memory_plan
 
     fmt = get_format("p48-nvfp4")
     seqs = 1152
@@ -865,7 +865,7 @@ def test_refinement_reports_its_steps_and_routed_rows_inside_the_block(caplog):
     the routed rows trained on: the bar's count reaches the block's steps and the log has its end line."""
     import logging
 
-    from moesq_core.methods.refine import trainer
+    from moesq_core.compression.methods.refine import trainer
     from moesq_core.progress import BlockProgress
 
     fmt = get_format("p48-nvfp4")

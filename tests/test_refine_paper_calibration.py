@@ -44,7 +44,7 @@ def test_the_measured_command_is_the_papers_calibration_with_default_resources(t
 
 
 E = "INFO moesq.engine: refine: "
-R = "INFO moesq_core.methods.refine: refine: "
+R = "INFO moesq_core.compression.methods.refine: refine: "
 M = "INFO moesq: "
 SCHEDULE = ("refine schedule: 80 epochs × 16 steps = 1280 Lion steps per block, ~2,097,152 routed rows per step; lr(A) "
             "0.00025, lr(V) 5e-05 (from 1024 training + one-shot sequences × 4096 tokens × top-8 ≈ 33,554,432 routed "

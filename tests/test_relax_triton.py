@@ -1,5 +1,5 @@
 """The fused Triton relaxation (refinement's Gumbel-softmax over sparsity patterns) against the torch reference
-(moesq_core.methods.refine.relaxation): forward values and both gradients, with and without noise, on sizes
+(moesq_core.compression.methods.refine.relaxation): forward values and both gradients, with and without noise, on sizes
 that leave partial programs, on CUDA and under the Triton interpreter on the CPU."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import contextlib
 import pytest
 import torch
 
+from moesq_core.compression.kernels import relax_triton
+from moesq_core.compression.methods.refine import relaxation
 from moesq_core.formats import get_format
-from moesq_core.kernels import relax_triton
-from moesq_core.methods.refine import relaxation
 
 from conftest import run_triton_interpreted
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moesq_core.kernels import rows_add_triton
+from moesq_core.compression.kernels import rows_add_triton
 
 from conftest import run_triton_interpreted
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from moesq_core.formats import get_format
-from moesq_core.kernels import p48_mma as pm
-from moesq_core.packing import pack, unpack
-from moesq_core.runtime.experts import MoesqExperts
-from moesq_core.runtime.p48_hopper import P48HopperExperts
+from moesq_core.formats.packing import pack, unpack
+from moesq_core.serving.experts import MoesqExperts
+from moesq_core.serving.kernels import p48_mma as pm
+from moesq_core.serving.p48_hopper import P48HopperExperts
 
 from conftest import (
     assert_experts_module_rejects_bad_inputs,
@@ -141,7 +141,7 @@ _INTERP_SCRIPT = r"""
 import torch
 from conftest import routing
 from tests.test_runtime_p48 import random_experts
-from moesq_core.runtime.p48_hopper import P48HopperExperts
+from moesq_core.serving.p48_hopper import P48HopperExperts
 packed, _, _ = random_experts(E=5, H=64, I=96, dynamic=(1,))
 worst = 0.0
 for aq in (False, True):
@@ -171,7 +171,7 @@ def test_fast_path_under_triton_interpreter():
 
 def _kernel_or_skip(kernel: str) -> str:
     if kernel == "sparse-mma":
-        from moesq_core.kernels.p48_mma import load_native
+        from moesq_core.serving.kernels.p48_mma import load_native
 
         if load_native() is None:
             pytest.skip("the sparse-tensor-core kernel needs an sm_90 GPU and the native module")
@@ -246,7 +246,7 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kerne
     if act_quant and kernel == "sparse-mma":
         # expert 3 has no static input scale: its bf16 rows are quantized inside the gate/up GEMM, which must
         # give the operands of the separate quantization pass (outputs equal up to the order of split-K's atomics)
-        from moesq_core.kernels import p48_triton as pt
+        from moesq_core.serving.kernels import p48_triton as pt
 
         passes = []
         real = pt.nvfp4_quantize_rows
@@ -271,7 +271,7 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kerne
 
 _SCATTER_PERM_SCRIPT = r"""
 import torch
-from moesq_core.kernels import p48_mma as pm, p48_triton as pt
+from moesq_core.serving.kernels import p48_mma as pm, p48_triton as pt
 torch.manual_seed(0)
 T, k, E, H = 7, 3, 5, 96 + 64  # H not a multiple of the kernel's 256-column step
 x = torch.randn(T, H).to(torch.bfloat16) * 3

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from moesq_core.formats import get_format
-from moesq_core.packing import pack, unpack
-from moesq_core.runtime import s24_hopper
-from moesq_core.runtime.experts import MoesqExperts
-from moesq_core.runtime.s24_hopper import S24HopperExperts
+from moesq_core.formats.packing import pack, unpack
+from moesq_core.serving import s24_hopper
+from moesq_core.serving.experts import MoesqExperts
+from moesq_core.serving.s24_hopper import S24HopperExperts
 
 from conftest import assert_experts_module_rejects_bad_inputs, assert_graph_replays, rel, routing
 
@@ -59,7 +59,7 @@ def test_reference_path_matches_moesq_experts():
 def _token_by_token(qws, x, idx, w):
     """The serving numerics written out per (token, slot): e4m3 per-token activations, exact GEMM sums then
     the two scales, bf16 GEMM outputs, fp32 SwiGLU, slot-order fp32 combine."""
-    from moesq_core.kernels.s24_fp8 import quantize_activations
+    from moesq_core.serving.kernels.s24_gemm import quantize_activations
 
     def gemm(xrow, qw):
         xq, sx = quantize_activations(xrow[None])
@@ -200,8 +200,8 @@ def test_gpu_module_matches_reference_and_replays_in_cuda_graph():
 def test_gpu_fused_routing_kernels_match_torch_ops():
     """route_quant: the per-token e4m3 quantization bit for bit, every (token, slot) in its expert's slab, counts;
     swiglu_quant and combine against the torch ops, on awkward sizes."""
-    from moesq_core.kernels import s24_route
-    from moesq_core.kernels.s24_fp8 import quantize_activations
+    from moesq_core.serving.kernels import s24_route
+    from moesq_core.serving.kernels.s24_gemm import quantize_activations
 
     E, H, I, T, k = 5, 200, 72, 13, 3
     gen = torch.Generator().manual_seed(6)

@@ -6,8 +6,7 @@ import logging
 import pytest
 import torch
 
-from moesq_core.formats import get_format
-from moesq_core.methods.hessian import (
+from moesq_core.compression.methods.hessian import (
     damped_factor,
     fix_dead,
     hessian,
@@ -15,8 +14,9 @@ from moesq_core.methods.hessian import (
     masked_optimum,
     relative_error,
 )
-from moesq_core.methods.jsq import clip_activations, range_saliency
-from moesq_core.methods.sparsegpt_gptq import SGPTQSolver, provisional_mask
+from moesq_core.compression.methods.jsq import clip_activations, range_saliency
+from moesq_core.compression.methods.sparsegpt_gptq import SGPTQSolver, provisional_mask
+from moesq_core.formats import get_format
 
 FORMATS = ["p48-nvfp4", "dense-nvfp4", "s24-fp8"]
 
@@ -75,7 +75,7 @@ def test_dead_columns_are_zeroed_and_factorisable():
 
 def test_not_positive_definite_is_retried_with_more_damping(caplog):
     H = torch.diag(torch.tensor([1.0, 1.0, 1.0, -0.2]))  # mean diag 0.7: needs percdamp 1.0
-    with caplog.at_level(logging.WARNING, logger="moesq_core.methods.hessian"):
+    with caplog.at_level(logging.WARNING, logger="moesq_core.compression.methods.hessian"):
         fac = damped_factor(H, 0.01)
     assert fac.percdamp == pytest.approx(1.0)
     assert fac.damp == pytest.approx(0.7)

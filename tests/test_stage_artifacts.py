@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from moesq_core.engine import (
+from moesq_core.compression.engine import (
     StageSpec,
     StateStore,
     capture_layer_inputs,
@@ -20,12 +20,12 @@ from moesq_core.engine import (
     run_stage,
     save_block,
 )
+from moesq_core.compression.methods.base import PROJECTIONS, ExpertData
+from moesq_core.compression.methods.refine import RefineConfig, RefineMethod
+from moesq_core.compression.methods.registry import get_method
+from moesq_core.compression.methods.rtn import RTN
+from moesq_core.compression.workdir import LAYOUT, StaleStageError, WorkDir, model_fingerprint, sha256_file
 from moesq_core.formats import get_format
-from moesq_core.methods.base import PROJECTIONS, ExpertData
-from moesq_core.methods.refine import RefineConfig, RefineMethod
-from moesq_core.methods.registry import get_method
-from moesq_core.methods.rtn import RTN
-from moesq_core.workdir import LAYOUT, StaleStageError, WorkDir, model_fingerprint, sha256_file
 
 FORMATS = ("p48-nvfp4", "dense-nvfp4", "s24-fp8")
 
@@ -133,7 +133,7 @@ def _write_old_layout(path: Path, results, amax_in, amax_mid) -> None:
 
 
 def test_older_layout_is_recomputed_never_misread(micro_calibrated, tmp_path):
-    from moesq_core.checkpoint.export import export_packed
+    from moesq_core.compression.export import export_packed
 
     model, adapter, path, calib = micro_calibrated
     fresh = _new_wd(tmp_path / "fresh", path)
@@ -170,8 +170,8 @@ def test_older_layout_is_recomputed_never_misread(micro_calibrated, tmp_path):
 def test_block_work_on_the_gpu_gives_the_cpu_bytes(block0_experts, fmt_name, tmp_path):
     """The engine packs blocks, computes activation ranges and dequantizes installed experts where the model
     is: on a GPU the artifact's bytes and the installed weights must equal the CPU's."""
-    from moesq_core.engine import expert_activation_amax
-    from moesq_core.runtime.experts import MoesqExperts
+    from moesq_core.compression.engine import expert_activation_amax
+    from moesq_core.serving.experts import MoesqExperts
 
     fmt = get_format(fmt_name)
     results = _method("sgptq").compress_block(block0_experts, fmt)
@@ -193,6 +193,6 @@ def test_block_work_on_the_gpu_gives_the_cpu_bytes(block0_experts, fmt_name, tmp
 
 
 def _on_device(r, device):
-    from moesq_core.methods.base import CompressedExpert
+    from moesq_core.compression.methods.base import CompressedExpert
 
     return CompressedExpert(*(qw.to(device) for qw in (r.gate, r.up, r.down)), info=r.info)

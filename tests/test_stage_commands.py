@@ -80,7 +80,7 @@ def test_refine_on_the_training_split_alone(wd):
 
 
 def test_refine_says_how_many_experts_improved_on_their_init(wd):
-    from moesq_core.engine import block_info
+    from moesq_core.compression.engine import block_info
 
     r = moesq_here("refine", "-w", wd, *SHORT, *FAST)
     m = re.search(r"stage refine: 4 blocks \(4 computed now\) in .+?; (\d+) of (\d+) experts improved on their init",
@@ -165,7 +165,7 @@ def test_other_weights_are_refused(wd, micro_path, tmp_path):
 
 
 def test_second_process_is_refused_while_one_holds_the_lock(wd):
-    from moesq_core.workdir import WorkDir
+    from moesq_core.compression.workdir import WorkDir
 
     before = (wd / "manifest.json").read_bytes()
     with WorkDir(wd).locked():

@@ -1,5 +1,5 @@
-"""The fused SwiGLU + NVFP4 activation quantizer refinement uses (moesq_core.kernels.swiglu_quant_triton, through
-NVFP4ActQuantizer.swiglu_quant) against the torch ops it replaces (swiglu_quant_reference): under the Triton
+"""The fused SwiGLU + NVFP4 activation quantizer refinement uses (moesq_core.compression.kernels.swiglu_quant_triton.swiglu_quant
+with an NVFP4ActQuantizer) against the torch ops it replaces (swiglu_quant_reference): under the Triton
 interpreter on the CPU and on CUDA.
 
 What is exact and what is not: the quantizer is the same fp32 arithmetic, so wherever h = silu(g) ⊙ u is the
@@ -15,12 +15,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from moesq_core.compression.kernels import swiglu_quant_triton
+from moesq_core.compression.kernels.swiglu_quant_triton import swiglu_quant
 from moesq_core.formats import get_format
 from moesq_core.formats.e2m1 import round_e2m1
 from moesq_core.formats.e4m3 import round_ue4m3_scale
 from moesq_core.formats.quantizers import NVFP4ActQuantizer, nvfp4_global_scale, swiglu_quant_reference
-from moesq_core.kernels import swiglu_quant_triton
-from moesq_core.kernels.triton_support import HAS_TRITON, tl, triton
+from moesq_core.triton_support import HAS_TRITON, tl, triton
 
 from conftest import run_triton_interpreted
 
@@ -76,8 +77,8 @@ def check_against_reference(device: str, shapes=SHAPES) -> list[str]:
                 gt, ut = gate.to(in_dtype), up.to(in_dtype)
                 for gs in _scales(k, I, gen):
                     for ste in (True, False):
-                        got, amax = act.swiglu_quant(gt.to(device), ut.to(device), gs.to(device), ste=ste,
-                                                     out_dtype=out_dtype)
+                        got, amax = swiglu_quant(act, gt.to(device), ut.to(device), gs.to(device), ste=ste,
+                                                 out_dtype=out_dtype)
                         got, amax = got.cpu(), amax.cpu()
                         want, want_amax = swiglu_quant_reference(act, gt.to(device), ut.to(device), gs.to(device),
                                                                  ste, out_dtype)
@@ -116,7 +117,7 @@ def check_gradients(device: str, shapes=SHAPES[:3]) -> list[str]:
             up = torch.randn(k, C, I, generator=gen).to(dtype).to(device)
             dout = torch.randn(k, C, I, generator=gen).to(dtype).to(device)
             grads = []
-            for fn in (act.swiglu_quant, lambda *a, **kw: swiglu_quant_reference(act, *a, **kw)):
+            for fn in (lambda *a, **kw: swiglu_quant(act, *a, **kw), lambda *a, **kw: swiglu_quant_reference(act, *a, **kw)):
                 gl, ul = gate.clone().requires_grad_(), up.clone().requires_grad_()
                 hq, amax = fn(gl, ul, gs, ste=True, out_dtype=dtype)
                 assert hq.requires_grad and not amax.requires_grad
@@ -124,8 +125,8 @@ def check_gradients(device: str, shapes=SHAPES[:3]) -> list[str]:
             for got, want in zip(*grads):
                 assert got.dtype == dtype
                 torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
-            hq, _ = act.swiglu_quant(gate.clone().requires_grad_(), up.clone().requires_grad_(), gs, ste=False,
-                                     out_dtype=dtype)
+            hq, _ = swiglu_quant(act, gate.clone().requires_grad_(), up.clone().requires_grad_(), gs, ste=False,
+                                 out_dtype=dtype)
             assert not hq.requires_grad
             lines.append(f"ok grad {k}x{C}x{I} {dtype}")
     return lines
@@ -171,7 +172,7 @@ def check_opaque_to_compile(device: str) -> str:
     """The fused op through torch.compile's tracing (fake tensors, AOT autograd, dynamic shapes): the same loss
     and gradients as eager; and torch.library's own checks of the custom op."""
     fmt = get_format("p48-nvfp4")
-    from moesq_core.methods.refine.trainer import BlockRefiner
+    from moesq_core.compression.methods.refine.trainer import BlockRefiner
 
     gen = torch.Generator().manual_seed(3)
     k, C, H, I = 3, 11, 64, 64
@@ -208,7 +209,7 @@ def check_opaque_to_compile(device: str) -> str:
 def test_kernel_matches_reference_under_the_interpreter():
     out = run_triton_interpreted(
         "import torch\n"
-        "from moesq_core.kernels import swiglu_quant_triton\n"
+        "from moesq_core.serving.kernels import swiglu_quant_triton\n"
         "assert swiglu_quant_triton.available(torch.device('cpu'))\n"
         "from test_swiglu_quant_triton import *\n"
         "print(check_rounding('cpu'))\n"
@@ -244,7 +245,7 @@ def test_falls_back_to_the_torch_ops():
     if not swiglu_quant_triton.available(torch.device("cpu")):
         cases.append((NVFP4ActQuantizer(16), gs, True))
     for act, g, fused in cases:
-        got = act.swiglu_quant(gate, up, g, ste=True, out_dtype=torch.float32, fused=fused)
+        got = swiglu_quant(act, gate, up, g, ste=True, out_dtype=torch.float32, fused=fused)
         h = F.silu(gate) * up
         assert bits_equal(got[0], act.batched(h, g, ste=True)) and bits_equal(got[1], h.abs().amax(dim=(1, 2)))
 
@@ -266,10 +267,10 @@ def test_refuses_what_it_cannot_run():
 def check_compiled_trainer() -> str:
     """The compiled trainer (inductor, with the fused SwiGLU quantizer and relaxation kernels) computes the eager
     trainer's steps: losses, latent values and validation (the CPU trainer under the interpreter)."""
-    from moesq_core.kernels import rows_add_triton
-    from moesq_core.methods.base import PROJECTIONS
-    from moesq_core.methods.refine import BlockRefiner, RefineConfig
-    from moesq_core.methods.rtn import RTN
+    from moesq_core.compression.kernels import rows_add_triton
+    from moesq_core.compression.methods.base import PROJECTIONS
+    from moesq_core.compression.methods.refine import BlockRefiner, RefineConfig
+    from moesq_core.compression.methods.rtn import RTN
 
     from test_refine import make_block
 

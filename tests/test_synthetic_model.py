@@ -8,9 +8,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from moesq_core.bench.synthetic_model import MARKER, QWEN3_30B_A3B, qwen3_moe_config, write_random_qwen3_moe
+from moesq_core.compression.workdir import WEIGHT_HASH_CACHE, sha256_file, weight_files_sha256
 from moesq_core.models import load_model
-from moesq_core.workdir import WEIGHT_HASH_CACHE, sha256_file, weight_files_sha256
+
+from conftest import benchmark_module
+
+synthetic = benchmark_module("synthetic_model")  # benchmarks/synthetic_model.py
+MARKER = synthetic.MARKER
+QWEN3_30B_A3B = synthetic.QWEN3_30B_A3B
+qwen3_moe_config = synthetic.qwen3_moe_config
+write_random_qwen3_moe = synthetic.write_random_qwen3_moe
 
 SMALL = dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
              moe_intermediate_size=64, num_experts=8, num_experts_per_tok=2, vocab_size=8192)
@@ -73,7 +80,7 @@ def test_weight_hashes_are_computed_in_parallel_once_and_follow_rewrites(tmp_pat
     assert digests == [sha256_file(f) for f in files]
     cache = json.loads((tmp_path / "cache" / WEIGHT_HASH_CACHE).read_text())
     assert len(cache) == 5
-    import moesq_core.workdir as wdmod
+    import moesq_core.compression.workdir as wdmod
 
     calls = []
     real = wdmod.sha256_file

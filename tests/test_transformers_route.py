@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import moesq_core  # noqa: F401  (routes moesq packs through transformers' loader)
-from moesq_core.checkpoint.loader import load_packed
+from moesq_core.serving.loader import load_packed
 
 from conftest import PACK_FORMATS, REPO, finished_stage
 
@@ -26,7 +26,7 @@ FORMATS = ("p48-nvfp4", "s24-fp8", "dense-nvfp4", "dense-fp8")
 @pytest.fixture(scope="module")
 def route_packs(packs, micro_path, tmp_path_factory):
     """{format: packed dir} for every moesq format."""
-    from moesq_core.checkpoint.export import export_packed
+    from moesq_core.compression.export import export_packed
 
     out = {fmt: packs[fmt][1] for fmt in PACK_FORMATS}
     root = tmp_path_factory.mktemp("route-packs")
@@ -76,7 +76,7 @@ def test_the_compressed_tensors_entries_dispatch_on_the_moesq_key(route_packs):
     from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from moesq_core.checkpoint.transformers_route import CompressedTensorsOrMoesqQuantizer, MoesqPackQuantizer
+    from moesq_core.serving.transformers_route import CompressedTensorsOrMoesqQuantizer, MoesqPackQuantizer
 
     assert AUTO_QUANTIZER_MAPPING["compressed-tensors"] is CompressedTensorsOrMoesqQuantizer
     qc = json.loads((route_packs["dense-fp8"] / "config.json").read_text())["quantization_config"]
@@ -93,7 +93,7 @@ def test_a_checkpoint_without_the_moesq_entry_loads_through_compressed_tensors(r
     from transformers import AutoModelForCausalLM
     from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
 
-    from moesq_core.runtime.experts import MoesqExperts
+    from moesq_core.serving.experts import MoesqExperts
 
     plain = tmp_path / "plain"
     shutil.copytree(route_packs["dense-fp8"], plain)
@@ -129,7 +129,7 @@ def test_import_installs_the_route_lazily(route_packs):
     pack = str(route_packs["p48-nvfp4"])
     check = f"""
 from transformers import AutoModelForCausalLM
-from moesq_core.runtime.experts import MoesqExperts
+from moesq_core.serving.experts import MoesqExperts
 model = AutoModelForCausalLM.from_pretrained({pack!r})
 assert isinstance(model.model.layers[0].mlp.experts, MoesqExperts)
 """
@@ -152,7 +152,7 @@ def test_install_wraps_only_transformers_own_entries_once():
     from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from moesq_core.checkpoint.transformers_route import (
+    from moesq_core.serving.transformers_route import (
         CompressedTensorsOrMoesqConfig,
         CompressedTensorsOrMoesqQuantizer,
         install,

@@ -10,11 +10,11 @@ import shutil
 import pytest
 
 from moesq_core.checkpoint.checksums import MANIFEST, canonical, file_digest
-from moesq_core.checkpoint.loader import load_packed
 from moesq_core.checkpoint.verify import verify_packed_dir
+from moesq_core.compression.workdir import WorkDir
 from moesq_core.naming import INDEX_FILE, SINGLE_FILE
 from moesq_core.paths import UnsafePathError, inside
-from moesq_core.workdir import WorkDir
+from moesq_core.serving.loader import load_packed
 
 
 def test_inside_refuses_what_leaves_the_directory(tmp_path):

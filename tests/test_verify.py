@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 from moesq_core.checkpoint.checksums import write_manifest
-from moesq_core.checkpoint.export import quantization_config
 from moesq_core.checkpoint.verify import VerifyReport, verify_packed_dir
+from moesq_core.compression.export import quantization_config
 from moesq_core.formats import get_format
-from moesq_core.packing import pack
+from moesq_core.formats.packing import pack
 
 H, I, E, LAYERS = 64, 32, 2, 2  # hidden, expert intermediate, experts per layer, layers
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..naming import loaders_read
-from ..paths import UnsafePathError, inside
+from moesq_core.naming import loaders_read
+from moesq_core.paths import UnsafePathError, inside
 
 MANIFEST = "moesq_pack.json"
 MANIFEST_VERSION = 1

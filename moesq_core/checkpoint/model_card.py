@@ -13,8 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from ..formats import get_format
-from ..version import __version__
+from moesq_core.formats import get_format
+from moesq_core.version import __version__
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _EMBEDDED_CALIB = "calib-sample.txt.xz"  # moesq_core/assets: the default calibration text
@@ -70,7 +70,7 @@ def stage_recipe(manifest: dict, stage: str) -> dict:
         recipe["calib"] = dict(run["calib"])
     if st.get("method") == "refine":
         refine = dict(st["refine"])
-        # keys the stage identity leaves out where they are off (moesq_core.config.refine_identity)
+        # keys the stage identity leaves out where they are off (moesq_core.compression.config.refine_identity)
         refine.setdefault("e2e_steps", 0)
         refine.setdefault("init_split_rows", False)
         recipe["init"], recipe["refine"] = st["init"], dict(sorted(refine.items()))

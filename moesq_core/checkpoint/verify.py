@@ -39,10 +39,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..formats import FORMATS, get_format
-from ..naming import EXPERT_RE, INDEX_FILE, PROJ_NAMES, PROJECTIONS, SINGLE_FILE, read_index
-from ..packing import ACTIVATION_SUFFIXES, PackingError, bits_per_weight
-from .checksums import MANIFEST, check_manifest
+from moesq_core.checkpoint.checksums import MANIFEST, check_manifest
+from moesq_core.formats import FORMATS, get_format
+from moesq_core.formats.packing import ACTIVATION_SUFFIXES, PackingError, bits_per_weight
+from moesq_core.naming import EXPERT_RE, INDEX_FILE, PROJ_NAMES, PROJECTIONS, SINGLE_FILE, read_index
 
 PROJ_ORDER = tuple(PROJ_NAMES[p] for p in PROJECTIONS)
 MOESQ_VERSION = 1

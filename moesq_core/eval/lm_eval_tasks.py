@@ -569,7 +569,7 @@ def evaluate_tasks(
     if not isinstance(label, str) or not label.strip():
         raise ValueError("label must be a non-empty string naming the model (it keys the cache and the table)")
     if model is None:
-        raise ValueError("model is None; load the model first (moesq_core.checkpoint.loader) and pass it")
+        raise ValueError("model is None; load the model first (moesq_core.serving.loader) and pass it")
     if tokenizer is None:
         raise ValueError("tokenizer is None; pass the model's tokenizer or the directory that holds it")
     if isinstance(tokenizer, (str, os.PathLike)):

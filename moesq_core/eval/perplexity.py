@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibration import open_text
+from moesq_core.compression.calibration import open_text
 
 
 def load_eval_tokens(tokenizer, path: str | Path, max_tokens: int = 65536) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
-from .lm_eval_tasks import TaskResult, TaskResults
+from moesq_core.eval.lm_eval_tasks import TaskResult, TaskResults
 
 # Main metric per task, as lm-eval names it. truthfulqa_mc2 reports its MC2 score under "acc". gsm8k: the
 # strict-match filter (the answer after "####", as in the paper's public release); flexible-extract is kept

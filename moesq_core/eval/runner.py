@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from ..progress import NullProgress
-from ..workdir import DiskWriteError, WorkDir, sha256_file, weight_files_sha256, write_json_atomic
+from moesq_core.compression.workdir import DiskWriteError, WorkDir, sha256_file, weight_files_sha256, write_json_atomic
+from moesq_core.progress import NullProgress
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +72,9 @@ def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.
                 verify: bool = True):
     """(model, tokenizer); a packed dir of any moesq format goes through load_packed (fast path on sm_90;
     checked against its checksum manifest unless verify=False)."""
-    from ..checkpoint.loader import load_packed, load_workdir_model
-    from ..models import load_model
+    from moesq_core.compression.engine import load_workdir_model
+    from moesq_core.models import load_model
+    from moesq_core.serving.loader import load_packed
 
     if t.kind == "reference":
         model, tok, _, _ = load_model(t.path, dtype=dtype, device=device)
@@ -140,7 +141,7 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
     """Perplexity rows of `targets`, in order. A target that computes exactly what one evaluated before it in
     this call does (computation_fingerprint; e.g. a packed dir and its stage on the CPU) takes that target's
     perplexity instead of evaluating again; its row names it in `same_as`."""
-    from .perplexity import load_eval_tokens, perplexity
+    from moesq_core.eval.perplexity import load_eval_tokens, perplexity
 
     if window < 1 or max_tokens < 1:
         raise ValueError(f"window ({window}) and max_tokens ({max_tokens}) must be at least 1")

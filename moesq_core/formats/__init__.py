@@ -3,7 +3,7 @@ one module per format (p48_nvfp4, dense_nvfp4, s24_fp8, …) and the registry li
 
 Importing this package is light (the CLI lists FORMAT_NAMES without torch); everything else loads on first use.
 """
-from .registry import FORMAT_NAMES, get_format
+from moesq_core.formats.registry import FORMAT_NAMES, get_format
 
 _LAZY = {
     "E2M1_GRID": "e2m1", "e2m1_decode": "e2m1", "e2m1_encode": "e2m1", "round_e2m1": "e2m1",
@@ -18,7 +18,7 @@ __all__ = ["FORMATS", "FORMAT_NAMES", "get_format", *_LAZY]
 
 def __getattr__(name):
     if name == "FORMATS":
-        from .registry import formats
+        from moesq_core.formats.registry import formats
 
         return formats()
     if name in _LAZY:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from .patterns import PatternSet
+from moesq_core.formats.patterns import PatternSet
 
 
 @dataclass
@@ -30,7 +30,7 @@ class QuantizedWeight:
 
     @property
     def fmt(self) -> "Format":
-        from .registry import get_format
+        from moesq_core.formats.registry import get_format
 
         return get_format(self.format)
 
@@ -121,6 +121,10 @@ class Format:
     card_tags: tuple[str, ...] = ()  # Hub tags of a packed model
     card_loaders: tuple[str, ...] = ()  # model card lines: what loads a packed model
     markers: tuple[str, ...] = ()  # quantization_config keys only this format writes
+    # The module (dotted name) of a faster experts module for some devices, which the serving wing imports (the
+    # formats import nothing that runs them): it defines serves(device, act_quant, fast) and from_packed(packed,
+    # act_quant, device). None: the reference module serves everywhere.
+    fast_experts: str | None = None
 
     # -- numerics ----------------------------------------------------------------------------------------
     @property
@@ -230,7 +234,7 @@ class Format:
     def check_tensors(self, module: str, layout: Layout, tensors: dict[str, torch.Tensor]):
         """The first value problem of one unpacked linear's tensors (a PackingError), or None: NaN e4m3 values,
         scales not finite and > 0, and the activation's stored input scale (serving engines divide by it)."""
-        from .pack_common import PackingError, first_index
+        from moesq_core.formats.pack_common import PackingError, first_index
 
         if layout.fp8_values is not None:
             v = tensors[layout.fp8_values].view(torch.uint8)
@@ -254,12 +258,3 @@ class Format:
                 pos = first_index(bad)
                 return PackingError(f"{module}.{suffix}", f"{what} is {f[pos].item()}, must be finite and > 0", pos)
         return None
-
-    # -- runtime -----------------------------------------------------------------------------------------
-    def make_experts(self, packed: list[dict[str, dict[str, torch.Tensor]]], act_quant: bool,
-                     device: torch.device, fast: bool | None = None, prefix: str = ""):
-        """The experts module serving packed[e] = {"gate"|"up"|"down": {suffix: tensor}} (the reference module
-        unless the format has a faster one for `device`; fast=False forces the reference)."""
-        from ..runtime.experts import MoesqExperts
-
-        return MoesqExperts.from_packed(self, packed, act_quant, prefix)

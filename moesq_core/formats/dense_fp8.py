@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from .base import Layout, QuantizedWeight
-from .fp8 import ROW_SCALE, FP8Format, check_unit_global, row_scales, unit_global
-from .pack_common import (
+from moesq_core.formats.base import Layout, QuantizedWeight
+from moesq_core.formats.fp8 import ROW_SCALE, FP8Format, check_unit_global, row_scales, unit_global
+from moesq_core.formats.pack_common import (
     PackingError,
     check_divisible,
     check_qw,
@@ -27,8 +27,8 @@ from .pack_common import (
     primary_dims,
     select,
 )
-from .patterns import DENSE
-from .quantizers import FP8ChannelQuantizer, FP8TokenActQuantizer
+from moesq_core.formats.patterns import DENSE
+from moesq_core.formats.quantizers import FP8ChannelQuantizer, FP8TokenActQuantizer
 
 NAME = "dense-fp8"
 SUFFIXES = ("weight", "weight_scale")
@@ -73,7 +73,7 @@ FORMAT = FP8Format(
     scheme="W8A8", act_label="FP8",
     card_tags=("fp8", "compressed-tensors"),
     card_loaders=(
-        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)`.",
+        "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)`.",
         "vLLM and other compressed-tensors `float-quantized` consumers (channel-wise FP8 weights, dynamic per-token "
         "FP8 activations; the standard layout).",
         "Without `import moesq_core`, transformers' `AutoModelForCausalLM.from_pretrained` runs it weights-only (no "

@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from .base import Layout, QuantizedWeight
-from .nvfp4 import DENSE_SUFFIXES, POSITIVE, NVFP4Format, dense_logical_shape, dense_tensors, read_dense
-from .pack_common import (
+from moesq_core.formats.base import Layout, QuantizedWeight
+from moesq_core.formats.nvfp4 import (
+    DENSE_SUFFIXES,
+    POSITIVE,
+    NVFP4Format,
+    dense_logical_shape,
+    dense_tensors,
+    read_dense,
+)
+from moesq_core.formats.pack_common import (
     PackingError,
     bytes_to_nibbles,
     check_divisible,
@@ -24,8 +31,8 @@ from .pack_common import (
     first_index,
     global_from_packed,
 )
-from .patterns import DENSE
-from .quantizers import NVFP4ActQuantizer, NVFP4Quantizer
+from moesq_core.formats.patterns import DENSE
+from moesq_core.formats.quantizers import NVFP4ActQuantizer, NVFP4Quantizer
 
 NAME = "dense-nvfp4"
 SCALE_BLOCK = 16
@@ -60,7 +67,7 @@ FORMAT = NVFP4Format(
     scheme="W4A4", act_label="NVFP4",
     card_tags=("nvfp4", "compressed-tensors"),
     card_loaders=(
-        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)`.",
+        "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)`.",
         "vLLM and other compressed-tensors `nvfp4-pack-quantized` consumers (standard layout).",
         "Without `import moesq_core`, transformers' `AutoModelForCausalLM.from_pretrained` loads it without an error "
         "but returns experts multiplied by their global scale (wrong outputs).",

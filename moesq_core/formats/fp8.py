@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Format, QuantizedWeight, compressed_tensors_config
-from .pack_common import PackingError, first_index
+from moesq_core.formats.base import Format, QuantizedWeight, compressed_tensors_config
+from moesq_core.formats.pack_common import PackingError, first_index
 
 ROW_SCALE = (("weight_scale", "row scale"),)  # what verify requires finite and > 0
 

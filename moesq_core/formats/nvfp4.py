@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Format, QuantizedWeight, compressed_tensors_config
-from .pack_common import (
+from moesq_core.formats.base import Format, QuantizedWeight, compressed_tensors_config
+from moesq_core.formats.pack_common import (
     check_divisible,
     check_tensor,
     full_name,

@@ -34,15 +34,20 @@ module, else the Triton kernel) when they import, else the reference.
 """
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from .base import Layout, QuantizedWeight
-from .nvfp4 import DENSE_SUFFIXES, POSITIVE, NVFP4Format, dense_logical_shape, dense_tensors, read_dense
-from .pack_common import (
+from moesq_core.formats.base import Layout, QuantizedWeight
+from moesq_core.formats.nvfp4 import (
+    DENSE_SUFFIXES,
+    POSITIVE,
+    NVFP4Format,
+    dense_logical_shape,
+    dense_tensors,
+    read_dense,
+)
+from moesq_core.formats.pack_common import (
     PackingError,
     bytes_to_nibbles,
     check_divisible,
@@ -65,8 +70,8 @@ from .pack_common import (
     spread_pairs,
     to_e4m3,
 )
-from .patterns import P48
-from .quantizers import NVFP4ActQuantizer, NVFP4Quantizer
+from moesq_core.formats.patterns import P48
+from moesq_core.formats.quantizers import NVFP4ActQuantizer, NVFP4Quantizer
 
 NAME = "p48-nvfp4"
 DENSE_LAYOUT = "dense-p48"
@@ -188,22 +193,6 @@ def unpack_dense(tensors: dict[str, torch.Tensor], name: str = "") -> QuantizedW
     )
 
 
-log = logging.getLogger("moesq.formats")
-
-
-@functools.lru_cache(maxsize=None)
-def fast_experts_available(device: torch.device) -> bool:
-    """Whether the packed Hopper experts can serve on `device` (said once per device when they cannot import)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return False
-    try:
-        from ..runtime import p48_hopper  # noqa: F401
-    except Exception as e:  # the fast module is optional; say why it is not used
-        log.warning("fast p48 Hopper experts unavailable (%s); using the reference module", e)
-        return False
-    return True
-
-
 @dataclass(frozen=True)
 class P48Format(NVFP4Format):
     def export_layout(self, sparse: bool = True) -> Layout:
@@ -233,13 +222,6 @@ class P48Format(NVFP4Format):
                         f"stored sparse, but {len(dense)} expert linears (e.g. this one) are stored dense"))
         return out
 
-    def make_experts(self, packed, act_quant, device, fast=None, prefix=""):
-        if fast_experts_available(device) if fast is None else fast:
-            from ..runtime.p48_hopper import P48HopperExperts
-
-            return P48HopperExperts.from_packed(packed, act_quant=act_quant, device=device)
-        return super().make_experts(packed, act_quant, device, fast, prefix)
-
 
 FORMAT = P48Format(
     NAME, "paired 4:8 sparse NVFP4, 32-column UE4M3 scales, W4A4 (Blackwell sparse tensor cores)",
@@ -251,7 +233,7 @@ FORMAT = P48Format(
     scheme="W4A4", act_label="NVFP4",
     card_tags=("nvfp4", "sparse", "paired-4-8-sparsity", "compressed-tensors"),
     card_loaders=(
-        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)` (CPU reference; on a "
+        "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)` (CPU reference; on a "
         "Hopper GPU the packed Triton experts).",
         "vLLM with the public MoESQ release's paired 4:8 patch on Blackwell GPUs (it reads the `paired48_sparse` "
         "marker).",
@@ -259,4 +241,5 @@ FORMAT = P48Format(
         "weights); stock vLLM does not know the `paired48_sparse` marker.",
     ),
     markers=(MARKER_KEY,),
+    fast_experts="moesq_core.serving.p48_hopper",
 )

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 if TYPE_CHECKING:  # annotations only: base.py (the Format's checks) builds on these helpers, not the reverse
-    from .base import QuantizedWeight
+    from moesq_core.formats.base import QuantizedWeight
 
 # Per-linear tensors that belong to the activation side; packers ignore them when present.
 ACTIVATION_SUFFIXES = ("input_global_scale",)

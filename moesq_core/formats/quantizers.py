@@ -19,9 +19,8 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from ..kernels import swiglu_quant_triton
-from .e2m1 import E2M1_GRID, E2M1_MAX, e2m1_decode, e2m1_encode, round_e2m1
-from .e4m3 import E4M3_MAX, E4M3_MIN_SUBNORMAL, round_e4m3, round_ue4m3_scale
+from moesq_core.formats.e2m1 import E2M1_GRID, E2M1_MAX, e2m1_decode, e2m1_encode, round_e2m1
+from moesq_core.formats.e4m3 import E4M3_MAX, E4M3_MIN_SUBNORMAL, round_e4m3, round_ue4m3_scale
 
 
 def _ste(x: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
@@ -164,15 +163,16 @@ class NVFP4ActQuantizer:
             g = nvfp4_global_scale(x.detach().abs().amax(dim=(1, 2))).reshape(-1, 1, 1)
         return self(x, g, ste=ste)
 
+    @property
+    def fused_swiglu_block(self) -> int:
+        """The scale block of the arithmetic a fused SwiGLU + NVFP4 activation kernel computes for this quantizer
+        (refinement's swiglu_quant_triton)."""
+        return self.block
+
     def swiglu_quant(self, gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False,
-                     out_dtype: torch.dtype = torch.float32, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """(batched(silu(gate) ⊙ up, g) in out_dtype, amax of silu(gate) ⊙ up per expert [E]) from the gate and up
-        matmul outputs [E, C, D] (h in fp32). With static scales g and `fused`, where the Triton kernel runs
-        (CUDA, or the interpreter), one fused pass (swiglu_quant_triton: the same quantizer arithmetic, silu to
-        an ulp of h); else the torch ops (swiglu_quant_reference), as always without g (dynamic: two passes)."""
-        if (fused and g is not None and swiglu_quant_triton.available(gate.device)
-                and swiglu_quant_triton.supports_block(self.block) and gate.shape[-1] % self.block == 0):
-            return swiglu_quant_triton.swiglu_nvfp4_quant(gate, up, g, self.block, ste, out_dtype)
+        matmul outputs [E, C, D] (h in fp32), by the torch ops (swiglu_quant_reference)."""
         return swiglu_quant_reference(self, gate, up, g, ste, out_dtype)
 
     def packed_tensors(self, g: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -244,7 +244,7 @@ class FP8TokenActQuantizer:
         return self(x, ste=ste)
 
     def swiglu_quant(self, gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False,
-                     out_dtype: torch.dtype = torch.float32, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                     out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """As NVFP4ActQuantizer.swiglu_quant, through the torch ops (no fused kernel for per-token FP8)."""
         return swiglu_quant_reference(self, gate, up, g, ste, out_dtype)
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Layout, QuantizedWeight
-from .fp8 import ROW_SCALE, FP8Format, check_unit_global, row_scales, unit_global
-from .pack_common import (
+from moesq_core.formats.base import Layout, QuantizedWeight
+from moesq_core.formats.fp8 import ROW_SCALE, FP8Format, check_unit_global, row_scales, unit_global
+from moesq_core.formats.pack_common import (
     PackingError,
     bytes_to_nibbles,
     check_divisible,
@@ -50,8 +50,8 @@ from .pack_common import (
     select,
     spread_pairs,
 )
-from .patterns import S24
-from .quantizers import FP8ChannelQuantizer, FP8TokenActQuantizer
+from moesq_core.formats.patterns import S24
+from moesq_core.formats.quantizers import FP8ChannelQuantizer, FP8TokenActQuantizer
 
 NAME = "s24-fp8"
 SUFFIXES = ("weight_sparse_values", "weight_sparse_meta", "weight_scale")
@@ -138,14 +138,6 @@ class S24Format(FP8Format):
             out.append(("error", f"quantization_config.{MARKER_KEY} is {qc.get(MARKER_KEY)!r}; expected {MARKER!r}"))
         return out
 
-    def make_experts(self, packed, act_quant, device, fast=None, prefix=""):
-        if act_quant and fast is not False and device.type == "cuda":
-            from ..runtime.s24_hopper import S24HopperExperts, available  # CUTLASS 2:4 kernels on sm_90
-
-            if available(device):
-                return S24HopperExperts.from_packed(packed, act_quant=act_quant, device=device)
-        return super().make_experts(packed, act_quant, device, fast, prefix)
-
 
 FORMAT = S24Format(
     NAME, "2:4 sparse e4m3, per-channel fp32 scales, W8A8 per-token (Hopper sparse tensor cores)",
@@ -154,7 +146,7 @@ FORMAT = S24Format(
     scheme="W8A8", act_label="FP8",
     card_tags=("fp8", "sparse", "2-4-sparsity"),
     card_loaders=(
-        "`moesq generate DIR --prompt ...` or `moesq_core.checkpoint.loader.load_packed(DIR)`.",
+        "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)`.",
         "This is moesq's own layout (format `moesq-sparse24-fp8`, marker `moesq_sparse24`); compressed-tensors' "
         "config parsing, and so transformers without `import moesq_core`, refuse it.",
     ),

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..naming import experts_prefix
-from .errors import CheckpointError, UnsupportedModelError
+from moesq_core.models.errors import CheckpointError, UnsupportedModelError
+from moesq_core.naming import experts_prefix
 
 # bytes per element of the safetensors dtypes; others (sub-byte formats) are only checked to lie in the file
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
@@ -175,7 +175,7 @@ class MoEBlock:
 
         On a lazily opened model this frees the block's materialised dense weights and releases the modules
         installed earlier in other blocks, so one block's worth of experts is held at a time."""
-        from .lazy import LazyExperts, release_installed
+        from moesq_core.models.lazy import LazyExperts, release_installed
 
         if not hasattr(self.mlp, "_moesq_dense_experts"):
             object.__setattr__(self.mlp, "_moesq_dense_experts", self.mlp.experts)
@@ -189,7 +189,7 @@ class MoEBlock:
         """On a lazily opened model, free this block's installed experts (a later forward through the block
         raises, naming the release); an eagerly loaded model keeps them. The engine calls it once the block
         has propagated the calibration states, so the next block's install does not find it still held."""
-        from .lazy import LazyExperts, ReleasedExperts
+        from moesq_core.models.lazy import LazyExperts, ReleasedExperts
 
         dense = self.dense_experts
         if isinstance(dense, LazyExperts) and self.mlp.experts is not dense:
@@ -248,7 +248,7 @@ def load_model(source: str | Path, dtype: torch.dtype = torch.float32, device: s
     config = AutoConfig.from_pretrained(path)
     adapter = adapter_for(config)
     if lazy:
-        from .lazy import load_lazy
+        from moesq_core.models.lazy import load_lazy
 
         model = load_lazy(path, config, adapter, dtype, device)
     else:

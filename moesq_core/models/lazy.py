@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..naming import PROJ_NAMES
-from .errors import UnsupportedModelError
+from moesq_core.models.errors import UnsupportedModelError
+from moesq_core.naming import PROJ_NAMES
 
 if TYPE_CHECKING:  # adapter.py imports this module (load_model, MoEBlock); the adapter is only an annotation here
-    from .adapter import MoEAdapter
+    from moesq_core.models.adapter import MoEAdapter
 
 _PER_EXPERT = re.compile(r"^(?P<mlp>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
 _FUSED = re.compile(r"^(?P<mlp>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")

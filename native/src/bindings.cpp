@@ -97,7 +97,7 @@ void compress(const at::Tensor& dense, at::Tensor& values, at::Tensor& meta) {
 }
 
 // out[row_start[e] + n, m] (=|+=) alpha[e] * sum_k W_e[m, k] x[row_start[e] + n, k] for n < counts[e]: the p48
-// grouped GEMM on the 2:4 sparse tensor cores (records: moesq_core.kernels.p48_mma.P48MmaWeights).
+// grouped GEMM on the 2:4 sparse tensor cores (records: moesq_core.serving.kernels.p48_mma.P48MmaWeights).
 // With act_global (float32 [E]) the kernel fake-quantizes x to NVFP4 while staging it (W4A4).
 void p48_gemm(int64_t variant, const at::Tensor& records, const at::Tensor& x, const at::Tensor& row_start,
               const at::Tensor& counts, const at::Tensor& alpha, at::Tensor& out, int64_t M, int64_t K,
@@ -199,7 +199,7 @@ PYBIND11_MODULE(_moesq_native, m) {
   m.attr("ABI_VERSION") = MOESQ_S24_ABI_VERSION;
   m.def("s24_gemm", &gemm, py::arg("variant"), py::arg("values"), py::arg("meta"), py::arg("act"),
         py::arg("scale_w"), py::arg("scale_x"), py::arg("counts"), py::arg("out"), py::arg("max_clusters") = 0,
-        "Grouped 2:4 sparse FP8 GEMM on the current stream; see moesq_core.kernels.s24_fp8.grouped_gemm.");
+        "Grouped 2:4 sparse FP8 GEMM on the current stream; see moesq_core.serving.kernels.s24_gemm.grouped_gemm.");
   m.def("s24_compress", &compress, py::arg("dense"), py::arg("values"), py::arg("meta"),
         "CUTLASS's sm90 structured-sparse compressor (dense 2:4 e4m3 -> values + kernel-layout metadata).");
   m.def("s24_check_device", &check_device, py::arg("device"),
@@ -210,7 +210,7 @@ PYBIND11_MODULE(_moesq_native, m) {
         "p48-nvfp4 grouped GEMM on the 2:4 sparse tensor cores (alpha as given: the kernel applies the decode's "
         "2^7; act_global: NVFP4 activations quantized in the kernel, W4A4; x_permuted: x already in the kernel's "
         "K order; early_first_unit: the mma.sp variants copy each CTA's natural first unit's first weights before "
-        "waiting for the previous grid); see moesq_core.kernels.p48_mma.");
+        "waiting for the previous grid); see moesq_core.serving.kernels.p48_mma.");
   m.def("p48_variants", &p48_variants, "The compiled p48 kernel variants (tokens per pass, warps, stages, ...).");
   m.def("s24_variants", &variants, "The compiled kernel variants (index, name, tile shape, schedule, ...).");
 }

@@ -1235,7 +1235,7 @@ __global__ void __launch_bounds__(V::kThreads, V::kMinBlocks) p48_wgmma_kernel(P
   cp_async_wait<0>();
 }
 
-// The compiled variants (index = the `variant` argument; moesq_core/kernels/p48_mma.py picks one per call and lists
+// The compiled variants (index = the `variant` argument; moesq_core/serving/kernels/p48_mma.py picks one per call and lists
 // the same indices; only variants pick_config picks are compiled, to keep the build short; native/docs/p48.md):
 // 0: decode, mma.sp (up to 16 tokens per pass, 2 row tiles per warp: 256 rows per CTA, two consecutive records per
 // row tile and step, the bulk-copy ring, the trimmed per-unit staging and epilogue, the chunk's row start and count

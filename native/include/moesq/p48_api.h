@@ -3,7 +3,7 @@
  * For each expert e < E and each of its tokens n < counts[e] (activation row r = row_start[e] + n):
  *     out[r, m] (=|+=) alpha[e] * sum_k W_e[m, k] * x[r, k]          for m < M
  * with W_e the expert's paired 4:8 NVFP4 weight in the kernel's record layout (see
- * moesq_core/kernels/p48_mma.py, which builds it at load time):
+ * moesq_core/serving/kernels/p48_mma.py, which builds it at load time):
  *     records uint8 [E, MT, KR, 704]   MT = ceil(M/16) row tiles, KR = ceil(K/128) K records; one record =
  *                                      16 rows x 128 columns: 512 B of E2M1 codes (2 kept per 4-group), 128 B
  *                                      of 2:4 metadata (4 bits per 8-group), 64 B of UE4M3 block scales,

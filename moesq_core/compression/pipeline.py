@@ -1,0 +1,612 @@
+"""The stages as functions the CLI calls: calibrate -> init (one-shot method) -> refine -> pack -> eval.
+
+Each stage checks the work dir (same model, same normalised config), skips what is finished and resumes
+what is not, holding the work dir's lock. A stage whose prerequisites are missing runs them first, so
+`moesq refine --model M` works from nothing. Every option is validated before the work dir is touched.
+
+The library entry point is here too: `compress(model, config, workdir=...)` runs calibrate → baselines →
+refine (each block's init computed inside refinement's block loop) or the init alone, as the config says,
+resumably, in a work dir, and returns a handle whose `save_pretrained(out)` writes the packed model.
+
+    from moesq_core import compress, CompressConfig
+    handle = compress("Qwen/Qwen3-30B-A3B", CompressConfig.from_file("recipes/qwen3-30b-a3b-p48-nvfp4.yaml"),
+                      workdir="qwen3-work")
+    handle.save_pretrained("qwen3-p48")
+
+`run_all` is `moesq run`: compress, then pack, verify and evaluate.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from moesq_core.compression import distributed
+from moesq_core.compression.calibration import CalibConfig, build_calibration, read_documents
+from moesq_core.compression.config import (  # noqa: F401
+    ASSETS,
+    DEFAULT_CALIB,
+    DEFAULT_EVAL,
+    DEFAULT_MODEL,
+    CompressConfig,
+    MethodConfig,
+    RunConfig,
+    refine_identity,
+)
+from moesq_core.compression.engine import StageSpec, run_stage
+from moesq_core.compression.workdir import WorkDir, WorkDirError, _diff, atomic_path, model_fingerprint, sha256_file
+from moesq_core.formats import get_format
+from moesq_core.models import load_model
+from moesq_core.progress import NullProgress, note
+
+log = logging.getLogger("moesq")
+
+CALIB_FILE = "calib/calibration.safetensors"
+
+
+def _device(device: str | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r}: no CUDA GPU is visible; use --device cpu (or auto)")
+    return dev
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    # fp32 on CPU (exact reference), bf16 on GPU (the models' native precision)
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def _locked(workdir: WorkDir):
+    """The work dir's lock; under torch.distributed only rank 0 takes it (the ranks of one run share it)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return contextlib.nullcontext(workdir)
+    return workdir.locked()
+
+
+def _command_lock(workdir: WorkDir) -> contextlib.ExitStack:
+    """Hold the lock for a whole command when the work dir exists (a new one is locked once created)."""
+    stack = contextlib.ExitStack()
+    workdir.check_usable()
+    if workdir.root.is_dir():
+        stack.enter_context(_locked(workdir))
+    return stack
+
+
+# -- calibrate ---------------------------------------------------------------------------------------------
+def _model_info(model_source: str | Path) -> tuple[Path, dict]:
+    from transformers import AutoConfig
+
+    from moesq_core.models.adapter import adapter_for, read_config, resolve_model_path
+
+    path = resolve_model_path(str(model_source))
+    adapter = adapter_for(AutoConfig.from_pretrained(path))  # refuse non-MoE before any work
+    return path, {"source": str(model_source), "path": str(path.resolve()), "fingerprint": model_fingerprint(path),
+                  "family": adapter.family, "model_type": read_config(path).get("model_type")}
+
+
+def _check_calibration(workdir: WorkDir, m: dict) -> dict | None:
+    """The recorded calibration if its file is there and intact; None if there is none to keep."""
+    info = m.get("calibration")
+    if not info:
+        return None
+    path = workdir.path_of(info.get("file"), "calibration.file")
+    if not path.is_file():
+        return None
+    if sha256_file(path) != info["sha256"]:
+        raise WorkDirError(f"{path} is corrupt or truncated (checksum mismatch); delete it and re-run `moesq calibrate`")
+    return info
+
+
+def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progress=None) -> dict:
+    """Create (or check) the work dir for this model + config and write the calibration token splits.
+
+    Everything that can fail (model, format, calibration text, too few sequences) is checked before the work
+    dir is written; a work dir whose calibration was interrupted or failed is calibrated again."""
+    progress = progress or NullProgress()
+    from transformers import AutoTokenizer
+
+    workdir.check_usable()
+    path, model_info = _model_info(model_source)
+    if workdir.exists():
+        m = workdir.load()
+        if "calibration" in m or m.get("stages"):
+            workdir.check_matches(model_info, cfg.to_dict())
+        info = _check_calibration(workdir, m)
+        if info is not None:
+            log.info("calibration already done: %s", workdir.root / info["file"])
+            return info
+    tok = AutoTokenizer.from_pretrained(path)
+    with progress.task("calibrate: reading and tokenizing", None) as t:
+        docs = read_documents(cfg.calib_source)
+        splits = build_calibration(tok, docs, cfg.calib)
+        t.advance()
+    with _locked(workdir):
+        m = workdir.init(model_info, cfg.to_dict())
+        info = _check_calibration(workdir, m)
+        if info is not None:  # another process finished it meanwhile
+            return info
+        calib_path = workdir.root / CALIB_FILE
+        with atomic_path(calib_path) as tmp:
+            save_file(splits, str(tmp))
+        info = {"file": CALIB_FILE, "sha256": sha256_file(calib_path),
+                "sequences": {k: int(v.shape[0]) for k, v in splits.items()}, "seq_len": cfg.calib.seq_len,
+                "tokens": int(sum(v.numel() for v in splits.values())),
+                "documents": len(docs) if isinstance(docs, list) else docs.read}
+        m = workdir.load()
+        m["calibration"] = info
+        workdir.save(m)
+    log.info("calibration: %s", info)
+    return info
+
+
+def open_workdir(workdir: WorkDir | str | Path, model: str | Path | None = None, options: dict | None = None,
+                 defaults: dict | None = None, progress=None) -> WorkDir:
+    """The work dir for a stage command, calibrated: created when new, calibrated when its calibration never
+    finished. Run options given (RUN_OPTIONS; None = not given) must match those an existing work dir was made
+    with; they are refused otherwise, naming the differences, and nothing is written."""
+    wd = workdir if isinstance(workdir, WorkDir) else WorkDir(workdir)
+    options = {k: v for k, v in (options or {}).items() if v is not None}
+    wd.check_usable()
+    if wd.exists():
+        m = wd.load()
+        recorded = RunConfig.from_dict(m["config"])
+        if "calibration" in m or m.get("stages"):
+            wanted = RunConfig.from_options({**recorded.flat(), **options})
+            problems = _diff(recorded.to_dict(), wanted.to_dict())
+            if problems:
+                raise WorkDirError(f"{wd.root} was made with other settings:\n  " + "\n  ".join(problems)
+                                   + "\nUse another --workdir, or leave these options out to use the work dir's.")
+            if model is None and _check_calibration(wd, m) is not None:
+                return wd
+            cfg = recorded
+        else:  # an interrupted or failed calibration: nothing depends on its settings, the ones given now count
+            cfg = RunConfig.from_options({**recorded.flat(), **options})
+        source = model or m["model"]["source"]
+    else:
+        cfg = RunConfig.from_options(options, defaults)
+        source = model or DEFAULT_MODEL
+    calibrate(wd, source, cfg, progress)
+    return wd
+
+
+def load_calibration(workdir: WorkDir) -> dict[str, torch.Tensor]:
+    m = workdir.load()
+    if "calibration" not in m:
+        raise WorkDirError(f"{workdir.root} has no calibration yet; run `moesq calibrate` first")
+    path = workdir.path_of(m["calibration"].get("file"), "calibration.file")
+    if not path.is_file() or sha256_file(path) != m["calibration"]["sha256"]:
+        raise WorkDirError(f"{path} is missing or corrupt (checksum mismatch); delete it and re-run `moesq calibrate`")
+    return load_file(str(path))
+
+
+# -- one-shot methods and refinement ------------------------------------------------------------------------
+def _load_for_stage(workdir: WorkDir, device: str | None):
+    m = workdir.load()
+    dev = _device(device)
+    path = Path(m["model"]["path"])
+    if not (path / "config.json").is_file():
+        raise WorkDirError(f"the model this work dir was made for ({m['model']['source']}) is no longer at {path}")
+    if model_fingerprint(path) != m["model"]["fingerprint"]:
+        raise WorkDirError(f"the model at {path} changed since this work dir was made (its weights or config "
+                           "differ); restore it, or use another --workdir for the changed model")
+    # lazily: host memory stays bounded by a few blocks, not the model
+    model, tok, adapter, _ = load_model(path, dtype=_dtype(dev), device=dev, lazy=True)
+    return model, adapter, m
+
+
+def init_stage_name(method: str) -> str:
+    return f"init-{method}"
+
+
+def init_stage(workdir: WorkDir, method: str | MethodConfig = "sgptq", options: dict | None = None, *,
+             device: str | None = None, batch_size: int = 8, redo_from: int | None = None, progress=None,
+             cache_limit_gb: float = 4.0, disk_free_bytes: int | None = None) -> dict:
+    """The one-shot stage `init-<method>` (sgptq, rtn, magnitude, wanda, jsq, obr, gptq). A finished stage
+    with the same normalised config is only checked (checksums), not recomputed. Refuses (StatesDiskError) before
+    any work when the work dir's disk cannot hold the calibration states (disk_free_bytes: its free bytes; None
+    measures them)."""
+    mcfg = method if isinstance(method, MethodConfig) else MethodConfig(method, dict(options or {}))
+    _check_run_args(device, batch_size, redo_from, cache_limit_gb)
+    name = init_stage_name(mcfg.name)
+    with _locked(workdir):
+        m = workdir.load()
+        fmt = get_format(m["config"]["format"])
+        mcfg.check_format(fmt)
+        if redo_from is None:
+            done = workdir.finished_stage_summary(name, mcfg.to_dict())
+            if done is not None:
+                return done
+        else:
+            workdir.check_stage_config(name, mcfg.to_dict())
+        model, adapter, m = _load_for_stage(workdir, device)
+        calib = load_calibration(workdir)
+        from moesq_core.compression.preflight import check_stage_states
+        note(progress, check_stage_states(workdir, name, ["init"], calib, model, sized_split="init",
+                                          batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
+                                          disk_free_bytes=disk_free_bytes))
+        spec = StageSpec(
+            name=name, fmt=fmt, method_for_block=lambda li: mcfg.build(), config=mcfg.to_dict(),
+            compress_split="init", val_split=None, act_quant=m["config"]["act_quant"], batch_size=batch_size,
+            cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg))
+        return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+
+
+def _memory_options(init: MethodConfig, refine: bool = False) -> tuple[str, ...]:
+    """The options that lower a stage's memory, most effective first (for its out-of-memory message)."""
+    chunk = ("the method option chunk_gb",) if "chunk_gb" in init.options else ()
+    return (("--micro-batch-rows", "--chunk-gb") if refine else ()) + chunk + ("--batch-size", "--cache-gb")
+
+
+def _check_run_args(device, batch_size: int, redo_from: int | None, cache_limit_gb: float) -> None:
+    _device(device)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 sequence, got {batch_size}")
+    if redo_from is not None and redo_from < 0:
+        raise ValueError(f"redo_from must be a layer index >= 0, got {redo_from}")
+    if cache_limit_gb < 0:
+        raise ValueError(f"cache_limit_gb must be >= 0, got {cache_limit_gb}")
+
+
+def _routing(manifest: dict) -> tuple[int, int]:
+    """(experts per token, routed experts per block) from the work dir's model config."""
+    from moesq_core.models.adapter import read_config
+
+    cfg = read_config(Path(manifest["model"]["path"]))
+    top_k = cfg.get("num_experts_per_tok") or 1
+    return top_k, cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 1
+
+
+def refine_schedule(workdir: WorkDir, rcfg) -> str:
+    """The per-block refinement schedule, estimated from the calibration (training sequences × tokens ×
+    top-k routed rows, spread over the experts), as one line."""
+    m = workdir.load()
+    cal = m["calibration"]
+    top_k, n_exp = _routing(m)
+    seqs = cal["sequences"]["train"] + (cal["sequences"]["init"] if rcfg.init_split_rows else 0)
+    rows = seqs * cal["seq_len"] * top_k
+    what = "training + one-shot" if rcfg.init_split_rows else "training"
+    return (f"{rcfg.schedule(rows, n_exp)} (from {seqs} {what} sequences × "
+            f"{cal['seq_len']} tokens × top-{top_k} ≈ {rows:,} routed rows over {n_exp} experts per block)")
+
+
+def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq", device: str | None = None,
+           batch_size: int = 8, redo_from: int | None = None, progress=None, cache_limit_gb: float = 4.0,
+           stage: str = "refine", disk_free_bytes: int | None = None) -> dict:
+    """The refinement stage (a RefineConfig, or a dict of its fields). As in Algorithm 1, each block's init is
+    computed inside the block loop: the one-shot method `init` (a MethodConfig, or a method name with its
+    defaults) runs on the block's training tokens (and the one-shot split's: RefineConfig.init_split_rows) on
+    the refined prefix, then refinement starts from it. Prints (progress.note) its schedule before training.
+    Refuses (StatesDiskError) before any work when the work dir's disk cannot hold the calibration states
+    (disk_free_bytes: its free bytes; None measures them)."""
+    from moesq_core.compression.methods.refine import RefineConfig, RefineMethod
+
+    rcfg = config if isinstance(config, RefineConfig) else RefineConfig(**dict(config or {}))
+    mcfg = init if isinstance(init, MethodConfig) else MethodConfig(init)
+    _check_run_args(device, batch_size, redo_from, cache_limit_gb)
+    identity = refine_identity(rcfg, mcfg)
+    with _locked(workdir):
+        m = workdir.load()
+        fmt = get_format(m["config"]["format"])
+        mcfg.check_format(fmt)
+        if redo_from is None:
+            done = workdir.finished_stage_summary(stage, identity)
+            if done is not None:
+                return {**done, "improved_on_init": improved_on_init(workdir, stage)}
+        else:
+            workdir.check_stage_config(stage, identity)
+        model, adapter, m = _load_for_stage(workdir, device)
+        calib = load_calibration(workdir)
+        note(progress, f"{stage} schedule: {refine_schedule(workdir, rcfg)}")
+        act_quant = m["config"]["act_quant"]
+        # decided once, by the process that runs the step (under torchrun the others only wait for it)
+        e2e = plan_end_to_end(rcfg, model, adapter, calib) if rcfg.e2e_steps and distributed.is_main_process() else None
+        if e2e is not None:
+            note(progress, f"{stage} end-to-end: {e2e['line']}")
+
+        def end_to_end(model, adapter, workdir, progress):
+            if not e2e["steps"]:
+                return {"skipped": e2e["line"]}
+            return tune_end_to_end(workdir, stage, model, adapter, calib, fmt, act_quant,
+                                   dataclasses.replace(rcfg, e2e_steps=e2e["steps"]), progress)
+        split = "train"
+        if rcfg.init_split_rows:  # one split the block loop routes: the training and the one-shot sequences
+            split = "train+init"
+            calib = {**calib, split: torch.cat([calib["train"], calib["init"]])}
+        from moesq_core.compression.preflight import check_stage_states
+        note(progress, check_stage_states(workdir, stage, [split, "val"], calib, model, sized_split="train",
+                                          batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
+                                          disk_free_bytes=disk_free_bytes))
+        note(progress, f"{stage} memory: {refine_memory(rcfg, fmt, model, adapter, _routing(m)[0], calib[split], calib['val'])}")
+        spec = StageSpec(
+            name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=identity,
+            compress_split=split, val_split="val", act_quant=act_quant, batch_size=batch_size,
+            cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True),
+            finalize=end_to_end if rcfg.e2e_steps else None)
+        summary = run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+        return {**summary, "improved_on_init": improved_on_init(workdir, stage)}
+
+
+def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, held_out: torch.Tensor) -> str:
+    """What refining the model's largest block holds on its device, from the calibration token counts (the
+    sequences the block loop trains on and validates on), checked before the block loop: one line, or
+    RefineMemoryError naming the bytes and the options that lower them (methods/refine/trainer.py)."""
+    from moesq_core.compression.methods.refine.trainer import refine_memory_plan
+    from moesq_core.memory import device_available_bytes
+
+    device = next(model.parameters()).device
+    blocks = adapter.blocks(model)
+    if not blocks:
+        return "no MoE block"
+    experts = max(b.num_experts for b in blocks)
+    H = blocks[0].dense_experts.gate_up_proj.shape[-1]
+    I = max(b.dense_experts.down_proj.shape[-1] for b in blocks)
+    tokens = trained.numel() + held_out.numel()
+    return refine_memory_plan(fmt, rcfg, experts=experts, H=H, I=I, tokens=tokens, token_bytes=_dtype(device).itemsize,
+                              routed_rows=tokens * top_k, available=device_available_bytes(device) if device.type == "cuda" else None,
+                              device=str(device), sequences=trained.shape[0] + held_out.shape[0])
+
+
+def improved_on_init(workdir: WorkDir, stage: str) -> dict:
+    """How many of a refine stage's experts ship refined weights, i.e. validated better than their init in some
+    epoch or end-to-end pass (the others ship the init: at a budget too small for the model, refinement then only cost time)."""
+    from moesq_core.compression.engine import block_info
+
+    improved = experts = 0
+    for rec in (workdir.stage(stage) or {}).get("blocks", {}).values():
+        for info in block_info(workdir.path_of(rec.get("file"), f"stages.{stage}.blocks.file")).values():
+            experts += 1
+            improved += int((info.get("refine") or {}).get("best_epoch", 0) > 0
+                            or (info.get("e2e") or {}).get("best_pass", 0) > 0)
+    return {"experts": experts, "improved": improved}
+
+
+def plan_end_to_end(rcfg, model, adapter, calib: dict[str, torch.Tensor]) -> dict:
+    """The end-to-end step's length on this model and calibration: {"steps", "need_bytes", "available_bytes",
+    "line"}. "auto" runs it only when its memory estimate (methods/refine/e2e.py) fits what the model's device
+    has available (or rcfg.e2e_memory_gb); a number of steps runs regardless, with a warning when it looks too big."""
+    from moesq_core.compression.methods.refine.e2e import memory_need_bytes
+    from moesq_core.memory import device_available_bytes
+
+    sequences = len(calib["train"]) + len(calib["init"])
+    steps = rcfg.e2e_steps_for(sequences)
+    device = next(model.parameters()).device
+    need = memory_need_bytes(model, adapter, rcfg.e2e_batch_size, calib["train"].shape[1])
+    gib = lambda b: f"{b / 2**30:.3g} GiB"  # noqa: E731
+    if rcfg.e2e_memory_gb is not None:
+        have, source = int(rcfg.e2e_memory_gb * 2**30), "allowed (e2e_memory_gb)"
+    else:
+        have, source = device_available_bytes(device), f"available on {device}"
+    where = f"{gib(have)} {source}" if have is not None else f"{device}'s free memory unknown"
+    fits = have is None or need <= have
+    if rcfg.e2e_steps == "auto" and not fits:
+        line = (f"skipped: tuning every expert of the model at once needs ~{gib(need)}, {where} "
+                "(--e2e-steps N runs it anyway; --e2e-steps 0 silences this)")
+        log.warning("end-to-end step %s", line)
+        return {"steps": 0, "need_bytes": need, "available_bytes": have, "line": line}
+    line = (f"{steps} steps × {rcfg.e2e_batch_size} of {sequences} sequences after the last block "
+            f"({'auto: ' if rcfg.e2e_steps == 'auto' else ''}~{gib(need)} of {where})")
+    if not fits:
+        log.warning("end-to-end step: ~%s needed, %s: it may run out of memory", gib(need), where)
+        line += " — may not fit"
+    return {"steps": steps, "need_bytes": need, "available_bytes": have, "line": line}
+
+
+def tune_end_to_end(workdir: WorkDir, stage: str, model, adapter, calib: dict[str, torch.Tensor], fmt,
+                    act_quant: bool, rcfg, progress=None) -> dict:
+    """Refinement's end-to-end step (RefineConfig.e2e_steps) on a stage whose blocks are all saved: tunes the
+    values of every block's experts together (methods/refine/e2e.py) on the training and one-shot splits,
+    validating on the validation split, then writes the tuned blocks next to the block-wise ones and switches
+    the stage to them in one manifest write (an interrupted run leaves the block-wise stage as it was and
+    tunes again on resume). Done once: a stage that records it returns its record."""
+    from moesq_core.compression.engine import load_block, save_block
+    from moesq_core.compression.methods.refine.e2e import EndToEndTuner
+
+    st = workdir.stage(stage)
+    if "e2e" in st:
+        return st["e2e"]
+    device = next(model.parameters()).device
+    blocks = {b.layer_index: (b, *load_block(workdir.verified_block(stage, b.layer_index)))
+              for b in adapter.blocks(model)}
+    train = torch.cat([calib["train"], calib["init"]])
+    result = EndToEndTuner(model, blocks, fmt, act_quant, rcfg, device).run(train, calib["val"], progress)
+    paths = {}
+    if result.summary["best_pass"] > 0:
+        for li, (_, _, amax_in, amax_mid) in blocks.items():
+            paths[li] = workdir.stage_dir(stage) / f"block_{li:03d}.e2e.safetensors"
+            save_block(paths[li], result.blocks[li], amax_in, amax_mid)
+    workdir.replace_blocks(stage, paths, result.summary)
+    return result.summary
+
+
+# -- what the stage commands run ------------------------------------------------------------------------------
+def run_calibrate(workdir: str | Path, model: str | Path | None = None, options: dict | None = None,
+                  progress=None) -> dict:
+    """`moesq calibrate`: the work dir created (or checked) and calibrated; returns the calibration record."""
+    wd = WorkDir(workdir)
+    with _command_lock(wd):
+        wd = open_workdir(wd, model, options, progress=progress)
+        return wd.load()["calibration"]
+
+
+def run_init(workdir: str | Path, method: MethodConfig, model: str | Path | None = None,
+             options: dict | None = None, *, device: str | None = None, batch_size: int = 8,
+             redo_from: int | None = None, cache_limit_gb: float = 4.0, progress=None) -> dict:
+    """`moesq init-sgptq`: calibrate if needed, then the one-shot stage of `method`."""
+    _check_run_args(device, batch_size, redo_from, cache_limit_gb)
+    wd = WorkDir(workdir)
+    with _command_lock(wd):
+        wd = distributed.main_first(open_workdir, wd, model, options, progress=progress)
+        return init_stage(wd, method, device=device, batch_size=batch_size, redo_from=redo_from, progress=progress,
+                        cache_limit_gb=cache_limit_gb)
+
+
+def recorded_init(wd: WorkDir, init: str) -> MethodConfig:
+    """The init refinement runs inside its block loop: the options of the work dir's init stage of that method
+    when there is one (`moesq init-sgptq --percdamp 0.05` then `moesq refine`), else the method's defaults."""
+    st = wd.stage(init_stage_name(init))
+    return MethodConfig(init, st["config"].get("options", {})) if st else MethodConfig(init)
+
+
+def run_refine(workdir: str | Path, config, model: str | Path | None = None, options: dict | None = None, *,
+               init: str = "sgptq", stage: str = "refine", device: str | None = None, batch_size: int = 8,
+               redo_from: int | None = None, cache_limit_gb: float = 4.0, progress=None) -> dict:
+    """`moesq refine`: calibrate if needed, then refinement (its init computed per block, see `refine`)."""
+    from moesq_core.compression.methods.refine import RefineConfig
+
+    rcfg = config if isinstance(config, RefineConfig) else RefineConfig(**dict(config or {}))
+    MethodConfig(init)  # an unknown init method is refused before anything runs
+    _check_run_args(device, batch_size, redo_from, cache_limit_gb)
+    wd = WorkDir(workdir)
+    with _command_lock(wd):
+        wd = distributed.main_first(open_workdir, wd, model, options, progress=progress)
+        return refine(wd, rcfg, init=recorded_init(wd, init), device=device, batch_size=batch_size,
+                      redo_from=redo_from, progress=progress, cache_limit_gb=cache_limit_gb, stage=stage)
+
+
+def run_config_of(workdir: str | Path, config):
+    """`config` (a CompressConfig) with an existing work dir's run config (format, activation quantization,
+    calibration) in place of its own: what `moesq run` without a recipe does on a work dir another command
+    made. A new work dir keeps the config's."""
+    wd = WorkDir(workdir)
+    if not wd.exists():
+        return config
+    rec = RunConfig.from_dict(wd.load()["config"])
+    return dataclasses.replace(config, format=rec.format, act_quant=rec.act_quant, calib=rec.calib,
+                               calib_source=rec.calib_source)
+
+
+def finished_stages(workdir: WorkDir) -> list[str]:
+    return [k for k, v in workdir.load()["stages"].items() if v.get("done")]
+
+
+def default_stage(workdir: WorkDir) -> str:
+    """The stage `pack` and `eval` use by default: refine if finished, else the last finished init stage."""
+    done = finished_stages(workdir)
+    if not done:
+        raise WorkDirError(f"{workdir.root} has no finished compression stage yet; run `moesq init-sgptq` or `moesq refine`")
+    return "refine" if "refine" in done else done[-1]
+
+
+def default_run_config() -> CompressConfig:
+    """What `moesq run` does with no options (recipes/micro-quick.yaml): a small budget on the embedded model —
+    256-token sequences, 64 for the one-shot stages, 64 + 8 for refinement (2 epochs × 8 steps, SGPTQ computed
+    inside its block loop, then the automatic end-to-end step on the KL's second-order form, the cheaper one on a
+    CPU), magnitude and SGPTQ alone as the baselines."""
+    from moesq_core.compression.methods.refine import RefineConfig
+
+    return CompressConfig(calib=CalibConfig(seq_len=256, n_train=64, n_val=8, n_init=64), init=MethodConfig("sgptq"),
+                          refine=RefineConfig(epochs=2, steps_per_epoch=8, e2e_loss="fisher"),
+                          baselines=("magnitude", "sgptq"))
+
+
+@dataclass
+class CompressedModel:
+    """A finished compression in a work dir: `stage` is what `save_pretrained` packs."""
+
+    workdir: Path
+    stage: str
+    config: CompressConfig
+    summaries: dict  # stage -> its summary (blocks, computed_now, timings)
+
+    def save_pretrained(self, out: str | Path, *, overwrite: bool = False, dense_layout: bool = False,
+                        progress=None) -> dict:
+        """Write the Hugging Face–style packed model dir (moesq pack); returns the export summary."""
+        from moesq_core.compression.export import export_packed
+
+        kw = {"progress": progress} if progress is not None else {}
+        return export_packed(WorkDir(self.workdir), self.stage, Path(out), overwrite=overwrite,
+                             sparse_layout=not dense_layout, **kw)
+
+
+def model_source(model) -> str | Path | None:
+    """What `compress` reads the model from: a local dir or Hub id as given; a loaded transformers model
+    (PreTrainedModel) as the checkpoint it was loaded from (its `name_or_path`), since moesq reads the weights
+    shard by shard and needs the tokenizer files beside them. In-memory changes to a loaded model are not seen:
+    save it (with its tokenizer) and pass the directory."""
+    if model is None or isinstance(model, (str, Path)):
+        return model
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(model, "save_pretrained"):
+        raise ValueError(f"model must be a local dir, a Hub id or a loaded transformers model, got {type(model).__name__}")
+    source = getattr(model, "name_or_path", None) or getattr(config, "name_or_path", None)
+    if not source:
+        raise ValueError("the loaded model has no source checkpoint (its name_or_path is empty), and moesq needs "
+                         "its files and tokenizer: save both with save_pretrained(DIR) and pass DIR")
+    return source
+
+
+def compress(model=None, config: CompressConfig | str | Path | None = None,
+             workdir: str | Path = "moesq-work", *, device: str | None = None, batch_size: int = 8,
+             cache_limit_gb: float = 4.0, progress=None) -> CompressedModel:
+    """Compress `model` (a local dir, a Hub id or a loaded transformers model: see `model_source`; default: the
+    config's `model`, else the embedded micro model) as `config` says (a CompressConfig or a recipe file;
+    default: `moesq run`'s). Resumable: finished stages are only checked, an interrupted one continues at its
+    first unfinished block. A work dir made for another model or run config is refused."""
+
+    model = model_source(model)
+    if config is None:
+        config = default_run_config()
+    elif not isinstance(config, CompressConfig):
+        config = CompressConfig.from_file(config)
+    _check_run_args(device, batch_size, None, cache_limit_gb)
+    wd = WorkDir(workdir)
+    summaries = {}
+    with _command_lock(wd):
+        distributed.main_first(open_workdir, wd, model or config.model, config.run_config().flat(),
+                               progress=progress)
+        # One-shot stages: the baselines (the init method among them as configured), and the init itself when
+        # there is no refinement (refinement computes its init inside its own block loop).
+        one_shot = [config.init if b == config.init.name else MethodConfig(b) for b in config.baselines]
+        if config.refine is None and config.init.name not in config.baselines:
+            one_shot.append(config.init)
+        for mcfg in one_shot:
+            summaries[init_stage_name(mcfg.name)] = init_stage(
+                wd, mcfg, device=device, batch_size=batch_size, progress=progress, cache_limit_gb=cache_limit_gb)
+        stage = init_stage_name(config.init.name)
+        if config.refine is not None:
+            stage = "refine"
+            summaries[stage] = refine(wd, config.refine, init=config.init, device=device,
+                                               batch_size=batch_size, progress=progress,
+                                               cache_limit_gb=cache_limit_gb)
+    return CompressedModel(wd.root, stage, config, summaries)
+
+
+def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *, device: str | None = None,
+            ppl: str | Path | None = None, ppl_tokens: int = 65536, progress=None) -> dict:
+    """`moesq run`: compress (calibrate → baselines → init → refine, as the CompressConfig says; default: the
+    micro-quick recipe) → pack → verify → perplexity of the reference, every stage and the packed model.
+    Returns {stage, config, packed, rows, bits_per_weight} (None on the ranks other than 0 under torchrun)."""
+    from moesq_core.checkpoint.verify import verify_packed_dir
+    from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
+    from moesq_core.progress import NullProgress
+
+    progress = progress or NullProgress()
+    wd = WorkDir(workdir)
+    with _command_lock(wd):
+        handle = compress(model, config, workdir, device=device, progress=progress)
+        if not distributed.is_main_process():
+            return None  # expert parallel: rank 0 packs, verifies and evaluates
+        out = wd.root / "packed"
+        with progress.task(f"pack {handle.stage}", len(wd.stage(handle.stage)["blocks"])) as t:
+            handle.save_pretrained(out, overwrite=True, progress=t.advance)
+        report = verify_packed_dir(out, progress=progress)
+        if not report.ok:
+            raise RuntimeError(f"verify failed on the packed model: {report.first_error}")
+        targets = resolve_targets([str(wd.root), str(out)])
+        rows = ppl_for_targets(targets, ppl or DEFAULT_EVAL, max_tokens=ppl_tokens, device="cpu",
+                               cache=ResultCache(wd.root / "eval" / "results.json"), progress=progress)
+        (wd.root / "eval").mkdir(exist_ok=True)
+        with atomic_path(wd.root / "eval" / "run_table.json") as tmp:
+            tmp.write_text(json.dumps(rows, indent=2))
+    return {"stage": handle.stage, "config": handle.config.to_dict(), "packed": str(out), "rows": rows,
+            "bits_per_weight": report.bits_per_weight}
