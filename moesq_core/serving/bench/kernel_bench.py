@@ -34,7 +34,7 @@ from moesq_core.serving.bench.harness import (
     random_2to4_dense_e4m3,
     random_e4m3,
     run_header,
-    time_method,
+    time_gemm,
 )
 
 DEFAULT_G = [8, 32, 128, 384]
@@ -131,7 +131,7 @@ def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, s
     for bname in baselines:
         try:
             m = BASELINES[bname](prob, gen, device)
-            row["methods"][bname] = _record(time_method(m, repeats), prob, m.weight_bytes)
+            row["methods"][bname] = _record(time_gemm(m, repeats), prob, m.weight_bytes)
             if m.note:
                 row["methods"][bname]["note"] = m.note
         except Exception as e:  # a baseline that cannot run this shape is reported, not fatal

@@ -391,7 +391,7 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
     return f"~{size(whole)} per block on {device} of {size(available)} available ({parts}): one chunk"
 
 
-def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
+def refine_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
     """The block's experts cut into consecutive chunks whose state fits cfg.chunk_gb (default: 85 % of the
     free CUDA memory less what the block holds whatever its experts, `refine_shared_bytes`; on the CPU
     memory.HOST_CHUNK_BYTES, which bounds the host memory per process). Refining chunk by chunk gives the same bytes as all at once: every expert
