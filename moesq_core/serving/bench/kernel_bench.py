@@ -93,7 +93,7 @@ class S24Bench:
         """Relative Frobenius error of `variant` vs an fp32 GPU reference over up to 4 experts (largest error)."""
         s24 = self.s24
         self.out.fill_(float("nan"))
-        s24.launch(w, self.xq, self.sx, self.counts, self.out, variant)
+        s24.launch_variant(w, self.xq, self.sx, self.counts, self.out, variant)
         torch.cuda.synchronize()
         worst = 0.0
         G = self.prob.G
@@ -109,7 +109,7 @@ class S24Bench:
 
     def call(self, w, variant: int):
         s24, xq, sx, counts, out = self.s24, self.xq, self.sx, self.counts, self.out
-        return lambda: s24.launch(w, xq, sx, counts, out, variant)
+        return lambda: s24.launch_variant(w, xq, sx, counts, out, variant)
 
 
 def _record(t: Timing, prob: Problem, weight_bytes: int) -> dict:
