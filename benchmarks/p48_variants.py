@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moesq_core.serving.bench.harness import BASELINES, copies_for, graph_time, new_row, run_header, time_method  # noqa: E402
+from moesq_core.serving.bench.harness import BASELINES, copies_for, graph_time, new_row, run_header, time_gemm  # noqa: E402
 from moesq_core.serving.bench.p48_bench import P48Bench  # noqa: E402
 from moesq_core.serving.kernels import p48_mma as pm  # noqa: E402
 
@@ -86,7 +86,7 @@ def main(argv=None) -> int:
                 prob.counts = routed_counts(n, G, args.routed, seed=n * 7919 + G)
                 row.update(tokens=prob.tokens, routed_top_k=args.routed, counts=prob.counts)
             f = BASELINES["fp8_grouped_mm"](prob, gen, device)
-            row["fp8_us"] = round(time_method(f, args.repeats).median_us, 3)
+            row["fp8_us"] = round(time_gemm(f, args.repeats).median_us, 3)
             del f
             torch.cuda.empty_cache()
             ours = P48Bench(prob, gen, device, native)

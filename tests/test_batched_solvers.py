@@ -428,7 +428,7 @@ def test_batched_on_cuda_matches_the_cpu_reference(name):
             assert b.info["rel_err"][p] == pytest.approx(r.info["rel_err"][p], rel=0.1)
 
 
-def test_expert_chunks_are_sized_from_the_memory_free_before_each(monkeypatch):
+def test_solver_chunks_are_sized_from_the_memory_free_before_each(monkeypatch):
     """Without chunk_gb the budget is read again before every chunk (the finished chunks' results hold memory the
     next one cannot use); the chunks change size with it and the results stay those of one pass."""
     from moesq_core.compression.methods import batching

@@ -402,7 +402,7 @@ def test_block_compressed_in_expert_chunks_gives_the_same_bytes(micro_path, tmp_
     sums = []
     for name, chunk in (("whole", None), ("chunked", 3)):
         if chunk is not None:
-            monkeypatch.setattr(engine, "expert_chunks",
+            monkeypatch.setattr(engine, "dense_weight_chunks",
                                 lambda experts, I, H, device: [experts[i:i + chunk] for i in range(0, len(experts), chunk)])
         wd = tmp_path / name
         run_init(wd, MethodConfig("sgptq"), micro_path, run, device="cpu", batch_size=4)
@@ -470,32 +470,32 @@ def test_consecutive_chunks_fit_the_budget_in_order():
     assert consecutive_chunks([], [], 4) == []
 
 
-def test_expert_chunks_fit_the_host_budget_on_the_cpu():
+def test_dense_weight_chunks_fit_the_host_budget_on_the_cpu():
     """On the CPU a chunk's fp32 weights and results fit HOST_CHUNK_BYTES: a small block is one chunk, a
     Kimi-K2 block (384 experts of 2048 x 7168, ~1.2 GB each with its result) one expert a chunk."""
-    from moesq_core.compression.engine import HOST_CHUNK_BYTES, RESULT_BYTES_PER_WEIGHT, expert_chunks
+    from moesq_core.compression.engine import HOST_CHUNK_BYTES, RESULT_BYTES_PER_WEIGHT, dense_weight_chunks
 
     cpu = torch.device("cpu")
-    assert expert_chunks(list(range(64)), 64, 128, cpu) == [list(range(64))]
-    assert expert_chunks(list(range(384)), 2048, 7168, cpu) == [[e] for e in range(384)]
+    assert dense_weight_chunks(list(range(64)), 64, 128, cpu) == [list(range(64))]
+    assert dense_weight_chunks(list(range(384)), 2048, 7168, cpu) == [[e] for e in range(384)]
     per = 3 * 512 * 1024 * (4 + RESULT_BYTES_PER_WEIGHT)
-    chunks = expert_chunks(list(range(64)), 512, 1024, cpu)
+    chunks = dense_weight_chunks(list(range(64)), 512, 1024, cpu)
     assert [e for c in chunks for e in c] == list(range(64)) and len(chunks) > 1
     assert all(len(c) * per <= HOST_CHUNK_BYTES for c in chunks)
-    assert expert_chunks([], 8, 8, cpu) == []
+    assert dense_weight_chunks([], 8, 8, cpu) == []
 
 
 @pytest.mark.gpu
-def test_expert_chunks_fit_the_weights_on_a_gpu():
+def test_dense_weight_chunks_fit_the_weights_on_a_gpu():
     """On a GPU a chunk's fp32 weights and results fit WEIGHTS_GPU_FRACTION of the free memory (the routed rows
     are the block's one token matrix, already allocated): weights that do not fit together make more chunks,
     in expert order, one expert at the least."""
-    from moesq_core.compression.engine import RESULT_BYTES_PER_WEIGHT, WEIGHTS_GPU_FRACTION, expert_chunks
+    from moesq_core.compression.engine import RESULT_BYTES_PER_WEIGHT, WEIGHTS_GPU_FRACTION, dense_weight_chunks
 
     dev = torch.device("cuda")
-    assert expert_chunks(list(range(8)), 64, 64, dev) == [list(range(8))]
+    assert dense_weight_chunks(list(range(8)), 64, 64, dev) == [list(range(8))]
     free = torch.cuda.mem_get_info(dev)[0] * WEIGHTS_GPU_FRACTION
     I = int(free // 4 // (3 * 64 * (4 + RESULT_BYTES_PER_WEIGHT)))  # a quarter of the budget per expert
-    many = expert_chunks(list(range(8)), I, 64, dev)
+    many = dense_weight_chunks(list(range(8)), I, 64, dev)
     assert [e for c in many for e in c] == list(range(8)) and all(1 <= len(c) <= 4 for c in many) and len(many) >= 2
-    assert expert_chunks([5], 10 ** 9, 10 ** 4, dev) == [[5]]
+    assert dense_weight_chunks([5], 10 ** 9, 10 ** 4, dev) == [[5]]

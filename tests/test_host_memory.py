@@ -143,16 +143,16 @@ def test_refinement_on_the_cpu_goes_in_chunks_of_the_host_budget(monkeypatch):
     """On the CPU (no chunk_gb) refinement holds the state of as many experts as fit memory.HOST_CHUNK_BYTES at
     a time, and its pre-flight line says so; a block within the budget stays one chunk."""
     from moesq_core.compression.methods.refine import RefineConfig, trainer
-    from moesq_core.compression.methods.refine.trainer import expert_chunks, refine_bytes_per_expert, refine_memory_plan
+    from moesq_core.compression.methods.refine.trainer import refine_bytes_per_expert, refine_chunks, refine_memory_plan
     from moesq_core.formats import get_format
 
     from test_refine import make_block
 
     fmt = get_format("p48-nvfp4")
     experts = make_block(E=5, n=8, n_val=4)
-    assert [len(c) for c in expert_chunks(experts, fmt, RefineConfig())] == [5]
+    assert [len(c) for c in refine_chunks(experts, fmt, RefineConfig())] == [5]
     monkeypatch.setattr(trainer, "HOST_CHUNK_BYTES", int(2.5 * refine_bytes_per_expert(fmt, 64, 64)))
-    assert [len(c) for c in expert_chunks(experts, fmt, RefineConfig())] == [2, 2, 1]
+    assert [len(c) for c in refine_chunks(experts, fmt, RefineConfig())] == [2, 2, 1]
     plan = refine_memory_plan(fmt, RefineConfig(), experts=5, H=64, I=64, tokens=12, token_bytes=4, routed_rows=24,
                               available=None, device="cpu", sequences=3)
     assert plan.endswith("refined in 3 chunks of experts to bound host memory"), plan

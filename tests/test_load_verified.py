@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from moesq_core.checkpoint.checksums import MANIFEST, safetensors_layout
+from moesq_core.checkpoint.checksums import PACK_MANIFEST, safetensors_layout
 from moesq_core.checkpoint.verify import verify_packed_dir
 from moesq_core.naming import SINGLE_FILE
 from moesq_core.serving.loader import load_packed
@@ -61,8 +61,8 @@ def test_edited_config_deleted_manifest_and_unlisted_tokenizer_file_are_refused(
     assert report.ok and any("notes.txt" in w for w in report.warnings)
     load_packed(pack)
 
-    (pack / MANIFEST).unlink()
-    with pytest.raises(ValueError, match=rf"{MANIFEST}: missing"):
+    (pack / PACK_MANIFEST).unlink()
+    with pytest.raises(ValueError, match=rf"{PACK_MANIFEST}: missing"):
         load_packed(pack)
     assert not verify_packed_dir(pack).ok
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moesq_core.checkpoint.checksums import MANIFEST, safetensors_layout
+from moesq_core.checkpoint.checksums import PACK_MANIFEST, safetensors_layout
 from moesq_core.checkpoint.model_card import model_card
 from moesq_core.checkpoint.verify import verify_packed_dir
 from moesq_core.compression.export import check_output_dir, export_packed, input_global_scales
@@ -179,7 +179,7 @@ def test_model_card_front_matter(packs, tmp_path):
     base = tmp_path / "base"
     base.mkdir()
     (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# base\n")
-    summary = json.loads((packs["p48-nvfp4"][1] / MANIFEST).read_text())["summary"]
+    summary = json.loads((packs["p48-nvfp4"][1] / PACK_MANIFEST).read_text())["summary"]
     manifest = {**packs["p48-nvfp4"][0].load(), "model": {"source": "Qwen/Qwen3-30B-A3B"}}
     card = ModelCard(model_card(manifest, base, summary))
     assert card.data.license == "apache-2.0" and card.data.base_model == "Qwen/Qwen3-30B-A3B"
@@ -289,14 +289,14 @@ def test_changed_global_scale_is_blamed_on_the_changed_tensor(packs, tmp_path):
 def test_damaged_manifest_is_reported(packs, tmp_path):
     d = tmp_path / "p"
     shutil.copytree(packs["dense-nvfp4"][1], d)
-    body = json.loads((d / MANIFEST).read_text())
+    body = json.loads((d / PACK_MANIFEST).read_text())
     body["summary"]["bits_per_weight"] = 1.0  # a plausible edit, valid JSON
-    (d / MANIFEST).write_text(json.dumps(body, sort_keys=True, indent=1) + "\n")
+    (d / PACK_MANIFEST).write_text(json.dumps(body, sort_keys=True, indent=1) + "\n")
     report = verify_packed_dir(d)
-    assert report.first_error.tensor == MANIFEST and "manifest_sha256" in report.first_error.problem
-    (d / MANIFEST).unlink()  # a moesq pack without its manifest fails (its structure is still checked)
+    assert report.first_error.tensor == PACK_MANIFEST and "manifest_sha256" in report.first_error.problem
+    (d / PACK_MANIFEST).unlink()  # a moesq pack without its manifest fails (its structure is still checked)
     report = verify_packed_dir(d)
-    assert not report.ok and report.checksums == "absent" and report.first_error.tensor == MANIFEST
+    assert not report.ok and report.checksums == "absent" and report.first_error.tensor == PACK_MANIFEST
     assert report.first_error.problem.startswith("missing") and len(report.errors) == 1 and report.rows
 
 

@@ -767,7 +767,7 @@ def test_refining_a_block_in_memory_chunks_gives_bitwise_the_same_experts(with_b
     are refined chunk by chunk, each sized from the whole block, so every expert gets exactly the bytes of the
     unchunked run; without ExpertData.block the chunks are given the block the experts form."""
     from moesq_core.compression.methods.base import BlockRows
-    from moesq_core.compression.methods.refine.trainer import expert_chunks, refine_bytes_per_expert
+    from moesq_core.compression.methods.refine.trainer import refine_bytes_per_expert, refine_chunks
 
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=5, n=120, n_val=30, seed=5)
@@ -779,8 +779,8 @@ def test_refining_a_block_in_memory_chunks_gives_bitwise_the_same_experts(with_b
     base = dict(epochs=2, steps_per_epoch=3, micro_batch_rows=48, lr_logits=5e-3, lr_values=1e-3, lr_budget_steps=None)
     per_expert = refine_bytes_per_expert(fmt, 64, 64)
     two = RefineConfig(**base, chunk_gb=2.5 * per_expert / 2**30)  # two experts per chunk
-    assert [len(c) for c in expert_chunks(ex, fmt, two)] == [2, 2, 1]
-    assert [len(c) for c in expert_chunks(ex, fmt, RefineConfig(**base))] == [5]  # CPU, no chunk_gb: within HOST_CHUNK_BYTES
+    assert [len(c) for c in refine_chunks(ex, fmt, two)] == [2, 2, 1]
+    assert [len(c) for c in refine_chunks(ex, fmt, RefineConfig(**base))] == [5]  # CPU, no chunk_gb: within HOST_CHUNK_BYTES
     whole = RefineMethod(RTN(report_errors=False), RefineConfig(**base)).compress_block(ex, fmt)
     chunked = RefineMethod(RTN(report_errors=False), two).compress_block(ex, fmt)
     assert any(r.info["refine"]["best_epoch"] > 0 for r in whole)

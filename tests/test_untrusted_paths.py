@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from moesq_core.checkpoint.checksums import MANIFEST, canonical, file_digest
+from moesq_core.checkpoint.checksums import PACK_MANIFEST, canonical, file_digest
 from moesq_core.checkpoint.verify import verify_packed_dir
 from moesq_core.compression.workdir import WorkDir
 from moesq_core.naming import INDEX_FILE, SINGLE_FILE
@@ -77,11 +77,11 @@ def test_crafted_workdir_manifest_reads_nothing_outside(tmp_path):
 
 def _reseal(root, files: dict) -> None:
     """Write a manifest listing `files` with a valid manifest_sha256 (what a crafted pack would carry)."""
-    body = json.loads((root / MANIFEST).read_text())
+    body = json.loads((root / PACK_MANIFEST).read_text())
     body.pop("manifest_sha256")
     body["files"] = files
     body["manifest_sha256"] = hashlib.sha256(canonical(body)).hexdigest()
-    (root / MANIFEST).write_bytes(canonical(body))
+    (root / PACK_MANIFEST).write_bytes(canonical(body))
 
 
 def test_verify_hashes_no_manifest_entry_outside_the_pack(packs, tmp_path):
@@ -89,7 +89,7 @@ def test_verify_hashes_no_manifest_entry_outside_the_pack(packs, tmp_path):
     shutil.copytree(packs["s24-fp8"][1], d)
     outside = tmp_path / "outside.txt"
     outside.write_text("a file of the user's")
-    files = json.loads((d / MANIFEST).read_text())["files"]
+    files = json.loads((d / PACK_MANIFEST).read_text())["files"]
     files["../outside.txt"] = file_digest(outside)  # its right digest: before the fix it passed, read and hashed
     _reseal(d, files)
     report = verify_packed_dir(d, checksums_only=True)

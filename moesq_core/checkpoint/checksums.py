@@ -22,7 +22,7 @@ import torch
 from moesq_core.naming import loaders_read
 from moesq_core.paths import UnsafePathError, inside
 
-MANIFEST = "moesq_pack.json"
+PACK_MANIFEST = "moesq_pack.json"
 MANIFEST_VERSION = 1
 _CHUNK = 1 << 22
 
@@ -99,17 +99,17 @@ def write_manifest(root: Path, summary: dict) -> dict:
     root = Path(root)
     files = {}
     for p in sorted(root.rglob("*")):
-        if p.is_file() and p.name != MANIFEST:
+        if p.is_file() and p.name != PACK_MANIFEST:
             files[p.relative_to(root).as_posix()] = file_digest(p)
     body = {"moesq_pack": MANIFEST_VERSION, "summary": summary, "files": files}
     body["manifest_sha256"] = hashlib.sha256(canonical(body)).hexdigest()
-    (root / MANIFEST).write_bytes(canonical(body))
+    (root / PACK_MANIFEST).write_bytes(canonical(body))
     return body
 
 
 def read_manifest(root: Path) -> dict:
     """The manifest, checked against its own checksum; ValueError says what is wrong."""
-    raw = (Path(root) / MANIFEST).read_bytes()
+    raw = (Path(root) / PACK_MANIFEST).read_bytes()
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -130,7 +130,7 @@ def is_moesq_pack(root: Path) -> bool:
     a damaged earlier pack may still be replaced)."""
     root = Path(root)
     try:
-        body = json.loads((root / MANIFEST).read_text())
+        body = json.loads((root / PACK_MANIFEST).read_text())
         listed = set(body["files"])
     except Exception:
         return False
@@ -141,7 +141,7 @@ def is_moesq_pack(root: Path) -> bool:
         if p.is_dir():
             if not any(f.startswith(rel + "/") for f in listed):
                 return False
-        elif rel != MANIFEST and rel not in listed:
+        elif rel != PACK_MANIFEST and rel not in listed:
             return False
     return True
 
@@ -170,7 +170,7 @@ def _check_file(root: Path, rel: str, want: dict, whole: bool = True) -> tuple[b
     whole=False skips the tensors' bytes of a safetensors file (its size and header are checked; a loader checks
     each tensor as it reads it, see ManifestCheck)."""
     try:
-        p = inside(root, rel, f"{MANIFEST} entry")
+        p = inside(root, rel, f"{PACK_MANIFEST} entry")
     except UnsafePathError as e:
         return False, [ChecksumProblem(rel, None, str(e))]
     if not p.is_file():
@@ -210,7 +210,7 @@ def _compare(p: Path, rel: str, want: dict, whole: bool) -> list[ChecksumProblem
 def _unlisted(root: Path, listed) -> tuple[list[ChecksumProblem], list[str]]:
     """(problems for the unlisted files that loaders read, the other unlisted files)."""
     extra = sorted(p.relative_to(root).as_posix() for p in root.rglob("*")
-                   if p.is_file() and p.name != MANIFEST and p.relative_to(root).as_posix() not in listed)
+                   if p.is_file() and p.name != PACK_MANIFEST and p.relative_to(root).as_posix() not in listed)
     read = [ChecksumProblem(f, None, "not listed in the checksum manifest, and loaders read it (added after "
                             "packing?)") for f in extra if loaders_read(f)]
     return read, [f for f in extra if not loaders_read(f)]
@@ -220,13 +220,13 @@ def check_manifest(root: Path) -> ChecksumResult:
     """Compare every listed file with its recorded digests, naming the changed file and tensor(s); an unlisted
     file that loaders read is a problem too, other unlisted files are only listed (extra_files)."""
     root = Path(root)
-    if not (root / MANIFEST).is_file():
+    if not (root / PACK_MANIFEST).is_file():
         return ChecksumResult(False)
     res = ChecksumResult(True)
     try:
         body = read_manifest(root)
     except (OSError, ValueError) as e:
-        res.problems.append(ChecksumProblem(MANIFEST, None, f"checksum manifest is damaged: {e}"))
+        res.problems.append(ChecksumProblem(PACK_MANIFEST, None, f"checksum manifest is damaged: {e}"))
         return res
     for rel, want in sorted(body["files"].items()):
         checked, problems = _check_file(root, rel, want)
@@ -248,13 +248,13 @@ class ManifestCheck:
 
     def __init__(self, root: Path):
         self.root = Path(root)
-        if not (self.root / MANIFEST).is_file():
-            self._fail(MANIFEST, None, "missing: a moesq pack lists its files' checksums there (deleted, or written "
+        if not (self.root / PACK_MANIFEST).is_file():
+            self._fail(PACK_MANIFEST, None, "missing: a moesq pack lists its files' checksums there (deleted, or written "
                        "by another tool?)")
         try:
             body = read_manifest(self.root)
         except (OSError, ValueError) as e:
-            self._fail(MANIFEST, None, f"checksum manifest is damaged: {e}")
+            self._fail(PACK_MANIFEST, None, f"checksum manifest is damaged: {e}")
         self.files = body["files"]
         problems = [p for rel, want in sorted(self.files.items()) for p in _check_file(self.root, rel, want, whole=False)[1]]
         problems += _unlisted(self.root, set(self.files))[0]

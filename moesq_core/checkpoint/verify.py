@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from moesq_core.checkpoint.checksums import MANIFEST, check_manifest
+from moesq_core.checkpoint.checksums import PACK_MANIFEST, check_manifest
 from moesq_core.formats import FORMATS, get_format
 from moesq_core.formats.packing import ACTIVATION_SUFFIXES, PackingError, bits_per_weight
 from moesq_core.naming import EXPERT_RE, INDEX_FILE, PROJ_NAMES, PROJECTIONS, SINGLE_FILE, read_index
@@ -289,7 +289,7 @@ def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> Veri
         return report
     sums = check_manifest(root)
     if not sums.present:
-        report._error(MANIFEST, "missing: a moesq pack lists every file's checksum there (deleted, or written by "
+        report._error(PACK_MANIFEST, "missing: a moesq pack lists every file's checksum there (deleted, or written by "
                       "another tool?); the structure is still checked below")
     else:
         report.checksums = "failed" if sums.problems else "ok"

@@ -715,7 +715,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
         # Experts whose dense fp32 weights fit the device together are compressed together; a larger block
         # (Kimi-K2: 68 GB of fp32 weights) goes chunk by chunk, which gives the same bytes: methods size
         # everything from the whole block's row counts (ExpertData.block), exactly as under expert parallel.
-        for chunk in expert_chunks(mine, I, H, dev):
+        for chunk in dense_weight_chunks(mine, I, H, dev):
             data = []
             for e in chunk:
                 w = block.expert_weights(e)
@@ -765,7 +765,7 @@ WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a chunk's dense fp3
 RESULT_BYTES_PER_WEIGHT = 6  # a method's result on the device until the chunk ends: codes, mask, fp32 latent
 
 
-def expert_chunks(experts: list[int], I: int, H: int, device: torch.device) -> list[list[int]]:
+def dense_weight_chunks(experts: list[int], I: int, H: int, device: torch.device) -> list[list[int]]:
     """A block's experts in consecutive chunks compressed together: on a GPU as many as fit WEIGHTS_GPU_FRACTION
     of its free memory with their results (the routed rows are the block's one token matrix, already
     allocated; the method's working memory takes the rest), on the CPU as many as fit HOST_CHUNK_BYTES (the

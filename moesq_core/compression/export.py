@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moesq_core.checkpoint.checksums import MANIFEST, is_moesq_pack, write_manifest
+from moesq_core.checkpoint.checksums import PACK_MANIFEST, is_moesq_pack, write_manifest
 from moesq_core.checkpoint.model_card import model_card, work_dir_evals
 from moesq_core.compression.engine import load_block
 from moesq_core.compression.workdir import LockHeld, WorkDir, WorkDirError, disk_errors, pid_alive, take_lock
@@ -179,7 +179,7 @@ def check_output_dir(out_dir: Path, workdir_root: Path, source: Path | None, ove
             raise ValueError(f"--out {out_dir} is or overlaps the source model {source}; choose another directory")
     if out.is_dir() and any(out.iterdir()):
         if not is_moesq_pack(out):
-            raise FileExistsError(f"--out {out_dir} holds files that are not a moesq pack (no {MANIFEST}, or files it "
+            raise FileExistsError(f"--out {out_dir} holds files that are not a moesq pack (no {PACK_MANIFEST}, or files it "
                                   "does not list); moesq only replaces its own packs: choose another --out")
         if not overwrite:
             raise FileExistsError(f"--out {out_dir} holds an earlier moesq pack; pass --overwrite to replace it "
@@ -369,8 +369,8 @@ def _export_packed(workdir: WorkDir, stage: str, out_dir: Path, held: contextlib
         (tmp / "README.md").write_text(model_card(m, src, summary, work_dir_evals(workdir.root, stage)))
         _fix_modes(tmp)
         manifest = write_manifest(tmp, summary)
-        os.chmod(tmp / MANIFEST, 0o644)
-        summary["files"] = sorted([*manifest["files"], MANIFEST])
+        os.chmod(tmp / PACK_MANIFEST, 0o644)
+        summary["files"] = sorted([*manifest["files"], PACK_MANIFEST])
         if out_dir.exists():
             # keep the earlier pack until the new one is in place; re-check it is still only a moesq pack
             check_output_dir(out_dir, workdir.root, src, overwrite)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from moesq_core.checkpoint.checksums import MANIFEST, ManifestCheck
+from moesq_core.checkpoint.checksums import PACK_MANIFEST, ManifestCheck
 from moesq_core.formats import get_format
 from moesq_core.models import adapter_for
 from moesq_core.naming import INDEX_FILE, PROJECTIONS, SINGLE_FILE, expert_linear, parse_expert_tensor, weight_files
@@ -123,7 +123,7 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
         check = ManifestCheck(path)
     else:
         check = None
-        log.warning("%s: loading without checking its files against %s (verify off)", path, MANIFEST)
+        log.warning("%s: loading without checking its files against %s (verify off)", path, PACK_MANIFEST)
     try:
         raw = json.loads(cfg_path.read_text())
     except ValueError as e:
@@ -172,7 +172,7 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     if still_meta or unexpected:
         raise ValueError(f"{path}: checkpoint does not match the config (missing {still_meta[:5]}, unexpected {unexpected[:5]})")
     if check is not None:
-        log.info("%s: %d files checked against %s while loading", path, check.finish(), MANIFEST)
+        log.info("%s: %d files checked against %s while loading", path, check.finish(), PACK_MANIFEST)
     model.to(device).eval()
     tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
     return model, tok

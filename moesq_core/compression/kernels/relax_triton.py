@@ -8,9 +8,10 @@ reference and says what the terms mean):
     W̃ = (π · Pat) ⊙ V                     Pat the [P, group] 0/1 pattern matrix
 
 The composition of torch ops reads and writes [..., G, P] fp32 tensors several times per step and reduces
-over an axis of 6, which torch.compile maps poorly (7.6 ms per 151 M logits on an H200, ~0.2 TB/s). Here one
-program handles BLOCK groups with all P logits and `group` weights in registers: the forward reads A, U, V and
-writes W̃ once; the backward recomputes π from A and U (nothing [G, P]-sized is saved) and writes dA and dV.
+over an axis of 6, which torch.compile maps poorly (~0.2 TB/s on an H200:
+benchmarks/results/refine_h200_2026-12-01_75a3a44_profile_compile.txt). Here one program handles BLOCK
+groups with all P logits and `group` weights in registers: the forward reads A, U, V and writes W̃ once; the
+backward recomputes π from A and U (nothing [G, P]-sized is saved) and writes dA and dV.
 Two forms compute this (KERNELS): the tile form holds π as a [BLOCK, P] tile and reduces [BLOCK, P, group]
 products; the column form reads each pattern's logits as a column and builds the weights' tile elementwise.
 """
@@ -173,9 +174,9 @@ if HAS_TRITON:
                          mask=rmask)
 
 
-# the relaxation's kernels: "cols" (the column form) or "tile" (the first version, kept for the benchmark's
-# comparison). On an H200, per projection of a Qwen3-30B-A3B block (128 × 768 × 2048 weights): forward 4.25 ->
-# 0.64 ms, backward 5.99 -> 1.53 ms.
+# the relaxation's kernels: "cols" (the column form, the default: several times faster forward and backward) or
+# "tile", a variant of benchmarks/bench_refine.py (_relax_*_kernel vs _relax_*_cols_kernel in
+# benchmarks/results/refine_h200_2026-12-01_202e777_profile_static-width.txt and _profile_grad-fwd.txt).
 KERNELS = "cols"
 
 

@@ -2,13 +2,14 @@
 
 Refinement adds each micro-batch's weight gradients ([k, out, in], compute dtype) into the block's fp32
 accumulator ([E, out, in]) for the k experts the micro-batch holds. torch's `index_add_` runs a generic
-kernel at ~0.6 TB/s on an H200 (26 ms of a 0.26 s step on a Qwen3-30B-A3B block) after a separate cast of
-the gradient to fp32; this kernel reads the gradient in its own dtype and adds it in one coalesced pass.
+kernel at ~0.6 TB/s on an H200 (benchmarks/results/refine_h200_2026-12-01_75a3a44_profile_compile.txt) after
+a separate cast of the gradient to fp32; this kernel reads the gradient in its own dtype and adds it in one
+coalesced pass.
 With distinct indices every element gets exactly one fp32 addition, so it equals `index_add_` bitwise.
 
 The gradients of weights used transposed in the matmuls (x Wᵀ) come back as transposed views ([k, out, in]
 with the `out` axis contiguous); those are read tile by tile in their own layout rather than copied
-contiguous first (24 copies, 18 ms of that step).
+contiguous first (STRIDED).
 """
 from __future__ import annotations
 
@@ -51,13 +52,13 @@ if HAS_TRITON:
 
 
 TILE = 64  # the transposed kernel's [TILE, TILE] tiles
-# add_rows_ reads transposed sources in place when STRIDED is set (the default): on an H200 it matched index_add_
-# and the refine bench's step went 0.237 -> 0.222 s (variant compile-rows vs compile).
+# add_rows_ reads transposed sources in place when STRIDED is set (the default), saving the contiguous copies
+# (refine bench on an H200: step 0.237 -> 0.222 s). False is benchmarks/bench_refine.py's compile variant.
 STRIDED = True
 # Refinement adds the gradients of micro-batches that hold every expert with this kernel too (the identity as
 # idx) rather than torch's add_, which reads a transposed bf16 source into an fp32 accumulator off its layout
-# (False: add_, the earlier default, kept for the benchmark's comparison). On an H200, a Qwen3-30B-A3B block's
-# gate/up gradient: 1.32 ms with add_, about 0.5 ms here.
+# (a Qwen3-30B-A3B block's gate/up gradient on an H200: 1.32 ms with add_, ~0.5 ms here). False (add_) is a
+# variant of benchmarks/bench_refine.py.
 ALL_ROWS = True
 
 

@@ -28,8 +28,8 @@ from moesq_core.triton_support import HAS_TRITON, INTERPRET, tl, triton
 COLUMNS = 256  # columns per program (scale blocks of a power-of-two width; one block when wider)
 
 
-# The compiled trainer takes this kernel when USE is set (the default): on an H200 its GPU test matched the CPU
-# reference and the refine bench's step went 0.222 -> 0.199 s (variant compile-swiglu vs compile-rows).
+# The compiled trainer takes this kernel when USE is set (the default: one pass instead of torch.compile's two
+# fp32 ones; refine bench on an H200, step 0.222 -> 0.199 s). False is benchmarks/bench_refine.py's compile-rows.
 USE = True
 
 

@@ -311,8 +311,8 @@ def row_sets_batched(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 SOLVES = ("cg", "exact")  # how the kept-set least squares are solved (see `kept_set_solve`)
-# A row stops once its last CG_WINDOW steps lowered its objective by <= CG_TOL of its value. 1e-6: at 1e-5 the
-# micro model's SGPTQ perplexity sat ~0.3 % above the exact solve's, more than round-off-level changes move it.
+# A row stops once its last CG_WINDOW steps lowered its objective by <= CG_TOL of its value. 1e-6 because at 1e-5
+# the micro model's SGPTQ perplexity sat ~0.3 % above the exact solve's (more than round-off moves it).
 CG_TOL = 1e-6
 CG_WINDOW = 4
 CG_MAX_ITER = 300  # rows still above the tolerance then are solved exactly

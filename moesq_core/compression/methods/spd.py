@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-# Measured on an H200 with benchmarks/bench_sgptq.py's factorisation variants: for the kept-set solves that bound
-# OBR ([256, 1024, 1024] fp64), "inverse" with leaves of 64 was the fastest variant (15.5 ms; torch's batched
-# cuSOLVER calls 23.5 ms); for 2048² Hessian factors all recursive variants beat cuSOLVER's batched calls.
+# The recursive factorisation's strategy and leaf size: the fastest of `benchmarks/bench_sgptq.py --factorisations`
+# (H200, OBR's [256, 1024, 1024] fp64 kept-set solves: 15.5 ms, torch's batched cuSOLVER calls 23.5 ms).
 BASE = 64
 STRATEGY = "inverse"
 STRATEGIES = ("substitution", "inverse")

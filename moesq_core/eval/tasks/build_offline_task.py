@@ -122,7 +122,8 @@ def _related(a: str, b: str) -> bool:
     return a[:n] == b[:n]
 
 
-def build(source: Path, seed: int = SEED, n: int = NUM_EXAMPLES) -> list[dict]:
+def cloze_examples(source: Path, seed: int = SEED, n: int = NUM_EXAMPLES) -> list[dict]:
+    """The task's `n` examples from the text at `source`, drawn with `seed` (what moesq_cloze.jsonl holds)."""
     paras = prose_paragraphs(read_blocks(source))
     words_of = {p.block: {w for s in p.sentences for w in _WORD.findall(s)} for p in paras}
     blocks = sorted(words_of)
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not args.source.is_file():
         ap.error(f"source text {args.source} not found; pass --source path/to/eval-docs.txt.xz")
-    text = dumps(build(args.source.resolve(), args.seed, args.n))
+    text = dumps(cloze_examples(args.source.resolve(), args.seed, args.n))
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     if args.check:
         same = args.out.is_file() and args.out.read_text(encoding="utf-8") == text

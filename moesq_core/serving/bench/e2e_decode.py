@@ -185,7 +185,7 @@ def run_decode(model, batch: int, prompt: int, max_steps: int, budget_s: float, 
     return rec
 
 
-def install(model, variant: str, gen: torch.Generator):
+def replace_experts(model, variant: str, gen: torch.Generator):
     cfg = model.config
     E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     dev = torch.device("cuda")
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for variant in args.variants:
         try:
-            install(model, variant, gen)
+            replace_experts(model, variant, gen)
         except Exception as e:
             result["runs"].append({"variant": variant, "error": f"install: {type(e).__name__}: {e}"[:400]})
             continue

@@ -1,10 +1,10 @@
 """Timing harness for grouped MoE GEMMs: token-count patterns, CUDA-graph timing, vendor baselines.
 
-Every method is timed the same way: a few eager warm-up calls, then a CUDA graph holding R back-to-back calls
-(R copies of the weights when one copy would fit in L2, so replays stream weights from HBM as a real model
-does), replayed `repeats` times; each replay is timed with CUDA events and the median over replays, divided
-by R, is reported. Effective TFLOP/s = 2·M·K·ΣN / t (dense-equivalent work, as the paper reports), weight
-bytes/s = the bytes of the method's weight representation / t.
+Every GEMM implementation (a `TimedGemm`) is timed the same way: a few eager warm-up calls, then a CUDA graph
+holding R back-to-back calls (R copies of the weights when one copy would fit in L2, so replays stream weights
+from HBM as a real model does), replayed `repeats` times; each replay is timed with CUDA events and the median
+over replays, divided by R, is reported. Effective TFLOP/s = 2·M·K·ΣN / t (dense-equivalent work, as the paper
+reports), weight bytes/s = the bytes of its weight representation / t.
 
 Baselines (same process, same data, same token counts):
   bf16_grouped_mm     torch._grouped_mm, bf16 activations and weights, tokens packed by offsets
@@ -209,9 +209,10 @@ def pack_logical(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ baselines
 
 
-class Method:
-    """A way to run one grouped GEMM. `make(copy)` builds one weight copy and returns a zero-argument call;
-    `weight_bytes` is the bytes of one copy's weight representation (what a decode step must stream)."""
+class TimedGemm:
+    """One grouped-GEMM implementation the harness times (a vendor baseline). `make(copy)` builds one weight copy
+    and returns a zero-argument call; `weight_bytes` is the bytes of one copy's weight representation (what a
+    decode step must stream)."""
 
     name = ""
     description = ""
@@ -226,7 +227,7 @@ class Method:
         raise NotImplementedError
 
 
-class Bf16GroupedMM(Method):
+class Bf16GroupedMM(TimedGemm):
     name = "bf16_grouped_mm"
     description = "torch._grouped_mm, bf16"
 
@@ -244,7 +245,7 @@ class Bf16GroupedMM(Method):
         return lambda: torch._grouped_mm(x, wt, offs=offs, out_dtype=torch.bfloat16)
 
 
-class Fp8GroupedMM(Method):
+class Fp8GroupedMM(TimedGemm):
     name = "fp8_grouped_mm"
     description = "torch._scaled_grouped_mm, e4m3 rowwise x channelwise scales, fast accumulation"
 
@@ -264,7 +265,7 @@ class Fp8GroupedMM(Method):
         return lambda: torch._scaled_grouped_mm(x, wt, sx, sw, offs=offs, out_dtype=torch.bfloat16, use_fast_accum=True)
 
 
-class CusparseltFp8Loop(Method):
+class CusparseltFp8Loop(TimedGemm):
     name = "cusparselt_fp8_loop"
     description = "torch._cslt_sparse_mm (cuSPARSELt 2:4 e4m3) looped over experts, per-channel alpha, tokens padded to 16"
 
@@ -295,11 +296,11 @@ class CusparseltFp8Loop(Method):
         return call
 
 
-BASELINES: dict[str, type[Method]] = {m.name: m for m in (Bf16GroupedMM, Fp8GroupedMM, CusparseltFp8Loop)}
+BASELINES: dict[str, type[TimedGemm]] = {m.name: m for m in (Bf16GroupedMM, Fp8GroupedMM, CusparseltFp8Loop)}
 
 
-def time_method(method: Method, repeats: int) -> Timing:
+def time_gemm(gemm: TimedGemm, repeats: int) -> Timing:
     """Build enough weight copies to defeat L2, then graph-time them back to back."""
-    copies = copies_for(method.weight_bytes)
-    calls = [method.make(i) for i in range(copies)]
+    copies = copies_for(gemm.weight_bytes)
+    calls = [gemm.make(i) for i in range(copies)]
     return graph_time(calls, repeats)

@@ -34,7 +34,7 @@ from moesq_core.serving.bench.harness import (
     random_2to4_dense_e4m3,
     random_e4m3,
     run_header,
-    time_method,
+    time_gemm,
 )
 
 DEFAULT_G = [8, 32, 128, 384]
@@ -93,7 +93,7 @@ class S24Bench:
         """Relative Frobenius error of `variant` vs an fp32 GPU reference over up to 4 experts (largest error)."""
         s24 = self.s24
         self.out.fill_(float("nan"))
-        s24.launch(w, self.xq, self.sx, self.counts, self.out, variant)
+        s24.launch_variant(w, self.xq, self.sx, self.counts, self.out, variant)
         torch.cuda.synchronize()
         worst = 0.0
         G = self.prob.G
@@ -109,7 +109,7 @@ class S24Bench:
 
     def call(self, w, variant: int):
         s24, xq, sx, counts, out = self.s24, self.xq, self.sx, self.counts, self.out
-        return lambda: s24.launch(w, xq, sx, counts, out, variant)
+        return lambda: s24.launch_variant(w, xq, sx, counts, out, variant)
 
 
 def _record(t: Timing, prob: Problem, weight_bytes: int) -> dict:
@@ -131,7 +131,7 @@ def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, s
     for bname in baselines:
         try:
             m = BASELINES[bname](prob, gen, device)
-            row["methods"][bname] = _record(time_method(m, repeats), prob, m.weight_bytes)
+            row["methods"][bname] = _record(time_gemm(m, repeats), prob, m.weight_bytes)
             if m.note:
                 row["methods"][bname]["note"] = m.note
         except Exception as e:  # a baseline that cannot run this shape is reported, not fatal

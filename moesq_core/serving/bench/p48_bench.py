@@ -45,7 +45,7 @@ from moesq_core.serving.bench.harness import (
     graph_time,
     new_row,
     run_header,
-    time_method,
+    time_gemm,
 )
 
 P48_METHODS = {
@@ -233,7 +233,7 @@ def bench_one(name: str, M: int, K: int, G: int, N: int, repeats: int, device, s
         m = None
         try:
             m = BASELINES[bname](prob, gen, device)
-            row["methods"][bname] = _record(time_method(m, repeats), prob, m.weight_bytes)
+            row["methods"][bname] = _record(time_gemm(m, repeats), prob, m.weight_bytes)
         except Exception as e:  # a baseline that cannot run a shape is reported, not fatal
             row["methods"][bname] = {"error": f"{type(e).__name__}: {e}"[:300]}
         finally:

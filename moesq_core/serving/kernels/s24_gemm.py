@@ -291,8 +291,8 @@ def _check_call(w: S24Fp8Weights, xq: torch.Tensor, sx: torch.Tensor, counts: to
             raise ValueError(f"{name} must be 16-byte aligned")
 
 
-def launch(w: S24Fp8Weights, xq: torch.Tensor, sx: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
-           variant: int, max_clusters: int = 0) -> None:
+def launch_variant(w: S24Fp8Weights, xq: torch.Tensor, sx: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
+                   variant: int, max_clusters: int = 0) -> None:
     """One kernel launch on the current stream (the extension re-checks every tensor; see grouped_gemm)."""
     native_module().s24_gemm(int(variant), w.values, w.meta, xq, w.scale, sx, counts, out, int(max_clusters))
 
@@ -313,7 +313,7 @@ def grouped_gemm(w: S24Fp8Weights, xq: torch.Tensor, sx: torch.Tensor, counts: t
         out = torch.empty(w.E, xq.shape[1], w.M, dtype=torch.bfloat16, device=w.device)
     _check_call(w, xq, sx, counts, out)
     idx = AUTOTUNER.choose(w, xq, sx, counts, out, fast_accum) if variant is None else _variant_index(variant)
-    launch(w, xq, sx, counts, out, idx, max_clusters)
+    launch_variant(w, xq, sx, counts, out, idx, max_clusters)
     return out
 
 
@@ -410,13 +410,13 @@ class Autotuner:
         stream = torch.cuda.current_stream(w.device)
         times = {}
         for v in cands:
-            launch(w, xq, sx, counts, out, v.index)
+            launch_variant(w, xq, sx, counts, out, v.index)
             samples = []
             for _ in range(self.reps):
                 a = torch.cuda.Event(enable_timing=True)
                 b = torch.cuda.Event(enable_timing=True)
                 a.record(stream)
-                launch(w, xq, sx, counts, out, v.index)
+                launch_variant(w, xq, sx, counts, out, v.index)
                 b.record(stream)
                 b.synchronize()
                 samples.append(a.elapsed_time(b) * 1e3)

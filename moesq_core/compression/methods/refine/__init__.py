@@ -18,7 +18,7 @@ from moesq_core.compression.methods.refine.trainer import (
     BlockRefiner,
     RefineConfig,
     RefineSchedule,
-    expert_chunks,
+    refine_chunks,
 )
 from moesq_core.formats import Format
 from moesq_core.memory import release_freed_memory
@@ -55,7 +55,7 @@ class RefineMethod:
         inits = self.init.compress_block(experts, fmt, None)
         t_init = time.perf_counter() - t0
         init_of = {ex.index: ce for ex, ce in zip(experts, inits)}
-        chunks = expert_chunks(experts, fmt, self.config)  # bounded memory; the same bytes as one chunk
+        chunks = refine_chunks(experts, fmt, self.config)  # bounded memory; the same bytes as one chunk
         out = []
         with contextlib.ExitStack() as stack:
             steps = None  # the block's step tracker, where the engine gives one (BlockProgress.steps)

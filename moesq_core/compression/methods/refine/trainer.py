@@ -53,15 +53,13 @@ log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _WARNED: set[str] = set()
 _COMPILED: dict = {}  # (function, format, compute dtype, ...) -> its torch.compile'd form, shared by all refiners
-# Compiled functions specialise the model's widths and keep only the expert and row counts symbolic (False: all
-# sizes symbolic, the earlier default, kept for the benchmark's comparison). On an H200 (refine bench, one
-# Qwen3-30B-A3B block) the loss's backward kernel went from 2.46 to 0.69 ms per micro-batch and the step from
-# 0.201 to 0.175 s: with a symbolic width every broadcast over it had cost a runtime division per element.
+# Compiled functions specialise the model's widths and keep only the expert and row counts symbolic: a symbolic
+# width costs a runtime division per element in every broadcast over it. False (all sizes symbolic) is a variant
+# of benchmarks/bench_refine.py (static-width vs compile-swiglu, benchmarks/results/refine_h200_2026-12-01_202e777.md).
 STATIC_WIDTHS = True
 # The micro-batch forward writes the loss's gradient with respect to the expert outputs while it reads them, and
-# the backward starts from it (False: the loss's own backward reads them again, the earlier default); with the
-# next switch, the loss is one kernel per micro-batch (0.79 ms on an H200, where its forward, backward and the
-# targets' gather took 0.43 + 0.69 + ~0.48 ms).
+# the backward starts from it, so the loss is one kernel per micro-batch. False (the loss's own backward reads the
+# outputs again) is a variant of benchmarks/bench_refine.py (grad-fwd vs static-width, the same results file).
 LOSS_GRAD_IN_FORWARD = True
 
 
@@ -81,10 +79,8 @@ PAPER_STEPS = 1280  # the paper's budget per block: 10 epochs × 128 Lion steps 
 RMS_CAP = 0.025  # RefineConfig.lr_budget_values_rms's default (see its docstring)
 SHIP = ("best", "last")
 E2E_LOSSES = ("kl", "fisher")  # RefineConfig.e2e_loss
-# e2e_steps="auto": passes over the calibration sequences, at most this many steps. On micro and tiny (512-token
-# sequences, H200) 64 -> 256 steps of 4 sequences took tiny from 1.090x to 1.060x the reference and its cloze
-# recovery from 95-98 % to 98.8 % (benchmarks/results/accuracy_gpu512_reading.md); 2 passes of moesq run's
-# 128 sequences are 64 steps.
+# e2e_steps="auto": passes over the calibration sequences, at most this many steps (2 passes of moesq run's 128
+# sequences are 64 steps); on tiny 256 steps did better than 64 (benchmarks/results/accuracy_gpu512_reading.md).
 E2E_AUTO_PASSES = 2
 E2E_AUTO_MAX_STEPS = 256
 
@@ -391,7 +387,7 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
     return f"~{size(whole)} per block on {device} of {size(available)} available ({parts}): one chunk"
 
 
-def expert_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
+def refine_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
     """The block's experts cut into consecutive chunks whose state fits cfg.chunk_gb (default: 85 % of the
     free CUDA memory less what the block holds whatever its experts, `refine_shared_bytes`; on the CPU
     memory.HOST_CHUNK_BYTES, which bounds the host memory per process). Refining chunk by chunk gives the same bytes as all at once: every expert
@@ -645,8 +641,9 @@ class BlockRefiner:
                 if qw.format != fmt.name:
                     raise ValueError(f"init for expert {ex.index} {p} is in format {qw.format!r}, refining {fmt.name!r}")
         self.cd = self._compute_dtype()
-        # auto: compiled on CUDA, where the fused kernels take a third off the step (measured in
-        # benchmarks/results/refine_h200_2026-12-01_202e777.md); eager on CPU, the reference path, where compiling costs more than it saves
+        # auto: compiled on CUDA, where compiling takes a third off the step
+        # (benchmarks/results/refine_h200_2026-12-01_75a3a44.md, eager vs compile); eager on the CPU, the
+        # reference path, where compiling costs more than it saves
         self.compiled = dev.type == "cuda" if config.compile == "auto" else bool(config.compile)
         self.fused_relax = self.compiled and relax_triton.available(dev)
         # the SwiGLU output and its quantizer in one Triton pass where the activation quantizer has one
