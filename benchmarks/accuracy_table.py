@@ -51,7 +51,6 @@ from moesq_core.compression.methods.refine import RefineConfig  # noqa: E402
 from moesq_core.compression.methods.registry import get_method  # noqa: E402
 from moesq_core.compression.workdir import WorkDir  # noqa: E402
 from moesq_core.eval.runner import EvalTarget, ResultCache, ppl_for_targets  # noqa: E402
-from moesq_core.formats import get_format  # noqa: E402
 from moesq_core.serving.bench.harness import git_commit  # noqa: E402
 
 log = logging.getLogger("accuracy_table")
@@ -256,15 +255,14 @@ def compress_stage(wd: WorkDir, method: str, options: dict, name: str, batch_siz
     if name == pipeline.init_stage_name(method):
         pipeline.init_stage(wd, method, options, device=DEVICE, batch_size=batch_size)
         return
-    m = wd.load()
-    fmt = get_format(m["config"]["format"])
+    identity = wd.identity()
     get_method(method, **options)
-    model, adapter, m = pipeline._load_for_stage(wd, DEVICE)
+    model, adapter = pipeline._load_for_stage(identity, DEVICE)
     calib = pipeline.load_calibration(wd)
-    spec = StageSpec(name=name, fmt=fmt, method_for_block=lambda li: get_method(method, **options),
+    spec = StageSpec(name=name, fmt=identity.format, method_for_block=lambda li: get_method(method, **options),
                      config={"method": method, "options": options}, compress_split="init", val_split=None,
-                     act_quant=m["config"]["act_quant"], batch_size=batch_size)
-    run_stage(model, adapter, calib, spec, wd)
+                     act_quant=identity.act_quant, batch_size=batch_size)
+    run_stage(model, adapter, calib, spec, wd.ledger(name))
 
 
 def ensure_stage(wd: WorkDir, row: str, refine_cfg: dict, batch_size: int) -> dict:

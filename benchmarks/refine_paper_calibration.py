@@ -193,7 +193,7 @@ def extrapolate(one_time: dict, compute_s: float, between_s: float | None, layer
 def results(root: Path, work: Path, state: dict, command: list[str], options: dict, resource: dict, cfg: dict,
             gpu: str, commit: str, date: str, calib_name: str) -> dict:
     """The results document (paths relative to `root`). gpu_min_per_block is the mean over the computed blocks
-    of the work dir manifest's per-block `seconds` (WorkDir.record_block: from the block's start, which waits
+    of the work dir manifest's per-block `seconds` (StageLedger.record_block: from the block's start, which waits
     for the previous block's background artifact write, to its artifact packed: routing, dense weights, the
     in-loop init and the refinement, activation ranges, packing), / 60."""
     log = work / "logs" / "moesq.log"

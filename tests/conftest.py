@@ -126,7 +126,7 @@ def finished_stage(micro_path: Path, root: Path, fmt: str):
     wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)},
             {"format": fmt, "act_quant": True})
     run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(fmt), lambda li: RTN(), {"method": "rtn"},
-                                               batch_size=4), wd)
+                                               batch_size=4), wd.ledger("init-rtn"))
     return wd
 
 

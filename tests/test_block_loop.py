@@ -67,14 +67,14 @@ def test_out_of_memory_names_stage_block_and_options_then_resumes(micro_calibrat
     spec = _spec(lambda li: OutOfMemoryRTN() if li == 2 else RTN(),
                  memory_options=("the method option chunk_gb", "--batch-size", "--cache-gb"))
     with pytest.raises(StageOutOfMemoryError) as info:
-        run_stage(model, adapter, calib, spec, wd)
+        run_stage(model, adapter, calib, spec, wd.ledger("init-rtn"))
     msg = str(info.value)
     assert "\n" not in msg and isinstance(info.value.__cause__, torch.OutOfMemoryError)
     assert msg.startswith("stage init-rtn: out of device memory in block 2 (layer 2)"), msg
     assert "Tried to allocate 20.00 GiB" in msg and "chunk_gb" in msg and "--batch-size" in msg and "--cache-gb" in msg
     assert "re-run the same command: the finished blocks are saved" in msg
     assert sorted(wd.stage("init-rtn")["blocks"]) == ["0", "1"] and not wd.stage("init-rtn")["done"]
-    assert run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd)["computed_now"] == 2
+    assert run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd.ledger("init-rtn"))["computed_now"] == 2
 
 
 def test_cli_prints_out_of_memory_as_one_line(tmp_path):
@@ -103,25 +103,25 @@ def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, mon
     model, adapter, path, calib = micro_calibrated
     wd = _new_wd(tmp_path / "wd", path)
     rec = Recorder()
-    run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd, rec)
+    run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd.ledger("init-rtn"), rec)
     assert not [n for n in rec.notes if "remaining" in n], rec.notes  # a stage over in seconds needs no estimate
-    wd.drop_blocks_from("init-rtn", 0)
+    wd.ledger("init-rtn").drop_blocks_from(0)
     monkeypatch.setattr(engine, "ESTIMATE_MIN_SECONDS", 0.0)  # as if every block took minutes
     # blocks of milliseconds differ by more than the revision threshold from noise alone: the revision is
     # tested below, with a first block made slow on purpose
     revise = engine.ESTIMATE_REVISE
     monkeypatch.setattr(engine, "ESTIMATE_REVISE", float("inf"))
     rec = Recorder()
-    run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd, rec)
+    run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd.ledger("init-rtn"), rec)
     est = [n for n in rec.notes if "remaining" in n]
     assert len(est) == 1 and re.fullmatch(r"stage init-rtn: ~3 blocks × \d+\.\d s/block ≈ \d+ s remaining", est[0]), rec.notes
     assert rec.tasks["init-rtn: blocks"] == ["advance"] * 4
 
     # resumed after 2 blocks: the loaded ones are skipped (no rate from them) and the estimate counts only
     # the blocks still to compute
-    wd.drop_blocks_from("init-rtn", 2)
+    wd.ledger("init-rtn").drop_blocks_from(2)
     rec = Recorder()
-    run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd, rec)
+    run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd.ledger("init-rtn"), rec)
     assert rec.tasks["init-rtn: blocks"] == ["skip", "skip", "advance", "advance"]
     assert [n for n in rec.notes if "remaining" in n][0].startswith("stage init-rtn: ~1 block × ")
 
@@ -133,9 +133,9 @@ def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, mon
             time.sleep(1.0)
         return RTN()
 
-    wd.drop_blocks_from("init-rtn", 0)
+    wd.ledger("init-rtn").drop_blocks_from(0)
     rec = Recorder()
-    run_stage(model, adapter, calib, _spec(slow_first), wd, rec)
+    run_stage(model, adapter, calib, _spec(slow_first), wd.ledger("init-rtn"), rec)
     est = [n for n in rec.notes if "remaining" in n]
     assert len(est) == 2 and est[0].startswith("stage init-rtn: ~3 blocks × ") and \
         re.fullmatch(r"stage init-rtn: ~2 blocks × \d+\.\d s/block ≈ \d+ s remaining \(revised after the second block\)", est[1]), est

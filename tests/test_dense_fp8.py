@@ -90,7 +90,7 @@ def fp8_pack(micro_path, tmp_path_factory):
                               CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
     wd = WorkDir(root / "wd")
     wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": FMT, "act_quant": True})
-    run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(FMT), lambda li: RTN(), {"method": "rtn"}, batch_size=4), wd)
+    run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(FMT), lambda li: RTN(), {"method": "rtn"}, batch_size=4), wd.ledger("init-rtn"))
     out = root / "packed"
     export_packed(wd, "init-rtn", out)
     return wd, out

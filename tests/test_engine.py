@@ -65,7 +65,7 @@ class _DiesAfter:
 def test_stage_resumes_with_identical_artifacts(micro, tmp_path):
     model, tok, adapter, path, calib = micro
     full = _new_wd(tmp_path / "full", path)
-    run_stage(model, adapter, calib, _spec(), full)
+    run_stage(model, adapter, calib, _spec(), full.ledger("init-rtn"))
     want = _checksums(full, "init-rtn")
     assert len(want) == 4 and full.stage("init-rtn")["done"]
 
@@ -73,13 +73,13 @@ def test_stage_resumes_with_identical_artifacts(micro, tmp_path):
     spec = _spec()
     spec.method_for_block = _DiesAfter(2)
     with pytest.raises(_Interrupt):
-        run_stage(model, adapter, calib, spec, part)
+        run_stage(model, adapter, calib, spec, part.ledger("init-rtn"))
     assert len(part.stage("init-rtn")["blocks"]) == 2 and not part.stage("init-rtn")["done"]
-    summary = run_stage(model, adapter, calib, _spec(), part)
+    summary = run_stage(model, adapter, calib, _spec(), part.ledger("init-rtn"))
     assert summary["computed_now"] == 2
     assert _checksums(part, "init-rtn") == want
     # a finished stage re-run is a no-op
-    assert run_stage(model, adapter, calib, _spec(), part)["computed_now"] == 0
+    assert run_stage(model, adapter, calib, _spec(), part.ledger("init-rtn"))["computed_now"] == 0
 
 
 def test_a_block_written_in_the_background_is_kept_when_the_next_step_fails(micro, tmp_path, monkeypatch):
@@ -89,7 +89,7 @@ def test_a_block_written_in_the_background_is_kept_when_the_next_step_fails(micr
 
     model, tok, adapter, path, calib = micro
     full = _new_wd(tmp_path / "full", path)
-    run_stage(model, adapter, calib, _spec(), full)
+    run_stage(model, adapter, calib, _spec(), full.ledger("init-rtn"))
     want = _checksums(full, "init-rtn")
     install, calls = engine.install_block, []
 
@@ -102,10 +102,10 @@ def test_a_block_written_in_the_background_is_kept_when_the_next_step_fails(micr
     part = _new_wd(tmp_path / "part", path)
     monkeypatch.setattr(engine, "install_block", failing_install)
     with pytest.raises(_Interrupt):
-        run_stage(model, adapter, calib, _spec(), part)
+        run_stage(model, adapter, calib, _spec(), part.ledger("init-rtn"))
     assert sorted(part.stage("init-rtn")["blocks"]) == ["0", "1"]  # block 1 compressed, then install failed
     monkeypatch.setattr(engine, "install_block", install)
-    assert run_stage(model, adapter, calib, _spec(), part)["computed_now"] == 2
+    assert run_stage(model, adapter, calib, _spec(), part.ledger("init-rtn"))["computed_now"] == 2
     assert _checksums(part, "init-rtn") == want
 
 
@@ -124,11 +124,11 @@ def test_a_failed_block_write_is_raised_and_not_recorded(micro, tmp_path, monkey
     wd = _new_wd(tmp_path / "wd", path)
     monkeypatch.setattr(engine, "write_block", failing_write)
     with pytest.raises(OSError, match="disk full"):
-        run_stage(model, adapter, calib, _spec(), wd)
+        run_stage(model, adapter, calib, _spec(), wd.ledger("init-rtn"))
     assert sorted(wd.stage("init-rtn")["blocks"]) == ["0"] and not wd.stage("init-rtn")["done"]
     assert len(calls) == 2  # the error stopped the stage at the next block's wait: block 2 was not written
     monkeypatch.setattr(engine, "write_block", write)
-    assert run_stage(model, adapter, calib, _spec(), wd)["computed_now"] == 3
+    assert run_stage(model, adapter, calib, _spec(), wd.ledger("init-rtn"))["computed_now"] == 3
 
 
 def _layer_calls(model):
@@ -142,7 +142,7 @@ def _layer_calls(model):
 def test_resume_starts_from_the_saved_states_and_gives_identical_artifacts(micro, tmp_path):
     model, tok, adapter, path, calib = micro
     full = _new_wd(tmp_path / "full", path)
-    run_stage(model, adapter, calib, _spec(), full)
+    run_stage(model, adapter, calib, _spec(), full.ledger("init-rtn"))
     want = _checksums(full, "init-rtn")
     assert not list((full.root / "cache").glob("init-rtn-states*"))  # removed when the stage finished
 
@@ -150,13 +150,13 @@ def test_resume_starts_from_the_saved_states_and_gives_identical_artifacts(micro
     spec = _spec(resume_every_s=0)
     spec.method_for_block = _DiesAfter(2)
     with pytest.raises(_Interrupt):
-        run_stage(model, adapter, calib, spec, part)
+        run_stage(model, adapter, calib, spec, part.ledger("init-rtn"))
     record = json.loads((part.root / "cache" / "init-rtn-states.json").read_text())
     assert record["layer"] == 1 and sorted(record["blocks"]) == ["0", "1"]
     assert [f.name for f in (part.root / "cache").glob("init-rtn-states-L*")] == [record["file"]]  # one save kept
     calls, hooks = _layer_calls(model)
     try:
-        summary = run_stage(model, adapter, calib, _spec(resume_every_s=0), part)
+        summary = run_stage(model, adapter, calib, _spec(resume_every_s=0), part.ledger("init-rtn"))
     finally:
         for h in hooks:
             h.remove()
@@ -169,17 +169,17 @@ def test_resume_starts_from_the_saved_states_and_gives_identical_artifacts(micro
 def test_saved_states_are_not_used_once_their_blocks_change(micro, tmp_path):
     model, tok, adapter, path, calib = micro
     full = _new_wd(tmp_path / "full", path)
-    run_stage(model, adapter, calib, _spec(), full)
+    run_stage(model, adapter, calib, _spec(), full.ledger("init-rtn"))
     want = _checksums(full, "init-rtn")
     part = _new_wd(tmp_path / "part", path)
     spec = _spec(resume_every_s=0)
     spec.method_for_block = _DiesAfter(3)
     with pytest.raises(_Interrupt):
-        run_stage(model, adapter, calib, spec, part)
-    part.drop_blocks_from("init-rtn", 1)  # as --redo-from 1: the saved states (after layer 2) follow a dropped block
+        run_stage(model, adapter, calib, spec, part.ledger("init-rtn"))
+    part.ledger("init-rtn").drop_blocks_from(1)  # as --redo-from 1: the saved states (after layer 2) follow a dropped block
     calls, hooks = _layer_calls(model)
     try:
-        assert run_stage(model, adapter, calib, _spec(resume_every_s=0), part)["computed_now"] == 3
+        assert run_stage(model, adapter, calib, _spec(resume_every_s=0), part.ledger("init-rtn"))["computed_now"] == 3
     finally:
         for h in hooks:
             h.remove()
@@ -187,20 +187,20 @@ def test_saved_states_are_not_used_once_their_blocks_change(micro, tmp_path):
     # a truncated states file is not used either (same bytes, recomputed)
     spec = _spec(resume_every_s=0)
     spec.method_for_block = _DiesAfter(2)
-    part.drop_blocks_from("init-rtn", 0)
+    part.ledger("init-rtn").drop_blocks_from(0)
     with pytest.raises(_Interrupt):
-        run_stage(model, adapter, calib, spec, part)
+        run_stage(model, adapter, calib, spec, part.ledger("init-rtn"))
     record = json.loads((part.root / "cache" / "init-rtn-states.json").read_text())
     raw = part.root / "cache" / record["file"]
     raw.write_bytes(raw.read_bytes()[:-8])
-    assert run_stage(model, adapter, calib, _spec(), part)["computed_now"] == 2
+    assert run_stage(model, adapter, calib, _spec(), part.ledger("init-rtn"))["computed_now"] == 2
     assert _checksums(part, "init-rtn") == want
 
 
 def test_corrupt_artifact_and_foreign_config_are_refused(micro, tmp_path):
     model, tok, adapter, path, calib = micro
     wd = _new_wd(tmp_path / "wd", path)
-    run_stage(model, adapter, calib, _spec(), wd)
+    run_stage(model, adapter, calib, _spec(), wd.ledger("init-rtn"))
     before = sha256_file(wd.manifest_path)
     with pytest.raises(WorkDirError, match="made for another model"):
         wd.init({"source": "x", "path": "x", "fingerprint": "0" * 32}, {"format": "p48-nvfp4"})
@@ -209,18 +209,18 @@ def test_corrupt_artifact_and_foreign_config_are_refused(micro, tmp_path):
     other = _spec()
     other.config = {"method": "rtn", "options": {"x": 1}}
     with pytest.raises(WorkDirError, match="another config"):
-        run_stage(model, adapter, calib, other, wd)
+        run_stage(model, adapter, calib, other, wd.ledger("init-rtn"))
     # options that only bound memory (lowered after running out of it) or pick how the same numbers are computed
     # do not make it another stage
-    wd.check_stage_config("init-rtn", {**_spec().config, "micro_batch_rows": 7, "chunk_gb": 0.5, "cuda_graphs": False})
+    wd.ledger("init-rtn").check_config({**_spec().config, "micro_batch_rows": 7, "chunk_gb": 0.5, "cuda_graphs": False})
     blk = wd.root / wd.stage("init-rtn")["blocks"]["2"]["file"]
     data = blk.read_bytes()
     blk.write_bytes(data[: len(data) // 2])  # truncated
     with pytest.raises(WorkDirError, match="corrupt or truncated.*--redo-from 2"):
-        run_stage(model, adapter, calib, _spec(), wd)
+        run_stage(model, adapter, calib, _spec(), wd.ledger("init-rtn"))
     assert sha256_file(wd.manifest_path) == before  # nothing lost or changed
-    wd.drop_blocks_from("init-rtn", 2)
-    assert run_stage(model, adapter, calib, _spec(), wd)["computed_now"] == 2
+    wd.ledger("init-rtn").drop_blocks_from(2)
+    assert run_stage(model, adapter, calib, _spec(), wd.ledger("init-rtn"))["computed_now"] == 2
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -241,9 +241,9 @@ def test_state_store_spills_to_a_memory_mapped_file(tmp_path, dtype):
 def test_spilled_cache_gives_identical_artifacts(micro, tmp_path):
     model, tok, adapter, path, calib = micro
     a = _new_wd(tmp_path / "a", path)
-    run_stage(model, adapter, calib, _spec(), a)
+    run_stage(model, adapter, calib, _spec(), a.ledger("init-rtn"))
     b = _new_wd(tmp_path / "b", path)
-    run_stage(model, adapter, calib, _spec(cache_limit_bytes=1), b)
+    run_stage(model, adapter, calib, _spec(cache_limit_bytes=1), b.ledger("init-rtn"))
     assert _checksums(a, "init-rtn") == _checksums(b, "init-rtn")
 
 
@@ -252,7 +252,7 @@ def test_compressed_prefix_is_seen_by_later_blocks(micro, tmp_path):
     dense prefix only through the calibration states (activation ranges)."""
     model, tok, adapter, path, calib = micro
     wd = _new_wd(tmp_path / "wd", path)
-    run_stage(model, adapter, calib, _spec(), wd)
+    run_stage(model, adapter, calib, _spec(), wd.ledger("init-rtn"))
     results, amax_in, amax_mid = load_block(wd.root / wd.stage("init-rtn")["blocks"]["1"]["file"])
     from moesq_core.compression.engine import capture_layer_inputs, gather_experts
 
@@ -286,7 +286,7 @@ root = {root!r}
 if dist.get_rank() == 0:
     _new_wd(root, path)
 dist.barrier()
-run_stage(model, adapter, calib, _spec(cache_limit_bytes={cache_limit}), WorkDir(root))
+run_stage(model, adapter, calib, _spec(cache_limit_bytes={cache_limit}), WorkDir(root).ledger("init-rtn"))
 dist.destroy_process_group()
 """
 
@@ -300,7 +300,7 @@ def test_expert_parallel_equals_single_process(micro, tmp_path, cache_limit, por
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # CPU reductions depend on the thread count; compare like with like
     try:
-        run_stage(model, adapter, calib, _spec(), single)
+        run_stage(model, adapter, calib, _spec(), single.ledger("init-rtn"))
     finally:
         torch.set_num_threads(threads)
     script = tmp_path / "worker.py"

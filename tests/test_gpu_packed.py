@@ -25,7 +25,7 @@ def _pack_micro(micro_path, root, fmt_name):
     calib = build_calibration(tok, read_documents(text, max_chars=300_000), CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
     wd = WorkDir(root / "wd")
     wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": fmt_name, "act_quant": True})
-    run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(fmt_name), lambda li: RTN(), {"method": "rtn"}, batch_size=4), wd)
+    run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(fmt_name), lambda li: RTN(), {"method": "rtn"}, batch_size=4), wd.ledger("init-rtn"))
     export_packed(wd, "init-rtn", root / "packed")
     return root / "packed", tok
 

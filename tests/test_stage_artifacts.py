@@ -137,12 +137,12 @@ def test_older_layout_is_recomputed_never_misread(micro_calibrated, tmp_path):
 
     model, adapter, path, calib = micro_calibrated
     fresh = _new_wd(tmp_path / "fresh", path)
-    run_stage(model, adapter, calib, _rtn_spec("p48-nvfp4"), fresh)
+    run_stage(model, adapter, calib, _rtn_spec("p48-nvfp4"), fresh.ledger("init-rtn"))
     assert fresh.stage("init-rtn")["layout"] == LAYOUT == fresh.load()["layout"]
 
     # the same stage as an older moesq left it: unpacked artifacts, a stage record without a layout
     old = _new_wd(tmp_path / "old", path)
-    run_stage(model, adapter, calib, _rtn_spec("p48-nvfp4"), old)
+    run_stage(model, adapter, calib, _rtn_spec("p48-nvfp4"), old.ledger("init-rtn"))
     m = old.load()
     st = m["stages"]["init-rtn"]
     del st["layout"]
@@ -153,14 +153,14 @@ def test_older_layout_is_recomputed_never_misread(micro_calibrated, tmp_path):
     old.save(m)
     block1 = old.root / st["blocks"]["1"]["file"]
     with pytest.raises(StaleStageError, match="older moesq.*layout 1.*re-run"):
-        old.verified_block("init-rtn", 1)
+        old.ledger("init-rtn").verified_block(1)
     with pytest.raises(StaleStageError, match="layout 1"):
         load_block(block1)  # the file alone is refused too
     with pytest.raises(StaleStageError, match="older moesq"):
         export_packed(old, "init-rtn", tmp_path / "packed")
     assert not (tmp_path / "packed").exists()
     # running the stage again recomputes it, to the bytes a fresh work dir gets
-    assert run_stage(model, adapter, calib, _rtn_spec("p48-nvfp4"), old)["computed_now"] == 4
+    assert run_stage(model, adapter, calib, _rtn_spec("p48-nvfp4"), old.ledger("init-rtn"))["computed_now"] == 4
     assert _checksums(old, "init-rtn") == _checksums(fresh, "init-rtn")
     assert old.stage("init-rtn")["layout"] == LAYOUT
 

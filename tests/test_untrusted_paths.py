@@ -45,7 +45,7 @@ def _crafted_workdir(tmp_path, files: list[str], layout: int) -> WorkDir:
 
 @pytest.mark.parametrize("layout", [1, 2])
 def test_crafted_workdir_manifest_deletes_nothing_outside(tmp_path, layout):
-    """A stage of an older layout is removed when its stage runs again (open_stage), a --redo-from removes the
+    """A stage of an older layout is removed when its stage runs again (StageLedger.open), a --redo-from removes the
     blocks after it (drop_blocks_from): neither may follow a `..` or absolute path out of the work dir."""
     victims = [tmp_path / "victim-rel", tmp_path / "victim-abs"]
     for v in victims:
@@ -56,9 +56,9 @@ def test_crafted_workdir_manifest_deletes_nothing_outside(tmp_path, layout):
     (wd.root / "stages" / "init-sgptq" / "block_000.safetensors").write_text("artifact")
     with pytest.raises(UnsafePathError, match=r"manifest.json stages\.init-sgptq\.blocks\.1\.file: '\.\./victim-rel'"):
         if layout == 1:
-            wd.open_stage("init-sgptq", {"method": "sgptq"})
+            wd.ledger("init-sgptq").open({"method": "sgptq"})
         else:
-            wd.drop_blocks_from("init-sgptq", 0)
+            wd.ledger("init-sgptq").drop_blocks_from(0)
     assert all(v.read_text() == "keep" for v in victims)
     # every path is checked before anything is removed: the work dir's own artifact is still there too
     assert (wd.root / "stages" / "init-sgptq" / "block_000.safetensors").is_file()
@@ -72,7 +72,7 @@ def test_crafted_workdir_manifest_reads_nothing_outside(tmp_path):
     m["stages"]["init-sgptq"]["blocks"]["0"]["sha256"] = hashlib.sha256(b"not yours").hexdigest()
     wd.save(m)
     with pytest.raises(UnsafePathError, match="blocks.0.file"):
-        wd.verified_block("init-sgptq", 0)
+        wd.ledger("init-sgptq").verified_block(0)
 
 
 def _reseal(root, files: dict) -> None:

@@ -24,6 +24,7 @@ from moesq_core.compression.calibration import CalibConfig
 
 if TYPE_CHECKING:  # imported where the config-file validator is built (_config_adapter): refinement is heavy
     from moesq_core.compression.methods.refine import RefineConfig
+    from moesq_core.compression.workdir import RunIdentity
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 DEFAULT_MODEL = ASSETS / "micro-qwen3-moe"
@@ -84,6 +85,12 @@ class RunConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "RunConfig":
         return cls.from_options({**{k: v for k, v in d.items() if k != "calib"}, **d.get("calib", {})})
+
+    @classmethod
+    def from_identity(cls, identity: RunIdentity) -> "RunConfig":
+        """The run config a work dir was made with, from its identity (WorkDir.identity)."""
+        return cls.from_options({"format": identity.format_name, "act_quant": identity.act_quant,
+                                 "calib_source": identity.calib_source, **identity.calib.to_dict()})
 
 
 @dataclass(frozen=True)

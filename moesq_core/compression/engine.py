@@ -29,8 +29,16 @@ from torch import nn
 from moesq_core.compression import distributed
 from moesq_core.compression.methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method, TokenRows
 from moesq_core.compression.state_checkpoint import EVERY_S, StateCheckpoint
-from moesq_core.compression.workdir import LAYOUT, StaleStageError, WorkDir, WorkDirError, atomic_path, disk_errors
-from moesq_core.formats import Format, QuantizedWeight, get_format, packing
+from moesq_core.compression.workdir import (
+    LAYOUT,
+    StageLedger,
+    StaleStageError,
+    WorkDir,
+    WorkDirError,
+    atomic_path,
+    disk_errors,
+)
+from moesq_core.formats import Format, QuantizedWeight, packing
 from moesq_core.memory import HOST_CHUNK_BYTES, consecutive_chunks, release_freed_memory
 from moesq_core.models import MoEAdapter, MoEBlock, load_model
 from moesq_core.progress import BlockProgress, NullProgress, note, skip
@@ -136,9 +144,9 @@ class StageSpec:
     memory_options: tuple[str, ...] = ("--batch-size", "--cache-gb")
     # Seconds between saves of the calibration states for resuming (StateCheckpoint; 0: after every block).
     resume_every_s: float = EVERY_S
-    # A step after the last block (refinement's end-to-end tuning): finalize(model, adapter, workdir, progress)
+    # A step after the last block (refinement's end-to-end tuning): finalize(model, adapter, ledger, progress)
     # runs on the main process once every block is saved, before the stage is marked done; it returns a
-    # summary and may rewrite the stage's blocks (WorkDir.replace_blocks).
+    # summary and may rewrite the stage's blocks (StageLedger.replace_blocks).
     finalize: Callable | None = None
 
 
@@ -215,14 +223,16 @@ def pack_block(results: list[CompressedExpert], act_amax_in: torch.Tensor, act_a
 
 
 def write_block(path: Path, tensors: dict[str, torch.Tensor], meta: str) -> None:
-    with atomic_path(path) as tmp:
-        save_file(tensors, str(tmp), metadata={"moesq": meta})
+    """A block artifact's bytes (`pack_block`'s tensors and metadata) written to `path` as is: callers write
+    through StageLedger.record_block / write_artifact or atomic_path, which make it atomic."""
+    save_file(tensors, str(path), metadata={"moesq": meta})
 
 
 def save_block(path: Path, results: list[CompressedExpert], act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor,
                device: torch.device | str = "cpu") -> None:
     """The block's artifact (see `pack_block`), written atomically."""
-    write_block(path, *pack_block(results, act_amax_in, act_amax_mid, device))
+    with atomic_path(path) as tmp:
+        write_block(tmp, *pack_block(results, act_amax_in, act_amax_mid, device))
 
 
 class BlockWriter:
@@ -487,13 +497,16 @@ def fill_missing_amax(amax_in: torch.Tensor, amax_mid: torch.Tensor) -> tuple[to
 
 
 def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tensor], spec: StageSpec,
-              workdir: WorkDir, progress=None, redo_from: int | None = None) -> dict:
-    """Run (or resume) one blockwise stage; returns a summary. The model's experts end up replaced by the
-    stage's compressed experts. Out of device memory, it raises StageOutOfMemoryError naming the block and the
-    options that lower memory (the finished blocks stay saved)."""
+              ledger: StageLedger, progress=None, redo_from: int | None = None) -> dict:
+    """Run (or resume) one blockwise stage through its ledger (the work dir's `ledger(spec.name)`); returns a
+    summary. The model's experts end up replaced by the stage's compressed experts. Out of device memory, it
+    raises StageOutOfMemoryError naming the block and the options that lower memory (the finished blocks stay
+    saved)."""
+    if ledger.name != spec.name:
+        raise ValueError(f"stage {spec.name!r} run through the ledger of stage {ledger.name!r}")
     where: dict = {"layer": None, "moe": False}  # where the loop is, for the out-of-memory message
     try:
-        return _run_stage(model, adapter, calib, spec, workdir, progress, redo_from, where)
+        return _run_stage(model, adapter, calib, spec, ledger, progress, redo_from, where)
     except torch.OutOfMemoryError as e:
         li = where["layer"]
         at = where.get("at") or ("while embedding the calibration set" if li is None
@@ -504,7 +517,7 @@ def run_stage(model: nn.Module, adapter: MoEAdapter, calib: dict[str, torch.Tens
             f"then re-run the same command: the finished blocks are saved and it resumes from there") from e
 
 
-def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progress, redo_from, where: dict) -> dict:
+def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, progress, redo_from, where: dict) -> dict:
     """run_stage's work; keeps `where` at the layer it is on."""
     progress = progress or NullProgress()
     dist = _dist()
@@ -515,26 +528,25 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
         raise ValueError(f"--redo-from {redo_from}: the model's MoE blocks are layers {min(blocks)}..{max(blocks)}")
 
     def open_stage():
-        workdir.open_stage(spec.name, spec.config, num_blocks=len(blocks))
+        ledger.open(spec.config, num_blocks=len(blocks))
         if redo_from is not None and is_main:
-            workdir.drop_blocks_from(spec.name, redo_from)
+            ledger.drop_blocks_from(redo_from)
 
     distributed.main_first(open_stage)  # the other ranks then only check the stage's config
-    stage_dir = workdir.stage_dir(spec.name)
     for b in blocks.values():  # every stage starts from the dense model
         b.restore_dense()
     device = next(model.parameters()).device
     layers = model.model.layers
     last_moe = max(blocks)
     splits = [spec.compress_split] + ([spec.val_split] if spec.val_split else [])
-    spill = workdir.root / "cache" / f"{spec.name}-rank{rank}"
+    spill = ledger.cache_dir / f"{spec.name}-rank{rank}"
     stores, kwargs_by_bs = {}, {}
     with progress.task(f"{spec.name}: embedding calibration", len(splits)) as t:
         for s in splits:
             stores[s] = StateStore(spec.cache_limit_bytes // len(splits), spill)
             kwargs_by_bs.update(capture_layer_inputs(model, calib[s], spec.batch_size, stores[s]))
             t.advance()
-    saved = StateCheckpoint(workdir, spec.name, calib, splits, spec.batch_size, spec.resume_every_s)
+    saved = StateCheckpoint(ledger, calib, splits, spec.batch_size, spec.resume_every_s)
     resumed = saved.load(lambda: StateStore(spec.cache_limit_bytes // len(splits), spill), device)
     resumed_after = -1
     if resumed is not None:
@@ -546,7 +558,8 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                  "installed, not run)", spec.name, resumed_after)
     computed, seconds, t_stage = 0, 0.0, time.perf_counter()
     clock = PhaseClock(device)
-    todo = [li for li in blocks if str(li) not in workdir.stage(spec.name)["blocks"]]
+    finished = ledger.blocks()
+    todo = [li for li in blocks if li not in finished]
     block_times: list[float] = []  # seconds of each block computed now
     with BlockWriter() as writer, progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
         for li, layer in enumerate(layers):
@@ -556,7 +569,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
             where.update(layer=li, moe=block is not None)
             before = dict(clock.seconds)
             if block is not None:
-                path = workdir.verified_block(spec.name, li)
+                path = ledger.verified_block(li)
                 if path is not None:
                     results, amax_in, amax_mid = load_block(path)
                     log.info("%s: block %d already done, loaded %s", spec.name, li, path.name)
@@ -574,15 +587,14 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
                     seconds += time.perf_counter() - t0
                     log.info("%s: layer %d, %d experts compressed in %.1f s (rank %d of %d)", spec.name, li,
                              len(results), time.perf_counter() - t0, rank, world)
-                    path = stage_dir / f"block_{li:03d}.safetensors"
                     timings = _take_expert_timings(results)
                     if is_main:
                         packed = pack_block(results, amax_in, amax_mid, device)
                         record = dict(extra={"experts": len(results)},
                                       timings={"seconds": round(time.perf_counter() - t0, 2),
                                                **({"experts": timings} if timings else {})})
-                        writer.submit(lambda li=li, path=path, packed=packed, record=record: (
-                            write_block(path, *packed), workdir.record_block(spec.name, li, path, **record)))
+                        writer.submit(lambda li=li, packed=packed, record=record: ledger.record_block(
+                            li, lambda tmp: write_block(tmp, *packed), **record))
                         del packed  # the writer holds it until written
                         release_freed_memory()  # packing's stacked copies, before the install's dequantized block
                     clock.mark("write")
@@ -630,13 +642,13 @@ def _run_stage(model, adapter, calib, spec: StageSpec, workdir: WorkDir, progres
         where["at"] = "in the step after the last block"
         if is_main:
             t0 = time.perf_counter()
-            summary["finalize"] = {**spec.finalize(model, adapter, workdir, progress),
+            summary["finalize"] = {**spec.finalize(model, adapter, ledger, progress),
                                    "seconds": round(time.perf_counter() - t0, 2)}
         distributed.barrier(f"{spec.name}: finalized")
     summary.update(stage_seconds=round(time.perf_counter() - t_stage, 2), world_size=world)
     log.info("%s: done, %s", spec.name, summary)
     if is_main:
-        workdir.finish_stage(spec.name, summary)
+        ledger.finish(summary)
         saved.remove()
     distributed.barrier(f"{spec.name}: finishing")
     return summary
@@ -806,14 +818,13 @@ def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int, devi
 def load_workdir_model(workdir: str | Path, stage: str, device="cpu", dtype=torch.float32, act_quant: bool | None = None):
     """(model, tokenizer): the source model with each block's experts replaced by `stage`'s compressed ones."""
     wd = WorkDir(workdir)
-    m = wd.load()
-    st = m["stages"].get(stage)
-    if st is None or not st.get("done"):
+    identity, ledger = wd.identity(), wd.ledger(stage)
+    if not (ledger.record() or {}).get("done"):
         raise WorkDirError(f"stage {stage!r} is not finished in {workdir}")
-    model, tok, adapter, _ = load_model(m["model"]["path"], dtype=dtype, device=device)
-    fmt = get_format(m["config"]["format"])
-    act_quant = m["config"].get("act_quant", True) if act_quant is None else act_quant
+    model, tok, adapter, _ = load_model(identity.model_path, dtype=dtype, device=device)
+    fmt = identity.format
+    act_quant = identity.act_quant if act_quant is None else act_quant
     for block in adapter.blocks(model):
-        results, amax_in, amax_mid = load_block(wd.verified_block(stage, block.layer_index))
+        results, amax_in, amax_mid = load_block(ledger.verified_block(block.layer_index))
         install_block(block, fmt, results, amax_in, amax_mid, act_quant, device)
     return model.eval(), tok  # the installed expert modules too

@@ -34,7 +34,16 @@ from safetensors import safe_open
 from moesq_core.checkpoint.checksums import PACK_MANIFEST, is_moesq_pack, write_manifest
 from moesq_core.checkpoint.model_card import model_card, work_dir_evals
 from moesq_core.compression.engine import load_block
-from moesq_core.compression.workdir import LockHeld, WorkDir, WorkDirError, disk_errors, pid_alive, take_lock
+from moesq_core.compression.workdir import (
+    LockHeld,
+    RunIdentity,
+    StageLedger,
+    WorkDir,
+    WorkDirError,
+    disk_errors,
+    pid_alive,
+    take_lock,
+)
 from moesq_core.formats import get_format
 from moesq_core.formats.quantizers import input_global_scales
 from moesq_core.memory import release_freed_memory
@@ -306,30 +315,32 @@ def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: boo
             held.enter_context(workdir.locked())
         else:  # a read-only work dir (a read-only mount): no process can change it while it is packed
             log.info("%s is read-only: packing it without its lock", workdir.root)
+        m = workdir.load()
+        st = m["stages"].get(stage)
+        if st is None or not st.get("done"):
+            have = ", ".join(k for k, v in m["stages"].items() if v.get("done")) or "none"
+            raise WorkDirError(f"stage {stage!r} is not finished in {workdir.root} (finished stages: {have})")
+        identity = RunIdentity.from_manifest(m, workdir.manifest_path)
         with disk_errors(Path(out_dir)):
-            return _export_packed(workdir, stage, Path(out_dir), held, overwrite=overwrite,
+            return _export_packed(workdir.ledger(stage), identity, m, Path(out_dir), held, overwrite=overwrite,
                                   sparse_layout=sparse_layout, max_shard_bytes=max_shard_bytes, progress=progress)
 
 
-def _export_packed(workdir: WorkDir, stage: str, out_dir: Path, held: contextlib.ExitStack, *, overwrite: bool,
-                   sparse_layout: bool, max_shard_bytes: int, progress) -> dict:
-    m = workdir.load()
-    st = m["stages"].get(stage)
-    if st is None or not st.get("done"):
-        have = ", ".join(k for k, v in m["stages"].items() if v.get("done")) or "none"
-        raise WorkDirError(f"stage {stage!r} is not finished in {workdir.root} (finished stages: {have})")
+def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, out_dir: Path,
+                   held: contextlib.ExitStack, *, overwrite: bool, sparse_layout: bool, max_shard_bytes: int,
+                   progress) -> dict:
+    """The pack of a finished stage (`ledger`'s), with the work dir's lock held; `manifest` is the work dir's,
+    for the model card."""
+    st = ledger.record()
     if max_shard_bytes <= 0:
         raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
-    fmt_name = m["config"]["format"]
-    fmt = get_format(fmt_name)
-    act_quant = m["config"].get("act_quant", True)
-    src = Path(m["model"]["path"])
-    out_dir = Path(out_dir)
-    check_output_dir(out_dir, workdir.root, src, overwrite)
+    fmt, act_quant, src = identity.format, identity.act_quant, identity.model_path
+    out_dir, root, stage = Path(out_dir), ledger.root, ledger.name
+    check_output_dir(out_dir, root, src, overwrite)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     held.enter_context(_out_locked(out_dir))
     _remove_stale(out_dir)
-    check_output_dir(out_dir, workdir.root, src, overwrite)  # an earlier pack may have been put back
+    check_output_dir(out_dir, root, src, overwrite)  # an earlier pack may have been put back
     work = _owned_dir(out_dir.parent, f".{out_dir.name}.tmp-")
     tmp = work / "pack"  # built here, then renamed to out_dir
     tmp.mkdir()
@@ -349,31 +360,31 @@ def _export_packed(workdir: WorkDir, stage: str, out_dir: Path, held: contextlib
         packed_bytes, n_weights, fallbacks = 0, 0, 0
         layout = fmt.export_layout(sparse_layout)
         for li in blocks:
-            nbytes, nw, nf = _add_packed_block(writer, workdir.verified_block(stage, li), li, fmt, layout)
+            nbytes, nw, nf = _add_packed_block(writer, ledger.verified_block(li), li, fmt, layout)
             packed_bytes, n_weights, fallbacks = packed_bytes + nbytes, n_weights + nw, fallbacks + nf
             release_freed_memory()  # the block's unpacked experts (freed on return), back to the system
             if progress:
                 progress(1)
         shards = writer.finish()
         config = json.loads((src / "config.json").read_text())
-        config["quantization_config"] = quantization_config(fmt_name, sorted(ignore), act_quant, sparse_layout)
+        config["quantization_config"] = quantization_config(identity.format_name, sorted(ignore), act_quant, sparse_layout)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         carried = sorted({f for f in CARRIED_FILES if (src / f).is_file()}
                          | {p.name for pat in CARRIED_PATTERNS for p in src.glob(pat) if p.is_file()})
         for f in carried:
             shutil.copyfile(src / f, tmp / f)
-        summary = {"format": fmt_name, "stage": stage, "method": st["config"].get("method", stage),
+        summary = {"format": identity.format_name, "stage": stage, "method": st["config"].get("method", stage),
                    "act_quant": act_quant, "bits_per_weight": 8 * packed_bytes / max(1, n_weights),
                    "expert_weights": n_weights, "expert_bytes": packed_bytes,
                    "input_scale_fallbacks": fallbacks, "moesq_version": __version__, **shards}
-        (tmp / "README.md").write_text(model_card(m, src, summary, work_dir_evals(workdir.root, stage)))
+        (tmp / "README.md").write_text(model_card(manifest, src, summary, work_dir_evals(root, stage)))
         _fix_modes(tmp)
         manifest = write_manifest(tmp, summary)
         os.chmod(tmp / PACK_MANIFEST, 0o644)
         summary["files"] = sorted([*manifest["files"], PACK_MANIFEST])
         if out_dir.exists():
             # keep the earlier pack until the new one is in place; re-check it is still only a moesq pack
-            check_output_dir(out_dir, workdir.root, src, overwrite)
+            check_output_dir(out_dir, root, src, overwrite)
             old = _owned_dir(out_dir.parent, f".{out_dir.name}.old-")
             out_dir.rename(old / "pack")
         tmp.rename(out_dir)

@@ -40,8 +40,16 @@ from moesq_core.compression.config import (  # noqa: F401
     refine_identity,
 )
 from moesq_core.compression.engine import StageSpec, run_stage
-from moesq_core.compression.workdir import WorkDir, WorkDirError, _diff, atomic_path, model_fingerprint, sha256_file
-from moesq_core.formats import get_format
+from moesq_core.compression.workdir import (
+    RunIdentity,
+    StageLedger,
+    WorkDir,
+    WorkDirError,
+    _diff,
+    atomic_path,
+    model_fingerprint,
+    sha256_file,
+)
 from moesq_core.models import load_model
 from moesq_core.progress import NullProgress, note
 
@@ -159,7 +167,8 @@ def open_workdir(workdir: WorkDir | str | Path, model: str | Path | None = None,
     wd.check_usable()
     if wd.exists():
         m = wd.load()
-        recorded = RunConfig.from_dict(m["config"])
+        identity = RunIdentity.from_manifest(m, wd.manifest_path)
+        recorded = RunConfig.from_identity(identity)
         if "calibration" in m or m.get("stages"):
             wanted = RunConfig.from_options({**recorded.flat(), **options})
             problems = _diff(recorded.to_dict(), wanted.to_dict())
@@ -171,7 +180,7 @@ def open_workdir(workdir: WorkDir | str | Path, model: str | Path | None = None,
             cfg = recorded
         else:  # an interrupted or failed calibration: nothing depends on its settings, the ones given now count
             cfg = RunConfig.from_options({**recorded.flat(), **options})
-        source = model or m["model"]["source"]
+        source = model or identity.model_source
     else:
         cfg = RunConfig.from_options(options, defaults)
         source = model or DEFAULT_MODEL
@@ -190,18 +199,18 @@ def load_calibration(workdir: WorkDir) -> dict[str, torch.Tensor]:
 
 
 # -- one-shot methods and refinement ------------------------------------------------------------------------
-def _load_for_stage(workdir: WorkDir, device: str | None):
-    m = workdir.load()
+def _load_for_stage(identity: RunIdentity, device: str | None):
+    """(model, adapter): the run's model, checked to be the one the work dir was made for."""
     dev = _device(device)
-    path = Path(m["model"]["path"])
+    path = identity.model_path
     if not (path / "config.json").is_file():
-        raise WorkDirError(f"the model this work dir was made for ({m['model']['source']}) is no longer at {path}")
-    if model_fingerprint(path) != m["model"]["fingerprint"]:
+        raise WorkDirError(f"the model this work dir was made for ({identity.model_source}) is no longer at {path}")
+    if model_fingerprint(path) != identity.model_fingerprint:
         raise WorkDirError(f"the model at {path} changed since this work dir was made (its weights or config "
                            "differ); restore it, or use another --workdir for the changed model")
     # lazily: host memory stays bounded by a few blocks, not the model
     model, tok, adapter, _ = load_model(path, dtype=_dtype(dev), device=dev, lazy=True)
-    return model, adapter, m
+    return model, adapter
 
 
 def init_stage_name(method: str) -> str:
@@ -219,26 +228,26 @@ def init_stage(workdir: WorkDir, method: str | MethodConfig = "sgptq", options: 
     _check_run_args(device, batch_size, redo_from, cache_limit_gb)
     name = init_stage_name(mcfg.name)
     with _locked(workdir):
-        m = workdir.load()
-        fmt = get_format(m["config"]["format"])
+        identity, ledger = workdir.identity(), workdir.ledger(name)
+        fmt = identity.format
         mcfg.check_format(fmt)
         if redo_from is None:
-            done = workdir.finished_stage_summary(name, mcfg.to_dict())
+            done = ledger.finished_summary(mcfg.to_dict())
             if done is not None:
                 return done
         else:
-            workdir.check_stage_config(name, mcfg.to_dict())
-        model, adapter, m = _load_for_stage(workdir, device)
+            ledger.check_config(mcfg.to_dict())
+        model, adapter = _load_for_stage(identity, device)
         calib = load_calibration(workdir)
         from moesq_core.compression.preflight import check_stage_states
-        note(progress, check_stage_states(workdir, name, ["init"], calib, model, sized_split="init",
+        note(progress, check_stage_states(ledger, ["init"], calib, model, sized_split="init",
                                           batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
                                           disk_free_bytes=disk_free_bytes))
         spec = StageSpec(
             name=name, fmt=fmt, method_for_block=lambda li: mcfg.build(), config=mcfg.to_dict(),
-            compress_split="init", val_split=None, act_quant=m["config"]["act_quant"], batch_size=batch_size,
+            compress_split="init", val_split=None, act_quant=identity.act_quant, batch_size=batch_size,
             cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg))
-        return run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
+        return run_stage(model, adapter, calib, spec, ledger, progress, redo_from)
 
 
 def _memory_options(init: MethodConfig, refine: bool = False) -> tuple[str, ...]:
@@ -257,21 +266,20 @@ def _check_run_args(device, batch_size: int, redo_from: int | None, cache_limit_
         raise ValueError(f"cache_limit_gb must be >= 0, got {cache_limit_gb}")
 
 
-def _routing(manifest: dict) -> tuple[int, int]:
+def _routing(identity: RunIdentity) -> tuple[int, int]:
     """(experts per token, routed experts per block) from the work dir's model config."""
     from moesq_core.models.adapter import read_config
 
-    cfg = read_config(Path(manifest["model"]["path"]))
+    cfg = read_config(identity.model_path)
     top_k = cfg.get("num_experts_per_tok") or 1
     return top_k, cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts") or 1
 
 
-def refine_schedule(workdir: WorkDir, rcfg) -> str:
+def refine_schedule(workdir: WorkDir, identity: RunIdentity, rcfg) -> str:
     """The per-block refinement schedule, estimated from the calibration (training sequences × tokens ×
     top-k routed rows, spread over the experts), as one line."""
-    m = workdir.load()
-    cal = m["calibration"]
-    top_k, n_exp = _routing(m)
+    cal = workdir.load()["calibration"]
+    top_k, n_exp = _routing(identity)
     seqs = cal["sequences"]["train"] + (cal["sequences"]["init"] if rcfg.init_split_rows else 0)
     rows = seqs * cal["seq_len"] * top_k
     what = "training + one-shot" if rcfg.init_split_rows else "training"
@@ -293,47 +301,46 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
     rcfg = config if isinstance(config, RefineConfig) else RefineConfig(**dict(config or {}))
     mcfg = init if isinstance(init, MethodConfig) else MethodConfig(init)
     _check_run_args(device, batch_size, redo_from, cache_limit_gb)
-    identity = refine_identity(rcfg, mcfg)
+    stage_config = refine_identity(rcfg, mcfg)
     with _locked(workdir):
-        m = workdir.load()
-        fmt = get_format(m["config"]["format"])
+        run, ledger = workdir.identity(), workdir.ledger(stage)
+        fmt = run.format
         mcfg.check_format(fmt)
         if redo_from is None:
-            done = workdir.finished_stage_summary(stage, identity)
+            done = ledger.finished_summary(stage_config)
             if done is not None:
-                return {**done, "improved_on_init": improved_on_init(workdir, stage)}
+                return {**done, "improved_on_init": improved_on_init(ledger)}
         else:
-            workdir.check_stage_config(stage, identity)
-        model, adapter, m = _load_for_stage(workdir, device)
+            ledger.check_config(stage_config)
+        model, adapter = _load_for_stage(run, device)
         calib = load_calibration(workdir)
-        note(progress, f"{stage} schedule: {refine_schedule(workdir, rcfg)}")
-        act_quant = m["config"]["act_quant"]
+        note(progress, f"{stage} schedule: {refine_schedule(workdir, run, rcfg)}")
         # decided once, by the process that runs the step (under torchrun the others only wait for it)
         e2e = plan_end_to_end(rcfg, model, adapter, calib) if rcfg.e2e_steps and distributed.is_main_process() else None
         if e2e is not None:
             note(progress, f"{stage} end-to-end: {e2e['line']}")
 
-        def end_to_end(model, adapter, workdir, progress):
+        def end_to_end(model, adapter, ledger, progress):
             if not e2e["steps"]:
                 return {"skipped": e2e["line"]}
-            return tune_end_to_end(workdir, stage, model, adapter, calib, fmt, act_quant,
+            return tune_end_to_end(ledger, run, model, adapter, calib,
                                    dataclasses.replace(rcfg, e2e_steps=e2e["steps"]), progress)
         split = "train"
         if rcfg.init_split_rows:  # one split the block loop routes: the training and the one-shot sequences
             split = "train+init"
             calib = {**calib, split: torch.cat([calib["train"], calib["init"]])}
         from moesq_core.compression.preflight import check_stage_states
-        note(progress, check_stage_states(workdir, stage, [split, "val"], calib, model, sized_split="train",
+        note(progress, check_stage_states(ledger, [split, "val"], calib, model, sized_split="train",
                                           batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
                                           disk_free_bytes=disk_free_bytes))
-        note(progress, f"{stage} memory: {refine_memory(rcfg, fmt, model, adapter, _routing(m)[0], calib[split], calib['val'])}")
+        note(progress, f"{stage} memory: {refine_memory(rcfg, fmt, model, adapter, _routing(run)[0], calib[split], calib['val'])}")
         spec = StageSpec(
-            name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=identity,
-            compress_split=split, val_split="val", act_quant=act_quant, batch_size=batch_size,
+            name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=stage_config,
+            compress_split=split, val_split="val", act_quant=run.act_quant, batch_size=batch_size,
             cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True),
             finalize=end_to_end if rcfg.e2e_steps else None)
-        summary = run_stage(model, adapter, calib, spec, workdir, progress, redo_from)
-        return {**summary, "improved_on_init": improved_on_init(workdir, stage)}
+        summary = run_stage(model, adapter, calib, spec, ledger, progress, redo_from)
+        return {**summary, "improved_on_init": improved_on_init(ledger)}
 
 
 def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, held_out: torch.Tensor) -> str:
@@ -356,14 +363,14 @@ def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, 
                               device=str(device), sequences=trained.shape[0] + held_out.shape[0])
 
 
-def improved_on_init(workdir: WorkDir, stage: str) -> dict:
+def improved_on_init(ledger: StageLedger) -> dict:
     """How many of a refine stage's experts ship refined weights, i.e. validated better than their init in some
     epoch or end-to-end pass (the others ship the init: at a budget too small for the model, refinement then only cost time)."""
     from moesq_core.compression.engine import block_info
 
     improved = experts = 0
-    for rec in (workdir.stage(stage) or {}).get("blocks", {}).values():
-        for info in block_info(workdir.path_of(rec.get("file"), f"stages.{stage}.blocks.file")).values():
+    for rec in (ledger.record() or {}).get("blocks", {}).values():
+        for info in block_info(ledger.workdir.path_of(rec.get("file"), f"stages.{ledger.name}.blocks.file")).values():
             experts += 1
             improved += int((info.get("refine") or {}).get("best_epoch", 0) > 0
                             or (info.get("e2e") or {}).get("best_pass", 0) > 0)
@@ -401,30 +408,31 @@ def plan_end_to_end(rcfg, model, adapter, calib: dict[str, torch.Tensor]) -> dic
     return {"steps": steps, "need_bytes": need, "available_bytes": have, "line": line}
 
 
-def tune_end_to_end(workdir: WorkDir, stage: str, model, adapter, calib: dict[str, torch.Tensor], fmt,
-                    act_quant: bool, rcfg, progress=None) -> dict:
+def tune_end_to_end(ledger: StageLedger, identity: RunIdentity, model, adapter, calib: dict[str, torch.Tensor],
+                    rcfg, progress=None) -> dict:
     """Refinement's end-to-end step (RefineConfig.e2e_steps) on a stage whose blocks are all saved: tunes the
     values of every block's experts together (methods/refine/e2e.py) on the training and one-shot splits,
     validating on the validation split, then writes the tuned blocks next to the block-wise ones and switches
     the stage to them in one manifest write (an interrupted run leaves the block-wise stage as it was and
     tunes again on resume). Done once: a stage that records it returns its record."""
-    from moesq_core.compression.engine import load_block, save_block
+    from moesq_core.compression.engine import load_block, pack_block, write_block
     from moesq_core.compression.methods.refine.e2e import EndToEndTuner
 
-    st = workdir.stage(stage)
+    st = ledger.record()
     if "e2e" in st:
         return st["e2e"]
     device = next(model.parameters()).device
-    blocks = {b.layer_index: (b, *load_block(workdir.verified_block(stage, b.layer_index)))
-              for b in adapter.blocks(model)}
+    blocks = {b.layer_index: (b, *load_block(ledger.verified_block(b.layer_index))) for b in adapter.blocks(model)}
     train = torch.cat([calib["train"], calib["init"]])
-    result = EndToEndTuner(model, blocks, fmt, act_quant, rcfg, device).run(train, calib["val"], progress)
+    result = EndToEndTuner(model, blocks, identity.format, identity.act_quant, rcfg, device).run(
+        train, calib["val"], progress)
     paths = {}
     if result.summary["best_pass"] > 0:
         for li, (_, _, amax_in, amax_mid) in blocks.items():
-            paths[li] = workdir.stage_dir(stage) / f"block_{li:03d}.e2e.safetensors"
-            save_block(paths[li], result.blocks[li], amax_in, amax_mid)
-    workdir.replace_blocks(stage, paths, result.summary)
+            packed = pack_block(result.blocks[li], amax_in, amax_mid)
+            paths[li] = ledger.write_artifact(li, lambda tmp, packed=packed: write_block(tmp, *packed), variant="e2e")
+            del packed
+    ledger.replace_blocks(paths, result.summary)
     return result.summary
 
 
@@ -480,7 +488,7 @@ def run_config_of(workdir: str | Path, config):
     wd = WorkDir(workdir)
     if not wd.exists():
         return config
-    rec = RunConfig.from_dict(wd.load()["config"])
+    rec = RunConfig.from_identity(wd.identity())
     return dataclasses.replace(config, format=rec.format, act_quant=rec.act_quant, calib=rec.calib,
                                calib_source=rec.calib_source)
 

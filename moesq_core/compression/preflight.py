@@ -247,10 +247,10 @@ def check_states_fit(states: CalibrationStates, cache_limit_bytes: int, cache_di
         f"{'; '.join(fixes)}; or {size(need.disk + margin)} free there, or a --workdir on a larger disk")
 
 
-def check_stage_states(workdir, stage: str, splits: Sequence[str], calib: Mapping, model, *, batch_size: int,
+def check_stage_states(ledger, splits: Sequence[str], calib: Mapping, model, *, batch_size: int,
                        cache_limit_bytes: int, sized_split: str, disk_free_bytes: int | None = None) -> str:
-    """check_states_fit for a stage about to run engine.run_stage(model, ..., calib, spec, workdir) with
-    spec.name == stage, its compress and validation splits `splits`, spec.batch_size and spec.cache_limit_bytes:
+    """check_states_fit for a stage about to run engine.run_stage(model, ..., calib, spec, ledger) (the stage's
+    StageLedger) with its compress and validation splits `splits`, spec.batch_size and spec.cache_limit_bytes:
     the states' width and dtype are the model's input embeddings' (what enters layer 0), their device the one
     whose memory they take, the world size torch.distributed's. Returns the summary line; writes nothing."""
     from moesq_core.compression import distributed
@@ -263,7 +263,7 @@ def check_stage_states(workdir, stage: str, splits: Sequence[str], calib: Mappin
         seq_len=int(calib[splits[0]].shape[1]), hidden_size=int(embedding.shape[-1]),
         dtype_bytes=embedding.element_size(), batch_size=batch_size,
         world_size=dist.get_world_size() if dist else 1)
-    cache_dir = workdir.root / "cache"  # run_stage's spill dirs (cache/<stage>-rank<r>) and StateCheckpoint's dir
+    cache_dir, stage = ledger.cache_dir, ledger.name  # run_stage's spill dirs (cache/<stage>-rank<r>), StateCheckpoint's
     return check_states_fit(states, cache_limit_bytes, cache_dir, stage=stage, sized_split=sized_split,
                             saved_bytes=saved_states_bytes(cache_dir, stage), disk_free_bytes=disk_free_bytes,
                             memory_available_bytes=device_available_bytes(embedding.device),

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from moesq_core.compression.workdir import WorkDir, atomic_path, write_json_atomic
+from moesq_core.compression.workdir import StageLedger, atomic_path, write_json_atomic
 from moesq_core.paths import inside
 
 log = logging.getLogger("moesq.engine")
@@ -41,17 +41,16 @@ def _tokens_digest(calib: dict[str, torch.Tensor], splits: list[str]) -> str:
 class StateCheckpoint:
     """The saved states of one stage (rank-independent: every rank holds the same states)."""
 
-    def __init__(self, workdir: WorkDir, stage: str, calib: dict[str, torch.Tensor], splits: list[str],
-                 batch_size: int, every_s: float = EVERY_S):
-        self.workdir, self.stage, self.splits, self.every_s = workdir, stage, list(splits), every_s
-        self.dir = workdir.root / "cache"
-        self.record_path = self.dir / f"{stage}-states.json"
+    def __init__(self, ledger: StageLedger, calib: dict[str, torch.Tensor], splits: list[str], batch_size: int,
+                 every_s: float = EVERY_S):
+        self.ledger, self.stage, self.splits, self.every_s = ledger, ledger.name, list(splits), every_s
+        self.dir = ledger.cache_dir
+        self.record_path = self.dir / f"{self.stage}-states.json"
         self.key = {"batch_size": batch_size, "splits": self.splits, "tokens": _tokens_digest(calib, splits)}
         self.last_save = time.monotonic()
 
     def _blocks(self, upto: int) -> dict[str, str]:
-        blocks = (self.workdir.stage(self.stage) or {}).get("blocks", {})
-        return {k: v["sha256"] for k, v in blocks.items() if int(k) <= upto}
+        return {str(k): sha256 for k, sha256 in self.ledger.blocks().items() if k <= upto}
 
     # -- save ------------------------------------------------------------------------------------------------
     def due(self) -> bool:

@@ -5,6 +5,11 @@ a work dir made for another model or config is refused. One process at a time: `
 fcntl lock on the work dir (a second process gets WorkDirLocked) and removes temp files that an interrupted
 run left behind.
 
+WorkDir creates, locks and checks the work dir and owns its manifest. The run's identity (model, format,
+activation quantization, calibration) is read from the manifest once, typed and validated (RunIdentity); each
+stage reads and writes its blocks through its StageLedger (open, verified block, record block, finish), which
+is all the block loop, refinement's end-to-end step and export see of the work dir.
+
 Layout (version LAYOUT, recorded in the manifest and in every stage record):
     manifest.json                 moesq version, layout, model {source, fingerprint}, config, calibration,
                                   stages {name: {config, layout, blocks {N: {file, sha256}}, block_timings, done, runs}}
@@ -32,11 +37,16 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from moesq_core.paths import inside
 from moesq_core.version import __version__
+
+if TYPE_CHECKING:  # imported where used: the work dir is read before torch is needed
+    from moesq_core.compression.calibration import CalibConfig
+    from moesq_core.formats import Format
 
 log = logging.getLogger("moesq")
 
@@ -379,10 +389,11 @@ class WorkDir:
         """The manifest, after checking the work dir was made for this model (fingerprint) and run config;
         raises WorkDirError naming the differences otherwise. Writes nothing."""
         m = self.load()
-        if m["model"]["fingerprint"] != model["fingerprint"]:
+        ident = RunIdentity.from_manifest(m, self.manifest_path)
+        if ident.model_fingerprint != model["fingerprint"]:
             raise WorkDirError(
-                f"{self.root} was made for another model: {m['model']['source']} (fingerprint "
-                f"{m['model']['fingerprint']}); {model['source']} has other weights or config (fingerprint "
+                f"{self.root} was made for another model: {ident.model_source} (fingerprint "
+                f"{ident.model_fingerprint}); {model['source']} has other weights or config (fingerprint "
                 f"{model['fingerprint']}). Use another --workdir for it.")
         problems = _diff(m["config"], config)
         if problems:
@@ -412,119 +423,239 @@ class WorkDir:
         self.save(m)
         return m
 
-    # -- stages ----------------------------------------------------------------------------------
-    def stage_dir(self, stage: str) -> Path:
-        return self.root / "stages" / stage
+    # -- the run's identity and the stages -------------------------------------------------------------
+    def identity(self) -> RunIdentity:
+        """The run's identity (model, format, activation quantization, calibration), read from the manifest and
+        validated: a damaged or incompatible manifest raises one WorkDirError saying so."""
+        return RunIdentity.from_manifest(self.load(), self.manifest_path)
 
-    def check_stage_config(self, stage: str, config: dict) -> dict | None:
+    def stage(self, stage: str) -> dict | None:
+        """A stage's record in the manifest (None if never run)."""
+        return self.load()["stages"].get(stage)
+
+    def ledger(self, stage: str) -> StageLedger:
+        """The ledger through which a stage reads and writes its blocks (see StageLedger)."""
+        return StageLedger(self, stage)
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a work dir's run is, fixed once it is calibrated: the model (its source as given, its local path, its
+    fingerprint), the format, whether activations are quantized, and the calibration (its CalibConfig and its
+    source; None in manifests written before the source was recorded). Read once from the manifest
+    (`WorkDir.identity`) and validated there; the stages take it typed instead of reading the manifest's dicts."""
+
+    format_name: str
+    act_quant: bool
+    calib: CalibConfig
+    calib_source: str | None
+    model_source: str
+    model_path: Path
+    model_fingerprint: str
+
+    @property
+    def format(self) -> Format:
+        from moesq_core.formats import get_format
+
+        return get_format(self.format_name)
+
+    @classmethod
+    def from_manifest(cls, manifest: Any, where: str | Path = MANIFEST) -> RunIdentity:
+        """The identity a manifest records; WorkDirError naming `where` and what is wrong when it cannot be read
+        (a missing or mistyped field, an unknown format, an invalid calibration config). Manifests without
+        `act_quant` (older moesq's) quantized activations."""
+        from moesq_core.compression.calibration import CalibConfig
+        from moesq_core.formats import get_format
+
+        def bad(problem: str) -> WorkDirError:
+            return WorkDirError(f"{where}: the run's identity cannot be read ({problem}); the manifest is damaged or "
+                                "was written by an incompatible moesq: restore it, or start a new work dir")
+
+        if not isinstance(manifest, dict):
+            raise bad(f"expected a JSON object, got {type(manifest).__name__}")
+        model, config = manifest.get("model"), manifest.get("config")
+        for key, value in (("model", model), ("config", config)):
+            if not isinstance(value, dict):
+                raise bad(f"'{key}' is {'missing' if value is None else 'not an object'}")
+        for key in ("source", "path", "fingerprint"):
+            if not isinstance(model.get(key), str) or not model[key]:
+                raise bad(f"model.{key} is missing or not a string")
+        if not isinstance(config.get("format"), str):
+            raise bad("config.format is missing or not a string")
+        try:
+            get_format(config["format"])
+        except ValueError as e:
+            raise bad(f"config.format: {e}") from None
+        act_quant = config.get("act_quant", True)
+        if not isinstance(act_quant, bool):
+            raise bad(f"config.act_quant must be true or false, got {act_quant!r}")
+        calib = config.get("calib", {})
+        if not isinstance(calib, dict):
+            raise bad("config.calib is not an object")
+        try:
+            calib = CalibConfig(**calib)
+        except (TypeError, ValueError) as e:
+            raise bad(f"config.calib: {e}") from None
+        source = config.get("calib_source")
+        if source is not None and not isinstance(source, str):
+            raise bad("config.calib_source is not a string")
+        return cls(config["format"], act_quant, calib, source, model["source"], Path(model["path"]),
+                   model["fingerprint"])
+
+
+class StageLedger:
+    """One stage's part of the work dir, as a block loop uses it: `open` starts (or resumes) the stage with its
+    normalised config, `blocks` / `verified_block` say which blocks are finished and read their artifacts
+    (checksum-verified), `record_block` writes a block's artifact atomically and records it, `finish` marks the
+    stage done with its summary. Refinement's end-to-end step rewrites a finished loop's blocks
+    (`write_artifact`, `replace_blocks`); `--redo-from` forgets blocks (`drop_blocks_from`). Writes need the work
+    dir's lock (WorkDir.locked), which the command holding the WorkDir takes."""
+
+    def __init__(self, workdir: WorkDir, name: str):
+        self.workdir, self.name = workdir, name
+
+    @property
+    def root(self) -> Path:
+        return self.workdir.root
+
+    @property
+    def dir(self) -> Path:
+        """Where the stage's block artifacts are."""
+        return self.root / "stages" / self.name
+
+    @property
+    def cache_dir(self) -> Path:
+        """The work dir's cache: spilled calibration states and the states saved for resuming."""
+        return self.root / "cache"
+
+    def record(self) -> dict | None:
+        """The stage's record in the manifest (None if never run)."""
+        return self.workdir.stage(self.name)
+
+    def blocks(self) -> dict[int, str]:
+        """The finished blocks as recorded: {layer: the artifact's sha256}."""
+        return {int(k): rec["sha256"] for k, rec in ((self.record() or {}).get("blocks") or {}).items()}
+
+    def _file(self, rec: dict, block: object) -> Path:
+        return self.workdir.path_of(rec.get("file"), f"stages.{self.name}.blocks.{block}.file")
+
+    def check_config(self, config: dict) -> dict | None:
         """The stage's record, after checking it was run with this (normalised) config; None if never run (or
         run in another layout: it is recomputed)."""
-        st = self.load()["stages"].get(stage)
+        st = self.record()
         if st is not None and stage_layout(st) != LAYOUT:
             return None
         if st is not None:
             problems = _diff(st["config"], config)
             if problems:
                 raise WorkDirError(
-                    f"stage {stage!r} in {self.root} was run with another config:\n  " + "\n  ".join(problems)
+                    f"stage {self.name!r} in {self.root} was run with another config:\n  " + "\n  ".join(problems)
                     + "\nUse another --workdir, or another stage name (refine: --stage), to keep both."
                 )
         return st
 
-    def open_stage(self, stage: str, config: dict, num_blocks: int | None = None) -> dict:
-        """Register a stage with its config, or check it matches the recorded one. A stage recorded in another
-        layout is started afresh: its artifacts (moesq's, listed in its record) are removed."""
-        st = self.check_stage_config(stage, config)
+    def open(self, config: dict, num_blocks: int | None = None) -> dict:
+        """Register the stage with its config, or check it matches the recorded one (a started stage resumes
+        at its first unfinished block). A stage recorded in another layout is started afresh: its artifacts
+        (moesq's, listed in its record) are removed."""
+        st = self.check_config(config)
         if st is not None and (num_blocks is None or st.get("num_blocks") == num_blocks):
             return st
-        m = self.load()
-        old = m["stages"].get(stage)
+        m = self.workdir.load()
+        old = m["stages"].get(self.name)
         if old is not None and stage_layout(old) != LAYOUT:
             log.warning("stage %s in %s was written by an older moesq (work-dir layout %d, this moesq writes %d): "
-                        "recomputing it", stage, self.root, stage_layout(old), LAYOUT)
-            files = [self.path_of(rec.get("file"), f"stages.{stage}.blocks.{b}.file")
-                     for b, rec in old.get("blocks", {}).items()]  # all checked before any is removed
+                        "recomputing it", self.name, self.root, stage_layout(old), LAYOUT)
+            files = [self._file(rec, b) for b, rec in old.get("blocks", {}).items()]  # all checked before any is removed
             for f in files:
                 f.unlink(missing_ok=True)
-            del m["stages"][stage]
-        st = m["stages"].setdefault(stage, {"config": config, "layout": LAYOUT, "blocks": {}, "done": False})
+            del m["stages"][self.name]
+        st = m["stages"].setdefault(self.name, {"config": config, "layout": LAYOUT, "blocks": {}, "done": False})
         if num_blocks is not None:
             st["num_blocks"] = num_blocks
-        self.save(m)
+        self.workdir.save(m)
         return st
 
-    def finished_stage_summary(self, stage: str, config: dict) -> dict | None:
+    def finished_summary(self, config: dict) -> dict | None:
         """For a finished stage run with this config whose artifacts all check out: a summary of it (nothing
         is recomputed or rewritten); None when the stage is not finished."""
-        st = self.check_stage_config(stage, config)
+        st = self.check_config(config)
         if st is None or not st.get("done"):
             return None
         for b in st["blocks"]:
-            self.verified_block(stage, int(b))
+            self.verified_block(int(b))
         return {"blocks": len(st["blocks"]), "computed_now": 0}
 
-    def stage(self, stage: str) -> dict | None:
-        return self.load()["stages"].get(stage)
-
-    def record_block(self, stage: str, block: int, path: Path, extra: dict | None = None,
-                     timings: dict | None = None) -> None:
-        """Record a finished block's artifact and checksum. Its timings go to the stage's `block_timings`
-        (apart from the block record, which identifies the artifact and is the same in every run)."""
-        m = self.load()
-        st = m["stages"][stage]
-        st["blocks"][str(block)] = {"file": str(path.relative_to(self.root)), "sha256": sha256_file(path), **(extra or {})}
-        if timings:
-            st.setdefault("block_timings", {})[str(block)] = timings
-        self.save(m)
-
-    def finish_stage(self, stage: str, summary: dict | None = None) -> None:
-        """Mark a stage done; its summary (with timings) goes into the stage's run log in the manifest."""
-        m = self.load()
-        st = m["stages"][stage]
-        st["done"] = True
-        if summary:
-            st["summary"] = summary
-            st.setdefault("runs", []).append({"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **summary})
-        self.save(m)
-
-    def verified_block(self, stage: str, block: int) -> Path | None:
+    def verified_block(self, block: int) -> Path | None:
         """The artifact of a finished block after checking its checksum; None if the block is unfinished."""
-        st = self.stage(stage)
+        st = self.record()
         if st is not None and stage_layout(st) != LAYOUT:
             raise StaleStageError(
-                f"stage {stage!r} in {self.root} was written by an older moesq (work-dir layout {stage_layout(st)}; "
+                f"stage {self.name!r} in {self.root} was written by an older moesq (work-dir layout {stage_layout(st)}; "
                 f"this moesq reads layout {LAYOUT}); re-run that stage's command to recompute it, or use another --workdir")
         rec = (st or {}).get("blocks", {}).get(str(block))
         if rec is None:
             return None
-        path = self.path_of(rec.get("file"), f"stages.{stage}.blocks.{block}.file")
+        path = self._file(rec, block)
         if not path.is_file():
             raise WorkDirError(f"artifact {path} recorded as finished is missing; remove the work dir entry or restore it")
         if sha256_file(path) != rec["sha256"]:
             raise WorkDirError(
-                f"artifact {path} of stage {stage!r} is corrupt or truncated (checksum mismatch). Nothing was changed; "
-                f"re-run that stage with --redo-from {block} to recompute it from that block on."
+                f"artifact {path} of stage {self.name!r} is corrupt or truncated (checksum mismatch). Nothing was "
+                f"changed; re-run that stage with --redo-from {block} to recompute it from that block on."
             )
         return path
 
-    def replace_blocks(self, stage: str, paths: dict[int, Path], record: dict) -> None:
-        """Make `paths` (layer -> artifact, already written) a stage's blocks in one manifest write, keeping
+    def write_artifact(self, block: int, write: Callable[[Path], None], variant: str = "") -> Path:
+        """Write a block's artifact atomically (`write(path)` writes it to a temp path, renamed into place when
+        it returns): `block_NNN.safetensors`, or `block_NNN.<variant>.safetensors`. Not recorded."""
+        path = self.dir / f"block_{block:03d}{'.' + variant if variant else ''}.safetensors"
+        with atomic_path(path) as tmp:
+            write(tmp)
+        return path
+
+    def record_block(self, block: int, write: Callable[[Path], None], extra: dict | None = None,
+                     timings: dict | None = None) -> Path:
+        """Write a finished block's artifact atomically (write_artifact) and record it with its checksum. Its
+        timings go to the stage's `block_timings` (apart from the block record, which identifies the artifact
+        and is the same in every run)."""
+        path = self.write_artifact(block, write)
+        m = self.workdir.load()
+        st = m["stages"][self.name]
+        st["blocks"][str(block)] = {"file": str(path.relative_to(self.root)), "sha256": sha256_file(path), **(extra or {})}
+        if timings:
+            st.setdefault("block_timings", {})[str(block)] = timings
+        self.workdir.save(m)
+        return path
+
+    def finish(self, summary: dict | None = None) -> None:
+        """Mark the stage done; its summary (with timings) goes into the stage's run log in the manifest."""
+        m = self.workdir.load()
+        st = m["stages"][self.name]
+        st["done"] = True
+        if summary:
+            st["summary"] = summary
+            st.setdefault("runs", []).append({"finished": time.strftime("%Y-%m-%dT%H:%M:%S"), **summary})
+        self.workdir.save(m)
+
+    def replace_blocks(self, paths: dict[int, Path], record: dict) -> None:
+        """Make `paths` (layer -> artifact, already written) the stage's blocks in one manifest write, keeping
         the blocks they replace under "blockwise" (end-to-end tuning rewrites every block of a stage after its
         block loop; a later --redo-from needs the block-wise prefix back). `record` goes to the stage's "e2e"."""
-        m = self.load()
-        st = m["stages"][stage]
+        m = self.workdir.load()
+        st = m["stages"][self.name]
         new = {str(li): {**st["blocks"][str(li)], "file": str(p.relative_to(self.root)), "sha256": sha256_file(p)}
                for li, p in paths.items()}
         st["blockwise"] = dict(st["blocks"])
         st["blocks"] = {**st["blocks"], **new}
         st["e2e"] = record
-        self.save(m)
+        self.workdir.save(m)
 
-    def drop_blocks_from(self, stage: str, block: int) -> None:
-        """Forget blocks >= block of a stage (their files are removed) so they are recomputed. A stage whose
-        blocks end-to-end tuning rewrote gets its block-wise blocks back first (the tuned files are removed)."""
-        m = self.load()
-        st = m["stages"].get(stage)
+    def drop_blocks_from(self, block: int) -> None:
+        """Forget blocks >= block (their files are removed) so they are recomputed. A stage whose blocks
+        end-to-end tuning rewrote gets its block-wise blocks back first (the tuned files are removed)."""
+        m = self.workdir.load()
+        st = m["stages"].get(self.name)
         if st is None:
             return
         doomed = []  # every file to remove is checked before any is removed
@@ -532,15 +663,15 @@ class WorkDir:
             kept = st.pop("blockwise", st["blocks"])
             for k, rec in st["blocks"].items():
                 if rec.get("file") != kept.get(k, {}).get("file"):
-                    doomed.append(self.path_of(rec.get("file"), f"stages.{stage}.blocks.{k}.file"))
+                    doomed.append(self._file(rec, k))
             st["blocks"] = kept
             del st["e2e"]
         for k in [k for k in st["blocks"] if int(k) >= block]:
-            doomed.append(self.path_of(st["blocks"].pop(k).get("file"), f"stages.{stage}.blocks.{k}.file"))
+            doomed.append(self._file(st["blocks"].pop(k), k))
         for p in doomed:
             p.unlink(missing_ok=True)
         st["done"] = False
-        self.save(m)
+        self.workdir.save(m)
 
 
 class WorkDirLogHandler(logging.Handler):

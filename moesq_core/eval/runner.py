@@ -43,10 +43,10 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
     for t in targets:
         p = Path(t)
         if (p / "manifest.json").is_file():
-            m = WorkDir(p).load()
+            wd = WorkDir(p)
             if reference:
-                add(EvalTarget("reference", "reference", m["model"]["path"]))
-            done = [k for k, v in m["stages"].items() if v.get("done")]
+                add(EvalTarget("reference", "reference", str(wd.identity().model_path)))
+            done = [k for k, v in wd.load()["stages"].items() if v.get("done")]
             for s in stages or done:
                 if s not in done:
                     if several_workdirs:  # --stage picks from whichever work dirs have it
