@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -857,6 +858,22 @@ def test_default_gpu_matrix_runs_every_variant_with_every_option():
                                                                                         (3, False), (3, True)}
     assert {(c["E"], c["M"], c["K"]) for c in default} == {s[:3] for s in REFERENCE_SHAPES}
     assert {p.values[0] for p in matrices["test_gpu_early_first_unit_gives_the_same_outputs"][1]} == set(MMA_VARIANTS)
+
+
+def test_full_matrix_runs_only_with_its_option():
+    """pytest -m "gpu or hopper" collects the default matrix; --full-matrix adds exactly the marked rest (the
+    option, not -m, selects it: the usual GPU command keeps the default)."""
+    marked = sum(1 for _, params in _kernel_matrices().values() for p in params if p.marks)
+    assert marked > 0
+
+    def collected(*extra: str) -> int:
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            "-m", "gpu or hopper", *extra, __file__], capture_output=True, text=True, cwd=nb.REPO_ROOT)
+        m = re.search(r"(\d+)(?:/\d+)? tests? collected", r.stdout)
+        assert m, r.stdout[-2000:] + r.stderr[-2000:]
+        return int(m.group(1))
+
+    assert collected("--full-matrix") - collected() == marked
 
 
 # ------------------------------------------------------------------------------------------ moesq verify --kernel
