@@ -215,7 +215,8 @@ def _sources_digest() -> str:
 
 def _unit_digest(cmd: list[str]) -> str:
     """A compile unit's identity: its command line, the unit's own source file, every header and .def under
-    native/ (other units' sources excluded), and the CUTLASS version: objects are reused across build keys."""
+    native/ (other units' sources excluded), and the CUTLASS version: objects are reused across build keys. The
+    generated sources count through the command line: their folder is named by their hash (generated_dir)."""
     h = hashlib.sha256("\0".join(cmd).encode() + CUTLASS_VERSION.encode())
     own = Path(cmd[-1])
     for p in sorted(NATIVE_DIR.rglob("*")):
