@@ -59,7 +59,17 @@ def packed_expert_linears(model, f, suffixes: tuple[str, ...]):
                 yield base, mine, {k: f.get_tensor(f"{base}.{k}") for k in suffixes}
 
 
+def pytest_addoption(parser):
+    parser.addoption("--full-matrix", action="store_true",
+                     help="also run the tests marked full_matrix (the whole generated kernel test matrix)")
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--full-matrix"):  # deselected, whatever -m says: the full matrix is opt-in
+        full = [item for item in items if "full_matrix" in item.keywords]
+        if full:
+            config.hook.pytest_deselected(items=full)
+            items[:] = [item for item in items if "full_matrix" not in item.keywords]
     has_gpu = torch.cuda.is_available()
     hopper = has_gpu and torch.cuda.get_device_capability() == (9, 0)
     for item in items:

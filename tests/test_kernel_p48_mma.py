@@ -1,8 +1,19 @@
 """p48-nvfp4 on the 2:4 sparse tensor cores (moesq_core.serving.kernels.p48_mma, native/src/p48_gemm.cu): the record
 layout round-trips bit for bit, the kernel's register decode (emulated with the same integer operations on
-the CPU) gives the reference's values, and on an H200/H100 the kernel matches the CPU reference on awkward
-sizes with poisoned outputs."""
+the CPU) gives the reference's values, the variant table renders the kernel's variant list, and on an H200/H100
+the kernel matches the CPU reference on awkward sizes with poisoned outputs.
+
+The GPU tests' kernel matrix is generated from the variant table (p48_variants.P48_VARIANTS, `variant_matrix`):
+by default every variant with every option of a test (act_quant on and off, split K, ...) on shapes that rotate
+over the variants; the whole variants x options x shapes product with `pytest --full-matrix` (the full_matrix
+mark)."""
 from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,8 +21,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moesq_core.serving.bench.p48_bench import random_p48_tensors
+from moesq_core.serving.kernels import native_build as nb
 from moesq_core.serving.kernels import p48_mma as pm
 from moesq_core.serving.kernels import p48_sparse24 as ps
+from moesq_core.serving.kernels import p48_variants as pv
 
 from conftest import P48GroupedCase
 
@@ -181,13 +194,14 @@ def test_pick_config_splits_only_small_grids():
     assert pm.pick_config(1536, 2048, 128, 256, cpu).variant == 3
     assert pm.pick_config(2048, 768, 128, 128, cpu).variant == 2  # short units: the sort does not pay
     assert pm.pick_config(1536, 2048, 5000, 256, cpu).variant == 2  # too many experts to sort in the kernel
-    assert pm.ORDERS_EXPERTS == (False, False, False, True, False, True)
+    assert [v.orders_experts for v in pv.P48_VARIANTS] == [False, False, False, True, False, True]
     assert pm.pick_config(1536, 2048, 2, 4, cpu).split > 1
 
 
 def test_pick_config_pairs_row_groups_only_where_the_chunk_is_reused_and_the_walk_not_longer():
     cpu = torch.device("cpu")
-    assert pm.ROW_GROUPS_PER_UNIT[4] == 2 and pm.TOKEN_BLOCKS[4] == pm.TOKEN_BLOCKS[0]
+    pairs, decode = pv.P48_VARIANTS[4], pv.P48_VARIANTS[0]
+    assert pairs.row_groups_per_unit == 2 and pairs.tokens_per_block == decode.tokens_per_block
     # Qwen3-30B-A3B down (K = 768: one chunk), every expert with tokens: 1024 single or 512 paired units on 264 CTAs
     assert pm.pick_config(2048, 768, 128, 1, cpu) == pm.MmaConfig(4, 1)
     assert pm.pick_config(2048, 768, 128, 16, cpu) == pm.MmaConfig(4, 1)
@@ -204,7 +218,9 @@ def test_pick_config_pairs_row_groups_only_where_the_chunk_is_reused_and_the_wal
 
 def test_pick_config_deals_from_a_list_when_many_experts_are_likely_empty():
     cpu = torch.device("cpu")
-    assert pm.TOKEN_BLOCKS[5] == pm.TOKEN_BLOCKS[0] and pm.ORDERS_EXPERTS[5] and pm.MMA_INSTRUCTION[5] == "mma.sp"
+    listed = pv.P48_VARIANTS[5]
+    assert listed.tokens_per_block == pv.P48_VARIANTS[0].tokens_per_block and listed.orders_experts
+    assert listed.instruction == pv.MMA_SP
     # 16 tokens routed top-8 over 128 experts: ~82 expected to have tokens
     active = pm.expected_active_experts(128, 16, 8)
     assert 80 < active < 84
@@ -249,10 +265,155 @@ def test_pick_config_copies_the_first_unit_early_unless_most_experts_are_likely_
     assert not pm.pick_config(1536, 2048, edge - 1, 1, cpu, experts=128).early_first_unit
 
 
+# ------------------------------------------------------------------------------------------ variant table
+
+# The X-macro lines p48_gemm.cu held by hand before the table was generated: the same kernels at the same indices.
+HAND_WRITTEN_VARIANTS = """
+  X(0, Variant<16, 2, 8, 3, 1024, 2>)
+  X(1, WgVariant<64, 4, 3, 512, 2>)
+  X(2, WgVariant<128, 4, 3, 256, 2>)
+  X(3, WgVariant<128, 4, 3, 256, 2, 32, true>)
+  X(4, Variant<16, 2, 8, 3, 1024, 2, 2>)
+  X(5, Variant<16, 2, 8, 3, 1024, 2, 1, 1>)
+"""
+P48_SOURCE = nb.NATIVE_DIR / "src" / "p48_gemm.cu"
+
+
+def _macro_entries(text: str) -> list[str]:
+    """The X(...) entries of the MOESQ_P48_VARIANTS definition in `text`, whitespace removed."""
+    m = re.search(r"#define MOESQ_P48_VARIANTS\(X\)((?:[^\n]*\\\n)*[^\n]*)", text)
+    assert m, "no MOESQ_P48_VARIANTS definition"
+    return [re.sub(r"\s+", "", x) for x in re.findall(r"X\(\d+,[^)]*\)", m.group(1))]
+
+
+def test_generated_variant_macro_is_the_kernels_variant_list():
+    """The include the build generates from the table holds the hand-written list's X lines (modulo whitespace),
+    and the kernel source includes it instead of defining its own."""
+    text = pv.variants_include()
+    assert _macro_entries(text) == [re.sub(r"\s+", "", x) for x in HAND_WRITTEN_VARIANTS.strip().splitlines()]
+    assert nb.generated_sources() == {pv.INCLUDE_NAME: text}
+    cu = P48_SOURCE.read_text()
+    assert f'#include "{pv.INCLUDE_NAME}"' in cu and "#define MOESQ_P48_VARIANTS" not in cu
+
+
+def _cpp_templates() -> dict[str, tuple[list[tuple[str, str | None]], str]]:
+    """The kernel's variant templates as p48_gemm.cu declares them: {struct name: ([(parameter without its trailing
+    underscore, default or None)], struct body)}."""
+    out = {}
+    for m in re.finditer(r"template <([^>]*)>\s*struct (\w*Variant) \{(.*?)\n\};", P48_SOURCE.read_text(), re.S):
+        params = []
+        for p in m.group(1).split(","):
+            decl, _, default = p.partition("=")
+            params.append((decl.split()[-1].rstrip("_"), default.strip() or None))
+        out[m.group(2)] = (params, m.group(3))
+    return out
+
+
+def test_template_arguments_mean_the_table_fields():
+    """Each row's template, parsed back against the declarations in p48_gemm.cu (their parameter order and
+    defaults), gives the row's fields under the parameters' meaning there; every constant the generated
+    static_asserts compare is one the template defines."""
+    templates = _cpp_templates()
+    assert set(templates) == {name for name, _ in pv.TEMPLATES.values()} == {"Variant", "WgVariant"}
+    meaning = {  # template parameter -> its value for a row
+        "NB": lambda r: r.tokens_per_block, "R": lambda r: r.row_tiles_per_warp, "W": lambda r: r.warps,
+        "WG": lambda r: r.warps // 4, "S": lambda r: r.stages, "KC": lambda r: r.k_chunk,
+        "RK": lambda r: r.records_per_step, "P": lambda r: r.row_groups_per_unit, "DEAL": lambda r: r.deal,
+        "TW": lambda r: r.token_width_step, "ORDER": lambda r: "true" if r.deal == 2 else "false",
+    }
+    for i, row in enumerate(pv.P48_VARIANTS):
+        m = re.fullmatch(r"(\w+)<([^<>]*)>", row.template())
+        assert m and (m.group(1) == "WgVariant") == (row.instruction == pv.WGMMA_SP), row.template()
+        params, body = templates[m.group(1)]
+        args = [a.strip() for a in m.group(2).split(",")]
+        assert len(args) <= len(params) and all(d is not None for _, d in params[len(args):]), row.template()
+        parsed = dict(zip([p for p, _ in params], args + [d for _, d in params[len(args):]]))
+        assert parsed == {p: str(meaning[p](row)) for p, _ in params}, (i, row.template())
+        for name in row.constants():
+            assert re.search(rf"\b{name}\s*=[^=]", body), (m.group(1), name)
+    with pytest.raises(ValueError, match="wgmma.sp variant"):
+        pv.P48Variant(pv.WGMMA_SP, 64, 16, 2, 3, 512, 2)  # one row tile per warp in the warpgroup kernel
+    with pytest.raises(ValueError, match="mma.sp variant"):
+        pv.P48Variant(pv.MMA_SP, 16, 8, 2, 3, 1024, 2, deal=2)  # the sorted deal is the warpgroup kernel's
+
+
+def _syntax_check(nvcc: Path, generated: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """nvcc's front ends over p48_gemm.cu with the include from `generated` (templates instantiated, no code)."""
+    return subprocess.run([str(nvcc), "-fdevice-syntax-only", "-std=c++17", "--expt-relaxed-constexpr", nb.GENCODE,
+                           "-I", str(nb.NATIVE_DIR / "include"), "-I", str(nb.NATIVE_DIR / "src"), "-I", str(generated),
+                           "-c", str(P48_SOURCE), "-o", str(tmp_path / "p48.o")], capture_output=True, text=True)
+
+
+def test_kernel_source_compiles_with_the_generated_variants(monkeypatch, tmp_path):
+    """No GPU needed: p48_gemm.cu with the generated include passes nvcc's front ends (every variant's kernels
+    instantiated, the static_asserts hold); a template parameter order the kernel does not have (P and DEAL
+    swapped in the renderer) fails the generated static_assert of the row it changes."""
+    try:
+        nvcc = nb.find_nvcc()
+    except nb.NativeBuildError:
+        pytest.skip("needs nvcc")
+    monkeypatch.setenv("MOESQ_NATIVE_CACHE", str(tmp_path))
+    r = _syntax_check(nvcc, nb.write_generated(), tmp_path)
+    if "fdevice-syntax-only" in r.stderr:
+        pytest.skip(f"this nvcc has no -fdevice-syntax-only: {r.stderr.strip()[:200]}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    name, params = pv.TEMPLATES[pv.MMA_SP]
+    monkeypatch.setitem(pv.TEMPLATES, pv.MMA_SP, (name, (*params[:-2], params[-1], params[-2])))
+    assert "X(4, Variant<16, 2, 8, 3, 1024, 2, 0, 2>)" in pv.variants_include()
+    r = _syntax_check(nvcc, nb.write_generated(), tmp_path)
+    assert r.returncode != 0 and "p48 variant 4 is not its row of P48_VARIANTS" in r.stderr, r.stderr[-3000:]
+
+
+def test_native_build_generates_the_variant_include_without_a_compiler(monkeypatch, tmp_path, capsys):
+    """`native_build --generate` writes the include into the cache's generated folder without nvcc or a C++
+    compiler; a changed row gives a new folder and build key, and a new command line for the p48 unit alone."""
+    def no_compiler():
+        raise AssertionError("--generate looked for a compiler")
+
+    monkeypatch.setenv("MOESQ_NATIVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(nb, "find_nvcc", no_compiler)
+    monkeypatch.setattr(nb, "find_cxx", no_compiler)
+    assert nb.main(["--generate"]) == 0
+    folder = Path(capsys.readouterr().out.strip())
+    assert folder.parent == tmp_path / "generated"
+    assert (folder / pv.INCLUDE_NAME).read_text() == pv.variants_include()
+    key, units = nb.build_key(), dict(nb.compile_units("nvcc", ["-O3"], "c++", ["-O2"], folder))
+    changed = (dataclasses.replace(pv.P48_VARIANTS[0], stages=4), *pv.P48_VARIANTS[1:])
+    monkeypatch.setattr(pv, "P48_VARIANTS", changed)
+    assert nb.main(["--generate"]) == 0
+    folder2 = Path(capsys.readouterr().out.strip())
+    assert folder2 != folder and "X(0, Variant<16, 2, 8, 4, 1024, 2>)" in (folder2 / pv.INCLUDE_NAME).read_text()
+    assert nb.build_key() != key
+    units2 = dict(nb.compile_units("nvcc", ["-O3"], "c++", ["-O2"], folder2))
+    assert [n for n in units if units[n] != units2[n]] == ["p48"]
+    assert nb._unit_digest(units["p48"]) != nb._unit_digest(units2["p48"])
+
+
 # ------------------------------------------------------------------------------------------ GPU kernel
 
 
-VARIANTS = list(range(len(pm.TOKEN_BLOCKS)))
+VARIANTS = list(range(len(pv.P48_VARIANTS)))
+MMA_VARIANTS = [i for i, v in enumerate(pv.P48_VARIANTS) if v.instruction == pv.MMA_SP]
+ORDERED_VARIANTS = [i for i, v in enumerate(pv.P48_VARIANTS) if v.orders_experts]
+
+
+def variant_matrix(variants: list[int], options: list[tuple] = ((),), shapes: list[tuple] = ((),),
+                   per_variant: int | None = None) -> list:
+    """One GPU test's kernel matrix, generated from the variant table: pytest params (variant, *option, *shape)
+    for every variant x option x shape. The default run takes, for the i-th of `variants`, `per_variant` of the
+    options (all by default; else options i * per_variant, ... cyclically), option q on shape (i + q) mod
+    len(shapes): every variant runs with every option it is given, and the shapes rotate over the variants, so
+    that each (option, shape) pair runs once where there are enough variants. The rest carries the full_matrix
+    mark (run only with `pytest --full-matrix`)."""
+    k = per_variant or len(options)
+    out = []
+    for i, v in enumerate(variants):
+        chosen = {(i * k + j) % len(options) for j in range(k)}
+        for q, option in enumerate(options):
+            for s, shape in enumerate(shapes):
+                default = q in chosen and s == (i + q) % len(shapes)
+                out.append(pytest.param(v, *option, *shape, marks=() if default else pytest.mark.full_matrix))
+    return out
 
 
 def _native_or_skip():
@@ -292,12 +453,7 @@ def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed, sprea
             torch.testing.assert_close(fused, out, rtol=1e-6, atol=1e-6 * float(out.abs().max()))
 
 
-@pytest.mark.gpu
-@pytest.mark.hopper
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("act_quant", [False, True])
-@pytest.mark.parametrize("split", [1, 3])
-@pytest.mark.parametrize("E,M,K,counts", [
+REFERENCE_SHAPES = [
     (3, 72, 96, [19, 0, 3]),  # K < one record, M not a multiple of 16, an empty expert
     (5, 200, 352, [1, 40, 17, 0, 130]),  # K not a multiple of 128, several token passes
     (2, 1536, 2048, [16, 5]),  # the Qwen3-30B-A3B gate/up shape
@@ -307,20 +463,24 @@ def _gpu_case(E, M, K, counts, act_quant, split, variant, out_dtype, seed, sprea
     # five 256-row groups (two per unit in variant 4: the last unit holds one), one chunk per K slice (re-used by a
     # unit's second row group up to 16 tokens), several token passes
     (6, 1160, 768, [3, 16, 0, 17, 1, 40]),
-])
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("variant,split,act_quant,E,M,K,counts", variant_matrix(
+    VARIANTS, [(split, act_quant) for split in (1, 3) for act_quant in (False, True)], REFERENCE_SHAPES))
 def test_gpu_kernel_matches_reference(E, M, K, counts, act_quant, split, variant):
     _gpu_case(E, M, K, counts, act_quant, split, variant, torch.float32, seed=E + M + K)
 
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("E,M,K,counts", [
+@pytest.mark.parametrize("variant,fused,E,M,K,counts", variant_matrix(VARIANTS, [(False,), (True,)], [
     (5, 200, 352, [1, 40, 17, 0, 130]),  # K not a multiple of 128 (a narrow last chunk), several token passes
     (3, 136, 1056, [128, 33, 97]),  # five 256-column chunks, the last narrow: both swizzled buffers in turn
     (17, 72, 416, [1, 16, 17, 31, 32, 33, 48, 49, 63, 64, 65, 96, 97, 127, 128, 129, 200]),
-])
+]))
 def test_gpu_permuted_activations_give_the_same_outputs(E, M, K, counts, fused, variant):
     """x handed over in the kernel's K order (x_permuted) gives the natural call's outputs bit for bit, poisoned
     rows untouched: W4A16 (where the 128-token passes copy such chunks straight into their swizzled buffers) and
@@ -343,15 +503,16 @@ def test_gpu_permuted_activations_give_the_same_outputs(E, M, K, counts, fused, 
     torch.testing.assert_close(permuted, natural, rtol=0, atol=0, equal_nan=True)
 
 
+SPLIT_DTYPES = [(1, torch.float32), (1, torch.bfloat16), (2, torch.float32)]
+
+
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if pm.MMA_INSTRUCTION[v] == "mma.sp"])
-@pytest.mark.parametrize("split,out_dtype", [(1, torch.float32), (1, torch.bfloat16), (2, torch.float32)])
-@pytest.mark.parametrize("E,M,K,counts", [
+@pytest.mark.parametrize("variant,split,out_dtype,E,M,K,counts", variant_matrix(MMA_VARIANTS, SPLIT_DTYPES, [
     (5, 200, 384, [1, 40, 17, 0, 130]),  # several token passes, an empty expert; a one-record last step
     (3, 2048, 768, [16, 12, 4]),  # the Qwen3-30B-A3B down shape, decode-sized
     (6, 72, 128, [33, 1, 8, 9, 0, 16]),  # one record per K slice
-])
+]))
 def test_gpu_k_ordered_w4a16_equals_natural(E, M, K, counts, split, out_dtype, variant):
     """K a multiple of 128 (whole records, no narrow last chunk), x in the kernel's K order, W4A16: the decode path
     gives the natural call's outputs bit for bit, poisoned rows untouched."""
@@ -416,13 +577,11 @@ def test_gpu_kernel_bf16_output(variant):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("split,out_dtype", [(1, torch.float32), (1, torch.bfloat16), (2, torch.float32)])
-@pytest.mark.parametrize("E,M,K,counts", [
+@pytest.mark.parametrize("variant,split,out_dtype,E,M,K,counts", variant_matrix(VARIANTS, SPLIT_DTYPES, [
     (4, 40, 224, [0, 33, 1, 16]),  # K not a multiple of 128, an empty expert, N = 1, several 16-token passes
     (2, 1536, 2048, [16, 3]),  # the Qwen3-30B-A3B gate/up shape
     (1, 16, 32, [1]),  # one 32-column block
-])
+]))
 def test_gpu_in_kernel_activation_quant_equals_prepass(E, M, K, counts, split, variant, out_dtype):
     """Activations spread over the whole NVFP4 scale range (subnormal UE4M3 scales, the 448 clamp)."""
     _gpu_case(E, M, K, counts, True, split, variant, out_dtype, seed=7 * E + K, spread=4.0)
@@ -430,15 +589,27 @@ def test_gpu_in_kernel_activation_quant_equals_prepass(E, M, K, counts, split, v
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-def test_gpu_variants_agree_bit_for_bit_and_match_the_table():
-    """The variants of one instruction (pm.MMA_INSTRUCTION: mma.sp or wgmma.sp) run the same MMAs in the same K
+def test_gpu_compiled_variants_are_the_table():
+    """The module's variants (moesq_p48_num_variants and moesq_p48_get_variant_info, through p48_variants()) are
+    the table's rows, index for index."""
+    native = _native_or_skip()
+    compiled = native.p48_variants()
+    assert [v["index"] for v in compiled] == VARIANTS
+    for info, row in zip(compiled, pv.P48_VARIANTS):
+        got = tuple(info[k] for k in ("tokens_per_block", "row_tiles_per_warp", "warps", "stages", "k_chunk",
+                                      "row_groups_per_unit"))
+        assert got == (row.tokens_per_block, row.row_tiles_per_warp, row.warps, row.stages, row.k_chunk,
+                       row.row_groups_per_unit), (info, row)
+        assert 16 * info["warps"] * info["row_tiles_per_warp"] == row.rows_per_cta
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_gpu_variants_agree_bit_for_bit():
+    """The variants of one instruction (P48Variant.instruction: mma.sp or wgmma.sp) run the same MMAs in the same K
     order per output: equal fp32 outputs (poisoned rows left alone), whatever the tokens per pass and however
     the activations are staged; every variant matches the reference."""
     native = _native_or_skip()
-    table = native.p48_variants()
-    assert [v["tokens_per_block"] for v in table] == list(pm.TOKEN_BLOCKS)
-    assert [16 * v["warps"] * v["row_tiles_per_warp"] for v in table] == list(pm.ROWS_PER_CTA)
-    assert [v["row_groups_per_unit"] for v in table] == list(pm.ROW_GROUPS_PER_UNIT)
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(21)
     counts = [1, 0, 200, 64, 17, 129, 8]
@@ -454,14 +625,13 @@ def test_gpu_variants_agree_bit_for_bit_and_match_the_table():
         outs.append(out)
     first = {}
     for v, out in zip(VARIANTS, outs):
-        a = first.setdefault(pm.MMA_INSTRUCTION[v], v)
+        a = first.setdefault(pv.P48_VARIANTS[v].instruction, v)
         torch.testing.assert_close(out, outs[a], rtol=0, atol=0, equal_nan=True, msg=f"variant {v} vs {a}")
 
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("x_permuted", [False, True])
+@pytest.mark.parametrize("variant,x_permuted", variant_matrix(VARIANTS, [(False,), (True,)]))
 def test_gpu_kernel_ignores_x_past_k_and_stale_staging(variant, x_permuted):
     """x is a view into wider rows whose extra columns are inf, and the previous launch left inf in shared
     memory where this one stages its K padding: neither may reach the outputs (0 * inf = NaN). x_permuted: the
@@ -521,8 +691,8 @@ def test_gpu_in_kernel_activation_quant_zero_rows_and_cuda_graph(variant):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("act_quant,split", [(False, 1), (True, 1), (False, 2)])
+@pytest.mark.parametrize("variant,act_quant,split",
+                         variant_matrix(VARIANTS, [(False, 1), (True, 1), (False, 2)], per_variant=1))
 def test_gpu_kernel_many_experts_few_active(variant, act_quant, split):
     """More experts than a CTA has threads, most without tokens (the first and the last with): CTAs skip the
     experts without tokens, and some are left without work."""
@@ -535,13 +705,12 @@ def test_gpu_kernel_many_experts_few_active(variant, act_quant, split):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if pm.MMA_INSTRUCTION[v] == "mma.sp"])
-@pytest.mark.parametrize("E,M,K,split", [
+@pytest.mark.parametrize("variant,E,M,K,split", variant_matrix(MMA_VARIANTS, [
     (300, 64, 256, 1),  # more units than CTAs: a CTA whose first expert is empty takes a later unit
     (300, 520, 640, 2),  # two 256-row groups and a partial third, K slices
     (300, 40, 128, 1),  # one record per unit: fewer early steps than the ring holds
     (5, 264, 384, 1),  # fewer units than CTAs: the CTAs of the empty experts have nothing else to do
-])
+], per_variant=2))
 def test_gpu_early_first_unit_gives_the_same_outputs(variant, E, M, K, split):
     """early_first_unit on and off give the same outputs (bit for bit without split K), the reference's, and
     leave the rows of experts without tokens alone, whether a CTA's natural first expert has tokens or not (its
@@ -570,8 +739,7 @@ def test_gpu_early_first_unit_gives_the_same_outputs(variant, E, M, K, split):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if pm.ORDERS_EXPERTS[v]])
-@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("variant,split", variant_matrix(ORDERED_VARIANTS, [(1,), (2,)], per_variant=1))
 def test_gpu_ordered_deal_sorts_more_experts_than_threads_with_ties(variant, split):
     """The variants that deal units by decreasing token count sort the experts in the kernel: more experts than
     a CTA has threads (several rounds of the rank pass), many equal counts (ties go by index), empty experts."""
@@ -592,11 +760,11 @@ def test_gpu_ordered_deal_refuses_more_experts_than_it_can_sort():
     x = torch.zeros(E, 32, dtype=torch.bfloat16, device=dev)
     rs = torch.arange(E, dtype=torch.int32, device=dev)
     cnt = torch.ones(E, dtype=torch.int32, device=dev)
-    ordered = next(v for v in VARIANTS if pm.ORDERS_EXPERTS[v])
+    ordered = ORDERED_VARIANTS[0]
     with pytest.raises(RuntimeError, match="sorts at most"):
         pm.p48_mma_gemm_rows(x, W, rs, cnt, W.global_scale, torch.zeros(E, 16, device=dev),
                              pm.MmaConfig(ordered, 1), native)
-    assert not pm.ORDERS_EXPERTS[pm.pick_config(16, 2048, E, 128, dev).variant]
+    assert not pv.P48_VARIANTS[pm.pick_config(16, 2048, E, 128, dev).variant].orders_experts
 
 
 @pytest.mark.gpu
@@ -659,6 +827,53 @@ def test_bench_targets_and_table_include_the_native_kernel():
     fused = {**result, "methods": {**result["methods"], "p48_mma_w4a4_fused": ""}}
     assert "| p48_mma_w4a4_fused TB/s | p48_mma_w4a4_fused vs fp8 |" in pb.markdown(fused)
     assert "p48_mma_w4a4_fused" in pb.MMA_METHODS and "p48_mma_w4a4" in pb.MMA_METHODS  # the pre-pass path stays
+
+
+def _kernel_matrices() -> dict[str, tuple[list[str], list]]:
+    """{test name: (parameter names, params as pytest.param)} of this file's tests parametrized over the variants."""
+    out = {}
+    for name, fn in globals().items():
+        for mark in getattr(fn, "pytestmark", []) if name.startswith("test_gpu") else []:
+            if mark.name == "parametrize" and mark.args[0].split(",")[0] == "variant":
+                params = [p if hasattr(p, "marks") else pytest.param(p) for p in mark.args[1]]
+                out[name] = (mark.args[0].split(","), params)
+    return out
+
+
+def test_default_gpu_matrix_runs_every_variant_with_every_option():
+    """CPU: the default part of each generated kernel matrix runs every variant of its test (all, the mma.sp ones
+    or the ordering ones, as the table says) and the full matrix is each combination once; the reference test's
+    default runs each variant with act_quant on and off, split K off (poisoned outputs) and on, and every shape."""
+    matrices = _kernel_matrices()
+    assert len(matrices) >= 10 and "test_gpu_kernel_matches_reference" in matrices
+    for name, (_, params) in matrices.items():
+        default = [p for p in params if not p.marks]
+        assert {p.values[0] for p in default} == {p.values[0] for p in params}, name
+        assert len({repr(p.values) for p in params}) == len(params), name
+    names, params = matrices["test_gpu_kernel_matches_reference"]
+    assert {p.values[0] for p in params} == set(VARIANTS) and len(params) == len(VARIANTS) * 4 * len(REFERENCE_SHAPES)
+    default = [dict(zip(names, p.values)) for p in params if not p.marks]
+    for v in VARIANTS:
+        assert {(c["split"], c["act_quant"]) for c in default if c["variant"] == v} == {(1, False), (1, True),
+                                                                                        (3, False), (3, True)}
+    assert {(c["E"], c["M"], c["K"]) for c in default} == {s[:3] for s in REFERENCE_SHAPES}
+    assert {p.values[0] for p in matrices["test_gpu_early_first_unit_gives_the_same_outputs"][1]} == set(MMA_VARIANTS)
+
+
+def test_full_matrix_runs_only_with_its_option():
+    """pytest -m "gpu or hopper" collects the default matrix; --full-matrix adds exactly the marked rest (the
+    option, not -m, selects it: the usual GPU command keeps the default)."""
+    marked = sum(1 for _, params in _kernel_matrices().values() for p in params if p.marks)
+    assert marked > 0
+
+    def collected(*extra: str) -> int:
+        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                            "-m", "gpu or hopper", *extra, __file__], capture_output=True, text=True, cwd=nb.REPO_ROOT)
+        m = re.search(r"(\d+)(?:/\d+)? tests? collected", r.stdout)
+        assert m, r.stdout[-2000:] + r.stderr[-2000:]
+        return int(m.group(1))
+
+    assert collected("--full-matrix") - collected() == marked
 
 
 # ------------------------------------------------------------------------------------------ moesq verify --kernel

@@ -2,6 +2,7 @@
 
     python -m moesq_core.serving.kernels.native_build            # build (parallel, incremental), print the module path
     python -m moesq_core.serving.kernels.native_build --check    # also import it and check the GPU
+    python -m moesq_core.serving.kernels.native_build --generate # only write the generated sources (no nvcc)
 
 The module is also built on first use (`load_extension()`), so `pip install -e .[native]` (which brings the
 CUTLASS headers) is all the setup a source checkout needs. Builds live in a cache directory keyed by the GPU
@@ -16,9 +17,9 @@ order: $MOESQ_CUTLASS_DIR (a CUTLASS checkout or the wheel's `cutlass_library/so
 for machines without pip access). No GPU is needed to build: the kernels are compiled for sm_90a only.
 
 Layout of the build: one object per s24 kernel variant (nvcc, no torch headers, so variants compile in parallel),
-the C interface (s24_api.cu), the p48 sparse-tensor-core kernels (p48_gemm.cu), and the pybind11 bindings
-(bindings.cpp, the host compiler with torch's headers),
-linked into `_moesq_native<EXT_SUFFIX>`.
+the C interface (s24_api.cu), the p48 sparse-tensor-core kernels (p48_gemm.cu, which includes the variant X-macro
+the build renders from p48_variants.P48_VARIANTS into `generated/<hash>/p48_variants.inc` in the cache), and the
+pybind11 bindings (bindings.cpp, the host compiler with torch's headers), linked into `_moesq_native<EXT_SUFFIX>`.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from moesq_core.memory import available_memory_bytes
+from moesq_core.serving.kernels import p48_variants
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 NATIVE_DIR = REPO_ROOT / "native"
@@ -141,6 +143,37 @@ def variant_ids() -> list[int]:
     return [int(m.group(1)) for m in re.finditer(r"^VARIANT\((\d+),", text, re.M)]
 
 
+def generated_sources() -> dict[str, str]:
+    """The sources the build writes rather than reads from native/, by file name: the p48 variant X-macro that
+    p48_gemm.cu includes, rendered from the variant table (p48_variants.P48_VARIANTS). Part of the build key."""
+    return {p48_variants.INCLUDE_NAME: p48_variants.variants_include()}
+
+
+def generated_dir(sources: dict[str, str] | None = None) -> Path:
+    """The folder the generated sources go to: named by their hash, so that a unit including them from there has
+    a new command line (a new object) exactly when they change."""
+    sources = generated_sources() if sources is None else sources
+    h = hashlib.sha256()
+    for name, text in sorted(sources.items()):
+        h.update(f"{name}\0{text}\0".encode())
+    return cache_root() / "generated" / h.hexdigest()[:16]
+
+
+def write_generated() -> Path:
+    """Writes the generated sources (atomically, each file once) into generated_dir() and returns that folder;
+    needs no compiler."""
+    sources = generated_sources()
+    out = generated_dir(sources)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, text in sources.items():
+        path = out / name
+        if not path.is_file() or path.read_text() != text:
+            tmp = path.with_name(f"{name}.tmp{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+    return out
+
+
 def _torch_flags() -> tuple[list[str], list[str]]:
     """(compile flags, link flags) for the bindings: torch's and Python's headers, torch's libraries."""
     import torch
@@ -173,13 +206,17 @@ def _sources_digest() -> str:
         if p.is_file() and p.suffix in (".h", ".hpp", ".cuh", ".cu", ".cpp", ".def"):
             h.update(str(p.relative_to(NATIVE_DIR)).encode())
             h.update(p.read_bytes())
+    for name, text in sorted(generated_sources().items()):
+        h.update(f"generated/{name}".encode())
+        h.update(text.encode())
     h.update(Path(__file__).read_bytes())  # the flags live here
     return h.hexdigest()
 
 
 def _unit_digest(cmd: list[str]) -> str:
     """A compile unit's identity: its command line, the unit's own source file, every header and .def under
-    native/ (other units' sources excluded), and the CUTLASS version: objects are reused across build keys."""
+    native/ (other units' sources excluded), and the CUTLASS version: objects are reused across build keys. The
+    generated sources count through the command line: their folder is named by their hash (generated_dir)."""
     h = hashlib.sha256("\0".join(cmd).encode() + CUTLASS_VERSION.encode())
     own = Path(cmd[-1])
     for p in sorted(NATIVE_DIR.rglob("*")):
@@ -190,7 +227,8 @@ def _unit_digest(cmd: list[str]) -> str:
 
 
 def build_key() -> str:
-    """`<arch>-<hash>`: the native sources, this build script, CUTLASS version, torch version, Python ABI."""
+    """`<arch>-<hash>`: the native sources, the generated ones, this build script, CUTLASS version, torch version,
+    Python ABI."""
     import torch
 
     h = hashlib.sha256(_sources_digest().encode())
@@ -235,6 +273,19 @@ def default_jobs(cpus: int | None, available: int | None, units: int) -> int:
     return jobs
 
 
+def compile_units(nvcc: str, nv_flags: list[str], cxx: str, cxx_flags: list[str],
+                  generated: Path) -> list[tuple[str, list[str]]]:
+    """(name, command line without `-o`) per compile unit, the source last: one per s24 variant, the s24 C
+    interface, the p48 kernels (which alone see the `generated` sources' folder) and the bindings."""
+    src = NATIVE_DIR / "src"
+    units = [(f"v{i}", [nvcc, *nv_flags, f"-DMOESQ_VARIANT_ID={i}", "-c", str(src / "s24_variant.cu")])
+             for i in variant_ids()]
+    units.append(("api", [nvcc, *nv_flags, "-c", str(src / "s24_api.cu")]))
+    units.append(("p48", [nvcc, *nv_flags, "-I", str(generated), "-c", str(src / "p48_gemm.cu")]))
+    units.append(("bindings", [cxx, *cxx_flags, "-c", str(src / "bindings.cpp")]))
+    return units
+
+
 def build(jobs: int | None = None, force: bool = False, verbose: bool = True) -> Path:
     """Compile every unit (in parallel) and link the extension module; returns its path. Work that is current
     (same build key, same per-unit inputs) is skipped."""
@@ -262,11 +313,7 @@ def build(jobs: int | None = None, force: bool = False, verbose: bool = True) ->
         torch_cflags, torch_lflags = _torch_flags()
         cxx_flags = ["-std=c++17", "-O2", "-fPIC", "-DNDEBUG", "-I", str(NATIVE_DIR / "include"),
                      "-I", str(_cuda_include(nvcc)), *torch_cflags]
-        units = [(f"v{i}", [str(nvcc), *nv_flags, f"-DMOESQ_VARIANT_ID={i}", "-c", str(NATIVE_DIR / "src" / "s24_variant.cu")])
-                 for i in variant_ids()]
-        units.append(("api", [str(nvcc), *nv_flags, "-c", str(NATIVE_DIR / "src" / "s24_api.cu")]))
-        units.append(("p48", [str(nvcc), *nv_flags, "-c", str(NATIVE_DIR / "src" / "p48_gemm.cu")]))
-        units.append(("bindings", [cxx, *cxx_flags, "-c", str(NATIVE_DIR / "src" / "bindings.cpp")]))
+        units = compile_units(str(nvcc), nv_flags, cxx, cxx_flags, write_generated())
         jobs = jobs or default_jobs(os.cpu_count(), available_memory_bytes(), len(units))
         if verbose:
             print(f"building {MODULE_NAME} ({len(units)} units, {jobs} jobs) with {nvcc} ({major}.{minor}), {cxx}, "
@@ -371,7 +418,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiler processes (default: one per core, as many as the free memory holds at ~5 GiB each)")
     ap.add_argument("--force", action="store_true", help="rebuild everything")
     ap.add_argument("--check", action="store_true", help="import the module and check the current GPU")
+    ap.add_argument("--generate", action="store_true",
+                    help="only write the generated sources (the p48 variant X-macro) and print their folder; no nvcc")
     args = ap.parse_args(argv)
+    if args.generate:
+        print(write_generated())
+        return 0
     try:
         path = build(jobs=args.jobs, force=args.force)
         if args.check:

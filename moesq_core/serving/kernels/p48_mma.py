@@ -28,6 +28,9 @@ streams per step, as three parts, each ordered by the lane that reads it (lane =
 
 Rows are padded to a multiple of 16 and columns to a multiple of 128 with zero codes, zero scales and a valid
 2:4 pattern. Bytes: exactly the packed 2.75 bits per weight (+ padding), plus the fp32 global scale per expert.
+
+The kernel's compiled variants are the table p48_variants.P48_VARIANTS (index = MmaConfig.variant), from which the
+native build generates the kernel's variant list; pick_config picks one per call.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ import torch
 
 from moesq_core.serving.kernels.p48_reference import WEIGHT_SUFFIXES
 from moesq_core.serving.kernels.p48_sparse24 import P48As24, p48_to_2to4
+from moesq_core.serving.kernels.p48_variants import MAX_ORDER_EXPERTS, P48_VARIANTS
 
 RECORD_ROWS = 16
 RECORD_K = 128
@@ -45,24 +49,6 @@ RECORD_BYTES = 704
 CODES_BYTES, META_BYTES, SCALE_BYTES = 512, 128, 64
 ALPHA_FOLD = 128.0  # the in-register decode yields e2m1 * s * 2^-7
 PAD_NIBBLE = 0b0100  # kept positions 0 and 1 (a valid 2:4 pattern for zero-padded groups)
-# Per compiled kernel variant (index = MmaConfig.variant; native/src/p48_gemm.cu lists them): tokens per pass and
-# output rows per CTA. 0: mma.sp per warp for decode (8 warps x 2 row tiles, 16 tokens per pass, the bulk-copy
-# ring); 1, 2: wgmma.sp with 4 warpgroups x 64 rows, 64 / 128 tokens per pass (the staged tokens are the wgmma's
-# N, so each weight fragment is decoded once per pass for all of them; the activations copied one chunk ahead and
-# K-permuted in shared memory); 3: 2 with the units dealt to the CTAs by decreasing token count in a snake order
-# (each CTA sorts the experts, at most MAX_ORDER_EXPERTS) and the wgmma's N per token block rounded up from its
-# token count (steps of 32); 4: 0 with two 256-row groups per unit of work, so that the unit's second row group
-# re-uses the staged activation chunk when it holds the whole K slice; 5: 0 with the units past the first
-# round dealt from a list of the experts with tokens by decreasing 8-token tiles to the CTAs ranked by their first
-# unit's tiles (each CTA lists the experts, at most MAX_ORDER_EXPERTS). Only variants that pick_config picks are
-# compiled (native/docs/p48.md lists the designs measured and not kept).
-TOKEN_BLOCKS = (16, 64, 128, 128, 16, 16)
-ROWS_PER_CTA = (256,) * 6
-ROW_GROUPS_PER_UNIT = (1, 1, 1, 1, 2, 1)
-DECODE_CHUNK_K = 1024  # activation columns the mma.sp variants stage at a time
-MMA_INSTRUCTION = ("mma.sp",) + ("wgmma.sp",) * 3 + ("mma.sp",) * 2
-ORDERS_EXPERTS = (False, False, False, True, False, True)
-MAX_ORDER_EXPERTS = 4096
 LIST_DEAL_ACTIVE = 0.8  # pick_config: variant 5 when fewer experts than this share are expected to have tokens
 EARLY_FIRST_UNIT_ACTIVE = 0.5  # pick_config: early_first_unit off when fewer experts than this share are expected
 # to have tokens
@@ -259,7 +245,7 @@ def records_to_2to4(records: torch.Tensor, M: int, K: int, global_scale: torch.T
 
 @dataclass(frozen=True)
 class MmaConfig:
-    variant: int  # index into TOKEN_BLOCKS
+    variant: int  # index into p48_variants.P48_VARIANTS (the kernel's compiled variants)
     split: int  # K slices (> 1: fp32 atomics into a zeroed output)
     # mma.sp variants: each CTA copies its natural first unit's first weights before it waits for the previous
     # grid, and skips them when that expert has no token (pick_config: off where few experts are expected to have
@@ -296,7 +282,7 @@ def pick_config(M: int, K: int, active_experts: float, rows_per_expert: float, d
         variant = 1
     else:
         variant = 3 if K >= 1024 and active_experts <= MAX_ORDER_EXPERTS else 2
-    ctas = max(1, active_experts) * math.ceil(M / ROWS_PER_CTA[variant])
+    ctas = max(1, active_experts) * math.ceil(M / P48_VARIANTS[variant].rows_per_cta)
     target = 2 * _num_sms(device)
     split = 1
     if ctas < target:
@@ -307,7 +293,7 @@ def pick_config(M: int, K: int, active_experts: float, rows_per_expert: float, d
         return MmaConfig(5, split, early)
     if variant == 0 and _row_group_pairs_pay(M, K, active_experts, split, target):
         variant = 4
-    elif variant == 0 and listable and rows_per_expert > 8 and _slice_k(K, split) > DECODE_CHUNK_K:
+    elif variant == 0 and listable and rows_per_expert > 8 and _slice_k(K, split) > P48_VARIANTS[5].k_chunk:
         variant = 5
     return MmaConfig(variant, split, early)
 
@@ -331,9 +317,10 @@ def _row_group_pairs_pay(M: int, K: int, active_experts: float, split: int, ctas
     the unit's K slice (elsewhere nothing is re-used and there are half as many units to deal). Its units are
     twice as long, so it is taken only when the busiest of `ctas` CTAs walks no more row groups than with one per
     unit."""
-    if _slice_k(K, split) > DECODE_CHUNK_K:
+    pairs = P48_VARIANTS[4]
+    if _slice_k(K, split) > pairs.k_chunk:
         return False
-    groups, per_unit = math.ceil(M / ROWS_PER_CTA[4]), ROW_GROUPS_PER_UNIT[4]
+    groups, per_unit = math.ceil(M / pairs.rows_per_cta), pairs.row_groups_per_unit
     slices = max(1, math.ceil(active_experts)) * split
     walk = per_unit * math.ceil(slices * math.ceil(groups / per_unit) / ctas)
     return groups > 1 and walk <= math.ceil(slices * groups / ctas)
