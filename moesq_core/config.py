@@ -275,7 +275,7 @@ def apply_settings(config: dict, settings: list[tuple[str, Any]]) -> dict:
         node = d
         for i, p in enumerate(parts[:-1]):
             if p in node and node[p] is None and p == "refine":
-                raise ValueError(f"{key}: this config has no refinement (refine: null)")
+                raise ValueError(f"{key}: this config has no refinement")
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ValueError(f"{key}: {'.'.join(parts[:i + 1])} is not a section")
