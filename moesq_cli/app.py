@@ -454,6 +454,8 @@ def init_sgptq(
       moesq init-sgptq -w moesq-work --method rtn
 
       moesq init-sgptq -w moesq-work --redo-from 2
+
+      moesq init -w moesq-work --method wanda --set init.options.hessian_weighting=w
     """
     from moesq_core.pipeline import init_stage_name, run_init
 
@@ -521,6 +523,8 @@ def refine(
       moesq refine -w moesq-work --seq-len 32 --n-train 2 --n-val 2 --n-init 8
 
       moesq refine -w moesq-work --stage refine-short --epochs 2 --steps-per-epoch 4
+
+      moesq refine -w moesq-work --stage refine-set --set refine.epochs=1 --set refine.steps_per_epoch=2
 
       moesq refine -w moesq-work --stage refine-2proc --epochs 2 --steps-per-epoch 4 --nproc 2 --device cpu
 
