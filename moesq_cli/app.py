@@ -26,6 +26,8 @@ from rich.table import Table
 
 from moesq_cli import command_started
 from moesq_cli.progress_display import RichProgress, console, err_console
+from moesq_cli.settings import as_given, settings_panel, with_config_options
+from moesq_cli.settings import source_defaults as _source_defaults  # noqa: F401  (a test checks it against the objects)
 from moesq_core.formats import FORMAT_NAMES
 
 app = typer.Typer(
@@ -47,60 +49,6 @@ def _version_callback(value: bool):
         raise typer.Exit()
 
 
-@functools.cache
-def _source_defaults(module: str, scope: str) -> dict:
-    """The defaults written in moesq_core's source, read without importing it (--help must not load torch):
-    the fields of dataclass `scope`, or the parameters of function `scope`, in `module`, where each is a
-    constant expression (`8 * 4096`). The CLI holds no defaults of its own; a test checks these against the
-    imported objects."""
-    import ast
-    import importlib.util
-
-    package = Path(importlib.util.find_spec("moesq_core").origin).parent  # found, not imported
-    path = package.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    node = next(n for n in ast.parse(path.read_text()).body if getattr(n, "name", None) == scope)
-    if isinstance(node, ast.ClassDef):
-        pairs = [(s.target.id, s.value) for s in node.body if isinstance(s, ast.AnnAssign) and s.value is not None]
-    else:
-        a = node.args
-        pairs = [(arg.arg, d) for arg, d in [*zip(a.args[len(a.args) - len(a.defaults):], a.defaults),
-                                             *zip(a.kwonlyargs, a.kw_defaults)] if d is not None]
-    out = {}
-    for name, value in pairs:
-        try:
-            out[name] = _constant(value)
-        except ValueError:  # not a constant expression (a call, a name): no default shown from the source
-            pass
-    return out
-
-
-def _constant(node):
-    """The value of a constant expression: literals, tuples/lists of them, unary minus and + - * / // ** on
-    numbers. Anything else raises ValueError (nothing is evaluated)."""
-    import ast
-    import operator
-
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Pow: operator.pow}
-    if isinstance(node, ast.Constant):
-        return node.value
-    if isinstance(node, ast.Tuple):
-        return tuple(map(_constant, node.elts))
-    if isinstance(node, ast.List):
-        return list(map(_constant, node.elts))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-        return -_constant(node.operand)
-    if isinstance(node, ast.BinOp) and type(node.op) in ops:
-        return ops[type(node.op)](_constant(node.left), _constant(node.right))
-    raise ValueError(ast.dump(node))
-
-
-def _default(cls_path: str, field: str):
-    """A config dataclass field's default, for --help."""
-    module, cls = cls_path.rsplit(".", 1)
-    return _source_defaults(module, cls)[field]
-
-
 def _arg_default(name: str):
     """A stage function's default (moesq_core.compression.pipeline.run_refine's), for --help."""
     return _source_defaults("moesq_core.compression.pipeline", "run_refine")[name]
@@ -109,10 +57,6 @@ def _arg_default(name: str):
 def _stage_kw(batch_size, cache_gb) -> dict:
     """The stage functions' run options that were given (the others keep the library's defaults)."""
     return {k: v for k, v in (("batch_size", batch_size), ("cache_limit_gb", cache_gb)) if v is not None}
-
-
-_CALIB = "moesq_core.compression.calibration.CalibConfig"
-_REFINE = "moesq_core.compression.methods.refine.trainer.RefineConfig"
 
 
 _DEBUG = False  # `moesq --debug ...`: tracebacks on screen too
@@ -138,26 +82,10 @@ def _check_workdir(value: Path | None) -> Path | None:
     return value
 
 
-def _check_calib(value: str | None) -> str | None:
-    if value is not None:
-        hub_name = re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?(@[\w.:%\[\]-]+)?", value)
-        if not Path(value).expanduser().exists() and not hub_name:
-            raise typer.BadParameter(f"{value}: no such file or directory (or a Hub dataset 'org/name[:config][@split]')")
-    return value
-
-
 def _check_device(value: str) -> str:
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
         raise typer.BadParameter(f"{value!r} is not one of auto, cpu, cuda, cuda:N")
     return value
-
-
-def _choice(*allowed: str):
-    def check(value):
-        if value is not None and value not in allowed:
-            raise typer.BadParameter(f"{value!r} is not one of: {', '.join(allowed)}")
-        return value
-    return check
 
 
 def _finite_float(lo: float, *, above: bool):
@@ -170,21 +98,7 @@ def _finite_float(lo: float, *, above: bool):
     return check
 
 
-_positive_float = _finite_float(0, above=True)
 _non_negative_float = _finite_float(0, above=False)
-
-
-def _steps_or_auto(value):
-    """--e2e-steps: a number of steps >= 0, or auto."""
-    if value is None or value == "auto":
-        return value
-    try:
-        steps = int(value)
-    except ValueError:
-        raise typer.BadParameter(f"a number of steps >= 0 or auto, got {value!r}") from None
-    if steps < 0:
-        raise typer.BadParameter(f"must be >= 0 (0: no end-to-end step) or auto, got {steps}")
-    return steps
 
 
 def _stage_name(value: str) -> str:
@@ -193,41 +107,22 @@ def _stage_name(value: str) -> str:
     return value
 
 
-def _methods() -> tuple[str, ...]:
-    from moesq_core.compression.methods.registry import METHODS
-
-    return METHODS
-
-
-def _check_method(value: str) -> str:
-    return _choice(*_methods())(value)
-
-
 # -- shared options -------------------------------------------------------------------------------------------
 WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", callback=_check_workdir,
                                           help="Work directory holding this run's artifacts.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="Local model dir or Hugging Face id (default: the embedded micro-qwen3-moe).")]
-FormatOpt = Annotated[Optional[str], typer.Option("--format", "-f", callback=_choice(*FORMAT_NAMES),
-                                                  help=" | ".join(FORMAT_NAMES) + f" (default {FORMAT_NAMES[0]}).")]
-ActQuantOpt = Annotated[Optional[bool], typer.Option("--act-quant/--weights-only",
-                                                     help="Quantize activations too (W4A4 / W8A8, default), or weights only.")]
-CalibOpt = Annotated[Optional[str], typer.Option(
-    "--calib", callback=_check_calib,
-    help="Calibration text: .txt/.txt.xz (blank-line separated), .jsonl ('text'), a dir, or an HF "
-         "dataset 'name[:config][@split]' (default: the embedded sample).")]
-SeqLenOpt = Annotated[Optional[int], typer.Option("--seq-len", min=1, help=f"Tokens per calibration sequence (default {_default(_CALIB, 'seq_len')}).")]
-NTrainOpt = Annotated[Optional[int], typer.Option("--n-train", min=1, help=f"Refinement sequences (default {_default(_CALIB, 'n_train')}).")]
-NValOpt = Annotated[Optional[int], typer.Option("--n-val", min=1, help=f"Held-out sequences; refinement picks its best epoch on them (default {_default(_CALIB, 'n_val')}).")]
-NInitOpt = Annotated[Optional[int], typer.Option("--n-init", min=1, help=f"Sequences for the one-shot (SGPTQ) stage (default {_default(_CALIB, 'n_init')}).")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", min=0, help=f"Seed for the calibration splits (default {_default(_CALIB, 'seed')}).")]
 DeviceOpt = Annotated[str, typer.Option("--device", callback=_check_device, help="auto | cpu | cuda | cuda:N.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
-NoVerifyOpt = Annotated[bool, typer.Option("--no-verify", help="Load a packed dir without checking its files against "
-                                                            "moesq_pack.json (the log says so).")]
-RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, help="Recompute this stage from this layer on.")]
-BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, help=f"Calibration sequences per forward pass (default {_arg_default('batch_size')}).")]
-CacheOpt = Annotated[Optional[float], typer.Option("--cache-gb", callback=_non_negative_float, help=f"GiB of calibration states kept in memory; the rest spill to the work dir (default {_arg_default('cache_limit_gb')}).")]
+HiddenNoVerifyOpt = Annotated[bool, typer.Option("--no-verify", hidden=True, help="Load a packed dir without checking its "
+                                                  "files against moesq_pack.json (the log says so).")]
+# options a stage's --help does not show (it lists ten at most): they run as they did
+RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, hidden=True, help="Recompute this stage from this layer on.")]
+BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, hidden=True, help=f"Calibration sequences per forward pass (default {_arg_default('batch_size')}).")]
+CacheOpt = Annotated[Optional[float], typer.Option("--cache-gb", callback=_non_negative_float, hidden=True, help=f"GiB of calibration states kept in memory; the rest spill to the work dir (default {_arg_default('cache_limit_gb')}).")]
+RecipeOpt = Annotated[Optional[Path], typer.Option(
+    "--recipe", help="A recipe: YAML with a config's keys (recipes/*.yaml; the Settings below); the options and "
+                     "--set apply over it.")]
 NprocOpt = Annotated[int, typer.Option(
     "--nproc", min=1, help="Processes sharing each block's experts (expert parallel): one per GPU, or CPU "
                            "processes with --device cpu; started under torchrun.")]
@@ -452,21 +347,34 @@ def _setup(workdir: Path | None, quiet: bool):
         log.info("moesq %s", " ".join(sys.argv[1:]))
 
 
-def _given(fmt, act_quant, calib, seq_len, n_train, n_val, n_init, seed) -> dict:
-    """The work-dir–level options the user actually gave (None = not given)."""
-    return {k: v for k, v in dict(format=fmt, act_quant=act_quant, calib_source=calib, seq_len=seq_len,
-                                  n_train=n_train, n_val=n_val, n_init=n_init, seed=seed).items() if v is not None}
+def _compress_config(settings: list, recipe: Path | None = None, base: dict | None = None):
+    """The CompressConfig a command runs: the recipe (else `base`, a config mapping, else the defaults) with
+    the settings applied (settings_of's [(key path, value, option or --set)]). Usage errors exit 2, naming the
+    option that gave a key. Returns it with the key paths that were given (with a recipe: every key)."""
+    from moesq_core.compression.config import CompressConfig, apply_settings
+    from moesq_core.compression.methods.registry import method_options
 
-
-def _as_usage_error(build, **fields):
-    """Build a config from option values; a ValueError becomes a usage error naming the options as flags."""
+    if recipe is not None and not recipe.is_file():
+        _fail(f"--recipe {recipe}: no such file", 2)
     try:
-        return build(**fields)
+        if recipe is not None:
+            base = CompressConfig.from_file(recipe).to_dict()
+        d = apply_settings(base or {}, [(k, v) for k, v, _ in settings])
+        init = d.get("init") if isinstance(d.get("init"), dict) else {"method": d.get("init") or "sgptq"}
+        method = init.get("method", "sgptq")
+        for key, _, given in settings:
+            if key.startswith("init.options.") and key.rsplit(".", 1)[1] not in method_options(method):
+                by = next((g for k, _, g in reversed(settings) if k == "init.method" and g != "--set"), "method")
+                _fail(f"{given if given != '--set' else key} does not apply to {by} {method}", 2)
+        cfg = CompressConfig.from_dict(d)
     except ValueError as e:
-        msg = str(e)
-        for name in sorted(fields, key=len, reverse=True):
-            msg = re.sub(rf"\b{name}\b", "--" + name.replace("_", "-"), msg)
-        _fail(msg, 2)
+        _fail(as_given(str(e), settings), 2)
+    return cfg, ("*" if recipe is not None else {k for k, _, _ in settings})
+
+
+def _run_options(cfg, keys) -> dict:
+    """The work-dir–level settings (RunConfig.flat's names) that were given: the others are the work dir's."""
+    return {k: v for k, v in cfg.run_config().flat().items() if keys == "*" or k in keys or f"calib.{k}" in keys}
 
 
 def _stage_line(stage: str, summary: dict, workdir: Path) -> str:
@@ -481,13 +389,25 @@ def _stage_line(stage: str, summary: dict, workdir: Path) -> str:
 
 
 # -- commands ---------------------------------------------------------------------------------------------------
-@app.command()
+class _Command(typer.core.TyperCommand):
+    """A command whose --help ends with the config fields it takes (--set KEY=VALUE), read from the source."""
+
+    def format_help(self, ctx, formatter):
+        super().format_help(ctx, formatter)
+        from typer import rich_utils
+
+        rich_utils._get_rich_console().print(settings_panel(_SETTINGS_OF.get(self.name, self.name)))
+
+
+_SETTINGS_OF = {"init": "init-sgptq"}  # `moesq init` is init-sgptq's general form
+
+
+@app.command(cls=_Command)
 @_guard
+@with_config_options("calibrate")
 def calibrate(
-    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), format: FormatOpt = None,
-    act_quant: ActQuantOpt = None, calib: CalibOpt = None, seq_len: SeqLenOpt = None, n_train: NTrainOpt = None,
-    n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None, quiet: QuietOpt = False,
-    json_out: JsonOpt = None,
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), recipe: RecipeOpt = None,
+    quiet: QuietOpt = False, json_out: JsonOpt = None, settings: list = (),
 ):
     """Create a work dir for a model + format and build its calibration set (seeded train / val / init splits).
 
@@ -503,10 +423,9 @@ def calibrate(
     from moesq_core.compression.pipeline import run_calibrate
 
     _setup(workdir, quiet)
-    given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
-    _as_usage_error(_run_config_check, **given)
+    cfg, keys = _compress_config(settings, recipe)
     with RichProgress(quiet) as p:
-        info = run_calibrate(workdir, model, given, progress=p)
+        info = run_calibrate(workdir, model or cfg.model, _run_options(cfg, keys), progress=p)
     if json_out is not None:
         _write_json(json_out, {"schema": "moesq.calibrate/1", "workdir": str(workdir), "calibration": info})
         if str(json_out) == "-":
@@ -514,33 +433,20 @@ def calibrate(
     console.print(f"calibration: {info['sequences']} sequences of {info['seq_len']} tokens → {workdir / info['file']}")
 
 
-def _run_config_check(**given):
-    """Validate run options alone (format, counts) before any model or work dir is looked at."""
-    from moesq_core.compression.config import RunConfig
-
-    return RunConfig.from_options(given)
-
-
-@app.command("init-sgptq")
+@app.command("init-sgptq", cls=_Command)
 @_guard
+@with_config_options("init-sgptq")
 def init_sgptq(
-    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
-    method: Annotated[str, typer.Option(callback=_check_method, help="sgptq | gptq | obr | jsq | wanda | rtn | magnitude.")] = "sgptq",
-    percdamp: Annotated[Optional[float], typer.Option(callback=_positive_float, help="Hessian damping as a fraction of mean(diag H) (sgptq, gptq, obr; default 0.01).")] = None,
-    hessian_weighting: Annotated[Optional[str], typer.Option(callback=_choice("none", "w", "w2"), help="Router weighting of the Hessian: none (default) | w | w2.")] = None,
-    exact_scales: Annotated[Optional[bool], typer.Option("--exact-scales/--fp32-scales",
-                                                         help="GPTQ with the final E4M3 block scales (export-exact, default) or fp32 scales projected afterwards.")] = None,
-    refit: Annotated[Optional[bool], typer.Option("--refit/--no-refit", help="sgptq/gptq: SparseGPT's support, then a closed-form reconstruction and GPTQ on it (default: on for sgptq, off for gptq; --no-refit is the paper's SGPTQ).")] = None,
-    solve: Annotated[Optional[str], typer.Option(callback=_choice("cg", "exact"), help="sgptq's refit, obr: the kept-set least squares by preconditioned conjugate gradients (cg, default) or one Cholesky per weight row (exact, slow on wide experts).")] = None,
-    format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
-    seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
-    device: DeviceOpt = "auto", batch_size: BatchOpt = None, redo_from: RedoOpt = None, cache_gb: CacheOpt = None,
-    nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), recipe: RecipeOpt = None,
+    device: DeviceOpt = "auto", nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
+    batch_size: BatchOpt = None, redo_from: RedoOpt = None, cache_gb: CacheOpt = None, settings: list = (),
 ):
     """One-shot compression of every routed expert, block by block (SparseGPT+GPTQ by default).
 
     Writes stage [bold]init-<method>[/]; calibrates first if the work dir has no calibration yet. The stage's
-    identity is its method with every option filled in, so defaults typed or not are the same stage.
+    identity is its method with every option filled in, so defaults typed or not are the same stage. The
+    method's options are init.options.* (--set init.options.percdamp=0.02); `moesq init --method M` is the
+    same command.
 
     [bold]Examples[/]
 
@@ -549,22 +455,14 @@ def init_sgptq(
       moesq init-sgptq -w moesq-work --method rtn
 
       moesq init-sgptq -w moesq-work --redo-from 2
+
+      moesq init -w moesq-work --method wanda --set init.options.hessian_weighting=w
     """
-    from moesq_core.compression.config import MethodConfig
-    from moesq_core.compression.methods.registry import method_options
     from moesq_core.compression.pipeline import init_stage_name, run_init
 
     _setup(workdir, quiet)
-    given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
-    _as_usage_error(_run_config_check, **given)
-    opts = {k: v for k, v in dict(percdamp=percdamp, hessian_weighting=hessian_weighting, exact_scales=exact_scales,
-                                  refit=refit, solve=solve).items() if v is not None}
-    valid = method_options(method)
-    for k in opts:
-        if k not in valid:
-            flag = {"exact_scales": "--exact-scales/--fp32-scales", "refit": "--refit/--no-refit"}.get(k, "--" + k.replace("_", "-"))
-            _fail(f"{flag} does not apply to --method {method}", 2)
-    mcfg = _as_usage_error(MethodConfig, name=method, options=opts)
+    cfg, keys = _compress_config(settings, recipe)
+    mcfg, given, method, model = cfg.init, _run_options(cfg, keys), cfg.init.name, model or cfg.model
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         summary = run_init(workdir, mcfg, model, given, device=device, redo_from=redo_from, progress=p,
                            **_stage_kw(batch_size, cache_gb))
@@ -578,33 +476,17 @@ def init_sgptq(
     console.print(_stage_line(stage, summary, workdir))
 
 
-@app.command()
+app.command("init", cls=_Command)(init_sgptq)
+
+
+@app.command(cls=_Command)
 @_guard
+@with_config_options("refine")
 def refine(
-    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
-    epochs: Annotated[Optional[int], typer.Option(min=0, help=f"Passes over the training tokens per block (default {_default(_REFINE, 'epochs')}).")] = None,
-    steps_per_epoch: Annotated[Optional[int], typer.Option(min=1, help="Optimizer steps per epoch (see Budget below).")] = None,
-    batch_rows: Annotated[Optional[int], typer.Option(min=1, help="Routed token rows per optimizer step over the block (the paper's: 2097152); derives the steps per epoch, at least 16.")] = None,
-    micro_batch_rows: Annotated[Optional[int], typer.Option(min=1, help=f"Rows per forward/backward (memory bound; default {_default(_REFINE, 'micro_batch_rows')}).")] = None,
-    chunk_gb: Annotated[Optional[float], typer.Option(callback=_positive_float, help="GiB for the state of one chunk of a block's experts refined together (default: 85 % of the free GPU memory less what the block's calibration tokens and one micro-batch take; the CPU refines a block at once). Same result, bounded memory; the plan is printed before the block loop.")] = None,
-    lr_logits: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Lion learning rate of the pattern logits A at the paper's budget (default {_default(_REFINE, 'lr_logits')}; scaled to the step budget, see Budget).")] = None,
-    lr_values: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Lion learning rate of the latent weights V at the paper's budget (default {_default(_REFINE, 'lr_values')}; scaled likewise).")] = None,
-    loss_power: Annotated[Optional[int], typer.Option(min=0, max=2, help=f"Token weight w^p in the loss: 0 uniform (ablation), 2 the paper's eq. 4 (Σ w²‖y − ŷ‖²; default {_default(_REFINE, 'loss_power')}).")] = None,
-    values_only: Annotated[bool, typer.Option(help="Ablation: keep the init's support, learn values only.")] = False,
-    support_only: Annotated[bool, typer.Option(help="Ablation: learn the support only, values stay.")] = False,
-    refine_seed: Annotated[Optional[int], typer.Option(min=0, help=f"Seed of the Gumbel noise and the init of A (default {_default(_REFINE, 'seed')}).")] = None,
-    init_split_rows: Annotated[Optional[bool], typer.Option("--init-split-rows/--no-init-split-rows", help="Route the one-shot split's sequences (--n-init) through the block loop with the training ones, for the in-loop init and block-wise training (default: on; off: the training split alone).")] = None,
-    e2e_steps: Annotated[Optional[str], typer.Option(callback=_steps_or_auto, metavar="N|auto", help=f"Adam steps of end-to-end tuning after the last block: a number (0: none) or auto (default {_default(_REFINE, 'e2e_steps')}; see End-to-end).")] = None,
-    e2e_lr: Annotated[Optional[float], typer.Option(callback=_positive_float, help=f"Its learning rate (default {_default(_REFINE, 'e2e_lr')}, cosine to 0).")] = None,
-    e2e_batch_size: Annotated[Optional[int], typer.Option(min=1, help=f"Calibration sequences per end-to-end step (default {_default(_REFINE, 'e2e_batch_size')}).")] = None,
-    e2e_memory_gb: Annotated[Optional[float], typer.Option(callback=_positive_float, help="GiB the end-to-end step may use (default: what the device has available); auto skips the step when its estimate is larger.")] = None,
-    e2e_loss: Annotated[Optional[str], typer.Option(help=f"Its training loss: kl (on the final logits) or fisher (the KL's second-order form on the final hidden states: no vocabulary-sized logits per step; validation stays the KL) (default {_default(_REFINE, 'e2e_loss')}).")] = None,
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), recipe: RecipeOpt = None,
     stage: Annotated[str, typer.Option(callback=_stage_name, help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
-    init: Annotated[str, typer.Option(callback=_check_method, help="One-shot init method, run per block inside refinement's block loop.")] = "sgptq",
-    format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
-    seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None, seed: SeedOpt = None,
-    device: DeviceOpt = "auto", batch_size: BatchOpt = None, redo_from: RedoOpt = None, cache_gb: CacheOpt = None,
-    nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
+    device: DeviceOpt = "auto", nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
+    batch_size: BatchOpt = None, redo_from: RedoOpt = None, cache_gb: CacheOpt = None, settings: list = (),
 ):
     """Learn each expert's sparsity pattern jointly with its quantized values (the moesq algorithm).
 
@@ -643,6 +525,8 @@ def refine(
 
       moesq refine -w moesq-work --stage refine-short --epochs 2 --steps-per-epoch 4
 
+      moesq refine -w moesq-work --stage refine-set --set refine.epochs=1 --set refine.steps_per_epoch=2
+
       moesq refine -w moesq-work --stage refine-2proc --epochs 2 --steps-per-epoch 4 --nproc 2 --device cpu
 
       moesq refine --model Qwen/Qwen3-30B-A3B -w qwen3-work --device cuda
@@ -651,21 +535,11 @@ def refine(
     from moesq_core.compression.pipeline import run_refine
 
     _setup(workdir, quiet)
-    if values_only and support_only:
-        _fail("--values-only and --support-only exclude each other", 2)
-    if steps_per_epoch is not None and batch_rows is not None:
-        _fail("--steps-per-epoch and --batch-rows exclude each other", 2)
-    given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
-    _as_usage_error(_run_config_check, **given)
-    options = dict(epochs=epochs, steps_per_epoch=steps_per_epoch, batch_rows=batch_rows,
-                   micro_batch_rows=micro_batch_rows, chunk_gb=chunk_gb, lr_logits=lr_logits, lr_values=lr_values, loss_power=loss_power,
-                   train_support=False if values_only else None, train_values=False if support_only else None,
-                   seed=refine_seed, init_split_rows=init_split_rows, e2e_steps=e2e_steps, e2e_lr=e2e_lr, e2e_batch_size=e2e_batch_size,
-                   e2e_memory_gb=e2e_memory_gb, e2e_loss=e2e_loss)
-    rcfg = _as_usage_error(RefineConfig, **{k: v for k, v in options.items() if v is not None})
+    cfg, keys = _compress_config(settings, recipe, {"refine": {}})
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
-        summary = run_refine(workdir, rcfg, model, given, init=init, stage=stage, device=device,
-                             redo_from=redo_from, progress=p, **_stage_kw(batch_size, cache_gb))
+        summary = run_refine(workdir, cfg.refine or RefineConfig(), model or cfg.model, _run_options(cfg, keys),
+                             init=cfg.init.name, stage=stage, device=device, redo_from=redo_from, progress=p,
+                             **_stage_kw(batch_size, cache_gb))
     if _rank() != 0:
         return
     if json_out is not None:
@@ -859,7 +733,7 @@ def generate(
                                             "non-expert weights; auto: bf16 on a GPU, fp32 on the CPU.")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N (auto: the GPU when there is one; on "
                                               "sm_90 packed p48 experts run through the fast Hopper module).")] = "auto",
-    no_verify: NoVerifyOpt = False,
+    no_verify: HiddenNoVerifyOpt = False,
     json_out: JsonOpt = None,
     quiet: QuietOpt = False,
 ):
@@ -902,15 +776,15 @@ def eval_cmd(
     targets: Annotated[Optional[list[str]], typer.Argument(help="Work dirs (reference + finished stages), packed dirs or model dirs.")] = None,
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Text file for perplexity (.txt/.txt.xz).")] = None,
     ppl_tokens: Annotated[int, typer.Option(min=1, help="Evaluate the first N tokens of --ppl.")] = 65536,
-    window: Annotated[int, typer.Option(min=1, help="Perplexity window (non-overlapping).")] = 512,
+    window: Annotated[int, typer.Option(min=1, hidden=True, help="Perplexity window (non-overlapping).")] = 512,
     stages: Annotated[Optional[list[str]], typer.Option("--stage", help="Only these stages of a work dir (repeatable).")] = None,
     tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval tasks, comma-separated, or a preset (openllm-v1); moesq_cloze is the shipped offline task.")] = None,
     tasks_dir: Annotated[Optional[Path], typer.Option(help="Directory of extra task YAMLs with local data.")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="lm-eval: examples per task.")] = None,
-    num_fewshot: Annotated[Optional[int], typer.Option(min=0, help="lm-eval: override the shots.")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="lm-eval: override the shots.")] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="lm-eval batch size.")] = 8,
-    eval_seed: Annotated[int, typer.Option("--eval-seed", min=0, help="lm-eval seed.")] = 1234,
-    no_verify: NoVerifyOpt = False,
+    eval_seed: Annotated[int, typer.Option("--eval-seed", min=0, hidden=True, help="lm-eval seed.")] = 1234,
+    no_verify: HiddenNoVerifyOpt = False,
     json_out: JsonOpt = None,
     device: DeviceOpt = "cpu", quiet: QuietOpt = False,
 ):
@@ -1017,23 +891,15 @@ def _render_recovery(table, console=console) -> None:
         console.print(f"[yellow]warning:[/] {w}")
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
+@with_config_options("run")
 def run(
-    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"),
-    recipe: Annotated[Optional[Path], typer.Option("--recipe", help="A recipe (YAML CompressConfig, e.g. recipes/micro-quick.yaml); the options given here override it.")] = None,
-    format: FormatOpt = None, act_quant: ActQuantOpt = None, calib: CalibOpt = None,
-    ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Evaluation text (default: the embedded sample).")] = None,
-    ppl_tokens: Annotated[int, typer.Option(min=1, help="Evaluate the first N tokens.")] = 65536,
-    method: Annotated[Optional[str], typer.Option(callback=lambda v: v and _check_method(v), help="One-shot init method (default sgptq).")] = None,
-    baselines: Annotated[Optional[str], typer.Option(help="Extra one-shot baselines to compare, comma-separated ('' for none; default magnitude,sgptq). "
-                                                          "On sparse formats rtn and magnitude are the same weights.")] = None,
-    refine_stage: Annotated[Optional[bool], typer.Option("--refine/--no-refine", help="Run refinement after the init (default: yes).")] = None,
-    epochs: Annotated[Optional[int], typer.Option(min=0, help="Refinement epochs (default 2).")] = None,
-    steps_per_epoch: Annotated[Optional[int], typer.Option(min=1, help="Refinement optimizer steps per epoch (default 8).")] = None,
-    seq_len: SeqLenOpt = None, n_train: NTrainOpt = None, n_val: NValOpt = None, n_init: NInitOpt = None,
-    seed: SeedOpt = None, device: DeviceOpt = "auto", nproc: NprocOpt = 1, quiet: QuietOpt = False,
-    json_out: JsonOpt = None,
+    model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), recipe: RecipeOpt = None,
+    device: DeviceOpt = "auto", nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
+    ppl: Annotated[Optional[Path], typer.Option("--ppl", hidden=True, help="Evaluation text (default: the embedded sample).")] = None,
+    ppl_tokens: Annotated[int, typer.Option(min=1, hidden=True, help="Evaluate the first N tokens.")] = 65536,
+    settings: list = (),
 ):
     """Everything in one go: calibrate → baselines → init → refine → pack → verify → perplexity table.
 
@@ -1046,42 +912,14 @@ def run(
 
       moesq run -w run-rtn --method rtn --baselines '' --no-refine --seq-len 64 --n-train 8 --n-val 4 --n-init 8 --ppl-tokens 4096
     """
-    import dataclasses
-
-    from moesq_core.compression.config import CompressConfig, MethodConfig
-    from moesq_core.compression.pipeline import default_run_config, run_all, run_config_of
+    from moesq_core.compression.api import default_run_config, run_all
     from moesq_core.formats import get_format
 
     _setup(workdir, quiet)
     if ppl is not None and not ppl.is_file():
         _fail(f"--ppl {ppl}: no such file", 2)
-    if recipe is not None and not recipe.is_file():
-        _fail(f"--recipe {recipe}: no such file", 2)
-    given = _given(format, act_quant, calib, seq_len, n_train, n_val, n_init, seed)
-    _as_usage_error(_run_config_check, **given)
-    try:
-        cfg = CompressConfig.from_file(recipe) if recipe else run_config_of(workdir, default_run_config())
-    except ValueError as e:
-        _fail(str(e), 2)
-    changes = {}
-    if method is not None:
-        changes["init"] = MethodConfig(method)
-    if baselines is not None:
-        base = tuple(b.strip() for b in baselines.split(",") if b.strip())
-        for b in base:
-            if b not in _methods():
-                _fail(f"--baselines: unknown method {b!r}; choose from {', '.join(_methods())}", 2)
-        changes["baselines"] = base
-    if refine_stage is False:
-        changes["refine"] = None
-    elif refine_stage and cfg.refine is None:
-        from moesq_core.compression.methods.refine import RefineConfig
-
-        changes["refine"] = RefineConfig()
-    cfg = dataclasses.replace(cfg, **changes)
-    if cfg.refine is None and (epochs is not None or steps_per_epoch is not None):
-        _fail("--epochs / --steps-per-epoch need refinement (drop --no-refine)", 2)
-    cfg = _as_usage_error(cfg.with_overrides, **given, epochs=epochs, steps_per_epoch=steps_per_epoch)
+    base = None if recipe is not None else run_config_of(workdir, default_run_config()).to_dict()
+    cfg, _ = _compress_config(settings, recipe, base)
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         res = run_all(workdir, cfg, model, device=device, ppl=ppl, ppl_tokens=ppl_tokens, progress=p)
     if res is None:  # a rank other than 0 (rank 0 packs, evaluates and prints)

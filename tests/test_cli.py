@@ -163,7 +163,7 @@ def test_bad_inputs_get_clear_errors(micro_path, tmp_path):
     assert r.returncode == 1 and "seq_len: 64 (work dir) vs 128 (now)" in r.stdout + r.stderr
     assert (wd / "manifest.json").read_text() == before
     # a bad end-to-end length or memory budget is refused before the work dir is touched
-    for opt, val, msg in (("--e2e-steps", "many", "a number of steps >= 0 or auto"), ("--e2e-steps", "-3", "must be >= 0"),
+    for opt, val, msg in (("--e2e-steps", "many", "a number of steps >= 0 or 'auto'"), ("--e2e-steps", "-3", "got -3"),
                           ("--e2e-memory-gb", "0", "must be > 0")):
         r = moesq_here("refine", "-w", wd, opt, val, check=False)
         assert r.returncode == 2 and msg in r.stdout + r.stderr, (opt, val)

@@ -61,12 +61,13 @@ def test_help_defaults_read_from_source_match_the_objects():
 
 
 # -- numeric options ----------------------------------------------------------------------------------------------
-# the numeric options for which 0 is a meaningful value; for every other one 0 is refused
+# the numeric options for which 0 is a meaningful value; for every other one 0 is refused (`init` is init-sgptq's
+# general form; percdamp 0 is no damping, which the methods take)
 ZERO_OK = {("refine", "epochs"), ("run", "epochs"), ("refine", "loss_power"), ("refine", "e2e_steps"),
            ("refine", "refine_seed"), ("verify", "show"), ("generate", "temperature"), ("eval", "num_fewshot"),
-           *{(c, n) for c in ("calibrate", "init-sgptq", "refine", "run", "generate") for n in ("seed",)},
-           *{(c, "redo_from") for c in ("init-sgptq", "refine")}, *{(c, "cache_gb") for c in ("init-sgptq", "refine")},
-           ("eval", "eval_seed")}
+           *{(c, n) for c in ("calibrate", "init-sgptq", "init", "refine", "run", "generate") for n in ("seed",)},
+           *{(c, n) for c in ("init-sgptq", "init", "refine") for n in ("redo_from", "cache_gb")},
+           *{(c, "percdamp") for c in ("init-sgptq", "init")}, ("eval", "eval_seed")}
 REQUIRED = {"verify": ["x"], "generate": ["x", "--prompt", "p"]}
 
 

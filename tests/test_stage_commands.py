@@ -129,7 +129,7 @@ def test_refit_is_part_of_the_stage_identity(wd):
     r = moesq_here("init-sgptq", "-w", wd, "--solve", "exact", *FAST, check=False)
     assert r.returncode == 1 and "options.solve: 'cg' (work dir) vs 'exact' (now)" in r.stderr, r.stderr
     r = moesq_here("init-sgptq", "-w", wd, "--solve", "lu", *FAST, check=False)
-    assert r.returncode == 2 and "'lu' is not one of: cg, exact" in r.stderr
+    assert r.returncode == 2 and "init.options.solve: must be one of cg, exact, got 'lu'" in r.stderr
     r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", "--solve", "cg", *FAST, check=False)
     assert r.returncode == 2 and "--solve does not apply to --method rtn" in r.stderr
     assert (wd / "manifest.json").read_bytes() == before

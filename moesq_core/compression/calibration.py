@@ -19,11 +19,11 @@ import torch
 class CalibConfig:
     __pydantic_config__ = {"extra": "forbid"}  # config files: an unknown key is an error (moesq_core.compression.config)
 
-    seq_len: int = 512
+    seq_len: int = 512  # tokens per calibration sequence
     n_train: int = 128  # refinement sequences
     n_val: int = 16  # held-out sequences (refinement's best-epoch selection)
     n_init: int = 64  # SGPTQ / one-shot methods' sequences
-    seed: int = 0
+    seed: int = 0  # seed of the splits
 
     def __post_init__(self):
         for name, what in (("seq_len", "tokens per sequence"), ("n_train", "refinement sequences"),

@@ -4,16 +4,18 @@ A stage's identity in the work dir's manifest is the normalised dict of its conf
 command line or left at their defaults give the same stage (`init-sgptq` then `refine` on one work dir, or
 `--redo-from` on a stage another command started).
 
-Config files (recipes) are validated by pydantic over these dataclasses (unknown keys refused), and every
-error names its key path: `refine.epochs: expected an integer, got 'two'`, `refine.epoch: unknown key (did you
-mean epochs?)`.
+Config files (recipes) are validated by pydantic over these dataclasses (unknown keys refused, numbers finite), and
+every error names its key path: `refine.epochs: expected an integer, got 'two'`, `refine.epoch: unknown key (did
+you mean epochs?)`. A setting `KEY=VALUE` (the command line's `--set`) uses a recipe's key paths: `apply_settings`.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import functools
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -100,12 +102,20 @@ class MethodConfig:
 
     __pydantic_config__ = {"extra": "forbid"}
 
-    name: Annotated[str, Field(alias="method")] = "sgptq"
+    name: Annotated[str, Field(alias="method")] = "sgptq"  # the one-shot method
     options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
-        from moesq_core.compression.methods.registry import get_method, method_options
+        from moesq_core.compression.methods.registry import get_method, method_options, option_types
 
+        types = option_types(self.name)  # each option's type, checked as pydantic checks a config's fields
+        for k, v in self.options.items():
+            try:
+                TypeAdapter(types.get(k, Any), config={"allow_inf_nan": False}).validate_python(v)
+            except ValidationError as e:
+                err = e.errors()[0]
+                what = _EXPECTED.get(err["type"].split("_")[0])
+                raise ValueError(f"options.{k}: " + (f"expected {what}, got {v!r}" if what else err["msg"])) from None
         method = get_method(self.name, **self.options)  # refuses unknown methods and options
         full = {k: getattr(method, k) for k in method_options(self.name)} if dataclasses.is_dataclass(method) else {}
         object.__setattr__(self, "options", jsonable(full))
@@ -160,14 +170,14 @@ class CompressConfig:
 
     __pydantic_config__ = {"extra": "forbid"}
 
-    format: str = "p48-nvfp4"
-    act_quant: bool = True
+    format: str = "p48-nvfp4"  # the experts' compressed format
+    act_quant: bool = True  # quantize activations too (W4A4 / W8A8), or weights only
     calib: CalibConfig = field(default_factory=CalibConfig)
-    calib_source: str = str(DEFAULT_CALIB)
+    calib_source: str = str(DEFAULT_CALIB)  # calibration text: a .txt/.txt.xz/.jsonl file, a dir, or a Hub dataset name[:config][@split] (default: the embedded sample)
     init: Annotated[MethodConfig, BeforeValidator(lambda v: {"method": v} if isinstance(v, str) else v)] = \
         field(default_factory=MethodConfig)
     refine: RefineConfig | None = None  # None: the init stage only
-    baselines: tuple[str, ...] = ()
+    baselines: tuple[str, ...] = ()  # one-shot methods also run alone, for comparison
     model: str | None = None  # a recipe may name its model; compress()'s model argument wins
 
     def __post_init__(self):
@@ -251,6 +261,50 @@ class CompressConfig:
         return CompressConfig.from_dict(d)
 
 
+def apply_settings(config: dict, settings: list[tuple[str, Any]]) -> dict:
+    """A copy of a config mapping (to_dict()'s or a recipe's form) with settings (key path, value) applied, the
+    key paths a recipe's: `format`, `calib.seq_len`, `init.method`, `init.options.percdamp`, `refine.epochs`.
+    Sections before their keys, later settings of a key win. Setting init.method to another method drops the
+    init's options (they were the other method's); one of refine.steps_per_epoch / refine.batch_rows clears the
+    other unless both are set; `refine` true keeps refinement (its defaults where there was none), false or null
+    drops it. Validation is from_dict's."""
+    d = copy.deepcopy(config)
+    keys = {k for k, _ in settings}
+    for key, value in sorted(settings, key=lambda kv: kv[0].count(".")):
+        parts = key.split(".")
+        if parts == ["refine"] and isinstance(value, bool):
+            value = (d.get("refine") or {}) if value else None
+        if parts[0] == "init" and isinstance(d.get("init"), str):
+            d["init"] = {"method": d["init"]}
+        if parts == ["init", "method"] and (d.get("init") or {}).get("method", "sgptq") != value:
+            d["init"] = {"method": value}
+            continue
+        node = d
+        for i, p in enumerate(parts[:-1]):
+            if p in node and node[p] is None and p == "refine":
+                raise ValueError(f"{key}: this config has no refinement")
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"{key}: {'.'.join(parts[:i + 1])} is not a section")
+        node[parts[-1]] = value
+    for a, b in (("steps_per_epoch", "batch_rows"), ("batch_rows", "steps_per_epoch")):
+        if f"refine.{a}" in keys and f"refine.{b}" not in keys and isinstance(d.get("refine"), dict):
+            d["refine"][b] = None
+    return d
+
+
+def check_setting(key: str, value: Any) -> None:
+    """Validate one setting alone, over the defaults (an init option with a method that has it): a ValueError
+    naming its key path."""
+    base: dict = {}
+    if key.startswith("init.options."):
+        from .methods.registry import METHODS, method_options
+
+        name = key.split(".", 2)[2]
+        base = {"init": {"method": next((m for m in METHODS if name in method_options(m)), "sgptq")}}
+    CompressConfig.from_dict(apply_settings(base, [(key, value)]))
+
+
 # -- config file validation ---------------------------------------------------------------------------------
 @functools.cache
 def _config_adapter() -> TypeAdapter:
@@ -269,7 +323,13 @@ def _section_keys(loc: tuple) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)] if cls else []
 
 
-_EXPECTED = {"int": "an integer", "float": "a number", "bool": "true or false", "string": "a string",
+def _method_option_names() -> set[str]:
+    from .methods.registry import METHODS, method_options
+
+    return {o for m in METHODS for o in method_options(m)}
+
+
+_EXPECTED = {"int": "an integer", "float": "a number", "finite": "a finite number", "bool": "true or false", "string": "a string",
              "tuple": "a list", "list": "a list", "dict": "a mapping", "dataclass": "a mapping of keys",
              "none": "null"}
 
@@ -294,5 +354,12 @@ def _error_lines(errors: list[dict]) -> str:
             lines[path] = (wanted, err["input"])
         else:
             msg = err["msg"].removeprefix("Value error, ")
+            # a section's check that names its key first (`epochs must be >= 0`, `options.refit: ...`) names its path
+            named = re.match(r"([\w.]+)(?:: | (?=must ))(.*)", msg, flags=re.S)
+            if path and named:
+                if named[1].split(".")[0] in _section_keys(loc):
+                    path, msg = f"{path}.{named[1]}", named[2]
+                elif loc == ("init",) and named[1] in _method_option_names():
+                    path, msg = f"{path}.options.{named[1]}", named[2]
             lines[path] = f"{path}: {msg}" if path else msg
     return "; ".join(v if isinstance(v, str) else f"{k}: expected {v[0]}, got {v[1]!r}" for k, v in lines.items())

@@ -27,10 +27,19 @@ log = logging.getLogger(__name__)
 WEIGHTINGS = ("none", "w", "w2")
 
 
+def check_weighting(weighting: str) -> None:
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"hessian_weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
+
+
+def check_damping(percdamp: float) -> None:
+    if not percdamp >= 0:
+        raise ValueError(f"percdamp must be >= 0 (a fraction of mean(diag H)), got {percdamp}")
+
+
 def token_coefficients(n: int, w: torch.Tensor | None, weighting: str, device) -> torch.Tensor | None:
     """Per-token c_t for the weighting mode; None means uniform."""
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"hessian weighting must be one of {WEIGHTINGS}, got {weighting!r}")
+    check_weighting(weighting)
     if weighting == "none":
         return None
     if w is None or w.numel() != n:

@@ -32,7 +32,9 @@ from moesq_core.compression.methods.hessian import (
     DampedBatch,
     batched_masked_solve,
     block_statistics,
+    check_damping,
     check_solve,
+    check_weighting,
     damped_factor,
     damped_factors,
     expert_hessians,
@@ -61,12 +63,12 @@ def partition_point(C: int, fmt: Format, alpha: float) -> int:
 @dataclass
 class OBR:
     name: str = "obr"
-    percdamp: float = 0.01
-    alpha: float = 0.5
+    percdamp: float = 0.01  # Hessian damping as a fraction of mean(diag H)
+    alpha: float = 0.5  # the first partition's share of the kept columns, rounded to nearest (in [0, 1])
     second_stage: str = "gptq"  # gptq | rtn
-    exact_scales: bool = True
-    blocksize: int = 128
-    hessian_weighting: str = "none"
+    exact_scales: bool = True  # GPTQ with the final E4M3 block scales; false: fp32 scales projected afterwards
+    blocksize: int = 128  # columns per lazy GPTQ block
+    hessian_weighting: str = "none"  # router weighting of the Hessian: none | w | w2
     solve: str = "cg"  # the kept-set least squares of steps 2-3: "cg" (iterative) | "exact" (Cholesky per row)
     batched: bool = True  # all experts of a block at once (False: the per-expert reference, one at a time)
     chunk_gb: float | None = None  # memory for one chunk of experts (None: half the free GPU memory; 4 GiB on CPU)
@@ -74,10 +76,12 @@ class OBR:
 
     def __post_init__(self):
         if self.second_stage not in ("gptq", "rtn"):
-            raise ValueError(f"OBR second_stage must be 'gptq' or 'rtn', got {self.second_stage!r}")
+            raise ValueError(f"second_stage must be 'gptq' or 'rtn', got {self.second_stage!r}")
         if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"OBR alpha must be in [0, 1], got {self.alpha}")
+            raise ValueError(f"alpha must be in [0, 1], got {self.alpha}")
         check_solve(self.solve)
+        check_damping(self.percdamp)
+        check_weighting(self.hessian_weighting)
 
     def quantize(self, Wc: torch.Tensor, fac: Damped, mask: torch.Tensor, fmt: Format,
                  g: torch.Tensor) -> tuple[QuantizedWeight, torch.Tensor]:

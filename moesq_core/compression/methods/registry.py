@@ -6,6 +6,7 @@ ones, so a typo on the command line does not silently fall back to a default.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Any, Callable
 
 from moesq_core.compression.methods.base import Method
@@ -39,6 +40,13 @@ def method_options(name: str) -> list[str]:
     if dataclasses.is_dataclass(factory):
         return [f.name for f in dataclasses.fields(factory) if f.init and f.name not in fixed and f.name != "name"]
     return []
+
+
+def option_types(name: str) -> dict[str, Any]:
+    """The type of each option of `get_method(name, ...)`, from its dataclass."""
+    factory, _ = _lookup(name)
+    hints = typing.get_type_hints(factory) if dataclasses.is_dataclass(factory) else {}
+    return {k: hints[k] for k in method_options(name)}
 
 
 def _lookup(name: str):

@@ -47,7 +47,9 @@ from moesq_core.compression.methods.base import PROJECTIONS, CompressedExpert, E
 from moesq_core.compression.methods.batching import assemble_results, compress_batched
 from moesq_core.compression.methods.hessian import (
     block_statistics,
+    check_damping,
     check_solve,
+    check_weighting,
     damped_factor,
     damped_factors,
     expert_hessians,
@@ -477,12 +479,12 @@ class SGPTQ:
     shared global scale for gate and up, the sweep above per projection."""
 
     name: str = "sgptq"
-    percdamp: float = 0.01
-    blocksize: int = 128
+    percdamp: float = 0.01  # Hessian damping as a fraction of mean(diag H)
+    blocksize: int = 128  # columns per lazy GPTQ block
     mask_block: int | None = None  # None: the pattern group (SparseGPT's N:M mode)
-    exact_scales: bool = True
-    pin_block_max: bool = True
-    hessian_weighting: str = "none"
+    exact_scales: bool = True  # GPTQ with the final E4M3 block scales (export-exact); false: fp32 scales projected afterwards
+    pin_block_max: bool = True  # with exact_scales: a scale block's drifted max element is pinned to the max code
+    hessian_weighting: str = "none"  # router weighting of the Hessian: none | w | w2
     refit: bool = False  # not SGPTQ proper: SparseGPT's support + closed-form reconstruction + GPTQ
     solve: str = "cg"  # the refit's kept-set least squares: "cg" (iterative, from SparseGPT's values) | "exact"
     dense_only: bool = False
@@ -492,6 +494,8 @@ class SGPTQ:
 
     def __post_init__(self):
         check_solve(self.solve)
+        check_damping(self.percdamp)
+        check_weighting(self.hessian_weighting)
 
     def _solver(self, fmt: Format) -> SGPTQSolver:
         return SGPTQSolver(fmt, self.blocksize, self.mask_block, self.exact_scales, True, self.pin_block_max,

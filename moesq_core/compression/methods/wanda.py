@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from moesq_core.compression.methods.base import CompressedExpert, ExpertData, ProgressFn, compress_each
-from moesq_core.compression.methods.hessian import input_sq_norms
+from moesq_core.compression.methods.hessian import check_weighting, input_sq_norms
 from moesq_core.compression.methods.rtn import score_masked_expert
 from moesq_core.formats import Format
 
@@ -24,8 +24,11 @@ def wanda_scores(W: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = None
 @dataclass
 class Wanda:
     name: str = "wanda"
-    hessian_weighting: str = "none"
+    hessian_weighting: str = "none"  # router weighting of the input norms: none | w | w2
     report_errors: bool = True
+
+    def __post_init__(self):
+        check_weighting(self.hessian_weighting)
 
     def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
         return score_masked_expert(ex, fmt, self.name, lambda W, x: wanda_scores(W, x, ex.w, self.hessian_weighting),

@@ -146,23 +146,24 @@ class RefineConfig:
     states instead (validation stays the exact KL): no vocabulary-sized logits per step.
     """
 
-    __pydantic_config__ = {"extra": "forbid"}  # config files: an unknown key is an error (moesq_core.compression.config)
+    # config files and --set: an unknown key is an error, and so is a nan or infinite number (moesq_core.compression.config)
+    __pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False}
 
-    epochs: int = 10
+    epochs: int = 10  # passes over the training tokens per block
     steps_per_epoch: int | None = None  # None: from batch_rows when given, else the paper's 128
     batch_rows: int | None = None  # when set: steps_per_epoch = ceil(training rows of the block / batch_rows)
     min_steps_per_epoch: int = 16  # floor for steps derived from batch_rows (a 1-step epoch learns nothing)
     min_rows_per_step: int = 8
-    micro_batch_rows: int = 8 * 4096 * 8
-    lr_logits: float = 2.5e-4
-    lr_values: float = 5e-5
+    micro_batch_rows: int = 8 * 4096 * 8  # routed rows per forward/backward (bounds memory, changes no result)
+    lr_logits: float = 2.5e-4  # Lion learning rate of the pattern logits A at the paper's budget (scaled: lr_budget_steps)
+    lr_values: float = 5e-5  # Lion learning rate of the latent weights V at the paper's budget (scaled likewise)
     lr_budget_steps: int | None = PAPER_STEPS  # the budget rule (above); None: lrs as given at any budget
     lr_budget_cap_logits: float = 10.0  # largest multiplier of lr_logits the rule applies (see below)
     lr_budget_cap_values: float = 100.0  # largest multiplier of lr_values the rule applies
     lr_budget_values_rms: float | None = RMS_CAP  # the rule never raises an expert's lr_values above this × its weights' RMS
     values_first: float = 0.0  # fraction of the block's steps that train the values only, before joint training
-    betas: tuple[float, float] = (0.9, 0.95)
-    weight_decay: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.95)  # Lion's betas
+    weight_decay: float = 1.0  # Lion's weight decay, p ← p·(1 − lr·wd)
     lr_final_ratio: float = 0.1  # cosine decay to this fraction of the base lr at the last step
     tau: tuple[float, float] = (2.0, 0.05)  # Gumbel-softmax temperature, linear per optimizer step
     gain: tuple[float, float] = (100.0, 500.0)  # multiplier of A before the noise, linear per step
@@ -172,8 +173,8 @@ class RefineConfig:
     val_fraction: float = 0.05  # held out from each expert's rows when the engine gives no x_val
     min_val_rows: int = 16  # ... but at least this many (never more than half the expert's rows)
     init_noise: float = 0.01  # A = init_noise · (N(0,1) + init_match · c)
-    init_match: float = 4.0
-    seed: int = 0
+    init_match: float = 4.0  # weight of the init's pattern in A's init (see init_noise)
+    seed: int = 0  # seed of the Gumbel noise and the init of A (each expert draws its own stream from it)
     compute_dtype: str = "auto"  # matmul operands in training: "float32", "bfloat16", auto = bf16 on CUDA
     logits_dtype: str = "float32"  # dtype of the logits A ("bfloat16": the release's, where small steps vanish)
     ship: str = "best"  # "best": per expert the best-validating epoch (the init included); "last": the last epoch
@@ -190,6 +191,8 @@ class RefineConfig:
     e2e_loss: str = "kl"  # its training loss: "kl" on the final logits, or "fisher", its second-order form (e2e.py)
 
     def __post_init__(self):
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
         for name in ("micro_batch_rows", "steps_per_epoch", "min_steps_per_epoch", "min_rows_per_step", "lr_budget_steps"):
@@ -216,9 +219,9 @@ class RefineConfig:
             raise ValueError(f"temperatures must be positive, got {self.tau}")
         objective.check_power(self.loss_power)
         if self.steps_per_epoch is not None and self.batch_rows is not None:
-            raise ValueError("give steps_per_epoch or batch_rows, not both")
+            raise ValueError("steps_per_epoch and batch_rows exclude each other: give one")
         if not (self.train_support or self.train_values):
-            raise ValueError("train_support and train_values are both False: nothing to refine")
+            raise ValueError("train_support and train_values are both off: nothing to refine")
         if not 0 <= self.val_fraction < 1:
             raise ValueError(f"val_fraction must be in [0, 1), got {self.val_fraction}")
         for name in ("compute_dtype", "logits_dtype"):
