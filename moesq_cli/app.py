@@ -28,7 +28,6 @@ from moesq_cli import command_started
 from moesq_cli.progress_display import RichProgress, console, err_console
 from moesq_cli.settings import as_given, settings_panel, with_config_options
 from moesq_cli.settings import source_defaults as _source_defaults  # noqa: F401  (a test checks it against the objects)
-from moesq_core.formats import FORMAT_NAMES
 
 app = typer.Typer(
     name="moesq", no_args_is_help=True, rich_markup_mode="rich", pretty_exceptions_enable=False,
@@ -912,7 +911,7 @@ def run(
 
       moesq run -w run-rtn --method rtn --baselines '' --no-refine --seq-len 64 --n-train 8 --n-val 4 --n-init 8 --ppl-tokens 4096
     """
-    from moesq_core.compression.api import default_run_config, run_all
+    from moesq_core.compression.pipeline import default_run_config, run_all, run_config_of
     from moesq_core.formats import get_format
 
     _setup(workdir, quiet)

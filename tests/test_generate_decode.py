@@ -141,7 +141,7 @@ def test_cli_batch_from_prompts_and_file(p48_pack, tmp_path):
     f = tmp_path / "prompts.txt"
     f.write_text(f"{PROMPTS[1]}\n\n{PROMPTS[2]}\n")
     r = moesq("generate", p48_pack, "--prompt", PROMPTS[0], "--prompts", f, "--max-new-tokens", "3", "--dtype",
-              "fp32", "--json", "-", "--quiet")
+              "fp32", "--device", "cpu", "--json", "-", "--quiet")
     doc = json.loads(r.stdout)
     assert doc["schema"] == "moesq.generate/2" and doc["batch_size"] == 3 and doc["dtype"] == "float32"
     assert [c["prompt"] for c in doc["completions"]] == PROMPTS[:3]

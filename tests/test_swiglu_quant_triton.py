@@ -176,11 +176,18 @@ def check_opaque_to_compile(device: str) -> str:
 
     gen = torch.Generator().manual_seed(3)
     k, C, H, I = 3, 11, 64, 64
-    args = [torch.randn(k, C, H, generator=gen), torch.randn(k, I, H, generator=gen) * H ** -0.5,
-            torch.randn(k, I, H, generator=gen) * H ** -0.5, torch.randn(k, H, I, generator=gen) * I ** -0.5,
-            torch.randn(k, C, H, generator=gen), torch.rand(k, C, generator=gen), torch.rand(k, generator=gen),
+    dense = [torch.randn(k, I, H, generator=gen) * H ** -0.5, torch.randn(k, I, H, generator=gen) * H ** -0.5,
+             torch.randn(k, H, I, generator=gen) * I ** -0.5]
+    valid = torch.ones(k, C, dtype=torch.bool)
+    valid[0, -3:] = False  # padding rows
+    # (x, valid, g_in, Dg, Du, Dd): the rows and their dense targets; then the quantized weights (the leaves),
+    # then (tw, scale, g_h)
+    head = [torch.randn(k, C, H, generator=gen), valid, nvfp4_global_scale(torch.rand(k, generator=gen) + 1.0).reshape(-1, 1, 1),
+            *dense]
+    weights = [d + 0.05 * torch.randn(d.shape, generator=gen) * d.std() for d in dense]
+    tail = [torch.rand(k, C, generator=gen), torch.rand(k, generator=gen),
             nvfp4_global_scale(torch.rand(k, generator=gen) + 0.5).reshape(-1, 1, 1)]
-    args = [a.to(device) for a in args]
+    head, weights, tail = ([a.to(device) for a in group] for group in (head, weights, tail))
     outs = []
     # the loss's gradient written in the forward (the trainer's) or from its own backward: the same numbers
     for fused, compiled, grad_in_forward in ((False, False, False), (False, False, True), (True, False, True),
@@ -188,10 +195,10 @@ def check_opaque_to_compile(device: str) -> str:
         fn = BlockRefiner.micro_loss_fn(fmt, torch.float32, fused, grad_in_forward)
         if compiled:
             fn = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)
-        leaves = [a.clone().requires_grad_() for a in args[1:4]]
-        out, grad_out, num, amax = fn(args[0], *leaves, *args[4:])
+        leaves = [a.clone().requires_grad_() for a in weights]
+        out, grad_out, num, amax = fn(*head, *leaves, *tail)
         assert (grad_out is None) != grad_in_forward and not num.requires_grad
-        outs.append(((num * args[6]).sum(), num, amax, *torch.autograd.grad(out, leaves, grad_out)))
+        outs.append(((num * tail[1]).sum(), num, amax, *torch.autograd.grad(out, leaves, grad_out)))
     assert all(bits_equal(a, b) for a, b in zip(outs.pop(0), outs[0]))
     # fused vs torch ops: h to an ulp can flip a quantized value, which moves the gradients a little
     for a, b in zip(outs[1], outs[0]):
@@ -209,7 +216,7 @@ def check_opaque_to_compile(device: str) -> str:
 def test_kernel_matches_reference_under_the_interpreter():
     out = run_triton_interpreted(
         "import torch\n"
-        "from moesq_core.serving.kernels import swiglu_quant_triton\n"
+        "from moesq_core.compression.kernels import swiglu_quant_triton\n"
         "assert swiglu_quant_triton.available(torch.device('cpu'))\n"
         "from test_swiglu_quant_triton import *\n"
         "print(check_rounding('cpu'))\n"

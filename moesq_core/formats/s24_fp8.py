@@ -151,6 +151,7 @@ FORMAT = S24Format(
         "config parsing, and so transformers without `import moesq_core`, refuse it.",
     ),
     markers=(MARKER_KEY,),
+    fast_experts="moesq_core.serving.s24_hopper",
     ct_format=CONFIG_FORMAT,
     ct_format_note=" so that stock loaders refuse it instead of reading it as dense FP8",
 )
