@@ -401,7 +401,7 @@ def test_steps_per_epoch_rule():
     assert steps(batch_rows=100) == 16  # 600 training rows / 100 = 6, raised to the floor of 16
     assert steps(batch_rows=100, min_steps_per_epoch=4) == 6
     assert steps(batch_rows=100_000) == 16
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(ValueError, match="exclude each other"):
         RefineConfig(steps_per_epoch=4, batch_rows=100)
     plan = RefineConfig(epochs=3, steps_per_epoch=10).schedule(600, 2)
     assert (plan.total_steps, plan.rows_per_step) == (30, 60) and "30 Lion steps" in str(plan)
