@@ -350,7 +350,7 @@ def write_markdown(res: dict, path: Path):
         md += ["", "Failed: " + ", ".join(res["errors"])]
     md += ["", "Code agreement < 100 % on the GPU is rounding: cuBLAS/cuSOLVER vs the recursive factorisations and "
                "batched products change the last bits, which moves codes that sit on a rounding boundary; on the CPU the "
-               "two paths are bitwise equal (tests/test_batched_solvers.py)."]
+               "two paths are bitwise equal (tests/compression/test_batched_solvers.py)."]
     path.write_text("\n".join(md) + "\n")
 
 

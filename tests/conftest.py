@@ -266,10 +266,11 @@ class P48GroupedCase:
 
 def run_triton_interpreted(script: str) -> str:
     """Run a Python script with TRITON_INTERPRET=1 (Triton kernels on the CPU) in a fresh process at the repo
-    root, with tests/ importable; returns its stdout (the test fails with the tail of stderr)."""
+    root, with tests/ and its folders importable; returns its stdout (the test fails with the tail of stderr)."""
     pytest.importorskip("triton")
     # the repo first, then whatever path this process was given (where Triton may be installed)
-    path = [str(REPO), str(REPO / "tests"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    folders = sorted(str(p) for p in (REPO / "tests").iterdir() if p.is_dir() and p.name[0] not in "._")
+    path = [str(REPO), str(REPO / "tests"), *folders, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(path))
     res = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
                          timeout=900)

@@ -1,0 +1,75 @@
+"""benchmarks/accuracy_table.py: the rows run what their names say, and the recorded command holds no machine path."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def table():
+    spec = importlib.util.spec_from_file_location("accuracy_table", ROOT / "benchmarks" / "accuracy_table.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_sgptq_rows_say_whether_they_refit(table):
+    from moesq_core.compression.methods.registry import get_method
+
+    assert get_method("sgptq").refit  # moesq's default init: the `sgptq` row
+    assert table.ROWS["sgptq-paper"][3] == {"refit": False}
+    # the release-faithful row starts from the release's SGPTQ: fp32 scales, no refit
+    init = table.ROWS["release-faithful"][2]
+    assert table.ROWS[init][3] == {"exact_scales": False, "refit": False}
+
+
+def test_every_group_names_known_rows_once(table):
+    for group in table.GROUPS:
+        rows = table.expand_rows(group)
+        assert rows and len(rows) == len(set(rows)) and set(rows) <= set(table.ROWS)
+        assert all(r in table.DESCRIPTION for r in rows)
+    gpu = table.expand_rows("gpu")
+    assert {"refine", "refine-seed1", "refine-p0", "refine-values", "refine-support", "refine-quarter", "refine-paper",
+            "release-faithful", "sgptq-paper", "sgptq"} <= set(gpu)
+
+
+def test_seed_rows_differ_from_their_row_in_the_seed_alone(table):
+    seeded = [r for r in table.ROWS if r.endswith("-seed1")]
+    assert "refine-e2e-128-seed1" in seeded
+    for row in seeded:
+        base = row.removesuffix("-seed1")
+        assert table.ROWS[row][:3] == table.ROWS[base][:3]
+        assert table.ROWS[row][3] == {**table.ROWS[base][3], "seed": 1}
+        assert row in table.DESCRIPTION
+
+
+def test_recorded_command_keeps_no_machine_path(table):
+    cmd = table.command_line(["--models", "micro", "--workdir-root", "/tmp/x/accw", "--out", "/root/out",
+                              "--shared", "/data/shared-copy", "--rows", "gpu"])
+    assert cmd == ("python benchmarks/accuracy_table.py --models micro --workdir-root accw --out out "
+                   "--shared shared-copy --rows gpu")
+
+
+def test_shared_folder_is_an_option(table, tmp_path):
+    old = table.SHARED
+    try:
+        table.SHARED = tmp_path
+        assert table.model_path("tiny") == tmp_path / "models/tiny-qwen3-moe"
+        assert table.texts("micro") == (tmp_path / "data/calib-docs.txt.xz", tmp_path / "data/eval-docs.txt.xz")
+        assert table.model_path("embedded") == table.pipeline.DEFAULT_MODEL  # the packaged model, whatever --shared says
+    finally:
+        table.SHARED = old
+
+
+def test_a_rerun_of_the_same_protocol_keeps_the_notes(table, tmp_path):
+    args = ["--models", "embedded", "--acts", "wa", "--rows", "reference", "--out", str(tmp_path),
+            "--workdir-root", str(tmp_path / "w"), "--no-run"]
+    table.main(args + ["--note", "first run"])
+    table.main(args + ["--note", "second run"])
+    doc = json.loads((tmp_path / "accuracy_embedded.json").read_text())
+    assert doc["notes"] == ["first run", "second run"]
+    table.main(args[:-1] + ["--seq-len", "128", "--no-run", "--note", "another protocol"])
+    assert json.loads((tmp_path / "accuracy_embedded.json").read_text())["notes"] == ["another protocol"]

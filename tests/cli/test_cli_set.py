@@ -1,0 +1,163 @@
+"""The thin CLI over the configs: at most ten options in each command's --help, any config field by `--set KEY`
+(a recipe's key path) or a recipe, each checked as a config is (exit 2 naming the key), the options of earlier
+versions accepted hidden with the same result, and --help listing the settings from the dataclasses."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from moesq_runner import moesq_here
+
+TINY = ["--seq-len", "32", "--n-train", "2", "--n-val", "2", "--n-init", "8"]
+TINY_SET = ["--set", "calib.seq_len=32", "--set", "calib.n_train=2", "--set", "calib.n_val=2", "--set", "calib.n_init=8"]
+TINY_YAML = "calib: {seq_len: 32, n_train: 2, n_val: 2, n_init: 8}\n"
+FAST = ["--device", "cpu", "--quiet"]
+
+
+def _commands():
+    import typer.main
+
+    from moesq_cli.app import app
+
+    return typer.main.get_command(app).commands
+
+
+def test_each_command_shows_at_most_ten_options():
+    shown = {name: [p.opts[0] for p in cmd.params if p.param_type_name == "option" and not p.hidden]
+             for name, cmd in _commands().items()}
+    assert {"calibrate", "init-sgptq", "init", "refine", "run", "pack", "verify", "eval", "generate"} <= set(shown)
+    assert all(len(opts) <= 10 for opts in shown.values()), {k: len(v) for k, v in shown.items()}
+    for name in ("calibrate", "init-sgptq", "refine", "run"):
+        assert {"--set", "--recipe", "--workdir", "--model"} <= set(shown[name]), shown[name]
+
+
+def test_every_earlier_option_is_accepted_and_sets_a_known_key():
+    from moesq_cli.settings import FLAGS, all_settings
+
+    commands = _commands()
+    for flag, (key, names, *_) in FLAGS.items():
+        assert key in all_settings(), (flag, key)
+        for name in names:
+            opts = {o for p in commands[name].params for o in (*p.opts, *p.secondary_opts)}
+            assert set(re.findall(r"-[-\w]+", flag)) <= opts, (name, flag)
+
+
+def test_settings_are_the_dataclasses_fields():
+    """Every field of the configs is a setting (and nothing else is), with the imported default."""
+    from moesq_cli.settings import all_settings
+    from moesq_core.compression.calibration import CalibConfig
+    from moesq_core.compression.methods.refine import RefineConfig
+    from moesq_core.compression.methods.registry import METHODS, method_options
+
+    keys = set(all_settings())
+    for prefix, cls in (("calib.", CalibConfig), ("refine.", RefineConfig)):
+        fields = dataclasses.fields(cls)
+        assert {k for k in keys if k.startswith(prefix)} == {prefix + f.name for f in fields}
+        for f in fields:
+            if f.default is not dataclasses.MISSING and all_settings()[prefix + f.name].default != "-":
+                shown = all_settings()[prefix + f.name].default
+                assert shown == ("null" if f.default is None else str(f.default).lower() if isinstance(f.default, bool)
+                                 else str(f.default)), (f.name, shown)
+    assert {k for k in keys if k.startswith("init.options.")} == {f"init.options.{o}" for m in METHODS
+                                                                   for o in method_options(m)}
+    assert {"format", "act_quant", "calib_source", "init.method", "refine", "baselines"} <= keys
+
+
+def test_help_lists_the_settings_with_type_default_and_help():
+    r = moesq_here("refine", "--help")
+    out = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", r.stdout))
+    assert "Settings: --set KEY=VALUE" in out
+    assert "refine.epochs int 10 passes over the training tokens per block" in out
+    assert "calib.seq_len int 512 tokens per calibration sequence" in out
+    assert "refine.e2e_steps int | str auto" in out and "init.method" in out
+    assert "init.options.percdamp" not in out  # refine's in-loop init takes the init stage's options
+    out = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", moesq_here("init-sgptq", "--help").stdout))
+    assert "init.options.percdamp float 0.01 Hessian damping" in out and "refine.epochs int" not in out
+    assert "--percdamp" not in out and "--hessian-weighting" not in out  # hidden: accepted, not listed
+
+
+@pytest.mark.parametrize("args, says", [
+    (["calibrate", "--set", "calib.seq_lne=3"], "calib.seq_lne: unknown key (did you mean calib.seq_len?)"),
+    (["calibrate", "--set", "refin.epochs=3"], "refin.epochs: unknown key"),
+    (["calibrate", "--set", "refine.epochs=3"], "refine.epochs: not a setting of `moesq calibrate`"),
+    (["calibrate", "--set", "calib.seq_len"], "expected KEY=VALUE"),
+    (["calibrate", "--set", "calib.seq_len=0"], "calib.seq_len: must be a positive number"),
+    (["calibrate", "--set", "format=p49"], "format: unknown format 'p49'"),
+    (["calibrate", "--set", "act_quant=maybe"], "act_quant: expected true or false, got 'maybe'"),
+    (["init-sgptq", "--set", "init.method=nope"], "init: unknown method 'nope'"),
+    (["init-sgptq", "--set", "init.options.percdamp=x"], "init.options.percdamp: expected a number, got 'x'"),
+    (["init-sgptq", "--set", "init.options.percdamp=.nan"], "init.options.percdamp: expected a finite number"),
+    (["init-sgptq", "--set", "init.method=rtn", "--set", "init.options.refit=true"],
+     "init.options.refit does not apply to method rtn"),
+    (["refine", "--set", "refine.epochs=two"], "refine.epochs: expected an integer, got 'two'"),
+    (["refine", "--set", "refine.lr_logits=-1"], "refine: learning rates must be positive"),
+    (["refine", "--set", "refine.e2e_memory_gb=0"], "refine.e2e_memory_gb: must be > 0"),
+    (["refine", "--set", "refine.steps_per_epoch=2", "--set", "refine.batch_rows=9"],
+     "refine: steps_per_epoch and batch_rows exclude each other"),
+    (["refine", "--set", "init.options.percdamp=0.1"], "init.options.percdamp: not a setting of `moesq refine`"),
+    (["run", "--set", "refine=false", "--set", "refine.epochs=2"], "refine.epochs: this config has no refinement"),
+    (["run", "--set", "baselines=[magnitude, nope]"], "baselines: unknown method 'nope'"),
+])
+def test_bad_settings_exit_2_naming_the_key_before_any_work(args, says, tmp_path):
+    wd = tmp_path / "wd"
+    r = moesq_here(*args, "-w", wd, "--quiet", check=False)
+    assert r.returncode == 2 and says in re.sub(r"\s*│\s*", " ", r.stderr), r.stderr
+    assert "Traceback" not in r.stderr and not wd.exists()
+
+
+def test_apply_settings_over_a_recipe():
+    from moesq_core.compression.config import CompressConfig, apply_settings
+
+    base = CompressConfig.from_file(Path(__file__).parents[2] / "recipes" / "qwen3-30b-a3b-p48-nvfp4.yaml").to_dict()
+    cfg = CompressConfig.from_dict(apply_settings(base, [("refine.steps_per_epoch", 4), ("init.method", "obr"),
+                                                         ("calib.seq_len", 64), ("format", "s24-fp8")]))
+    assert cfg.refine.steps_per_epoch == 4 and cfg.refine.batch_rows is None  # one of the two replaces the other
+    assert cfg.refine.epochs == 10 and cfg.calib.seq_len == 64 and cfg.calib.n_train == 8192
+    assert cfg.init.name == "obr" and "refit" not in cfg.init.options  # sgptq's options went with it
+    assert CompressConfig.from_dict(apply_settings(base, [("refine", False)])).refine is None
+    assert CompressConfig.from_dict(apply_settings({}, [("refine", True)])).refine is not None
+
+
+def _stage(wd: Path, stage: str) -> tuple[dict, dict, dict]:
+    """The work dir's run config, the stage's normalised config, and the sha256 of its artifacts."""
+    m = json.loads((wd / "manifest.json").read_text())
+    files = {str(p.relative_to(wd)): hashlib.sha256(p.read_bytes()).hexdigest()
+             for d in ("calib", f"stages/{stage}") for p in sorted((wd / d).rglob("*")) if p.is_file()}
+    return m["config"], m["stages"][stage]["config"], files
+
+
+def test_an_option_set_and_a_recipe_make_the_same_stage(tmp_path):
+    """The same settings by the earlier options, by --set and by a recipe: the same work dir config, stage
+    identity and byte-identical artifacts (the embedded model, a tiny budget)."""
+    old = ["--percdamp", "0.02", "--no-refit", "--hessian-weighting", "w"]
+    new = ["--set", "init.options.percdamp=0.02", "--set", "init.options.refit=false",
+           "--set", "init.options.hessian_weighting=w"]
+    recipe = tmp_path / "init.yaml"
+    recipe.write_text(TINY_YAML + "init: {method: sgptq, options: {percdamp: 0.02, refit: false, hessian_weighting: w}}\n")
+    made = []
+    for name, args in (("old", [*TINY, *old]), ("set", [*TINY_SET, *new]), ("recipe", ["--recipe", recipe])):
+        moesq_here("init-sgptq", "-w", tmp_path / name, *args, *FAST)
+        made.append(_stage(tmp_path / name, "init-sgptq"))
+    assert made[0][1]["options"]["percdamp"] == 0.02 and made[0][1]["options"]["refit"] is False
+    assert made[0] == made[1] == made[2]
+
+    old = ["--epochs", "1", "--steps-per-epoch", "2", "--lr-logits", "1e-3", "--e2e-steps", "2",
+           "--e2e-batch-size", "2", "--no-init-split-rows", "--refine-seed", "3"]
+    new = ["--set", "refine.epochs=1", "--set", "refine.steps_per_epoch=2", "--set", "refine.lr_logits=1e-3",
+           "--set", "refine.e2e_steps=2", "--set", "refine.e2e_batch_size=2", "--set", "refine.init_split_rows=false",
+           "--set", "refine.seed=3"]
+    recipe = tmp_path / "refine.yaml"
+    recipe.write_text(TINY_YAML + "refine: {epochs: 1, steps_per_epoch: 2, lr_logits: 1.0e-3, e2e_steps: 2, "
+                                  "e2e_batch_size: 2, init_split_rows: false, seed: 3}\n")
+    made = []
+    for name, args in (("r-old", [*TINY, *old]), ("r-set", [*TINY_SET, *new]), ("r-recipe", ["--recipe", recipe])):
+        moesq_here("refine", "-w", tmp_path / name, *args, *FAST)
+        made.append(_stage(tmp_path / name, "refine"))
+    refine = made[0][1]["refine"]
+    assert refine["lr_logits"] == 1e-3 and refine["e2e_steps"] == 2 and refine["seed"] == 3 and "init_split_rows" not in refine
+    assert made[0] == made[1] == made[2]
