@@ -26,7 +26,7 @@ from rich.table import Table
 
 from moesq_cli import command_started
 from moesq_cli.progress_display import RichProgress, console, err_console
-from moesq_cli.settings import as_given, settings_panel, with_config_options
+from moesq_cli.settings import as_given, key_paths, settings_panel, with_config_options
 from moesq_cli.settings import source_defaults as _source_defaults  # noqa: F401  (a test checks it against the objects)
 
 app = typer.Typer(
@@ -349,15 +349,19 @@ def _setup(workdir: Path | None, quiet: bool):
 def _compress_config(settings: list, recipe: Path | None = None, base: dict | None = None):
     """The CompressConfig a command runs: the recipe (else `base`, a config mapping, else the defaults) with
     the settings applied (settings_of's [(key path, value, option or --set)]). Usage errors exit 2, naming the
-    option that gave a key. Returns it with the key paths that were given (with a recipe: every key)."""
-    from moesq_core.compression.config import CompressConfig, apply_settings
+    option that gave a key. Returns it with the key paths that were given: the settings' and those the recipe
+    writes (a key it leaves out is not given: on an existing work dir, the work dir's value stands)."""
+    from moesq_core.compression.config import CompressConfig, apply_settings, read_recipe
     from moesq_core.compression.methods.registry import method_options
 
     if recipe is not None and not recipe.is_file():
         _fail(f"--recipe {recipe}: no such file", 2)
+    keys = {k for k, _, _ in settings}
     try:
         if recipe is not None:
+            written = read_recipe(recipe)
             base = CompressConfig.from_file(recipe).to_dict()
+            keys |= key_paths(written)
         d = apply_settings(base or {}, [(k, v) for k, v, _ in settings])
         init = d.get("init") if isinstance(d.get("init"), dict) else {"method": d.get("init") or "sgptq"}
         method = init.get("method", "sgptq")
@@ -368,12 +372,12 @@ def _compress_config(settings: list, recipe: Path | None = None, base: dict | No
         cfg = CompressConfig.from_dict(d)
     except ValueError as e:
         _fail(as_given(str(e), settings), 2)
-    return cfg, ("*" if recipe is not None else {k for k, _, _ in settings})
+    return cfg, keys
 
 
 def _run_options(cfg, keys) -> dict:
     """The work-dir–level settings (RunConfig.flat's names) that were given: the others are the work dir's."""
-    return {k: v for k, v in cfg.run_config().flat().items() if keys == "*" or k in keys or f"calib.{k}" in keys}
+    return {k: v for k, v in cfg.run_config().flat().items() if k in keys or f"calib.{k}" in keys}
 
 
 def _stage_line(stage: str, summary: dict, workdir: Path) -> str:
@@ -905,7 +909,8 @@ def run(
     With no options it compresses the embedded micro-qwen3-moe model offline on a CPU in minutes, with the
     micro-quick recipe (256-token sequences: 64 for the one-shot stage, 64 + 8 for refinement, 2 epochs × 8
     steps refining the values on the init's support: 16 steps cannot move a sparsity pattern; then 64 end-to-end
-    steps). On an existing work dir without --recipe, the work dir's calibration settings are kept.
+    steps). On an existing work dir, the format and calibration settings that no option and no --recipe key
+    gives are the work dir's.
 
     [bold]Examples[/]
 
@@ -917,8 +922,8 @@ def run(
     _setup(workdir, quiet)
     if ppl is not None and not ppl.is_file():
         _fail(f"--ppl {ppl}: no such file", 2)
-    base = None if recipe is not None else run_config_of(workdir, default_run_config()).to_dict()
-    cfg, _ = _compress_config(settings, recipe, base)
+    cfg, keys = _compress_config(settings, recipe, None if recipe is not None else default_run_config().to_dict())
+    cfg = run_config_of(workdir, cfg, keep=_run_options(cfg, keys))
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         res = run_all(workdir, cfg, model, device=device, ppl=ppl, ppl_tokens=ppl_tokens, progress=p)
     if res is None:  # a rank other than 0 (rank 0 packs, evaluates and prints)

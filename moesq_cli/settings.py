@@ -216,6 +216,17 @@ def settings_of(command: str) -> list[Setting]:
     return [s for k, s in all_settings().items() if _takes(command, k)]
 
 
+def key_paths(mapping: Any, prefix: str = "") -> set[str]:
+    """The key paths a recipe's mapping writes, sections and their keys alike (`calib`, `calib.seq_len`, `init`,
+    `init.options.percdamp`): what a recipe gives. Anything not a mapping writes none."""
+    if not isinstance(mapping, dict):
+        return set()
+    out = set()
+    for k, v in mapping.items():
+        out |= {prefix + str(k), *key_paths(v, f"{prefix}{k}.")}
+    return out
+
+
 def parse_setting(command: str, text: str) -> tuple[str, Any]:
     """`KEY=VALUE` as (key path, value): VALUE a YAML scalar (or flow list). Raises ValueError naming what
     is wrong: no `=`, a key unknown (with the closest one) or not this command's."""

@@ -161,3 +161,36 @@ def test_an_option_set_and_a_recipe_make_the_same_stage(tmp_path):
     refine = made[0][1]["refine"]
     assert refine["lr_logits"] == 1e-3 and refine["e2e_steps"] == 2 and refine["seed"] == 3 and "init_split_rows" not in refine
     assert made[0] == made[1] == made[2]
+
+
+def test_a_recipe_gives_only_the_keys_it_writes(tmp_path):
+    """On a work dir made with other calibration settings (another text, a tiny budget), a recipe that writes no
+    calibration key runs the stage on the work dir's calibration, as the same options without a recipe would
+    (`init-sgptq`, and `run` past its one-shot stage); a recipe key that differs from the work dir's is refused,
+    naming only that key."""
+    calib = tmp_path / "text.txt.xz"
+    calib.write_bytes((Path(__file__).parents[1] / "moesq_core" / "assets" / "calib-sample.txt.xz").read_bytes())
+    wd = tmp_path / "wd"
+    moesq_here("calibrate", "-w", wd, *TINY, "--calib", calib, "--set", "act_quant=false", "--quiet")
+    made = json.loads((wd / "manifest.json").read_text())["config"]
+
+    stage_only = tmp_path / "rtn.yaml"
+    stage_only.write_text("init: {method: rtn}\nrefine: {epochs: 1, steps_per_epoch: 2}\n")
+    moesq_here("init-sgptq", "-w", wd, "--recipe", stage_only, *FAST)
+    same = tmp_path / "same.yaml"  # writes the work dir's values: given, and they agree
+    same.write_text(TINY_YAML + "act_quant: false\ninit: rtn\n")
+    moesq_here("init-sgptq", "-w", wd, "--recipe", same, *FAST)
+    run = tmp_path / "run.yaml"
+    run.write_text("init: rtn\nbaselines: []\nrefine: null\n")
+    r = moesq_here("run", "-w", wd, "--recipe", run, "--ppl-tokens", "1024", *FAST)
+    assert "verify: ok" in r.stdout
+    assert json.loads((wd / "manifest.json").read_text())["config"] == made
+    assert json.loads((wd / "manifest.json").read_text())["stages"]["init-rtn"]["done"]
+
+    other = tmp_path / "other.yaml"
+    other.write_text("calib: {seq_len: 64}\ninit: rtn\n")
+    for command in ("init-sgptq", "refine", "run"):
+        r = moesq_here(command, "-w", wd, "--recipe", other, *FAST, check=False)
+        assert r.returncode == 1 and "calib.seq_len: 32 (work dir) vs 64 (now)" in r.stderr, r.stderr
+        assert "calib_source" not in r.stderr and "n_train" not in r.stderr and "act_quant" not in r.stderr
+    assert json.loads((wd / "manifest.json").read_text())["config"] == made
