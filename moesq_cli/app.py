@@ -26,7 +26,7 @@ from rich.table import Table
 
 from moesq_cli import command_started
 from moesq_cli.progress_display import RichProgress, console, err_console
-from moesq_cli.settings import as_given, key_paths, settings_panel, with_config_options
+from moesq_cli.settings import COMMAND_KEYS, as_given, config_params, key_paths, settings_panel, with_config_options
 from moesq_cli.settings import source_defaults as _source_defaults  # noqa: F401  (a test checks it against the objects)
 
 app = typer.Typer(
@@ -115,7 +115,7 @@ DeviceOpt = Annotated[str, typer.Option("--device", callback=_check_device, help
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
 HiddenNoVerifyOpt = Annotated[bool, typer.Option("--no-verify", hidden=True, help="Load a packed dir without checking its "
                                                   "files against moesq_pack.json (the log says so).")]
-# options a stage's --help does not show (it lists ten at most): they run as they did
+# options a stage's Options panel does not show (it lists ten at most): its More options panel lists them
 RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, hidden=True, help="Recompute this stage from this layer on.")]
 BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, hidden=True, help=f"Calibration sequences per forward pass (default {_arg_default('batch_size')}).")]
 CacheOpt = Annotated[Optional[float], typer.Option("--cache-gb", callback=_non_negative_float, hidden=True, help=f"GiB of calibration states kept in memory; the rest spill to the work dir (default {_arg_default('cache_limit_gb')}).")]
@@ -393,13 +393,23 @@ def _stage_line(stage: str, summary: dict, workdir: Path) -> str:
 
 # -- commands ---------------------------------------------------------------------------------------------------
 class _Command(typer.core.TyperCommand):
-    """A command whose --help ends with the config fields it takes (--set KEY=VALUE), read from the source."""
+    """A command whose --help lists every option it accepts: after the Options panel (ten at most), a More
+    options panel with the hidden options that set no config field (their help as the Options panel shows it),
+    and for the config commands the Settings panel: every config field it takes (--set KEY=VALUE, read from the
+    source), each with the hidden option that sets it."""
 
     def format_help(self, ctx, formatter):
         super().format_help(ctx, formatter)
         from typer import rich_utils
 
-        rich_utils._get_rich_console().print(settings_panel(_SETTINGS_OF.get(self.name, self.name)))
+        command = _SETTINGS_OF.get(self.name, self.name)
+        console = rich_utils._get_rich_console()
+        more = [p for p in self.params if p.param_type_name == "option" and p.hidden and p.name not in config_params(command)]
+        if more:
+            rich_utils._print_options_panel(name="More options", params=more, ctx=ctx, markup_mode="rich",
+                                            console=console)
+        if command in COMMAND_KEYS:
+            console.print(settings_panel(command))
 
 
 _SETTINGS_OF = {"init": "init-sgptq"}  # `moesq init` is init-sgptq's general form
@@ -552,7 +562,7 @@ def refine(
     console.print(_stage_line(stage, summary, workdir))
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def pack(
     workdir: Annotated[Path, typer.Argument(help="Work dir with a finished stage (default: moesq-work).")] = Path("moesq-work"),
@@ -620,7 +630,7 @@ def pack(
     _write_json(json_out, doc)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def verify(
     path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack`.")],
@@ -687,7 +697,7 @@ def verify(
     console.print("[green]verify: ok[/]")
 
 
-@app.command("bench-kernel")
+@app.command("bench-kernel", cls=_Command)
 @_guard
 def bench_kernel(
     format: Annotated[str, typer.Option("--format", "-f", help="s24-fp8 (CUTLASS 2:4) or p48-nvfp4 (packed streaming).")] = "s24-fp8",
@@ -722,7 +732,7 @@ def bench_kernel(
     _write_json(json_out, {"schema": "moesq.bench-kernel/1", "format": format, "out": str(out), **result})
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def generate(
     path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack` (any format).")],
@@ -773,7 +783,7 @@ def generate(
     _write_json(json_out, doc)
 
 
-@app.command("eval")
+@app.command("eval", cls=_Command)
 @_guard
 def eval_cmd(
     targets: Annotated[Optional[list[str]], typer.Argument(help="Work dirs (reference + finished stages), packed dirs or model dirs.")] = None,

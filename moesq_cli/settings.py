@@ -277,6 +277,23 @@ def _param_name(flag: str) -> str:
     return flag.split("/")[0].lstrip("-").replace("-", "_")
 
 
+def config_params(command: str) -> set[str]:
+    """The names of a command's parameters that set a config field (FLAGS): the Settings panel lists them."""
+    return {_param_name(flag) for flag, (_, commands, *_) in FLAGS.items() if command in commands}
+
+
+def options_of(command: str) -> dict[str, list[str]]:
+    """key path → the options of `command` that set it, one a line as its Settings panel shows them under the
+    key (`--format, -f`; each of a pair of switches; a switch with the value it sets: `--values-only: false`)."""
+    out: dict[str, list[str]] = {}
+    for flag, (key, commands, *const) in FLAGS.items():
+        if command in commands:
+            names = flag.split("/")
+            lines = [", ".join(names)] if "/-" in flag and "/--" not in flag else names
+            out.setdefault(key, []).extend(f"{n}: {_shown(const[0])}" if const else n for n in lines)
+    return out
+
+
 def _kind(key: str) -> tuple[type, str | None, Any]:
     """An option's click type, metavar and conversion of its value to the setting's, from the field's type."""
     typ = all_settings()[key].type
@@ -387,7 +404,8 @@ def as_given(msg: str, settings: list[tuple[str, Any, str]]) -> str:
 
 
 def settings_panel(command: str):
-    """The --help panel listing a command's settings: key path, type, default, help."""
+    """The --help panel listing a command's settings: key path (with the options that set it below it), type,
+    default, help."""
     from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
@@ -396,7 +414,9 @@ def settings_panel(command: str):
     for c, kw in (("key", {"style": "bold cyan", "no_wrap": True}), ("type", {"style": "yellow", "max_width": 16}),
                   ("default", {"max_width": 14}), ("", {"ratio": 1})):
         table.add_column(c, **kw)
+    options = options_of(command)
     for s in settings_of(command):
-        table.add_row(*map(escape, (s.key, s.type, s.default, s.help)))
-    return Panel(table, border_style="dim", title="Settings: --set KEY=VALUE, or a --recipe's keys",
+        key = "\n".join([escape(s.key), *(f"  [not bold]{escape(o)}[/]" for o in options.get(s.key, ()))])
+        table.add_row(key, *map(escape, (s.type, s.default, s.help)))
+    return Panel(table, border_style="dim", title="Settings: --set KEY=VALUE, a --recipe's keys, or the options below a key",
                  title_align="left")
