@@ -160,7 +160,8 @@ class Setting:
     help: str
 
 
-_SECTIONS = (("", "moesq_core.compression.config", "CompressConfig"), ("calib.", "moesq_core.compression.calibration", "CalibConfig"),
+_SECTIONS = (("", "moesq_core.compression.config", "CompressConfig"),
+             ("calib.", "moesq_core.compression.calibration", "CalibConfig"),
              ("refine.", "moesq_core.compression.methods.refine.trainer", "RefineConfig"))
 _NOT_SETTINGS = {"calib", "init", "model"}  # sections of their own, and what --model gives
 
@@ -259,14 +260,16 @@ FLAGS: dict[str, tuple] = {
     "--n-init": ("calib.n_init", _STAGES), "--seed": ("calib.seed", _STAGES),
     "--method": ("init.method", (_I, _U)), "--init": ("init.method", (_R,)),
     "--percdamp": ("init.options.percdamp", (_I,)), "--hessian-weighting": ("init.options.hessian_weighting", (_I,)),
-    "--exact-scales/--fp32-scales": ("init.options.exact_scales", (_I,)), "--refit/--no-refit": ("init.options.refit", (_I,)),
+    "--exact-scales/--fp32-scales": ("init.options.exact_scales", (_I,)),
+    "--refit/--no-refit": ("init.options.refit", (_I,)),
     "--solve": ("init.options.solve", (_I,)),
     "--epochs": ("refine.epochs", (_R, _U)), "--steps-per-epoch": ("refine.steps_per_epoch", (_R, _U)),
     **{f"--{k.replace('_', '-')}": (f"refine.{k}", (_R,)) for k in (
         "batch_rows", "micro_batch_rows", "chunk_gb", "lr_logits", "lr_values", "loss_power", "e2e_steps", "e2e_lr",
         "e2e_batch_size", "e2e_memory_gb", "e2e_loss")},
     "--values-only": ("refine.train_support", (_R,), False), "--support-only": ("refine.train_values", (_R,), False),
-    "--refine-seed": ("refine.seed", (_R,)), "--init-split-rows/--no-init-split-rows": ("refine.init_split_rows", (_R,)),
+    "--refine-seed": ("refine.seed", (_R,)),
+    "--init-split-rows/--no-init-split-rows": ("refine.init_split_rows", (_R,)),
     "--baselines": ("baselines", (_U,)), "--refine/--no-refine": ("refine", (_U,)),
 }
 SHOWN = {_C: ("--format/-f", "--calib", "--seq-len"), _I: ("--method", "--format/-f"), _R: ("--epochs",),
@@ -418,5 +421,6 @@ def settings_panel(command: str):
     for s in settings_of(command):
         key = "\n".join([escape(s.key), *(f"  [not bold]{escape(o)}[/]" for o in options.get(s.key, ()))])
         table.add_row(key, *map(escape, (s.type, s.default, s.help)))
-    return Panel(table, border_style="dim", title="Settings: --set KEY=VALUE, a --recipe's keys, or the options below a key",
+    return Panel(table, border_style="dim",
+                 title="Settings: --set KEY=VALUE, a --recipe's keys, or the options below a key",
                  title_align="left")
