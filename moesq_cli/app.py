@@ -26,7 +26,7 @@ from rich.table import Table
 
 from moesq_cli import command_started
 from moesq_cli.progress_display import RichProgress, console, err_console
-from moesq_cli.settings import as_given, settings_panel, with_config_options
+from moesq_cli.settings import COMMAND_KEYS, as_given, config_params, key_paths, settings_panel, with_config_options
 from moesq_cli.settings import source_defaults as _source_defaults  # noqa: F401  (a test checks it against the objects)
 
 app = typer.Typer(
@@ -62,7 +62,8 @@ _DEBUG = False  # `moesq --debug ...`: tracebacks on screen too
 
 
 @app.callback()
-def _main(debug: Annotated[bool, typer.Option("--debug", help="Print the traceback of an error (it is always in the work dir's log).")] = False,
+def _main(debug: Annotated[bool, typer.Option("--debug", help="Print the traceback of an error (it is always in the "
+                                                               "work dir's log).")] = False,
           version: Annotated[Optional[bool], typer.Option("--version", callback=_version_callback, is_eager=True,
                                                           help="Print the moesq version and exit.")] = None):
     global _DEBUG
@@ -113,12 +114,18 @@ ModelOpt = Annotated[Optional[str], typer.Option(
     "--model", "-m", help="Local model dir or Hugging Face id (default: the embedded micro-qwen3-moe).")]
 DeviceOpt = Annotated[str, typer.Option("--device", callback=_check_device, help="auto | cpu | cuda | cuda:N.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
-HiddenNoVerifyOpt = Annotated[bool, typer.Option("--no-verify", hidden=True, help="Load a packed dir without checking its "
-                                                  "files against moesq_pack.json (the log says so).")]
-# options a stage's --help does not show (it lists ten at most): they run as they did
-RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, hidden=True, help="Recompute this stage from this layer on.")]
-BatchOpt = Annotated[Optional[int], typer.Option("--batch-size", min=1, hidden=True, help=f"Calibration sequences per forward pass (default {_arg_default('batch_size')}).")]
-CacheOpt = Annotated[Optional[float], typer.Option("--cache-gb", callback=_non_negative_float, hidden=True, help=f"GiB of calibration states kept in memory; the rest spill to the work dir (default {_arg_default('cache_limit_gb')}).")]
+HiddenNoVerifyOpt = Annotated[bool, typer.Option("--no-verify", hidden=True, help="Load a packed dir without checking "
+                                                  "its files against moesq_pack.json (the log says so).")]
+# options a stage's Options panel does not show (it lists ten at most): its More options panel lists them
+RedoOpt = Annotated[Optional[int], typer.Option("--redo-from", min=0, hidden=True,
+                                                help="Recompute this stage from this layer on.")]
+BatchOpt = Annotated[Optional[int], typer.Option(
+    "--batch-size", min=1, hidden=True,
+    help=f"Calibration sequences per forward pass (default {_arg_default('batch_size')}).")]
+CacheOpt = Annotated[Optional[float], typer.Option(
+    "--cache-gb", callback=_non_negative_float, hidden=True,
+    help="GiB of calibration states kept in memory; the rest spill to the work dir "
+         f"(default {_arg_default('cache_limit_gb')}).")]
 RecipeOpt = Annotated[Optional[Path], typer.Option(
     "--recipe", help="A recipe: YAML with a config's keys (recipes/*.yaml; the Settings below); the options and "
                      "--set apply over it.")]
@@ -237,7 +244,8 @@ def _saved_state(workdir: Path | None) -> str:
     parts = ["calibration" if "calibration" in m else "no calibration yet"]
     for name, st in m.get("stages", {}).items():
         total = st.get("num_blocks")
-        parts.append(f"{name} {len(st['blocks'])}{f'/{total}' if total else ''} blocks{' (done)' if st.get('done') else ''}")
+        parts.append(f"{name} {len(st['blocks'])}{f'/{total}' if total else ''} blocks"
+                     f"{' (done)' if st.get('done') else ''}")
     return f"saved in {workdir}: {', '.join(parts)}; re-run the same command to resume"
 
 
@@ -320,9 +328,11 @@ def _report(e: Exception, workdir: Path | None):
         _fail(str(e), 2)
     unsupported = _loaded("moesq_core.models.errors", "UnsupportedModelError")
     clear = (WorkDirError, DiskWriteError, unsupported, FileNotFoundError, FileExistsError, ValueError,
-             _loaded("moesq_core.compression.engine", "StageOutOfMemoryError"), _loaded("moesq_core.compression.distributed", "PeerFailed"))
+             _loaded("moesq_core.compression.engine", "StageOutOfMemoryError"),
+             _loaded("moesq_core.compression.distributed", "PeerFailed"))
     logfile = _log_traceback(workdir)
-    if isinstance(e, (WorkDirError, unsupported, FileNotFoundError, FileExistsError, ValueError, RuntimeError, OSError)):
+    if isinstance(e, (WorkDirError, unsupported, FileNotFoundError, FileExistsError, ValueError, RuntimeError,
+                      OSError)):
         if _DEBUG:
             traceback.print_exc()
         msg = str(e) if not isinstance(e, OSError) or not e.filename else f"{e.strerror or e}: {e.filename}"
@@ -349,15 +359,19 @@ def _setup(workdir: Path | None, quiet: bool):
 def _compress_config(settings: list, recipe: Path | None = None, base: dict | None = None):
     """The CompressConfig a command runs: the recipe (else `base`, a config mapping, else the defaults) with
     the settings applied (settings_of's [(key path, value, option or --set)]). Usage errors exit 2, naming the
-    option that gave a key. Returns it with the key paths that were given (with a recipe: every key)."""
-    from moesq_core.compression.config import CompressConfig, apply_settings
+    option that gave a key. Returns it with the key paths that were given: the settings' and those the recipe
+    writes (a key it leaves out is not given: on an existing work dir, the work dir's value stands)."""
+    from moesq_core.compression.config import CompressConfig, apply_settings, read_recipe
     from moesq_core.compression.methods.registry import method_options
 
     if recipe is not None and not recipe.is_file():
         _fail(f"--recipe {recipe}: no such file", 2)
+    keys = {k for k, _, _ in settings}
     try:
         if recipe is not None:
+            written = read_recipe(recipe)
             base = CompressConfig.from_file(recipe).to_dict()
+            keys |= key_paths(written)
         d = apply_settings(base or {}, [(k, v) for k, v, _ in settings])
         init = d.get("init") if isinstance(d.get("init"), dict) else {"method": d.get("init") or "sgptq"}
         method = init.get("method", "sgptq")
@@ -368,12 +382,12 @@ def _compress_config(settings: list, recipe: Path | None = None, base: dict | No
         cfg = CompressConfig.from_dict(d)
     except ValueError as e:
         _fail(as_given(str(e), settings), 2)
-    return cfg, ("*" if recipe is not None else {k for k, _, _ in settings})
+    return cfg, keys
 
 
 def _run_options(cfg, keys) -> dict:
     """The work-dir–level settings (RunConfig.flat's names) that were given: the others are the work dir's."""
-    return {k: v for k, v in cfg.run_config().flat().items() if keys == "*" or k in keys or f"calib.{k}" in keys}
+    return {k: v for k, v in cfg.run_config().flat().items() if k in keys or f"calib.{k}" in keys}
 
 
 def _stage_line(stage: str, summary: dict, workdir: Path) -> str:
@@ -389,13 +403,24 @@ def _stage_line(stage: str, summary: dict, workdir: Path) -> str:
 
 # -- commands ---------------------------------------------------------------------------------------------------
 class _Command(typer.core.TyperCommand):
-    """A command whose --help ends with the config fields it takes (--set KEY=VALUE), read from the source."""
+    """A command whose --help lists every option it accepts: after the Options panel (ten at most), a More
+    options panel with the hidden options that set no config field (their help as the Options panel shows it),
+    and for the config commands the Settings panel: every config field it takes (--set KEY=VALUE, read from the
+    source), each with the hidden option that sets it."""
 
     def format_help(self, ctx, formatter):
         super().format_help(ctx, formatter)
         from typer import rich_utils
 
-        rich_utils._get_rich_console().print(settings_panel(_SETTINGS_OF.get(self.name, self.name)))
+        command = _SETTINGS_OF.get(self.name, self.name)
+        console = rich_utils._get_rich_console()
+        more = [p for p in self.params
+                if p.param_type_name == "option" and p.hidden and p.name not in config_params(command)]
+        if more:
+            rich_utils._print_options_panel(name="More options", params=more, ctx=ctx, markup_mode="rich",
+                                            console=console)
+        if command in COMMAND_KEYS:
+            console.print(settings_panel(command))
 
 
 _SETTINGS_OF = {"init": "init-sgptq"}  # `moesq init` is init-sgptq's general form
@@ -469,7 +494,8 @@ def init_sgptq(
         return
     stage = init_stage_name(method)
     if json_out is not None:
-        _write_json(json_out, {"schema": "moesq.stage/1", "workdir": str(workdir), "stage": stage, "config": mcfg.to_dict(), **summary})
+        _write_json(json_out, {"schema": "moesq.stage/1", "workdir": str(workdir), "stage": stage,
+                               "config": mcfg.to_dict(), **summary})
         if str(json_out) == "-":
             return
     console.print(_stage_line(stage, summary, workdir))
@@ -483,7 +509,8 @@ app.command("init", cls=_Command)(init_sgptq)
 @with_config_options("refine")
 def refine(
     model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), recipe: RecipeOpt = None,
-    stage: Annotated[str, typer.Option(callback=_stage_name, help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
+    stage: Annotated[str, typer.Option(callback=_stage_name,
+                                       help="Stage name to write (e.g. refine-p0 for an ablation).")] = "refine",
     device: DeviceOpt = "auto", nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
     batch_size: BatchOpt = None, redo_from: RedoOpt = None, cache_gb: CacheOpt = None, settings: list = (),
 ):
@@ -548,17 +575,26 @@ def refine(
     console.print(_stage_line(stage, summary, workdir))
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def pack(
-    workdir: Annotated[Path, typer.Argument(help="Work dir with a finished stage (default: moesq-work).")] = Path("moesq-work"),
+    workdir: Annotated[Path, typer.Argument(
+        help="Work dir with a finished stage (default: moesq-work).")] = Path("moesq-work"),
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output model dir (default: WORKDIR/packed). "
-                                                "Never the work dir, the source model, or a dir holding anything but an earlier moesq pack.")] = None,
-    stage: Annotated[Optional[str], typer.Option(help="Stage to pack (default: refine if finished, else the last).")] = None,
-    dense_layout: Annotated[bool, typer.Option(help="Store p48 weights densely (pruned bytes zero) instead of the sparse layout.")] = False,
-    overwrite: Annotated[bool, typer.Option(help="Replace an earlier moesq pack in --out (atomically; nothing else is ever replaced).")] = False,
-    max_shard_size: Annotated[str, typer.Option(help="Largest weight shard (e.g. 5GB, 500MB); more than one shard gets model.safetensors.index.json.")] = "5GB",
-    push_to_hub: Annotated[Optional[str], typer.Option("--push-to-hub", metavar="[REPO]", help="Upload to this Hub repo (created if missing); given alone (last, or before another option), to <your user>/<model>-moesq-<format>.")] = None,
+                                                "Never the work dir, the source model, or a dir holding anything but "
+                                                "an earlier moesq pack.")] = None,
+    stage: Annotated[Optional[str], typer.Option(
+        help="Stage to pack (default: refine if finished, else the last).")] = None,
+    dense_layout: Annotated[bool, typer.Option(
+        help="Store p48 weights densely (pruned bytes zero) instead of the sparse layout.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        help="Replace an earlier moesq pack in --out (atomically; nothing else is ever replaced).")] = False,
+    max_shard_size: Annotated[str, typer.Option(
+        help="Largest weight shard (e.g. 5GB, 500MB); more than one shard gets model.safetensors.index.json.")] = "5GB",
+    push_to_hub: Annotated[Optional[str], typer.Option(
+        "--push-to-hub", metavar="[REPO]",
+        help="Upload to this Hub repo (created if missing); given alone (last, or before another option), to "
+             "<your user>/<model>-moesq-<format>.")] = None,
     private: Annotated[bool, typer.Option(help="Make the Hub repo private (also an existing one).")] = False,
     json_out: JsonOpt = None,
     quiet: QuietOpt = False,
@@ -616,7 +652,7 @@ def pack(
     _write_json(json_out, doc)
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def verify(
     path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack`.")],
@@ -683,16 +719,19 @@ def verify(
     console.print("[green]verify: ok[/]")
 
 
-@app.command("bench-kernel")
+@app.command("bench-kernel", cls=_Command)
 @_guard
 def bench_kernel(
-    format: Annotated[str, typer.Option("--format", "-f", help="s24-fp8 (CUTLASS 2:4) or p48-nvfp4 (packed streaming).")] = "s24-fp8",
+    format: Annotated[str, typer.Option("--format", "-f",
+                                        help="s24-fp8 (CUTLASS 2:4) or p48-nvfp4 (packed streaming).")] = "s24-fp8",
     G: Annotated[Optional[list[int]], typer.Option("--G", min=1, help="Experts per grouped GEMM (repeatable).")] = None,
-    N: Annotated[Optional[list[int]], typer.Option("--N", min=1, help="Tokens per expert, max of {N,3N/4,N/2,N/4} (repeatable).")] = None,
+    N: Annotated[Optional[list[int]], typer.Option(
+        "--N", min=1, help="Tokens per expert, max of {N,3N/4,N/2,N/4} (repeatable).")] = None,
     M: Annotated[Optional[int], typer.Option("--M", min=1, help="Custom output features (with --K).")] = None,
     K: Annotated[Optional[int], typer.Option("--K", min=1, help="Custom input features (with --M).")] = None,
     repeats: Annotated[int, typer.Option(min=1, help="CUDA-graph replays per timing (median reported).")] = 50,
-    out: Annotated[Path, typer.Option("--out", "-o", help="Directory for JSON, Markdown and PNG results.")] = Path("bench-results"),
+    out: Annotated[Path, typer.Option("--out", "-o",
+                                      help="Directory for JSON, Markdown and PNG results.")] = Path("bench-results"),
     e2e: Annotated[bool, typer.Option(help="End-to-end decode benchmark instead of kernel sweeps (p48).")] = False,
     json_out: JsonOpt = None,
 ):
@@ -718,20 +757,25 @@ def bench_kernel(
     _write_json(json_out, {"schema": "moesq.bench-kernel/1", "format": format, "out": str(out), **result})
 
 
-@app.command()
+@app.command(cls=_Command)
 @_guard
 def generate(
     path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack` (any format).")],
-    prompt: Annotated[Optional[list[str]], typer.Option("--prompt", "-p", help="Text to continue (or the user message with --chat); repeatable: the prompts run as one batch.")] = None,
-    prompts_file: Annotated[Optional[Path], typer.Option("--prompts", help="File of prompts, one per line (blank lines skipped), batched with any --prompt.")] = None,
+    prompt: Annotated[Optional[list[str]], typer.Option(
+        "--prompt", "-p", help="Text to continue (or the user message with --chat); repeatable: the prompts run as "
+                               "one batch.")] = None,
+    prompts_file: Annotated[Optional[Path], typer.Option(
+        "--prompts", help="File of prompts, one per line (blank lines skipped), batched with any --prompt.")] = None,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Tokens to generate per prompt.")] = 64,
     chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
-    temperature: Annotated[float, typer.Option(callback=_non_negative_float, help="0 = greedy; > 0 samples (seeded by --seed).")] = 0.0,
+    temperature: Annotated[float, typer.Option(callback=_non_negative_float,
+                                               help="0 = greedy; > 0 samples (seeded by --seed).")] = 0.0,
     seed: Annotated[int, typer.Option(min=0, help="Sampling seed.")] = 0,
     dtype: Annotated[str, typer.Option(help="auto | bf16 | fp16 | fp32 (or bfloat16 | float16 | float32) for the "
                                             "non-expert weights; auto: bf16 on a GPU, fp32 on the CPU.")] = "auto",
     device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N (auto: the GPU when there is one; on "
-                                              "sm_90 packed p48 experts run through the fast Hopper module).")] = "auto",
+                                              "sm_90 packed p48 experts run through the fast Hopper "
+                                              "module).")] = "auto",
     no_verify: HiddenNoVerifyOpt = False,
     json_out: JsonOpt = None,
     quiet: QuietOpt = False,
@@ -769,15 +813,19 @@ def generate(
     _write_json(json_out, doc)
 
 
-@app.command("eval")
+@app.command("eval", cls=_Command)
 @_guard
 def eval_cmd(
-    targets: Annotated[Optional[list[str]], typer.Argument(help="Work dirs (reference + finished stages), packed dirs or model dirs.")] = None,
+    targets: Annotated[Optional[list[str]], typer.Argument(
+        help="Work dirs (reference + finished stages), packed dirs or model dirs.")] = None,
     ppl: Annotated[Optional[Path], typer.Option("--ppl", help="Text file for perplexity (.txt/.txt.xz).")] = None,
     ppl_tokens: Annotated[int, typer.Option(min=1, help="Evaluate the first N tokens of --ppl.")] = 65536,
     window: Annotated[int, typer.Option(min=1, hidden=True, help="Perplexity window (non-overlapping).")] = 512,
-    stages: Annotated[Optional[list[str]], typer.Option("--stage", help="Only these stages of a work dir (repeatable).")] = None,
-    tasks: Annotated[Optional[str], typer.Option("--tasks", help="lm-eval tasks, comma-separated, or a preset (openllm-v1); moesq_cloze is the shipped offline task.")] = None,
+    stages: Annotated[Optional[list[str]], typer.Option(
+        "--stage", help="Only these stages of a work dir (repeatable).")] = None,
+    tasks: Annotated[Optional[str], typer.Option(
+        "--tasks", help="lm-eval tasks, comma-separated, or a preset (openllm-v1); moesq_cloze is the shipped "
+                        "offline task.")] = None,
     tasks_dir: Annotated[Optional[Path], typer.Option(help="Directory of extra task YAMLs with local data.")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="lm-eval: examples per task.")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="lm-eval: override the shots.")] = None,
@@ -803,8 +851,8 @@ def eval_cmd(
     console = _out_console(json_out)
     with RichProgress(quiet) as p:
         if ppl is not None:
-            rows = ppl_for_targets(resolved, ppl, max_tokens=ppl_tokens, window=window, device=device, cache=cache, progress=p,
-                                   verify=not no_verify)
+            rows = ppl_for_targets(resolved, ppl, max_tokens=ppl_tokens, window=window, device=device, cache=cache,
+                                   progress=p, verify=not no_verify)
             out["ppl"] = rows
         if tasks is not None:
             out["tasks"] = _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, eval_seed, device,
@@ -820,8 +868,8 @@ def eval_cmd(
     _write_json(json_out, out)
 
 
-def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed, device, cache_dir, progress, con=console,
-               verify=True):
+def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed, device, cache_dir, progress,
+               con=console, verify=True):
     try:
         from moesq_core.eval.lm_eval_tasks import evaluate_tasks
         from moesq_core.eval.recovery import recovery_table
@@ -896,7 +944,8 @@ def _render_recovery(table, console=console) -> None:
 def run(
     model: ModelOpt = None, workdir: WorkdirOpt = Path("moesq-work"), recipe: RecipeOpt = None,
     device: DeviceOpt = "auto", nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
-    ppl: Annotated[Optional[Path], typer.Option("--ppl", hidden=True, help="Evaluation text (default: the embedded sample).")] = None,
+    ppl: Annotated[Optional[Path], typer.Option("--ppl", hidden=True,
+                                                help="Evaluation text (default: the embedded sample).")] = None,
     ppl_tokens: Annotated[int, typer.Option(min=1, hidden=True, help="Evaluate the first N tokens.")] = 65536,
     settings: list = (),
 ):
@@ -905,20 +954,21 @@ def run(
     With no options it compresses the embedded micro-qwen3-moe model offline on a CPU in minutes, with the
     micro-quick recipe (256-token sequences: 64 for the one-shot stage, 64 + 8 for refinement, 2 epochs × 8
     steps refining the values on the init's support: 16 steps cannot move a sparsity pattern; then 64 end-to-end
-    steps). On an existing work dir without --recipe, the work dir's calibration settings are kept.
+    steps). On an existing work dir, the format and calibration settings that no option and no --recipe key
+    gives are the work dir's.
 
     [bold]Examples[/]
 
       moesq run -w run-rtn --method rtn --baselines '' --no-refine --seq-len 64 --n-train 8 --n-val 4 --n-init 8 --ppl-tokens 4096
-    """
+    """  # noqa: E501  (an example command line, shown and run as written: one line)
     from moesq_core.compression.pipeline import default_run_config, run_all, run_config_of
     from moesq_core.formats import get_format
 
     _setup(workdir, quiet)
     if ppl is not None and not ppl.is_file():
         _fail(f"--ppl {ppl}: no such file", 2)
-    base = None if recipe is not None else run_config_of(workdir, default_run_config()).to_dict()
-    cfg, _ = _compress_config(settings, recipe, base)
+    cfg, keys = _compress_config(settings, recipe, None if recipe is not None else default_run_config().to_dict())
+    cfg = run_config_of(workdir, cfg, keep=_run_options(cfg, keys))
     with _ranks(device, nproc, workdir) as device, _progress(quiet) as p:
         res = run_all(workdir, cfg, model, device=device, ppl=ppl, ppl_tokens=ppl_tokens, progress=p)
     if res is None:  # a rank other than 0 (rank 0 packs, evaluates and prints)

@@ -179,7 +179,8 @@ class _ProgressLinesToStderr(logging.Handler):
             self.last = now
             task = self.tasks[-1] if self.tasks else None
             done = f", {self.last_done} done" if self.last_done else ""
-        self._print(now, task.line() if task is not None else f"working, {clock_text(now - self.started)} elapsed{done}")
+        self._print(now, task.line() if task is not None
+                    else f"working, {clock_text(now - self.started)} elapsed{done}")
         return True
 
     def start(self) -> None:

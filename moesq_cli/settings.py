@@ -160,7 +160,8 @@ class Setting:
     help: str
 
 
-_SECTIONS = (("", "moesq_core.compression.config", "CompressConfig"), ("calib.", "moesq_core.compression.calibration", "CalibConfig"),
+_SECTIONS = (("", "moesq_core.compression.config", "CompressConfig"),
+             ("calib.", "moesq_core.compression.calibration", "CalibConfig"),
              ("refine.", "moesq_core.compression.methods.refine.trainer", "RefineConfig"))
 _NOT_SETTINGS = {"calib", "init", "model"}  # sections of their own, and what --model gives
 
@@ -216,6 +217,17 @@ def settings_of(command: str) -> list[Setting]:
     return [s for k, s in all_settings().items() if _takes(command, k)]
 
 
+def key_paths(mapping: Any, prefix: str = "") -> set[str]:
+    """The key paths a recipe's mapping writes, sections and their keys alike (`calib`, `calib.seq_len`, `init`,
+    `init.options.percdamp`): what a recipe gives. Anything not a mapping writes none."""
+    if not isinstance(mapping, dict):
+        return set()
+    out = set()
+    for k, v in mapping.items():
+        out |= {prefix + str(k), *key_paths(v, f"{prefix}{k}.")}
+    return out
+
+
 def parse_setting(command: str, text: str) -> tuple[str, Any]:
     """`KEY=VALUE` as (key path, value): VALUE a YAML scalar (or flow list). Raises ValueError naming what
     is wrong: no `=`, a key unknown (with the closest one) or not this command's."""
@@ -248,14 +260,16 @@ FLAGS: dict[str, tuple] = {
     "--n-init": ("calib.n_init", _STAGES), "--seed": ("calib.seed", _STAGES),
     "--method": ("init.method", (_I, _U)), "--init": ("init.method", (_R,)),
     "--percdamp": ("init.options.percdamp", (_I,)), "--hessian-weighting": ("init.options.hessian_weighting", (_I,)),
-    "--exact-scales/--fp32-scales": ("init.options.exact_scales", (_I,)), "--refit/--no-refit": ("init.options.refit", (_I,)),
+    "--exact-scales/--fp32-scales": ("init.options.exact_scales", (_I,)),
+    "--refit/--no-refit": ("init.options.refit", (_I,)),
     "--solve": ("init.options.solve", (_I,)),
     "--epochs": ("refine.epochs", (_R, _U)), "--steps-per-epoch": ("refine.steps_per_epoch", (_R, _U)),
     **{f"--{k.replace('_', '-')}": (f"refine.{k}", (_R,)) for k in (
         "batch_rows", "micro_batch_rows", "chunk_gb", "lr_logits", "lr_values", "loss_power", "e2e_steps", "e2e_lr",
         "e2e_batch_size", "e2e_memory_gb", "e2e_loss")},
     "--values-only": ("refine.train_support", (_R,), False), "--support-only": ("refine.train_values", (_R,), False),
-    "--refine-seed": ("refine.seed", (_R,)), "--init-split-rows/--no-init-split-rows": ("refine.init_split_rows", (_R,)),
+    "--refine-seed": ("refine.seed", (_R,)),
+    "--init-split-rows/--no-init-split-rows": ("refine.init_split_rows", (_R,)),
     "--baselines": ("baselines", (_U,)), "--refine/--no-refine": ("refine", (_U,)),
 }
 SHOWN = {_C: ("--format/-f", "--calib", "--seq-len"), _I: ("--method", "--format/-f"), _R: ("--epochs",),
@@ -264,6 +278,23 @@ SHOWN = {_C: ("--format/-f", "--calib", "--seq-len"), _I: ("--method", "--format
 
 def _param_name(flag: str) -> str:
     return flag.split("/")[0].lstrip("-").replace("-", "_")
+
+
+def config_params(command: str) -> set[str]:
+    """The names of a command's parameters that set a config field (FLAGS): the Settings panel lists them."""
+    return {_param_name(flag) for flag, (_, commands, *_) in FLAGS.items() if command in commands}
+
+
+def options_of(command: str) -> dict[str, list[str]]:
+    """key path → the options of `command` that set it, one a line as its Settings panel shows them under the
+    key (`--format, -f`; each of a pair of switches; a switch with the value it sets: `--values-only: false`)."""
+    out: dict[str, list[str]] = {}
+    for flag, (key, commands, *const) in FLAGS.items():
+        if command in commands:
+            names = flag.split("/")
+            lines = [", ".join(names)] if "/-" in flag and "/--" not in flag else names
+            out.setdefault(key, []).extend(f"{n}: {_shown(const[0])}" if const else n for n in lines)
+    return out
 
 
 def _kind(key: str) -> tuple[type, str | None, Any]:
@@ -376,7 +407,8 @@ def as_given(msg: str, settings: list[tuple[str, Any, str]]) -> str:
 
 
 def settings_panel(command: str):
-    """The --help panel listing a command's settings: key path, type, default, help."""
+    """The --help panel listing a command's settings: key path (with the options that set it below it), type,
+    default, help."""
     from rich.markup import escape
     from rich.panel import Panel
     from rich.table import Table
@@ -385,7 +417,10 @@ def settings_panel(command: str):
     for c, kw in (("key", {"style": "bold cyan", "no_wrap": True}), ("type", {"style": "yellow", "max_width": 16}),
                   ("default", {"max_width": 14}), ("", {"ratio": 1})):
         table.add_column(c, **kw)
+    options = options_of(command)
     for s in settings_of(command):
-        table.add_row(*map(escape, (s.key, s.type, s.default, s.help)))
-    return Panel(table, border_style="dim", title="Settings: --set KEY=VALUE, or a --recipe's keys",
+        key = "\n".join([escape(s.key), *(f"  [not bold]{escape(o)}[/]" for o in options.get(s.key, ()))])
+        table.add_row(key, *map(escape, (s.type, s.default, s.help)))
+    return Panel(table, border_style="dim",
+                 title="Settings: --set KEY=VALUE, a --recipe's keys, or the options below a key",
                  title_align="left")

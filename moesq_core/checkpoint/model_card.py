@@ -2,19 +2,24 @@
 `library_name: moesq`, tags), what the checkpoint is, how it was made (its recipe, its calibration in sequences ×
 tokens), the evaluation results the work dir holds for its stage, and how to load and serve it.
 
-Filled from the work dir's manifest and its eval results (`eval/results.json`: perplexities; `eval/lm_eval/`:
-task accuracies); reproducible: the same stage and results give the same bytes (no dates, no machine paths).
+Filled from the run's identity (the work dir's RunIdentity: model, format, activations, calibration, which the
+caller reads and validates), the manifest's calibration and stage records, and the work dir's eval results
+(`eval/results.json`: perplexities; `eval/lm_eval/`: task accuracies); reproducible: the same stage and results
+give the same bytes (no dates, no machine paths).
 """
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from moesq_core.formats import get_format
 from moesq_core.version import __version__
+
+if TYPE_CHECKING:  # the caller (export, in the compression wing) reads it; the checkpoint only renders it
+    from moesq_core.compression.workdir import RunIdentity
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _EMBEDDED_CALIB = "calib-sample.txt.xz"  # moesq_core/assets: the default calibration text
@@ -57,17 +62,16 @@ def calib_source_label(source: str) -> str:
     return p.name if p.is_absolute() or p.exists() else source
 
 
-def stage_recipe(manifest: dict, stage: str) -> dict:
-    """The stage's configuration in a recipe's form (CompressConfig.from_dict loads it): the work dir's run
-    config and the stage's method (refinement with its in-loop init), every option as recorded; a local
-    calibration file by its name only (the embedded sample: null, as in a recipe)."""
-    run, st = manifest["config"], manifest["stages"][stage]["config"]
-    recipe = {"format": run["format"], "act_quant": run.get("act_quant", True)}
-    if run.get("calib_source"):
-        embedded = calib_source_label(run["calib_source"]) != Path(run["calib_source"]).name
-        recipe["calib_source"] = None if embedded else calib_source_label(run["calib_source"])  # null: embedded
-    if run.get("calib"):
-        recipe["calib"] = dict(run["calib"])
+def stage_recipe(identity: RunIdentity, stage: str, st: dict) -> dict:
+    """The stage's configuration in a recipe's form (CompressConfig.from_dict loads it): the run's identity and
+    the stage's method (`st`: its recorded config; refinement with its in-loop init), every option as recorded;
+    a local calibration file by its name only (the embedded sample: null, as in a recipe)."""
+    recipe = {"format": identity.format_name, "act_quant": identity.act_quant}
+    source = identity.calib_source
+    if source:
+        embedded = calib_source_label(source) != Path(source).name
+        recipe["calib_source"] = None if embedded else calib_source_label(source)  # null: embedded
+    recipe["calib"] = dict(sorted(identity.calib.to_dict().items()))  # in the manifest's (sorted) key order
     if st.get("method") == "refine":
         refine = dict(st["refine"])
         # keys the stage identity leaves out where they are off (moesq_core.compression.config.refine_identity)
@@ -110,18 +114,18 @@ def work_dir_evals(workdir: Path, stage: str) -> dict:
     return out
 
 
-def _calibration_lines(manifest: dict) -> list[str]:
-    run = manifest["config"]
-    cal, calib = manifest.get("calibration") or {}, run.get("calib") or {}
-    seq_len = cal.get("seq_len", calib.get("seq_len"))
-    seqs = cal.get("sequences") or {"train": calib.get("n_train"), "val": calib.get("n_val"),
-                                    "init": calib.get("n_init")}
+def _calibration_lines(identity: RunIdentity, cal: dict) -> list[str]:
+    """`cal`: the manifest's calibration record (what was built); the run's calibration config where it is
+    silent."""
+    calib = identity.calib
+    seq_len = cal.get("seq_len", calib.seq_len)
+    seqs = cal.get("sequences") or {"train": calib.n_train, "val": calib.n_val, "init": calib.n_init}
     if not seq_len or not all(seqs.values()):
         return []
     n = sum(seqs.values())
     docs = f", {cal['documents']:,} documents" if cal.get("documents") else ""
     return [f"- Calibration: {n:,} sequences × {seq_len:,} tokens ({n * seq_len:,} tokens{docs}) from "
-            f"{calib_source_label(run.get('calib_source') or _EMBEDDED_CALIB)}: {seqs['train']:,} for refinement, "
+            f"{calib_source_label(identity.calib_source or _EMBEDDED_CALIB)}: {seqs['train']:,} for refinement, "
             f"{seqs['val']:,} held out for its validation, {seqs['init']:,} for the one-shot init."]
 
 
@@ -150,14 +154,16 @@ def _eval_lines(evals: dict, stage: str) -> list[str]:
             "was packed from (the stage's fake-quantized model computes exactly what this checkpoint serves)."] + lines
 
 
-def model_card(manifest: dict, src: Path, summary: dict, evals: dict | None = None) -> str:
-    """README.md with Hub front matter (huggingface_hub.ModelCardData); reproducible (no dates). `manifest` is
-    the work dir's, `summary` the pack's (export_packed), `evals` work_dir_evals' (None: none)."""
+def model_card(identity: RunIdentity, manifest: dict, summary: dict, evals: dict | None = None) -> str:
+    """README.md with Hub front matter (huggingface_hub.ModelCardData); reproducible (no dates). `identity` is
+    the work dir's run (its base model's license is read from `identity.model_path`), `manifest` the work dir's
+    (its calibration and stage records), `summary` the pack's (export_packed), `evals` work_dir_evals' (None:
+    none)."""
     from huggingface_hub import ModelCard, ModelCardData
 
-    source = manifest["model"]["source"]
+    source, src = identity.model_source, identity.model_path
     hub_id = hub_id_of(source) or hub_id_of(str(src))
-    fmt = get_format(summary["format"])
+    fmt = identity.format
     stage = summary["stage"]
     data = ModelCardData(license=_base_license(src), pipeline_tag="text-generation", library_name="moesq",
                          base_model=hub_id, base_model_relation="quantized" if hub_id else None,
@@ -176,10 +182,12 @@ def model_card(manifest: dict, src: Path, summary: dict, evals: dict | None = No
         f"| expert weights | {summary['expert_weights']:,} in {summary['expert_bytes']:,} bytes |",
         "", "## How it was made", "",
         f"- moesq {__version__}, stage `{stage}` of its work dir, packed by `moesq pack`.",
-        *_calibration_lines(manifest),
+        *_calibration_lines(identity, manifest.get("calibration") or {}),
     ]
-    if manifest.get("stages", {}).get(stage, {}).get("config"):
-        recipe = yaml.safe_dump(stage_recipe(manifest, stage), sort_keys=False, default_flow_style=None, width=100)
+    stage_config = manifest.get("stages", {}).get(stage, {}).get("config")
+    if stage_config:
+        recipe = yaml.safe_dump(stage_recipe(identity, stage, stage_config), sort_keys=False, default_flow_style=None,
+                                width=100)
         lines += ["- The configuration, as a recipe (`moesq run --recipe recipe.yaml --model BASE_MODEL`):", "",
                   "```yaml", recipe.rstrip(), "```"]
     lines += _eval_lines(evals or {}, stage)

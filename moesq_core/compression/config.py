@@ -226,13 +226,8 @@ class CompressConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> "CompressConfig":
         """A recipe: YAML (or JSON) with the keys of to_dict(); omitted keys take their defaults."""
-        import yaml
-
         path = Path(path)
-        try:
-            d = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-            raise ValueError(f"recipe {path}: cannot be read ({type(e).__name__}: {e})") from None
+        d = read_recipe(path)
         try:
             return cls.from_dict(d)
         except (TypeError, ValueError) as e:
@@ -259,6 +254,18 @@ class CompressConfig:
         if given:
             raise ValueError(f"unknown override(s) {', '.join(sorted(given))}")
         return CompressConfig.from_dict(d)
+
+
+def read_recipe(path: str | Path) -> Any:
+    """A recipe file's YAML (or JSON) as written, not validated (CompressConfig.from_file validates it); a file
+    that cannot be read or parsed raises ValueError naming it."""
+    import yaml
+
+    path = Path(path)
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"recipe {path}: cannot be read ({type(e).__name__}: {e})") from None
 
 
 def apply_settings(config: dict, settings: list[tuple[str, Any]]) -> dict:

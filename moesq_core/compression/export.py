@@ -377,7 +377,7 @@ def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, o
                    "act_quant": act_quant, "bits_per_weight": 8 * packed_bytes / max(1, n_weights),
                    "expert_weights": n_weights, "expert_bytes": packed_bytes,
                    "input_scale_fallbacks": fallbacks, "moesq_version": __version__, **shards}
-        (tmp / "README.md").write_text(model_card(manifest, src, summary, work_dir_evals(root, stage)))
+        (tmp / "README.md").write_text(model_card(identity, manifest, summary, work_dir_evals(root, stage)))
         _fix_modes(tmp)
         manifest = write_manifest(tmp, summary)
         os.chmod(tmp / PACK_MANIFEST, 0o644)

@@ -174,7 +174,7 @@ def open_workdir(workdir: WorkDir | str | Path, model: str | Path | None = None,
             problems = _diff(recorded.to_dict(), wanted.to_dict())
             if problems:
                 raise WorkDirError(f"{wd.root} was made with other settings:\n  " + "\n  ".join(problems)
-                                   + "\nUse another --workdir, or leave these options out to use the work dir's.")
+                                   + "\nUse another --workdir, or leave these settings out (options or recipe keys) to use the work dir's.")
             if model is None and _check_calibration(wd, m) is not None:
                 return wd
             cfg = recorded
@@ -481,14 +481,16 @@ def run_refine(workdir: str | Path, config, model: str | Path | None = None, opt
                       redo_from=redo_from, progress=progress, cache_limit_gb=cache_limit_gb, stage=stage)
 
 
-def run_config_of(workdir: str | Path, config):
+def run_config_of(workdir: str | Path, config, keep=()):
     """`config` (a CompressConfig) with an existing work dir's run config (format, activation quantization,
-    calibration) in place of its own: what `moesq run` without a recipe does on a work dir another command
-    made. A new work dir keeps the config's."""
+    calibration) in place of its own, except the run options named in `keep` (RunConfig.flat's names: those
+    given, which the work dir then checks): what `moesq run` does on a work dir another command made. A new
+    work dir keeps the config's."""
     wd = WorkDir(workdir)
     if not wd.exists():
         return config
-    rec = RunConfig.from_identity(wd.identity())
+    given = {k: v for k, v in config.run_config().flat().items() if k in keep}
+    rec = RunConfig.from_options({**RunConfig.from_identity(wd.identity()).flat(), **given})
     return dataclasses.replace(config, format=rec.format, act_quant=rec.act_quant, calib=rec.calib,
                                calib_source=rec.calib_source)
 

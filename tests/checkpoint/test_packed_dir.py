@@ -3,6 +3,7 @@
 byte-deterministic output, file modes, the model card, load_packed / generate."""
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -180,8 +181,9 @@ def test_model_card_front_matter(packs, tmp_path):
     base.mkdir()
     (base / "README.md").write_text("---\nlicense: apache-2.0\n---\n# base\n")
     summary = json.loads((packs["p48-nvfp4"][1] / PACK_MANIFEST).read_text())["summary"]
-    manifest = {**packs["p48-nvfp4"][0].load(), "model": {"source": "Qwen/Qwen3-30B-A3B"}}
-    card = ModelCard(model_card(manifest, base, summary))
+    wd = packs["p48-nvfp4"][0]
+    identity = dataclasses.replace(wd.identity(), model_source="Qwen/Qwen3-30B-A3B", model_path=base)
+    card = ModelCard(model_card(identity, wd.load(), summary))
     assert card.data.license == "apache-2.0" and card.data.base_model == "Qwen/Qwen3-30B-A3B"
     assert card.data.base_model_relation == "quantized" and card.data.library_name == "moesq"
 

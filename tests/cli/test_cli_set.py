@@ -78,7 +78,57 @@ def test_help_lists_the_settings_with_type_default_and_help():
     assert "init.options.percdamp" not in out  # refine's in-loop init takes the init stage's options
     out = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", moesq_here("init-sgptq", "--help").stdout))
     assert "init.options.percdamp float 0.01 Hessian damping" in out and "refine.epochs int" not in out
-    assert "--percdamp" not in out and "--hessian-weighting" not in out  # hidden: accepted, not listed
+    # hidden from the Options panel, named below the key they set
+    text = moesq_here("init-sgptq", "--help").stdout
+    under = _options_under_keys(text)
+    assert under["init.options.percdamp"] == ["--percdamp"] and under["format"] == ["--format, -f"]
+    assert under["init.options.exact_scales"] == ["--exact-scales", "--fp32-scales"] and under["calib.seed"] == ["--seed"]
+    assert "--percdamp" not in _options_panel(text)
+    assert _options_under_keys(moesq_here("refine", "--help").stdout)["refine.train_support"] == ["--values-only: false"]
+
+
+def _options_panel(help_text: str) -> str:
+    return help_text.split("╭─ Options ")[1].split("╰")[0]
+
+
+def _options_under_keys(help_text: str) -> dict[str, list[str]]:
+    """The Settings panel's keys, each with the options listed below it."""
+    out: dict[str, list[str]] = {}
+    key = None
+    for line in help_text.split("╭─ Settings")[1].splitlines()[2:]:
+        if line[3:5] == "  " and line[5:6] == "-":
+            out[key].append(re.split(r"\s{2,}", line[5:])[0])
+        elif line[3:4].strip():
+            key = re.split(r"\s{2,}", line[3:])[0]
+            out[key] = []
+    return out
+
+
+def test_every_option_of_every_command_is_in_its_help():
+    """Every option a command accepts is in its --help, hidden ones included: the Options panel shows ten at
+    most, the More options panel the others that set no config field (each with its help), the Settings panel
+    each config field with the options that set it."""
+    import typer.main
+
+    from moesq_cli.app import app
+    from moesq_cli.settings import config_params
+
+    group = typer.main.get_command(app)
+    for name, cmd in [("", group), *_commands().items()]:
+        out = moesq_here(*([name] if name else []), "--help").stdout
+        words = set(re.findall(r"(?<![\w-])-{1,2}[A-Za-z][\w-]*", out))
+        options = [p for p in cmd.params if p.param_type_name == "option"]
+        accepted = {o for p in options for o in (*p.opts, *p.secondary_opts)}
+        assert accepted <= words, (name, sorted(accepted - words))
+        more = [p for p in options if p.hidden and p.name not in config_params({"init": "init-sgptq"}.get(name, name))]
+        assert all(p.help for p in more), (name, [p.name for p in more if not p.help])
+        for p in more:
+            assert p.opts[0] not in _options_panel(out) and p.opts[0] in out.split("╭─ More options ")[1], (name, p.opts)
+        if "╭─ Settings" in out:  # each option that sets a key, below it
+            under = {o.split(":")[0] for opts in _options_under_keys(out).values() for line in opts
+                     for o in line.split(", ")}
+            hidden = {o for p in options if p.hidden and p not in more for o in (*p.opts, *p.secondary_opts)}
+            assert hidden <= under, (name, sorted(hidden - under))
 
 
 @pytest.mark.parametrize("args, says", [
@@ -161,3 +211,36 @@ def test_an_option_set_and_a_recipe_make_the_same_stage(tmp_path):
     refine = made[0][1]["refine"]
     assert refine["lr_logits"] == 1e-3 and refine["e2e_steps"] == 2 and refine["seed"] == 3 and "init_split_rows" not in refine
     assert made[0] == made[1] == made[2]
+
+
+def test_a_recipe_gives_only_the_keys_it_writes(tmp_path):
+    """On a work dir made with other calibration settings (another text, a tiny budget), a recipe that writes no
+    calibration key runs the stage on the work dir's calibration, as the same options without a recipe would
+    (`init-sgptq`, and `run` past its one-shot stage); a recipe key that differs from the work dir's is refused,
+    naming only that key."""
+    calib = tmp_path / "text.txt.xz"
+    calib.write_bytes((Path(__file__).parents[1] / "moesq_core" / "assets" / "calib-sample.txt.xz").read_bytes())
+    wd = tmp_path / "wd"
+    moesq_here("calibrate", "-w", wd, *TINY, "--calib", calib, "--set", "act_quant=false", "--quiet")
+    made = json.loads((wd / "manifest.json").read_text())["config"]
+
+    stage_only = tmp_path / "rtn.yaml"
+    stage_only.write_text("init: {method: rtn}\nrefine: {epochs: 1, steps_per_epoch: 2}\n")
+    moesq_here("init-sgptq", "-w", wd, "--recipe", stage_only, *FAST)
+    same = tmp_path / "same.yaml"  # writes the work dir's values: given, and they agree
+    same.write_text(TINY_YAML + "act_quant: false\ninit: rtn\n")
+    moesq_here("init-sgptq", "-w", wd, "--recipe", same, *FAST)
+    run = tmp_path / "run.yaml"
+    run.write_text("init: rtn\nbaselines: []\nrefine: null\n")
+    r = moesq_here("run", "-w", wd, "--recipe", run, "--ppl-tokens", "1024", *FAST)
+    assert "verify: ok" in r.stdout
+    assert json.loads((wd / "manifest.json").read_text())["config"] == made
+    assert json.loads((wd / "manifest.json").read_text())["stages"]["init-rtn"]["done"]
+
+    other = tmp_path / "other.yaml"
+    other.write_text("calib: {seq_len: 64}\ninit: rtn\n")
+    for command in ("init-sgptq", "refine", "run"):
+        r = moesq_here(command, "-w", wd, "--recipe", other, *FAST, check=False)
+        assert r.returncode == 1 and "calib.seq_len: 32 (work dir) vs 64 (now)" in r.stderr, r.stderr
+        assert "calib_source" not in r.stderr and "n_train" not in r.stderr and "act_quant" not in r.stderr
+    assert json.loads((wd / "manifest.json").read_text())["config"] == made
