@@ -1009,13 +1009,19 @@ _reflow_help()
 _DEFAULT_REPO = "<default>"  # `--push-to-hub` given without a repo
 
 
-def main():
-    # `--push-to-hub` may stand alone (the card's `moesq pack --push-to-hub`): give it the default-repo marker.
-    argv = sys.argv[1:]
+def expand_argv(argv: list[str]) -> list[str]:
+    """The command line as the app parses it: `--push-to-hub` may stand alone (the card's `moesq pack
+    --push-to-hub`), so alone it gets the default-repo marker."""
+    argv = list(argv)
     for i, a in enumerate(argv):
         if a == "--push-to-hub" and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
-            sys.argv.insert(i + 2, _DEFAULT_REPO)
+            argv.insert(i + 1, _DEFAULT_REPO)
             break
+    return argv
+
+
+def main():
+    sys.argv[1:] = expand_argv(sys.argv[1:])
     if _rank() != 0:  # under torchrun: every rank parses the same options, rank 0 prints usage errors
         try:
             code = app(standalone_mode=False)

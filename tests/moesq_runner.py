@@ -49,9 +49,9 @@ def moesq_here(*args, check=True, cwd=None):
 
     from typer.testing import CliRunner
 
-    from moesq_cli.app import app
+    from moesq_cli.app import app, expand_argv
 
-    argv = [str(a) for a in args]
+    argv = expand_argv([str(a) for a in args])
     loggers = [logging.getLogger(n) for n in ("moesq", "moesq_core", "moesq.progress")]
     saved = [(lg, list(lg.handlers), lg.level, lg.propagate) for lg in loggers]
     threads, old_argv = torch.get_num_threads(), sys.argv
