@@ -59,6 +59,13 @@ def packed_expert_linears(model, f, suffixes: tuple[str, ...]):
                 yield base, mine, {k: f.get_tensor(f"{base}.{k}") for k in suffixes}
 
 
+def pytest_configure(config):
+    # pytest-xdist workers share the cores: each takes its share of torch's intra-op threads instead of all of them
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+
+
 def pytest_addoption(parser):
     parser.addoption("--full-matrix", action="store_true",
                      help="also run the tests marked full_matrix (the whole generated kernel test matrix)")
