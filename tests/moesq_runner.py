@@ -27,10 +27,11 @@ TINY_CALIB = ["--seq-len", "32", "--n-train", "2", "--n-val", "2", "--n-init", "
 FAST = ["--quiet", "--device", "cpu"]
 
 
-def moesq(*args, check=True, timeout=900, cwd=None):
-    """`moesq ARGS` in a subprocess with ENV; raises with its output unless it exits 0 (when check)."""
-    r = subprocess.run([*MOESQ_CMD, *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout,
-                       cwd=cwd)
+def moesq(*args, check=True, timeout=900, cwd=None, env=None):
+    """`moesq ARGS` in a subprocess with `env` (default ENV); raises with its output unless it exits 0 (when
+    check)."""
+    r = subprocess.run([*MOESQ_CMD, *map(str, args)], capture_output=True, text=True, env=env or ENV,
+                       timeout=timeout, cwd=cwd)
     if check and r.returncode != 0:
         raise AssertionError(f"moesq {' '.join(map(str, args))} exited {r.returncode}\n{r.stdout}\n{r.stderr}")
     return r

@@ -250,6 +250,20 @@ def without_option(argv: list[str], option: str) -> list[str]:
     return out
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. a container's or `taskset`'s share), which can
+    be fewer than the machine has."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # no affinity call on this platform
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(nproc: int, cpus: int | None = None) -> int:
+    """Each of `nproc` ranks' share of `cpus` (default: the CPUs this process may use), at least one."""
+    return max(1, (cpus if cpus is not None else usable_cpus()) // nproc)
+
+
 def launch(nproc: int, argv: list[str]) -> tuple[int, str | None]:
     """Run `python -m moesq_cli ARGV` as `nproc` ranks under torchrun on this machine (standalone rendezvous
     on a free port) and wait. Returns (exit code, a one-line error when a rank died without reporting one)."""
@@ -257,7 +271,7 @@ def launch(nproc: int, argv: list[str]) -> tuple[int, str | None]:
     from torch.distributed.run import parse_args, run
 
     if "OMP_NUM_THREADS" not in os.environ:  # share the cores (torchrun's default would be 1 thread per rank)
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     for name in ("torch.distributed.elastic", "torch.distributed.run", "torch.distributed.launcher"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # the ranks report; the agent's log is noise here
     args = parse_args(["--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc), "--max-restarts", "0",
