@@ -60,10 +60,13 @@ def packed_expert_linears(model, f, suffixes: tuple[str, ...]):
 
 
 def pytest_configure(config):
-    # pytest-xdist workers share the cores: each takes its share of torch's intra-op threads instead of all of them
+    # pytest-xdist workers share the cores: each takes its share of torch's intra-op threads instead of all of them,
+    # and so do the `moesq` processes its tests start (idle OpenMP threads spin: oversubscribed cores run slower)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, torch.get_num_threads() // workers))
+        share = max(1, torch.get_num_threads() // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 def pytest_addoption(parser):
