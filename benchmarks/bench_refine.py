@@ -77,7 +77,7 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def make_block(E, H, I, T, topk, dev, seed, imbalance):
+def make_block(E, H, inter, T, topk, dev, seed, imbalance):
     """Routed rows for T tokens. Returns (experts, load per expert)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     # Low-rank-plus-noise hidden states with a few large channels, like a transformer's residual stream.
@@ -101,9 +101,9 @@ def make_block(E, H, I, T, topk, dev, seed, imbalance):
         sel = tok[start:start + n]
         experts.append(ExpertData(
             e,
-            torch.randn(I, H, generator=g, device=dev) * H ** -0.5,
-            torch.randn(I, H, generator=g, device=dev) * H ** -0.5,
-            torch.randn(H, I, generator=g, device=dev) * I ** -0.5,
+            torch.randn(inter, H, generator=g, device=dev) * H ** -0.5,
+            torch.randn(inter, H, generator=g, device=dev) * H ** -0.5,
+            torch.randn(H, inter, generator=g, device=dev) * inter ** -0.5,
             TokenRows(x, sel), wts[start:start + n].contiguous()))  # the engine's form: tokens held once
         start += n
     experts.sort(key=lambda ex: (-ex.n_rows, ex.index))  # as RefineMethod hands them to the trainer
@@ -173,15 +173,15 @@ def main(argv=None):
 
     dev = torch.device(a.device)
     fmt = get_format(a.format)
-    E, H, I = a.experts, a.hidden, a.inter
+    E, H, inter = a.experts, a.hidden, a.inter
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
-    experts, counts = make_block(E, H, I, a.tokens, a.topk, dev, a.seed, a.imbalance)
+    experts, counts = make_block(E, H, inter, a.tokens, a.topk, dev, a.seed, a.imbalance)
     rows = int(counts.sum())
     sync(dev)
     t_data = time.perf_counter() - t0
-    print(f"block: {E} experts, H {H}, I {I}, {a.tokens} tokens × top-{a.topk} = {rows} routed rows; "
+    print(f"block: {E} experts, H {H}, I {inter}, {a.tokens} tokens × top-{a.topk} = {rows} routed rows; "
           f"load min/mean/max {int(counts.min())}/{rows / E:.0f}/{int(counts.max())} ({t_data:.1f}s)", flush=True)
 
     t0 = time.perf_counter()
@@ -270,7 +270,7 @@ def main(argv=None):
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     res = {
         "date": date, "device": gpu, "torch": torch.__version__, "commit": commit, "format": fmt.name,
-        "shape": {"experts": E, "hidden": H, "inter": I, "topk": a.topk},
+        "shape": {"experts": E, "hidden": H, "inter": inter, "topk": a.topk},
         "measured": {
             "tokens": a.tokens, "routed_rows": rows, "train_rows_per_step": n_train, "val_rows": n_val,
             "load_min_mean_max": [int(counts.min()), rows / E, int(counts.max())],
@@ -289,7 +289,7 @@ def main(argv=None):
     (a.out / f"{stem}.json").write_text(json.dumps(res, indent=2))
     (a.out / "bench_refine_partial.json").unlink(missing_ok=True)
     md = [
-        f"# Refinement throughput — {fmt.name}, {E} experts × (H {H}, I {I}), top-{a.topk}",
+        f"# Refinement throughput — {fmt.name}, {E} experts × (H {H}, I {inter}), top-{a.topk}",
         "",
         f"{date} · {gpu} · torch {torch.__version__} · commit {commit}",
         "",

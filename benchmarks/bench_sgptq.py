@@ -266,11 +266,11 @@ def main():
     block = None  # free the device memory
     empty_cache()
     if args.kimi:
-        E, H, I = 384, 7168, 2048
-        per_chunk = int(max(1, memory_budget(dev, None) // solver_bytes_per_expert(I, H)))
+        E, H, inter = 384, 7168, 2048
+        per_chunk = int(max(1, memory_budget(dev, None) // solver_bytes_per_expert(inter, H)))
         kc = routed_counts(E, args.tokens_per_expert, 1)
         which = list(range(min(per_chunk, E)))
-        kb = make_block(E, H, I, kc, dev, seed=1, which=which)
+        kb = make_block(E, H, inter, kc, dev, seed=1, which=which)
         for name in args.methods.split(","):
             key = f"{name}_kimi_k2"
             try:
@@ -280,7 +280,8 @@ def main():
                 out, sec, peak = timed(lambda: get_method(name).compress_block(kb, fmt))
                 rows_timed = int(kc[which].sum())
                 res["results"][key] = {
-                    "shape": {"model": "Kimi-K2", "experts": E, "hidden": H, "inter": I, "routed_rows": int(kc.sum())},
+                    "shape": {"model": "Kimi-K2", "experts": E, "hidden": H, "inter": inter,
+                              "routed_rows": int(kc.sum())},
                     "format": fmt.name, "experts_timed": len(which), "rows_timed": rows_timed, "seconds_timed": sec,
                     "peak_gib": peak, "block_s_extrapolated": sec * E / len(which), "mean_rel_err": mean_rel_err(out),
                     "kept_set_cg": solve_log.take(),

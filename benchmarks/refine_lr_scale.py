@@ -38,7 +38,7 @@ from moesq_core.compression.methods.registry import get_method  # noqa: E402
 from moesq_core.formats import get_format  # noqa: E402
 
 
-def make_block(E: int, H: int, I: int, tokens: int, val_tokens: int, topk: int, std: float, seed: int):
+def make_block(E: int, H: int, inter: int, tokens: int, val_tokens: int, topk: int, std: float, seed: int):
     """Experts with train rows (x, w) and held-out rows (x_val, w_val) from one random router."""
     g = torch.Generator().manual_seed(seed)
     router = torch.randn(E, H, generator=g) / math.sqrt(H)
@@ -56,8 +56,8 @@ def make_block(E: int, H: int, I: int, tokens: int, val_tokens: int, topk: int, 
     xv, wv = route(val_tokens)
     experts = []
     for e in range(E):
-        experts.append(ExpertData(e, torch.randn(I, H, generator=g) * std, torch.randn(I, H, generator=g) * std,
-                                  torch.randn(H, I, generator=g) * std, xs[e], ws[e], xv[e], wv[e]))
+        experts.append(ExpertData(e, torch.randn(inter, H, generator=g) * std, torch.randn(inter, H, generator=g) * std,
+                                  torch.randn(H, inter, generator=g) * std, xs[e], ws[e], xv[e], wv[e]))
     return experts
 
 

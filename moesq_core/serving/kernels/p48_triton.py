@@ -450,9 +450,9 @@ if HAS_TRITON:
                 tl.store(xs_ptr + row.to(tl.int64) * stride_xs + hc, x.to(xs_ptr.dtype.element_ty), mask=msk)
 
     @triton.jit
-    def _swiglu_kernel(y_ptr, out_ptr, row_expert_ptr, g_ptr, R, I, stride_y, stride_o,
+    def _swiglu_kernel(y_ptr, out_ptr, row_expert_ptr, g_ptr, R, inter, stride_y, stride_o,
                        BR: tl.constexpr, NBLK: tl.constexpr, QUANT: tl.constexpr):
-        """out = silu(y[:, :I]) * y[:, I:], optionally NVFP4-quantized (unscaled values) with g[expert(row)]."""
+        """out = silu(y[:, :inter]) * y[:, inter:], optionally NVFP4-quantized (unscaled values) with g[expert(row)]."""
         pid = tl.program_id(0)
         rows = pid * BR + tl.arange(0, BR)
         r_ok = rows < R
@@ -460,12 +460,12 @@ if HAS_TRITON:
         if QUANT:
             ge = tl.load(row_expert_ptr + rows, mask=r_ok, other=0)
             g2 = tl.load(g_ptr + ge, mask=r_ok, other=1.0)[:, None]
-        for i0 in range(0, I, NBLK * 32):
+        for i0 in range(0, inter, NBLK * 32):
             ic = i0 + cols
-            msk = r_ok[:, None, None] & (ic < I)[None, :, :]
+            msk = r_ok[:, None, None] & (ic < inter)[None, :, :]
             base = y_ptr + rows[:, None, None].to(tl.int64) * stride_y + ic[None, :, :]
             gate = tl.load(base, mask=msk, other=0.0).to(tl.float32)
-            up = tl.load(base + I, mask=msk, other=0.0).to(tl.float32)
+            up = tl.load(base + inter, mask=msk, other=0.0).to(tl.float32)
             h = gate / (1.0 + tl.exp(-gate)) * up
             if QUANT:
                 h = _nvfp4_unscaled(h, g2)
