@@ -9,8 +9,9 @@ on one Hopper GPU.
 Decode loop: `moesq generate`'s decode step (moesq_core.serving.decode_step: the model's own forward over a
 StaticCache, greedy argmax, next-token and position update on static buffers) captured in a CUDA graph; the
 prompt (128 random tokens per sequence) is prefilled eagerly, then the step is replayed; tokens/s = batch /
-median step time (`moesq generate` adds the prefill and a host read of the finished flags every 8 steps). Expert memory = bytes of the routed experts' weights on
-the GPU. Weights are random, so the benchmark measures speed only (the routers spread tokens ~uniformly).
+median step time (`moesq generate` adds the prefill and a host read of the finished flags every 8 steps).
+Expert memory = bytes of the routed experts' weights on the GPU. Weights are random, so the benchmark measures
+speed only (the routers spread tokens ~uniformly).
 Writes e2e_decode.{json,md,png}.
 """
 from __future__ import annotations
