@@ -130,7 +130,8 @@ class P48HopperExperts(nn.Module):
                        for t in (p.codes, p.scales, p.global_scale))
         return self.gate_up.nbytes + self.down.nbytes
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_dim:
             raise ValueError(f"hidden_states must be [T, {self.hidden_dim}], got {tuple(hidden_states.shape)}")
         if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:

@@ -66,7 +66,8 @@ def _stack(packed: list[dict[str, dict[str, torch.Tensor]]], projs: tuple[str, .
             parts = []
             for p in projs:
                 if suffix not in t[p]:
-                    raise ValueError(f"expert {e} {p}: missing {suffix} (an s24-fp8 linear needs {', '.join(SUFFIXES)})")
+                    raise ValueError(f"expert {e} {p}: missing {suffix} "
+                                     f"(an s24-fp8 linear needs {', '.join(SUFFIXES)})")
                 parts.append(t[p][suffix])
             per_e.append(torch.cat(parts))
         out.append(torch.stack(per_e))
@@ -127,10 +128,12 @@ class S24HopperExperts(nn.Module):
             return s24.reference_grouped_gemm(v, m, s, xq, sx, counts)
         return s24.grouped_gemm(self.gate_up if which == "gate_up" else self.down, xq, sx, counts)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_dim:
             raise ValueError(f"hidden_states must be [T, {self.hidden_dim}], got {tuple(hidden_states.shape)}")
-        if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+        if (top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2
+                or top_k_index.shape[0] != hidden_states.shape[0]):
             raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
                              f"must both be [T={hidden_states.shape[0]}, k]")
         T, k = top_k_index.shape
