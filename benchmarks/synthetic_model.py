@@ -92,7 +92,8 @@ def write_random_qwen3_moe(out: Path | str, cfg: dict, seed: int = 0, device: st
         except (OSError, ValueError):
             done = None
         if done is None or {k: done.get(k) for k in marker} != marker:
-            raise FileExistsError(f"{out} exists and is not a random checkpoint of this config and seed; choose another path")
+            raise FileExistsError(f"{out} exists and is not a random checkpoint of this config and seed; "
+                                  "choose another path")
         return done["weight_bytes"]
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():  # an interrupted earlier write of ours (the name is ours alone)
