@@ -16,9 +16,9 @@ artifact checksums). The shared models are read from `../shared` next to the che
 packaged micro model with the packaged calibration and evaluation samples.
 
 Rows (`--rows`, comma-separated names or the groups `all`, `core`, `ablations`, `budget`, `paper-budget`,
-`fp8`, `e2e`, `gpu`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8 magnitude, Wanda, JSQ, OBR,
-SGPTQ (export-exact scales, fp32 scales, refit); refinement (default, other seeds, the paper's raw rates,
-values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps, with end-to-end tuning
+`fp8`, `e2e`, `gpu`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8 magnitude,
+Wanda, JSQ, OBR, SGPTQ (export-exact scales, fp32 scales, refit); refinement (default, other seeds, the paper's
+raw rates, values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps, with end-to-end tuning
 after the last block); the release-faithful
 configuration (recipes/release-faithful.yaml, minus the serving-time activation scale); s24-fp8 SGPTQ / refine.
 Every compressed row is run weights-only ("wo") and/or with the format's activation quantizer ("wa": W4A4 for
@@ -191,8 +191,9 @@ GROUPS = {
     "p48": [r for r in ROWS if not r.startswith("s24")],
     "core": ["reference", "dense-rtn", "magnitude", "wanda", "jsq", "obr", "sgptq", "sgptq-fp32scales", "refine"],
     "ablations": ["refine-p0", "refine-values", "refine-support"],
-    "budget": ["refine-split", "refine-paper-lr", "refine-values-first", "refine-logits-cap25", "refine-logits-cap100", "refine-seed1", "sgptq-refit", "refine-refit",
-               "refine-refit-seed1", "refine-refit-values", "release-faithful"],
+    "budget": ["refine-split", "refine-paper-lr", "refine-values-first", "refine-logits-cap25", "refine-logits-cap100",
+               "refine-seed1", "sgptq-refit", "refine-refit", "refine-refit-seed1", "refine-refit-values",
+               "release-faithful"],
     "paper-budget": ["refine-quarter", "refine-quarter-paper-lr", "refine-refit-quarter", "refine-paper",
                      "release-faithful-paper"],
     "fp8": ["s24-sgptq", "s24-refine"],
@@ -356,7 +357,8 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
              f"- command: `{meta['command']}`", f"- commit: {meta['commit']}  date: {meta['date']}",
              f"- machine: {meta['machine']}",
              f"- evaluation: {meta['eval']['file']}, first {meta['eval']['tokens']} tokens, "
-             f"{meta['eval']['window']}-token windows, fp32 on {meta['eval']['device'].upper()}, expert weights fake-quantized"
+             f"{meta['eval']['window']}-token windows, fp32 on {meta['eval']['device'].upper()}, "
+             "expert weights fake-quantized"
              + ("" if meta["eval"]["tokens"] == 65536 else " (REDUCED from the standard 65,536 tokens)"),
              f"- calibration ({meta['calibration']['source']}): {json.dumps(meta['calibration']['config'])} "
              "— the same splits for every method (one-shot methods use `init`; refinement `train`/`val`, and with "
@@ -387,8 +389,8 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
                 missing.append(f"{name} ({act})")
         lines.append(f"| {name} | {DESCRIPTION[name]} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | "
                      f"{' / '.join(changed)} | {' / '.join(secs)} |")
-    lines += ["", "Stage seconds: the work dir manifest's `stage_seconds` (compression incl. routing of the calibration "
-              "states; for refine rows excluding the shared SGPTQ init).", ""]
+    lines += ["", "Stage seconds: the work dir manifest's `stage_seconds` (compression incl. routing of the "
+              "calibration states; for refine rows excluding the shared SGPTQ init).", ""]
     lines.append("Missing rows: " + (", ".join(missing) if missing else "none") + ".")
     e2e = [(name, act, c) for name in meta["rows_requested"] for act, c in (rows.get(name) or {}).items()
            if isinstance(c, dict) and c.get("e2e")]
@@ -400,8 +402,8 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
             bw = c.get("blockwise")
             lines.append(f"- {name} ({act}): ppl {fmt_ppl(bw)} → {fmt_ppl(c['ppl'])}"
                          + (f" ({c['ppl'] / bw:.3f}×)" if bw else "")
-                         + f"; val KL {r['val_kl'][0]:.4f} → {r['val_kl'][r['best_pass']]:.4f} (pass {r['best_pass']} of "
-                         f"{r['passes']}, {r['steps']} steps)")
+                         + f"; val KL {r['val_kl'][0]:.4f} → {r['val_kl'][r['best_pass']]:.4f} "
+                         f"(pass {r['best_pass']} of {r['passes']}, {r['steps']} steps)")
     if meta.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")
@@ -410,9 +412,10 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="micro,tiny",
-                    help="comma-separated: micro, tiny (the shared models and texts), embedded (the packaged micro model "
-                         "with its calibration and evaluation samples, as `moesq run` uses them)")
-    ap.add_argument("--tag", default="", help="output name suffix: accuracy_<model>[_<tag>].json/.md (one file per protocol)")
+                    help="comma-separated: micro, tiny (the shared models and texts), embedded (the packaged micro "
+                         "model with its calibration and evaluation samples, as `moesq run` uses them)")
+    ap.add_argument("--tag", default="",
+                    help="output name suffix: accuracy_<model>[_<tag>].json/.md (one file per protocol)")
     ap.add_argument("--rows", default="all", help=f"rows or groups ({', '.join(GROUPS)})")
     ap.add_argument("--acts", default="wo,wa", help="wo (weights only), wa (W4A4 / W8A8), or both")
     ap.add_argument("--workdir-root", type=Path, default=Path("/tmp/moesq-accuracy"))
@@ -434,7 +437,8 @@ def main(argv=None):
                                                     "refinement on CUDA computes its matmuls in bf16")
     ap.add_argument("--eval-device", default="cpu", help="device of the fp32 perplexity evaluation (cpu, cuda)")
     ap.add_argument("--shared", type=Path, default=None,
-                    help="folder holding models/{micro,tiny}-qwen3-moe and data/ (default: ../shared next to the checkout)")
+                    help="folder holding models/{micro,tiny}-qwen3-moe and data/ "
+                         "(default: ../shared next to the checkout)")
     ap.add_argument("--merge", action="append", default=[], type=Path, metavar="JSON",
                     help="accuracy_<model>.json of another run of this script (e.g. rows run in parallel under another "
                          "--workdir-root) whose rows are merged in; it must use the same protocol (repeatable)")
@@ -457,7 +461,8 @@ def main(argv=None):
     acts = [a.strip() for a in args.acts.split(",") if a.strip()]
     if not set(acts) <= {"wo", "wa"}:
         raise SystemExit("--acts takes wo and/or wa")
-    calib = CalibConfig(seq_len=args.seq_len, n_train=args.n_train, n_val=args.n_val, n_init=args.n_init, seed=args.seed)
+    calib = CalibConfig(seq_len=args.seq_len, n_train=args.n_train, n_val=args.n_val, n_init=args.n_init,
+                        seed=args.seed)
     refine_cfg = {"epochs": args.epochs, "steps_per_epoch": args.steps_per_epoch}
     for kv in args.refine_opt:
         k, _, v = kv.partition("=")
@@ -485,15 +490,18 @@ def main(argv=None):
             "command": command_line(argv if argv is not None else sys.argv[1:]),
             "commit": git_commit(), "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "machine": machine(), "device": args.device,
-            "eval": {"file": rel(eval_text), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32", "device": args.eval_device},
+            "eval": {"file": rel(eval_text), "tokens": args.ppl_tokens, "window": args.window, "dtype": "float32",
+                     "device": args.eval_device},
             "calibration": {"source": rel(calib_text), "config": calib.to_dict()},
             "refine": full_refine,
-            "rows_requested": list(dict.fromkeys([*(old.get("rows_requested", []) if same_protocol else []), *rows_req])),
+            "rows_requested": list(dict.fromkeys([*(old.get("rows_requested", []) if same_protocol else []),
+                                                  *rows_req])),
             # a table's notes describe its rows: kept when a later run of the same protocol adds rows
             "notes": list(dict.fromkeys([*(old.get("notes", []) if same_protocol else []), *args.note])),
         }
         if args.no_run and same_protocol:  # nothing computed here: the table keeps the provenance of its runs
-            meta.update({k: old[k] for k in ("command", "commit", "date", "machine", "device", "model_path", "eval", "calibration")
+            meta.update({k: old[k] for k in ("command", "commit", "date", "machine", "device", "model_path", "eval",
+                                             "calibration")
                          if k in old})
         for src in args.merge:
             other = json.loads(src.read_text())
@@ -508,7 +516,8 @@ def main(argv=None):
                     continue
                 for act, cell in r.items():
                     if "ppl" in cell and "ppl" not in rows.get(name, {}).get(act, {}):
-                        rows.setdefault(name, {})[act] = {"commit": other.get("commit"), **cell, "merged_from": src.name}
+                        rows.setdefault(name, {})[act] = {"commit": other.get("commit"), **cell,
+                                                          "merged_from": src.name}
             meta["rows_requested"] += [n for n in other["rows"] if n not in meta["rows_requested"]]
             meta["notes"] = meta["notes"] + [f"rows marked merged_from in the JSON were run by `{other['command']}` "
                                              "(same calibration seed and config)"]
@@ -523,7 +532,8 @@ def main(argv=None):
                 res = ppl_for_targets([EvalTarget("reference", "reference", str(model_path(model)))], eval_text,
                                       max_tokens=args.ppl_tokens, window=args.window, device=args.eval_device,
                                       cache=cache)[0]
-                rows["reference"] = {"ppl": res["ppl"], "tokens": res["tokens"], "eval_seconds": round(time.perf_counter() - t0, 1)}
+                rows["reference"] = {"ppl": res["ppl"], "tokens": res["tokens"],
+                                     "eval_seconds": round(time.perf_counter() - t0, 1)}
                 log.info("%s reference: ppl %.3f", model, res["ppl"])
                 write_outputs(args.out, stem, meta, rows)
                 continue

@@ -62,7 +62,8 @@ VARIANTS = {
                  {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "static_widths": True,
                   "loss_grad_in_forward": True, "all_rows_add": True, "relax_kernels": "cols"}),
     "compile-mb2x": ("as compile-swiglu, micro-batches of twice the rows (524,288)",
-                     {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "micro_batch_rows": 2 * 8 * 4096 * 8}),
+                     {"compile": True, "fused_swiglu": True, "strided_rows_add": True,
+                      "micro_batch_rows": 2 * 8 * 4096 * 8}),
 }
 
 # bench-only switches (not RefineConfig fields): kernels turned off for a variant
@@ -77,7 +78,7 @@ def sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def make_block(E, H, I, T, topk, dev, seed, imbalance):
+def make_block(E, H, inter, T, topk, dev, seed, imbalance):
     """Routed rows for T tokens. Returns (experts, load per expert)."""
     g = torch.Generator(device=dev).manual_seed(seed)
     # Low-rank-plus-noise hidden states with a few large channels, like a transformer's residual stream.
@@ -101,9 +102,9 @@ def make_block(E, H, I, T, topk, dev, seed, imbalance):
         sel = tok[start:start + n]
         experts.append(ExpertData(
             e,
-            torch.randn(I, H, generator=g, device=dev) * H ** -0.5,
-            torch.randn(I, H, generator=g, device=dev) * H ** -0.5,
-            torch.randn(H, I, generator=g, device=dev) * I ** -0.5,
+            torch.randn(inter, H, generator=g, device=dev) * H ** -0.5,
+            torch.randn(inter, H, generator=g, device=dev) * H ** -0.5,
+            torch.randn(H, inter, generator=g, device=dev) * inter ** -0.5,
             TokenRows(x, sel), wts[start:start + n].contiguous()))  # the engine's form: tokens held once
         start += n
     experts.sort(key=lambda ex: (-ex.n_rows, ex.index))  # as RefineMethod hands them to the trainer
@@ -159,7 +160,8 @@ def main(argv=None):
     ap.add_argument("--variants", default=None,
                     help=f"comma-separated trainer variants measured in this one process ({', '.join(VARIANTS)})")
     ap.add_argument("--e2e-epochs", type=int, default=0,
-                    help="also time BlockRefiner.run() end to end at this many epochs of one step, last variant (0: skip)")
+                    help="also time BlockRefiner.run() end to end at this many epochs of one step, last variant "
+                         "(0: skip)")
     ap.add_argument("--profile", action="store_true", help="write a torch.profiler kernel table of one step")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
@@ -173,15 +175,15 @@ def main(argv=None):
 
     dev = torch.device(a.device)
     fmt = get_format(a.format)
-    E, H, I = a.experts, a.hidden, a.inter
+    E, H, inter = a.experts, a.hidden, a.inter
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
-    experts, counts = make_block(E, H, I, a.tokens, a.topk, dev, a.seed, a.imbalance)
+    experts, counts = make_block(E, H, inter, a.tokens, a.topk, dev, a.seed, a.imbalance)
     rows = int(counts.sum())
     sync(dev)
     t_data = time.perf_counter() - t0
-    print(f"block: {E} experts, H {H}, I {I}, {a.tokens} tokens × top-{a.topk} = {rows} routed rows; "
+    print(f"block: {E} experts, H {H}, I {inter}, {a.tokens} tokens × top-{a.topk} = {rows} routed rows; "
           f"load min/mean/max {int(counts.min())}/{rows / E:.0f}/{int(counts.max())} ({t_data:.1f}s)", flush=True)
 
     t0 = time.perf_counter()
@@ -189,8 +191,8 @@ def main(argv=None):
     sync(dev)
     t_init = time.perf_counter() - t0
 
-    base = dict(epochs=PAPER["epochs"], steps_per_epoch=1, micro_batch_rows=a.micro_batch_rows, val_fraction=a.val_fraction,
-                compute_dtype=a.compute_dtype, compile=a.compile, seed=a.seed)
+    base = dict(epochs=PAPER["epochs"], steps_per_epoch=1, micro_batch_rows=a.micro_batch_rows,
+                val_fraction=a.val_fraction, compute_dtype=a.compute_dtype, compile=a.compile, seed=a.seed)
     names = a.variants.split(",") if a.variants else ["compile" if a.compile else "eager"]
     for n in names:
         if n not in VARIANTS:
@@ -211,17 +213,21 @@ def main(argv=None):
         step_scale = rows_per_step_paper / v["train_rows_per_step"]  # the measured step had n_train rows
         train_s = paper_steps * v["step_s_median"] * step_scale
         # per validation: the fixed part (hard state, best-epoch bookkeeping) + the per-row forward passes
-        val_s = (PAPER["epochs"] + 1) * (v["validation_fixed_s"] + paper_val_rows * v["validation_rows_s"] / max(v["val_rows"], 1))
+        val_s = (PAPER["epochs"] + 1) * (v["validation_fixed_s"]
+                                         + paper_val_rows * v["validation_rows_s"] / max(v["val_rows"], 1))
         # once per block: per-row work (split, the dense SwiGLU range pass) for every routed row,
         # plus the fixed part (A/V init, optimizer); the epoch-0 validation is counted in val_s
         t = v["setup_phases_s"]
         per_row_setup = sum(t.get(k, 0.0) for k in ("gather_rows", "dense_targets"))
-        setup_s = ((paper_rows_epoch + paper_val_rows) * per_row_setup / (v["train_rows_per_step"] + v["val_rows"]) + t["init_params"])
+        setup_s = ((paper_rows_epoch + paper_val_rows) * per_row_setup / (v["train_rows_per_step"] + v["val_rows"])
+                   + t["init_params"])
         v["paper_budget_extrapolated"] = {"train_min": train_s / 60, "val_min": val_s / 60, "setup_min": setup_s / 60,
                                           "gpu_min_per_block": (train_s + val_s + setup_s) / 60}
-        print(f"[{n}] step {v['step_s_median']:.3f}s (steps {[round(x, 3) for x in v['step_s']]}, first {v['first_step_s']:.1f}s), "
+        print(f"[{n}] step {v['step_s_median']:.3f}s (steps {[round(x, 3) for x in v['step_s']]}, "
+              f"first {v['first_step_s']:.1f}s), "
               f"{v['rows_per_s']:,.0f} rows/s; weight-side {v['weight_side_s_per_step']:.3f}s; "
-              f"paper budget ≈ {v['paper_budget_extrapolated']['gpu_min_per_block']:.1f} GPU-min/block (extrapolated)", flush=True)
+              f"paper budget ≈ {v['paper_budget_extrapolated']['gpu_min_per_block']:.1f} GPU-min/block "
+              "(extrapolated)", flush=True)
         if a.out:
             a.out.mkdir(parents=True, exist_ok=True)
             (a.out / "bench_refine_partial.json").write_text(json.dumps(variants, indent=2, default=str))
@@ -254,8 +260,9 @@ def main(argv=None):
         loop = {"variant": names[0], "experts_timed": pick, "per_expert": per, "mean_step_s_per_expert": mean_step,
                 "rows_per_s": loop_rows / loop_t, "block_step_s_extrapolated": mean_step * E}
         v0 = variants[names[0]]["paper_budget_extrapolated"]
-        loop["paper_budget_gpu_min_per_block"] = (v0["gpu_min_per_block"] - v0["train_min"]
-                                                  + paper_steps * loop["block_step_s_extrapolated"] * rows_per_step_paper / n_train / 60)
+        loop["paper_budget_gpu_min_per_block"] = (
+            v0["gpu_min_per_block"] - v0["train_min"]
+            + paper_steps * loop["block_step_s_extrapolated"] * rows_per_step_paper / n_train / 60)
         print(f"per-expert loop: {loop['rows_per_s']:,.0f} rows/s on {len(pick)} experts; block step ≈ "
               f"{loop['block_step_s_extrapolated']:.2f}s (extrapolated ×{E}/{len(pick)})", flush=True)
 
@@ -270,7 +277,7 @@ def main(argv=None):
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     res = {
         "date": date, "device": gpu, "torch": torch.__version__, "commit": commit, "format": fmt.name,
-        "shape": {"experts": E, "hidden": H, "inter": I, "topk": a.topk},
+        "shape": {"experts": E, "hidden": H, "inter": inter, "topk": a.topk},
         "measured": {
             "tokens": a.tokens, "routed_rows": rows, "train_rows_per_step": n_train, "val_rows": n_val,
             "load_min_mean_max": [int(counts.min()), rows / E, int(counts.max())],
@@ -279,8 +286,10 @@ def main(argv=None):
         "variants": variants,
         "per_expert_loop": loop,
         "paper_budget": {
-            "note": "GPU-min per block EXTRAPOLATED from the measured step/validation/setup throughputs, not measured end to end",
-            "train_rows": PAPER["epochs"] * paper_rows_epoch, "steps": paper_steps, "val_rows_per_epoch": paper_val_rows,
+            "note": "GPU-min per block EXTRAPOLATED from the measured step/validation/setup throughputs, "
+                    "not measured end to end",
+            "train_rows": PAPER["epochs"] * paper_rows_epoch, "steps": paper_steps,
+            "val_rows_per_epoch": paper_val_rows,
             "target_min": 5,
         },
     }
@@ -289,7 +298,7 @@ def main(argv=None):
     (a.out / f"{stem}.json").write_text(json.dumps(res, indent=2))
     (a.out / "bench_refine_partial.json").unlink(missing_ok=True)
     md = [
-        f"# Refinement throughput — {fmt.name}, {E} experts × (H {H}, I {I}), top-{a.topk}",
+        f"# Refinement throughput — {fmt.name}, {E} experts × (H {H}, I {inter}), top-{a.topk}",
         "",
         f"{date} · {gpu} · torch {torch.__version__} · commit {commit}",
         "",
@@ -298,30 +307,35 @@ def main(argv=None):
         f"{a.steps} steps after {a.warmup} warm-up (the first step, compilation included, listed apart). All variants "
         "in one process on the same block.",
         "",
-        "| variant | micro-batch rows | s / step | first step s | routed rows / s | weight-side s / step | peak GPU GiB "
-        "| paper budget GPU-min / block (extrapolated: train + val + setup) |",
+        "| variant | micro-batch rows | s / step | first step s | routed rows / s | weight-side s / step "
+        "| peak GPU GiB | paper budget GPU-min / block (extrapolated: train + val + setup) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for n, v in variants.items():
         pb = v["paper_budget_extrapolated"]
         mem = "" if v["peak_gpu_mem_gib"] is None else f"{v['peak_gpu_mem_gib']:.1f}"
-        md.append(f"| {n}: {v['description']} | {v['config']['micro_batch_rows']:,} | {v['step_s_median']:.3f} | {v['first_step_s']:.1f} "
-                  f"| {v['rows_per_s']:,.0f} | {v['weight_side_s_per_step']:.3f} | {mem} | **{pb['gpu_min_per_block']:.1f}** "
+        md.append(f"| {n}: {v['description']} | {v['config']['micro_batch_rows']:,} | {v['step_s_median']:.3f} "
+                  f"| {v['first_step_s']:.1f} "
+                  f"| {v['rows_per_s']:,.0f} | {v['weight_side_s_per_step']:.3f} | {mem} "
+                  f"| **{pb['gpu_min_per_block']:.1f}** "
                   f"({pb['train_min']:.1f} + {pb['val_min']:.1f} + {pb['setup_min']:.1f}) |")
     if loop:
         md.append(f"| per-expert loop ({names[0]}, {len(loop['experts_timed'])} experts timed, ×{E} extrapolated) | | "
-                  f"{loop['block_step_s_extrapolated']:.3f} | | {loop['rows_per_s']:,.0f} | | | {loop['paper_budget_gpu_min_per_block']:.1f} |")
+                  f"{loop['block_step_s_extrapolated']:.3f} | | {loop['rows_per_s']:,.0f} | | | "
+                  f"{loop['paper_budget_gpu_min_per_block']:.1f} |")
     md += ["", f"Paper budget: 10 epochs × 8,192 × 4,096 tokens × top-{a.topk}, {paper_steps} steps of "
            f"{rows_per_step_paper:,} rows, 11 validations over {paper_val_rows:,} rows; GPU-minutes per block are "
            "**EXTRAPOLATED** from the measured throughputs; target ≤ 5.", ""]
     for n, v in variants.items():
         t = v["setup_phases_s"]
         md.append(f"- {n}: setup phases (s) " + ", ".join(f"{k} {x:.2f}" for k, x in t.items())
-                  + f"; one validation {v['validation_s']:.2f} s (fixed {v['validation_fixed_s']:.3f} + rows {v['validation_rows_s']:.3f}).")
+                  + f"; one validation {v['validation_s']:.2f} s (fixed {v['validation_fixed_s']:.3f} "
+                  f"+ rows {v['validation_rows_s']:.3f}).")
         if v.get("end_to_end"):
             e2e = v["end_to_end"]
-            md.append(f"  - measured end to end (BlockRefiner construction + run() with export, {e2e['epochs']} epochs × 1 step "
-                      f"over this block, compilation included where on): {e2e['total_s']:.1f} s = setup {e2e['setup_s']:.1f} + "
+            md.append(f"  - measured end to end (BlockRefiner construction + run() with export, {e2e['epochs']} epochs "
+                      f"× 1 step over this block, compilation included where on): {e2e['total_s']:.1f} s "
+                      f"= setup {e2e['setup_s']:.1f} + "
                       f"run {e2e['run_s']:.1f}; the throughput model used for the extrapolation predicts run "
                       f"{e2e['run_s_predicted']:.1f} s (epochs × (step + validation)).")
     md.append("")

@@ -209,14 +209,16 @@ def main():
                     "rows_per_expert_max": int(counts.max())}
     block = make_block(args.experts, args.hidden, args.inter, counts, dev)
     order = counts.argsort().tolist()
-    picks = [order[round(i * (len(order) - 1) / max(1, args.baseline_experts - 1))] for i in range(args.baseline_experts)]
+    picks = [order[round(i * (len(order) - 1) / max(1, args.baseline_experts - 1))]
+             for i in range(args.baseline_experts)]
     budget = memory_budget(dev, None)
     res["shape"]["default_chunk_experts"] = int(max(1, budget // solver_bytes_per_expert(args.inter, args.hidden)))
     save()
     if args.factorisations:
         from moesq_core.compression.methods import spd
         try:
-            shapes = FACTORISATION_SHAPES if dev.type == "cuda" else (("kept_set_solve_4x128", 4, 128), ("hessian_factor_2x256", 2, 256))
+            shapes = (FACTORISATION_SHAPES if dev.type == "cuda"
+                      else (("kept_set_solve_4x128", 4, 128), ("hessian_factor_2x256", 2, 256)))
             res["factorisations"] = bench_factorisations(dev, shapes=shapes)
             pick = pick_factorisation(res["factorisations"])
             if pick:
@@ -233,8 +235,8 @@ def main():
             get_method(name).compress_block(block[:2], fmt)  # warm-up (cuBLAS/cuSOLVER handles, allocator)
             solve_log.take()
             out, sec, peak = timed(lambda: get_method(name).compress_block(block, fmt))
-            row = {"format": fmt.name, "batched_block_s": sec, "batched_peak_gib": peak, "mean_rel_err": mean_rel_err(out),
-                   "kept_set_cg": solve_log.take()}
+            row = {"format": fmt.name, "batched_block_s": sec, "batched_peak_gib": peak,
+                   "mean_rel_err": mean_rel_err(out), "kept_set_cg": solve_log.take()}
             bat_picks = [out[e] for e in picks]
             if dev.type == "cuda":  # the same batched path launching every op of the sweep (no CUDA graphs)
                 launched, row["batched_launched_s"], _ = timed(
@@ -266,11 +268,11 @@ def main():
     block = None  # free the device memory
     empty_cache()
     if args.kimi:
-        E, H, I = 384, 7168, 2048
-        per_chunk = int(max(1, memory_budget(dev, None) // solver_bytes_per_expert(I, H)))
+        E, H, inter = 384, 7168, 2048
+        per_chunk = int(max(1, memory_budget(dev, None) // solver_bytes_per_expert(inter, H)))
         kc = routed_counts(E, args.tokens_per_expert, 1)
         which = list(range(min(per_chunk, E)))
-        kb = make_block(E, H, I, kc, dev, seed=1, which=which)
+        kb = make_block(E, H, inter, kc, dev, seed=1, which=which)
         for name in args.methods.split(","):
             key = f"{name}_kimi_k2"
             try:
@@ -280,7 +282,8 @@ def main():
                 out, sec, peak = timed(lambda: get_method(name).compress_block(kb, fmt))
                 rows_timed = int(kc[which].sum())
                 res["results"][key] = {
-                    "shape": {"model": "Kimi-K2", "experts": E, "hidden": H, "inter": I, "routed_rows": int(kc.sum())},
+                    "shape": {"model": "Kimi-K2", "experts": E, "hidden": H, "inter": inter,
+                              "routed_rows": int(kc.sum())},
                     "format": fmt.name, "experts_timed": len(which), "rows_timed": rows_timed, "seconds_timed": sec,
                     "peak_gib": peak, "block_s_extrapolated": sec * E / len(which), "mean_rel_err": mean_rel_err(out),
                     "kept_set_cg": solve_log.take(),
@@ -300,7 +303,8 @@ def write_markdown(res: dict, path: Path):
     md = ["# One-shot solvers on one MoE block — batched vs per-expert", "",
           f"{res['date']} · {res['gpu']} · torch {res['torch']} · commit {res['commit']}", "",
           f"Qwen3-30B-A3B-shaped block: {sh['experts']} experts, hidden {sh['hidden']}, inter {sh['inter']}, random "
-          f"weights, {sh['routed_rows']:,} routed rows ({sh['rows_per_expert_min']:,}–{sh['rows_per_expert_max']:,} per "
+          f"weights, {sh['routed_rows']:,} routed rows "
+          f"({sh['rows_per_expert_min']:,}–{sh['rows_per_expert_max']:,} per "
           f"expert). Batched: the whole block through `compress_block` (default path), measured. Per-expert: "
           f"`batched=False` on a few experts, **extrapolated** ×{sh['experts']}.", "",
           "| method | format | batched, s per block (measured) | batched without CUDA graphs, s (codes equal) | "
@@ -312,21 +316,24 @@ def write_markdown(res: dict, path: Path):
         a = r["batched_vs_per_expert_on_timed_experts"]
         gl = r.get("graphed_vs_launched")
         launched = f"{r['batched_launched_s']:.2f} ({100 * gl['code_agreement']:.3f} %)" if gl else "—"
-        md.append(f"| {name} | {r['format']} | **{r['batched_block_s']:.2f}** | {launched} | {r['per_expert_block_s_extrapolated']:,.1f} "
+        md.append(f"| {name} | {r['format']} | **{r['batched_block_s']:.2f}** | {launched} "
+                  f"| {r['per_expert_block_s_extrapolated']:,.1f} "
                   f"(from {len(r['per_expert_timed'])} experts) | {r['speedup_vs_extrapolated_per_expert']:,.1f}× | "
                   f"{r['batched_peak_gib']:.1f} | {100 * a['code_agreement']:.3f} % (rel. err ratio "
                   f"{a['rel_err_ratio_min']:.4f}–{a['rel_err_ratio_max']:.4f}) |")
     solves = {n: r for n, r in res["results"].items() if r.get("kept_set_cg") or r.get("cg_vs_exact_on_timed_experts")}
     if solves:
-        md += ["", "Kept-set least squares (sgptq's refit, obr) by conjugate gradients (the default, `solve=\"cg\"`) vs "
-                   "the exact Cholesky per row (`solve=\"exact\"`) on the timed experts: relative output error of CG over "
-                   "exact, and the CG iterations the block needed (per solve; rows not converged by then are solved "
-                   "exactly).", "",
+        md += ["", "Kept-set least squares (sgptq's refit, obr) by conjugate gradients (the default, "
+                   "`solve=\"cg\"`) vs "
+                   "the exact Cholesky per row (`solve=\"exact\"`) on the timed experts: relative output error of CG "
+                   "over exact, and the CG iterations the block needed (per solve; rows not converged by then are "
+                   "solved exactly).", "",
                "| run | rel. err CG / exact (min–max) | codes equal | CG iterations per solve | rows solved exactly |",
                "|---|---|---|---|---|"]
         for n, r in solves.items():
             c, cg = r.get("cg_vs_exact_on_timed_experts"), r.get("kept_set_cg") or {}
-            ratio = f"{c['rel_err_ratio_min']:.4f}–{c['rel_err_ratio_max']:.4f} (mean {c['rel_err_ratio_mean']:.5f})" if c else "—"
+            ratio = (f"{c['rel_err_ratio_min']:.4f}–{c['rel_err_ratio_max']:.4f} (mean {c['rel_err_ratio_mean']:.5f})"
+                     if c else "—")
             codes = f"{100 * c['code_agreement']:.2f} %" if c else "—"
             md.append(f"| {n} | {ratio} | {codes} | {', '.join(map(str, cg.get('iterations', []))) or '—'} | "
                       f"{cg.get('exact_fallback_rows', '—')} |")
@@ -334,23 +341,29 @@ def write_markdown(res: dict, path: Path):
     if kimi:
         md += ["", "Kimi-K2-shaped block (384 experts, hidden 7168, inter 2048): one memory chunk of experts timed, "
                    "**extrapolated** to the block.", "",
-               "| method | format | chunk | s for the chunk | peak GiB | s per block (extrapolated) |", "|---|---|---|---|---|---|"]
+               "| method | format | chunk | s for the chunk | peak GiB | s per block (extrapolated) |",
+               "|---|---|---|---|---|---|"]
         for n, k in kimi.items():
-            md.append(f"| {n.removesuffix('_kimi_k2')} | {k['format']} | {k['experts_timed']} experts, {k['rows_timed']:,} rows "
+            md.append(f"| {n.removesuffix('_kimi_k2')} | {k['format']} | {k['experts_timed']} experts, "
+                      f"{k['rows_timed']:,} rows "
                       f"| {k['seconds_timed']:.1f} | {k['peak_gib']:.1f} | **{k['block_s_extrapolated']:.0f}** |")
     if res.get("factorisations"):
-        md += ["", "Batched SPD factorisations, seconds (fp64; `spd` strategy and leaf size vs torch's batched cuSOLVER "
-                   "calls). The solvers above ran with " + f"strategy {res['spd_config_used']['strategy']!r}, leaf "
-                   f"{res['spd_config_used']['base']} (the fastest accurate kept-set solve, picked in this process):", "",
-               "| variant | " + " | ".join(res["factorisations"]) + " |", "|---" * (1 + len(res["factorisations"])) + "|"]
+        md += ["", "Batched SPD factorisations, seconds (fp64; `spd` strategy and leaf size vs torch's batched "
+                   "cuSOLVER calls). The solvers above ran with "
+                   + f"strategy {res['spd_config_used']['strategy']!r}, leaf "
+                   f"{res['spd_config_used']['base']} (the fastest accurate kept-set solve, picked in this process):",
+                   "",
+               "| variant | " + " | ".join(res["factorisations"]) + " |",
+               "|---" * (1 + len(res["factorisations"])) + "|"]
         keys = list(next(iter(res["factorisations"].values())))
         for k in keys:
-            md.append(f"| {k} | " + " | ".join(f"{row[k]['seconds']:.4f}" for row in res["factorisations"].values()) + " |")
+            md.append(f"| {k} | " + " | ".join(f"{row[k]['seconds']:.4f}" for row in res["factorisations"].values())
+                      + " |")
     if res["errors"]:
         md += ["", "Failed: " + ", ".join(res["errors"])]
     md += ["", "Code agreement < 100 % on the GPU is rounding: cuBLAS/cuSOLVER vs the recursive factorisations and "
-               "batched products change the last bits, which moves codes that sit on a rounding boundary; on the CPU the "
-               "two paths are bitwise equal (tests/compression/test_batched_solvers.py)."]
+               "batched products change the last bits, which moves codes that sit on a rounding boundary; on the CPU "
+               "the two paths are bitwise equal (tests/compression/test_batched_solvers.py)."]
     path.write_text("\n".join(md) + "\n")
 
 

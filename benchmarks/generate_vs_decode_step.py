@@ -1,6 +1,6 @@
 """`moesq generate` against the decode benchmark's step, on a Qwen3-30B-A3B-shaped packed model (one GPU).
 
-    python benchmarks/generate_vs_decode_step.py --root DIR --out benchmarks/results              # 4 layers, batch 1 and 16
+    python benchmarks/generate_vs_decode_step.py --root DIR --out benchmarks/results  # 4 layers, batch 1 and 16
     python benchmarks/generate_vs_decode_step.py --root DIR --layers 48 --out benchmarks/results  # the whole model
     python benchmarks/generate_vs_decode_step.py --root DIR --small --device cpu --out DIR        # a CPU smoke run
 
@@ -90,8 +90,9 @@ def build_pack(args) -> Path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     cli = [sys.executable, "-m", "moesq_cli"]
     if not (pack / "moesq_pack.json").is_file():
-        for argv in (["init-sgptq", "-m", model, "-w", wd, "--method", "rtn", "--format", args.format, "--seq-len", "64",
-                      "--n-train", "2", "--n-val", "2", "--n-init", "8", "--device", args.device, "--quiet"],
+        for argv in (["init-sgptq", "-m", model, "-w", wd, "--method", "rtn", "--format", args.format,
+                      "--seq-len", "64", "--n-train", "2", "--n-val", "2", "--n-init", "8", "--device", args.device,
+                      "--quiet"],
                      ["pack", wd, "--out", pack, "--overwrite", "--quiet"]):
             subprocess.run([*cli, *map(str, argv)], check=True, env=env)
     return pack
@@ -145,7 +146,8 @@ def markdown(doc: dict) -> str:
             lines.append(f"| {r['batch']} | error: {r['error'][:160]} | | | | | | | |")
             continue
         g, s = r["generate"], r["step"]
-        lines.append(f"| {r['batch']} | {g['prompt_tokens']} | {g['prefill_tokens_per_s']} | {g['decode_tokens_per_s']} "
+        lines.append(f"| {r['batch']} | {g['prompt_tokens']} | {g['prefill_tokens_per_s']} "
+                     f"| {g['decode_tokens_per_s']} "
                      f"| {g['decode_step_ms']} | {g['cuda_graph']} | {s['tokens_per_s']} | {s['step_ms']} "
                      f"| {r['generate_vs_step']} |")
     return "\n".join(lines) + "\n"
@@ -168,7 +170,8 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(pack.device) if pack.device.type == "cuda" else "cpu"
     date, commit = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d"), git_commit()
     doc = {"benchmark": "moesq generate vs the decode benchmark's step",
-           "model": f"Qwen3-30B-A3B-shaped{' (small width)' if args.small else ''}, {args.layers} layers, random weights",
+           "model": f"Qwen3-30B-A3B-shaped{' (small width)' if args.small else ''}, {args.layers} layers, "
+                    "random weights",
            "layers": args.layers, "format": args.format, "dtype": pack.dtype, "experts_module": pack.experts_modules,
            "date": date, "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
            "commit": commit, "build_s": round(build_s, 1), "load_s": round(pack.load_seconds, 1),

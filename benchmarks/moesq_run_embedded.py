@@ -33,7 +33,8 @@ def paper_sgptq(moesq: str, tmp: Path, report: dict) -> dict:
     c = report["config"]["calib"]
 
     def moesq_cmd(*args):
-        subprocess.run([moesq, args[0], "-w", "paper-work", *args[1:]], cwd=tmp, check=True, capture_output=True, text=True)
+        subprocess.run([moesq, args[0], "-w", "paper-work", *args[1:]], cwd=tmp, check=True, capture_output=True,
+                       text=True)
 
     moesq_cmd("calibrate", "--seq-len", str(c["seq_len"]), "--n-train", str(c["n_train"]), "--n-val", str(c["n_val"]),
               "--n-init", str(c["n_init"]), "--seed", str(c["seed"]))
@@ -42,7 +43,8 @@ def paper_sgptq(moesq: str, tmp: Path, report: dict) -> dict:
         raise SystemExit(f"the paper's SGPTQ work dir calibrated differently: {calib}")
     moesq_cmd("init-sgptq", "--device", "cpu", "--no-refit")
     tokens = next(r["tokens"] for r in report["rows"] if r["kind"] == "reference")
-    subprocess.run([moesq, "eval", "paper-work", "--device", "cpu", "--ppl-tokens", str(tokens), "--json", "paper.json"],
+    subprocess.run([moesq, "eval", "paper-work", "--device", "cpu", "--ppl-tokens", str(tokens),
+                    "--json", "paper.json"],
                    cwd=tmp, check=True, capture_output=True, text=True)
     row = next(r for r in json.loads((tmp / "paper.json").read_text())["ppl"] if r["stage"] == "init-sgptq")
     return {"command": "moesq calibrate (moesq run's settings); moesq init-sgptq --no-refit; moesq eval",
@@ -63,7 +65,8 @@ def main() -> int:
         report["paper_sgptq"] = paper_sgptq(moesq, Path(tmp), report)
     report.update({"command": "moesq run --json -", "commit": git_commit(),
                    "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                   "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}",
+                   "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
+                              f"torch {torch.__version__}",
                    "wall_seconds": round(wall, 1)})
     # results keep paths relative to the repository (the embedded model and texts live in it)
     OUT.write_text(json.dumps(report, indent=2, sort_keys=True).replace(str(REPO) + "/", "") + "\n")

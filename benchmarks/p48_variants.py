@@ -163,7 +163,8 @@ def markdown(result: dict) -> str:
              "|---|---|---|---|" + "---|" * (3 * len(vs) + (len(vs) if fused else 0) + 1)]
     for r in result["rows"]:
         m = r["methods"]
-        cells = [f"{m[v]['us']:.1f}" for v in vs] + [f"{m[v]['TBps']:.2f}" for v in vs] + [f"{m[v]['vs_fp8']:.2f}" for v in vs]
+        cells = ([f"{m[v]['us']:.1f}" for v in vs] + [f"{m[v]['TBps']:.2f}" for v in vs]
+                 + [f"{m[v]['vs_fp8']:.2f}" for v in vs])
         if fused:
             cells += [f"{m[v]['fused_us']:.1f}" for v in vs]
         eq = "yes" if all(m[v]["bit_equal_to_first"] for v in vs) else "NO"

@@ -1,10 +1,14 @@
 """A real-size run: a random-weight model of a real MoE's shape through every moesq command, measured.
 
-    python benchmarks/real_size_run.py --root DIR --nproc 2 --out benchmarks/results          # 48-layer Qwen3-30B-A3B shape (57 GiB)
+    # 48-layer Qwen3-30B-A3B shape (57 GiB)
+    python benchmarks/real_size_run.py --root DIR --nproc 2 --out benchmarks/results
     python benchmarks/real_size_run.py --root DIR --scaling --layers 3 --nproc 2 --out benchmarks/results
-    python benchmarks/real_size_run.py --root DIR --shape kimi-k2-block --skip-init --out benchmarks/results  # one Kimi-K2 block
-    python benchmarks/real_size_run.py --root DIR --shape kimi-k2-block --no-refit --out benchmarks/results   # the same, paper SGPTQ stage
-    python benchmarks/real_size_run.py --root DIR --layers 2 --small --device cpu --nproc 2   # a smoke run
+    # one Kimi-K2 block
+    python benchmarks/real_size_run.py --root DIR --shape kimi-k2-block --skip-init --out benchmarks/results
+    # the same, paper SGPTQ stage
+    python benchmarks/real_size_run.py --root DIR --shape kimi-k2-block --no-refit --out benchmarks/results
+    # a smoke run
+    python benchmarks/real_size_run.py --root DIR --layers 2 --small --device cpu --nproc 2
 
 Pipeline mode writes the model under DIR (generated on the GPU when there is one; `moesq_core.serving.bench.
 synthetic_model`) and runs, as a user would, `moesq calibrate → init-sgptq → refine (a reduced budget) →
@@ -52,7 +56,8 @@ from moesq_core.serving.bench.harness import git_commit  # noqa: E402
 GIB = 2 ** 30
 EVAL_TEXT = ASSETS / "eval-sample.txt.xz"
 # Calibration and refine-budget options; recorded in the state (a resumed run must use the same) and the results.
-BUDGET_OPTIONS = ("epochs", "steps_per_epoch", "batch_rows", "e2e_steps", "calib", "n_train", "seq_len", "n_val", "n_init")
+BUDGET_OPTIONS = ("epochs", "steps_per_epoch", "batch_rows", "e2e_steps", "calib", "n_train", "seq_len", "n_val",
+                  "n_init")
 PIPELINE = ("generate", "calibrate", "init-sgptq", "refine", "pack", "verify", "eval")
 # A smoke-test shape: the same architecture at a width a CPU runs in seconds.
 SMALL = dict(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=256,
@@ -223,12 +228,14 @@ def calib_args(args) -> list[str]:
 
 
 def refine_args(args) -> list[str]:
-    budget = ["--batch-rows", str(args.batch_rows)] if args.batch_rows else ["--steps-per-epoch", str(args.steps_per_epoch)]
+    budget = (["--batch-rows", str(args.batch_rows)] if args.batch_rows
+              else ["--steps-per-epoch", str(args.steps_per_epoch)])
     return ["--epochs", str(args.epochs), *budget, *(["--e2e-steps", args.e2e_steps] if args.e2e_steps else [])]
 
 
 PHASES_LINE = re.compile(r"moesq\.engine: (?P<stage>[\w-]+): layer (?P<layer>\d+) phases \(s\): (?P<phases>\{.*\})")
-REFINE_LINE = re.compile(r"refine: \d+ experts in \d+ chunk\(s\), init (?P<init>[\d.]+) s, refinement (?P<train>[\d.]+) s")
+REFINE_LINE = re.compile(r"refine: \d+ experts in \d+ chunk\(s\), init (?P<init>[\d.]+) s, "
+                         r"refinement (?P<train>[\d.]+) s")
 
 
 def refine_schedule(log: Path) -> str | None:
@@ -276,15 +283,18 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
     generate(state, model, cfg, args.device)
     m, w = str(model), str(wd)
     steps = {
-        "calibrate": moesq("calibrate", "-m", m, "-w", w, "--quiet", "--json", str(res / "calibrate.json"), *calib_args(args)),
-        "init-sgptq": moesq("init-sgptq", "-m", m, "-w", w, *stage_args(args, args.nproc), *(["--no-refit"] if args.no_refit else []),
-                            "--quiet", "--json", str(res / "init-sgptq.json")),
+        "calibrate": moesq("calibrate", "-m", m, "-w", w, "--quiet", "--json", str(res / "calibrate.json"),
+                           *calib_args(args)),
+        "init-sgptq": moesq("init-sgptq", "-m", m, "-w", w, *stage_args(args, args.nproc),
+                            *(["--no-refit"] if args.no_refit else []), "--quiet",
+                            "--json", str(res / "init-sgptq.json")),
         "refine": moesq("refine", "-m", m, "-w", w, *stage_args(args, args.nproc), *refine_args(args), "--quiet",
                         "--json", str(res / "refine.json")),
         "pack": moesq("pack", w, "--quiet", "--json", str(res / "pack.json")),
         "verify": moesq("verify", str(wd / "packed"), "--quiet", "--json", str(res / "verify.json")),
         "eval": moesq("eval", str(wd / "packed"), "--ppl", str(EVAL_TEXT), "--ppl-tokens", str(args.ppl_tokens),
-                      "--device", "cpu" if args.device == "cpu" else "cuda", "--quiet", "--json", str(res / "eval.json")),
+                      "--device", "cpu" if args.device == "cpu" else "cuda", "--quiet", "--json",
+                      str(res / "eval.json")),
     }
     if args.skip_init:  # refine computes its SGPTQ init inside the block loop and reports its time anyway
         del steps["init-sgptq"]
@@ -294,14 +304,16 @@ def pipeline(args, root: Path, deadline: float | None) -> dict:
              "workdir_without_packed": dir_bytes(wd) - dir_bytes(wd / "packed"),
              **{f"stage {p.name}": dir_bytes(p) for p in sorted((wd / "stages").iterdir())},
              "calibration": dir_bytes(wd / "calib"), "state cache": dir_bytes(wd / "cache")}
-    return {"steps": state.data["steps"], "sizes_bytes": sizes, "per_block_median_s": block_phases(wd / "logs" / "moesq.log"),
+    return {"steps": state.data["steps"], "sizes_bytes": sizes,
+            "per_block_median_s": block_phases(wd / "logs" / "moesq.log"),
             "refine_schedule": refine_schedule(wd / "logs" / "moesq.log")}
 
 
 def scaling(args, root: Path, deadline: float | None) -> dict:
     model, log = args.model_dir or root / "model", root / "commands.log"
     cfg = model_config(args)
-    state = State(root, {"mode": "scaling", "config": cfg, "nproc": args.nproc, "device": args.device, "stages": args.stages,
+    state = State(root, {"mode": "scaling", "config": cfg, "nproc": args.nproc, "device": args.device,
+                         "stages": args.stages,
                          **{k: getattr(args, k) for k in BUDGET_OPTIONS}})
     generate(state, model, cfg, args.device)
     out = {}
@@ -317,7 +329,8 @@ def scaling(args, root: Path, deadline: float | None) -> dict:
             manifest = json.loads((wd / "manifest.json").read_text())
             blocks = manifest["stages"][stage].get("block_timings", {})
             secs = [blocks[k]["seconds"] for k in sorted(blocks, key=int)]
-            out.setdefault(stage, {})[n] = {"block_seconds": secs, "compress_seconds": rec["result"]["compress_seconds"],
+            out.setdefault(stage, {})[n] = {"block_seconds": secs,
+                                           "compress_seconds": rec["result"]["compress_seconds"],
                                            "stage_seconds": rec["result"]["stage_seconds"],
                                            "phase_seconds": rec["result"].get("phase_seconds"),
                                            "wall_s": sum(a["wall_s"] for a in rec["attempts"]),
@@ -337,21 +350,24 @@ def scaling(args, root: Path, deadline: float | None) -> dict:
 
 
 def header(args, cfg: dict) -> dict:
-    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    gpus = ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else [])
     return {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
             "gpus": gpus, "torch": torch.__version__, "cpus": os.cpu_count(), "model_shape":
             {k: cfg[k] for k in ("num_hidden_layers", "hidden_size", "num_experts", "moe_intermediate_size",
                                  "num_experts_per_tok", "vocab_size")},
             "tokenizer": "the embedded micro model's (random weights: perplexities are not meaningful)",
-            "options": relative({k: getattr(args, k) for k in ("shape", "skip_init", "no_refit", "nproc", "device", *BUDGET_OPTIONS,
-                                                               "ppl_tokens", *(("stages",) if args.scaling else ()))},
+            "options": relative({k: getattr(args, k) for k in ("shape", "skip_init", "no_refit", "nproc", "device",
+                                                               *BUDGET_OPTIONS, "ppl_tokens",
+                                                               *(("stages",) if args.scaling else ()))},
                                 args.root.resolve())}
 
 
 def markdown(doc: dict) -> str:
     h = doc["header"]
     s = h["model_shape"]
-    lines = [f"# Real-size run — {'scaling' if 'scaling' in doc else 'pipeline'}: random Qwen3-MoE ({h['options'].get('shape', 'qwen3-30b-a3b')} shape), "
+    lines = [f"# Real-size run — {'scaling' if 'scaling' in doc else 'pipeline'}: "
+             f"random Qwen3-MoE ({h['options'].get('shape', 'qwen3-30b-a3b')} shape), "
              f"{s['num_hidden_layers']} layers × {s['num_experts']} experts of {s['hidden_size']} × "
              f"{s['moe_intermediate_size']}, top-{s['num_experts_per_tok']}", "",
              f"{h['date'][:10]} · {', '.join(h['gpus']) or 'CPU'} · torch {h['torch']} · commit {h['commit']} · "
@@ -370,7 +386,8 @@ def markdown(doc: dict) -> str:
             if one.get("phase_seconds") and many.get("phase_seconds"):
                 phases = list(dict.fromkeys([*one["phase_seconds"], *many["phase_seconds"]]))
                 lines += ["", f"{stage}, seconds per phase summed over the blocks (rank 0; the device synchronised at "
-                          "each phase):", "", "| processes | " + " | ".join(phases) + " |", "|---" * (len(phases) + 1) + "|"]
+                          "each phase):", "", "| processes | " + " | ".join(phases) + " |",
+                          "|---" * (len(phases) + 1) + "|"]
                 lines += [f"| {k} | " + " | ".join(f"{x['phase_seconds'].get(p, 0):.1f}" for p in phases) + " |"
                           for k, x in ((1, one), (n, many))]
         return "\n".join(lines) + "\n"
@@ -383,14 +400,17 @@ def markdown(doc: dict) -> str:
         what = {"init-sgptq": lambda: f"{r['blocks']} blocks, compute {r['compress_seconds']:.0f} s",
                 "refine": lambda: f"{r['blocks']} blocks, compute {r['compress_seconds']:.0f} s",
                 "generate": lambda: f"{rec['model_bytes'] / GIB:.1f} GiB",
-                "pack": lambda: f"{r['bytes'] / GIB:.2f} GiB, {r['bits_per_weight']:.3f} bits/weight, {r['shards']} shards",
+                "pack": lambda: (f"{r['bytes'] / GIB:.2f} GiB, {r['bits_per_weight']:.3f} bits/weight, "
+                                 f"{r['shards']} shards"),
                 "verify": lambda: f"ok={r.get('ok')}, {r.get('bits_per_weight', '')} bits/weight",
-                "eval": lambda: f"perplexity {r['ppl'][0]['ppl']:.1f} over {r['ppl'][0]['tokens']} tokens"}.get(name, lambda: "")
+                "eval": lambda: f"perplexity {r['ppl'][0]['ppl']:.1f} over {r['ppl'][0]['tokens']} tokens",
+                }.get(name, lambda: "")
         try:
             summary = what()
         except (KeyError, TypeError):
             summary = ""
-        lines.append(f"| {name} | {wall:.1f}{' (' + str(len(rec['attempts'])) + ' runs)' if len(rec['attempts']) > 1 else ''} | "
+        lines.append(f"| {name} | {wall:.1f}"
+                     f"{' (' + str(len(rec['attempts'])) + ' runs)' if len(rec['attempts']) > 1 else ''} | "
                      f"{last.get('peak_host_gib', '')} | {last.get('peak_gpu_gib', '')} | {summary} |")
     if doc.get("refine_schedule"):
         lines += ["", f"Refine schedule: {doc['refine_schedule']}"]
@@ -410,10 +430,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--root", type=Path, required=True, help="directory for the model, work dirs and state")
     ap.add_argument("--model-dir", type=Path, default=None,
-                    help="where the generated model goes (default ROOT/model), e.g. another file system than the work dirs'")
+                    help="where the generated model goes (default ROOT/model), e.g. another file system than the "
+                         "work dirs'")
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b",
                     help="the model shape (kimi-k2-block: one Kimi-K2 MoE block)")
-    ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's: 48, or 1 for kimi-k2-block)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="decoder layers (default: the shape's: 48, or 1 for kimi-k2-block)")
     ap.add_argument("--small", action="store_true", help="a narrow model of the same architecture (smoke runs)")
     ap.add_argument("--scaling", action="store_true", help="1 vs --nproc processes on init-sgptq and refine")
     ap.add_argument("--stages", type=lambda v: v.split(","), default=["init-sgptq", "refine"],
@@ -429,7 +451,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-rows", type=int, default=0,
                     help="refine: routed rows per optimizer step (replaces --steps-per-epoch; the paper's: 2097152)")
     ap.add_argument("--e2e-steps", default="", help="refine --e2e-steps (default: moesq's)")
-    ap.add_argument("--calib", default="", help="calibration text for moesq calibrate (default: moesq's embedded sample)")
+    ap.add_argument("--calib", default="",
+                    help="calibration text for moesq calibrate (default: moesq's embedded sample)")
     ap.add_argument("--n-train", type=int, default=0, help="calibration training sequences (default: moesq's)")
     ap.add_argument("--seq-len", type=int, default=0, help="calibration tokens per sequence (default: moesq's)")
     ap.add_argument("--n-val", type=int, default=0, help="calibration validation sequences (default: moesq's)")
@@ -450,7 +473,9 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         gpu = "h200" if any("H200" in g for g in doc["header"]["gpus"]) else ("gpu" if doc["header"]["gpus"] else "cpu")
         n = len(doc["header"]["gpus"])
-        stem = (f"real_size_{'scaling' if args.scaling else 'run'}_{'' if args.shape == 'qwen3-30b-a3b' else args.shape + '_'}{args.tag + '_' if args.tag else ''}{gpu}{f'x{n}' if n > 1 else ''}_"
+        stem = (f"real_size_{'scaling' if args.scaling else 'run'}_"
+                f"{'' if args.shape == 'qwen3-30b-a3b' else args.shape + '_'}"
+                f"{args.tag + '_' if args.tag else ''}{gpu}{f'x{n}' if n > 1 else ''}_"
                 f"{doc['header']['date'][:10]}_{doc['header']['commit']}")
         (args.out / f"{stem}.json").write_text(json.dumps(doc, indent=2))
         (args.out / f"{stem}.md").write_text(markdown(doc))

@@ -38,7 +38,7 @@ from moesq_core.compression.methods.registry import get_method  # noqa: E402
 from moesq_core.formats import get_format  # noqa: E402
 
 
-def make_block(E: int, H: int, I: int, tokens: int, val_tokens: int, topk: int, std: float, seed: int):
+def make_block(E: int, H: int, inter: int, tokens: int, val_tokens: int, topk: int, std: float, seed: int):
     """Experts with train rows (x, w) and held-out rows (x_val, w_val) from one random router."""
     g = torch.Generator().manual_seed(seed)
     router = torch.randn(E, H, generator=g) / math.sqrt(H)
@@ -56,8 +56,8 @@ def make_block(E: int, H: int, I: int, tokens: int, val_tokens: int, topk: int, 
     xv, wv = route(val_tokens)
     experts = []
     for e in range(E):
-        experts.append(ExpertData(e, torch.randn(I, H, generator=g) * std, torch.randn(I, H, generator=g) * std,
-                                  torch.randn(H, I, generator=g) * std, xs[e], ws[e], xv[e], wv[e]))
+        experts.append(ExpertData(e, torch.randn(inter, H, generator=g) * std, torch.randn(inter, H, generator=g) * std,
+                                  torch.randn(H, inter, generator=g) * std, xs[e], ws[e], xv[e], wv[e]))
     return experts
 
 
@@ -118,20 +118,24 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"refine_lr_scale_{args.tag}.json"
     for std in args.std:
-        experts = make_block(args.experts, args.hidden, args.inter, args.tokens, args.val_tokens, args.topk, std, args.seed)
-        experts = [ExpertData(ex.index, *(t.to(args.device) for t in (ex.gate, ex.up, ex.down, ex.x, ex.w, ex.x_val, ex.w_val)))
+        experts = make_block(args.experts, args.hidden, args.inter, args.tokens, args.val_tokens, args.topk, std,
+                             args.seed)
+        experts = [ExpertData(ex.index, *(t.to(args.device)
+                                          for t in (ex.gate, ex.up, ex.down, ex.x, ex.w, ex.x_val, ex.w_val)))
                    for ex in experts]
         t0 = time.perf_counter()
         inits = get_method("sgptq").compress_block(experts, fmt)
         t_init = time.perf_counter() - t0
         rows = [ex.x.shape[0] for ex in experts]
-        print(f"std {std}: rows per expert {min(rows)}–{max(rows)}, weight RMS {weight_rms(experts)}, init {t_init:.1f} s", flush=True)
+        print(f"std {std}: rows per expert {min(rows)}–{max(rows)}, weight RMS {weight_rms(experts)}, "
+              f"init {t_init:.1f} s", flush=True)
         for steps in args.steps:
             for name, over in variants.items():
                 res = run_variant(experts, inits, fmt, over, steps)
                 res.update(variant=name, std=std, weight_rms=weight_rms(experts))
                 doc["runs"].append(res)
-                print(f"  std {std} steps {steps:4d} {name:24s} lr(A) {res['lr_logits']:.3g} lr(V) {res['lr_values']:.3g}: "
+                print(f"  std {std} steps {steps:4d} {name:24s} lr(A) {res['lr_logits']:.3g} "
+                      f"lr(V) {res['lr_values']:.3g}: "
                       f"{res['improved']}/{res['experts']} improved, val/init {res['val_ratio_mean']:.4f}, "
                       f"patterns changed {res['patterns_changed']}, {res['seconds']} s", flush=True)
                 path.write_text(json.dumps(doc, indent=1))

@@ -244,10 +244,12 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
         hours = round(total / 3600, 2)
         measured_on = ", ".join(str(b["layer"]) for b in per_block if "propagate" in b.get("phases", {})) or "none"
         sentence = (
-            f"{L}-layer time = one-time costs {sum(one_time.values()):.1f} s (model load {one_time['model_load']:.1f} s "
+            f"{L}-layer time = one-time costs {sum(one_time.values()):.1f} s "
+            f"(model load {one_time['model_load']:.1f} s "
             f"+ calibration tokenization {one_time['calibration']:.1f} s + embedding the calibration set "
             f"{one_time['embedding']:.1f} s; each measured once, in the first run of the command that did it, from "
-            f"the work dir log's time stamps, on this {cfg['num_hidden_layers']}-layer model) + {L} × {compute_s:.1f} s (the mean compute per block over the "
+            f"the work dir log's time stamps, on this {cfg['num_hidden_layers']}-layer model) "
+            f"+ {L} × {compute_s:.1f} s (the mean compute per block over the "
             f"{len(secs)} blocks measured here, {', '.join(f'{s:.1f}' for s in secs)} s: the work dir manifest's "
             f"per-block seconds, which hold routing, the dense weights, the in-loop SGPTQ init, the refinement, the "
             f"activation ranges and the artifact write: its packing and the wait for the previous block's "
@@ -298,9 +300,11 @@ def markdown(doc: dict) -> str:
     gmin = doc["gpu_min_per_block"]
     hours = doc["extrapolated_48_layer_hours"]
     lines = [f"# `moesq refine` at the paper's calibration: random Qwen3-MoE, {s['num_hidden_layers']} layers × "
-             f"{s['num_experts']} experts of {s['hidden_size']} × {s['moe_intermediate_size']}, top-{s['num_experts_per_tok']}",
+             f"{s['num_experts']} experts of {s['hidden_size']} × {s['moe_intermediate_size']}, "
+             f"top-{s['num_experts_per_tok']}",
              "", "    " + doc["command"], "",
-             "| date | GPU | commit | GPU-min per block | peak GPU GiB (nvidia-smi) | OOM | 48-layer hours (extrapolated) |",
+             "| date | GPU | commit | GPU-min per block | peak GPU GiB (nvidia-smi) | OOM "
+             "| 48-layer hours (extrapolated) |",
              "| --- | --- | --- | --- | --- | --- | --- |",
              f"| {doc['date']} | {doc['gpu']} | {doc['commit']} | {'—' if gmin is None else f'{gmin:.2f}'} | "
              f"{'—' if doc['peak_gpu_gib'] is None else doc['peak_gpu_gib']} | {'yes' if doc['oom'] else 'no'} | "
@@ -309,7 +313,8 @@ def markdown(doc: dict) -> str:
     seqs = cal["sequences"]
     lines += [f"Calibration ({cal['source']}): {seqs.get('train', 0)} training + {seqs.get('init', 0)} one-shot "
               f"(both trained on) + {seqs.get('val', 0)} validation sequences of {cal['seq_len']} tokens; "
-              f"{cal['routed_rows_per_block']:,} routed rows per block (trained tokens × top-{s['num_experts_per_tok']}). "
+              f"{cal['routed_rows_per_block']:,} routed rows per block "
+              f"(trained tokens × top-{s['num_experts_per_tok']}). "
               f"Resource options: {doc['resource_options'] or 'none (the defaults)'}. "
               f"Runs of the command: {len(doc['wall_s'])} ({', '.join(f'{w:.0f}' for w in doc['wall_s'])} s); "
               f"exit status {doc['exit_status']}.", ""]
@@ -381,7 +386,8 @@ def main(argv=None) -> int:
         gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
         recorded = {**options, "calib": Path(args.calib).name if args.calib else "(moesq's default)"}
         doc = results(root, work, state.data, command, recorded, resource, cfg, gpu,
-                      os.environ.get("MOESQ_COMMIT") or git_commit(), _dt.datetime.now(_dt.timezone.utc).date().isoformat(),
+                      os.environ.get("MOESQ_COMMIT") or git_commit(),
+                      _dt.datetime.now(_dt.timezone.utc).date().isoformat(),
                       Path(args.calib).name if args.calib else "moesq's embedded calibration sample")
         doc["status"] = status
         text = markdown(doc)

@@ -67,7 +67,8 @@ def render_run() -> str:
                 from moesq_core.compression.methods.refine import RefineConfig
 
                 cal = d["config"]["calib"]
-                steps = RefineConfig(e2e_batch_size=refine["e2e_batch_size"]).e2e_steps_for(cal["n_train"] + cal["n_init"])
+                steps = RefineConfig(e2e_batch_size=refine["e2e_batch_size"]).e2e_steps_for(
+                    cal["n_train"] + cal["n_init"])
                 label += f"; then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences (auto"
                 label += ", second-order KL)" if refine.get("e2e_loss") == "fisher" else ")"
             elif steps:
@@ -78,7 +79,8 @@ def render_run() -> str:
         rows.append([label, f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}"])
         if r["stage"] == "init-sgptq" and d.get("paper_sgptq"):
             p = d["paper_sgptq"]["ppl"]
-            rows.append(["sgptq, the paper's (`--no-refit`; same calibration, its own work dir)", f"{p:.3f}", f"{p / ref:.3f}"])
+            rows.append(["sgptq, the paper's (`--no-refit`; same calibration, its own work dir)", f"{p:.3f}",
+                         f"{p / ref:.3f}"])
     refined = next((r["ppl"] for r in d["rows"] if r["stage"] == "refine"), None)
     sgptq = next((r["ppl"] for r in d["rows"] if r["stage"] == "init-sgptq"), None)
     ratios = ""
@@ -112,10 +114,13 @@ BUDGET_EMBEDDED = [  # (file, row, label, steps per block)
     ("accuracy_embedded_run-budget.json", "release-faithful",
      "release-faithful (recipes/release-faithful.yaml, without its serving-time activation scale)", "16"),
     ("accuracy_embedded_run-budget.json", "refine-quarter", "refine from SGPTQ, budget rule", "320 (¼ paper)"),
-    ("accuracy_embedded_run-budget.json", "refine-quarter-paper-lr", "refine from SGPTQ, the paper's rates", "320 (¼ paper)"),
-    ("accuracy_embedded_run-budget.json", "refine-refit-quarter", "refine from SGPTQ-refit, budget rule", "320 (¼ paper)"),
+    ("accuracy_embedded_run-budget.json", "refine-quarter-paper-lr", "refine from SGPTQ, the paper's rates",
+     "320 (¼ paper)"),
+    ("accuracy_embedded_run-budget.json", "refine-refit-quarter", "refine from SGPTQ-refit, budget rule",
+     "320 (¼ paper)"),
     ("accuracy_embedded_run-budget-h200.json", "refine-paper", "refine from SGPTQ (H200, fp32)", "1,280 (paper)"),
-    ("accuracy_embedded_run-budget-h200.json", "release-faithful-paper", "release-faithful (H200, fp32)", "1,280 (paper)"),
+    ("accuracy_embedded_run-budget-h200.json", "release-faithful-paper", "release-faithful (H200, fp32)",
+     "1,280 (paper)"),
 ]
 
 
@@ -128,7 +133,8 @@ def render_budget_embedded() -> str:
         r = _acc_row(d, row)
         rows.append([label, steps, f"{r['ppl']:.2f}", f"{r['ppl'] / sg:.3f}", pct(r.get("patterns_changed"))])
     ref = load(BUDGET_EMBEDDED[0][0])["rows"]["reference"]["ppl"]
-    return table(["configuration", "steps per block", "perplexity", "× SGPTQ of its file", "patterns changed"], rows) + (
+    return table(["configuration", "steps per block", "perplexity", "× SGPTQ of its file", "patterns changed"],
+                 rows) + (
         f"\n\nReference {ref:.2f}. From " + " and ".join(link(f.replace(".json", ".md")) for f in files) + ".")
 
 
@@ -142,7 +148,8 @@ BUDGET_TINY = [
 BUDGET_MICRO = [
     ("sgptq-refit", "SGPTQ-refit (the default SGPTQ)"),
     ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
-    ("refine-refit-e2e", "refine from SGPTQ-refit, training sequences only + end-to-end step (`--e2e-steps 64 --e2e-batch-size 4`)"),
+    ("refine-refit-e2e",
+     "refine from SGPTQ-refit, training sequences only + end-to-end step (`--e2e-steps 64 --e2e-batch-size 4`)"),
     ("refine-e2e", "**refine (the default block loop: training + one-shot sequences)** + end-to-end step (64 × 4)"),
     ("refine-e2e-128", "&nbsp;&nbsp;end-to-end 128 × 4"),
     ("refine-e2e-256", "&nbsp;&nbsp;end-to-end 256 × 4"),
@@ -202,16 +209,19 @@ GPU_TABLES = ["accuracy_micro_gpu512.json", "accuracy_tiny_gpu512.json"]
 GPU_ROWS = [
     ("reference", "reference"), ("dense-rtn", "dense NVFP4 RTN (4.5 bits)"), ("magnitude", "magnitude + RTN"),
     ("wanda", "Wanda"), ("jsq", "JSQ"), ("obr", "OBR (no rotation)"), ("sgptq-paper", "SGPTQ (the paper's, no refit)"),
-    ("sgptq", "SGPTQ-refit (moesq's default init)"), ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
+    ("sgptq", "SGPTQ-refit (moesq's default init)"),
+    ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
     ("refine-default", "**moesq refine** (every default: block-wise, then the end-to-end step, auto: 256 steps here)"),
     ("refine-default-seed1", "&nbsp;&nbsp;seed 1"),
-    ("refine", "moesq refine, block-wise only (`--e2e-steps 0`; before the values' RMS cap)"), ("refine-seed1", "&nbsp;&nbsp;seed 1"),
+    ("refine", "moesq refine, block-wise only (`--e2e-steps 0`; before the values' RMS cap)"),
+    ("refine-seed1", "&nbsp;&nbsp;seed 1"),
     ("refine-p0", "&nbsp;&nbsp;ablation: uniform loss"), ("refine-values", "&nbsp;&nbsp;ablation: values only"),
     ("refine-support", "&nbsp;&nbsp;ablation: support only"),
     ("refine-quarter", "&nbsp;&nbsp;¼ of the paper's budget (320 steps)"),
     ("refine-paper", "&nbsp;&nbsp;the paper's budget (1,280 steps)"),
     ("refine-e2e", "&nbsp;&nbsp;+ 64 end-to-end steps"), ("refine-e2e-seed1", "&nbsp;&nbsp;&nbsp;&nbsp;seed 1"),
-    ("refine-e2e-128", "&nbsp;&nbsp;+ 128 end-to-end steps"), ("refine-e2e-128-seed1", "&nbsp;&nbsp;&nbsp;&nbsp;seed 1"),
+    ("refine-e2e-128", "&nbsp;&nbsp;+ 128 end-to-end steps"),
+    ("refine-e2e-128-seed1", "&nbsp;&nbsp;&nbsp;&nbsp;seed 1"),
 ]
 
 
@@ -230,7 +240,8 @@ def render_accuracy_summary() -> str:
     c = ds[0]["calibration"]["config"]
     return table(["W4A4", "micro: perplexity (× reference)", "tiny: perplexity (× reference)"], rows) + (
         f"\n\nNVIDIA H200; calibration {c['n_train']} training + {c['n_init']} one-shot + {c['n_val']} validation "
-        f"sequences of {c['seq_len']} tokens. From " + " and ".join(link(f.replace(".json", ".md")) for f in GPU_TABLES) + ".")
+        f"sequences of {c['seq_len']} tokens. From "
+        + " and ".join(link(f.replace(".json", ".md")) for f in GPU_TABLES) + ".")
 
 
 def render_accuracy_gpu() -> str:
@@ -243,15 +254,18 @@ def render_accuracy_gpu() -> str:
                 cells += ["not run", ""]
                 continue
             r = _acc_row(d, row)
-            cells += [f"{r['ppl']:.2f} ({r['ppl'] / d['rows']['reference']['ppl']:.3f}×)", pct(r.get("patterns_changed"))]
+            cells += [f"{r['ppl']:.2f} ({r['ppl'] / d['rows']['reference']['ppl']:.3f}×)",
+                      pct(r.get("patterns_changed"))]
         rows.append([label, *cells])
     c = ds[0]["calibration"]["config"]
     return table(["W4A4", "micro: perplexity (× reference)", "patterns changed", "tiny: perplexity (× reference)",
                   "patterns changed"], rows) + (
         f"\n\nNVIDIA H200; calibration {c['n_train']} training + {c['n_init']} one-shot + {c['n_val']} validation "
-        f"sequences of {c['seq_len']} tokens; refinement {ds[0]['refine']['epochs']} × {ds[0]['refine']['steps_per_epoch']} "
+        f"sequences of {c['seq_len']} tokens; refinement {ds[0]['refine']['epochs']} × "
+        f"{ds[0]['refine']['steps_per_epoch']} "
         "steps per block unless the row says otherwise; end-to-end steps (4 sequences each) tune every expert's values "
-        "together after the last block, patterns fixed; the same evaluation text for every row. From " + " and ".join(link(f.replace(".json", ".md")) for f in GPU_TABLES)
+        "together after the last block, patterns fixed; the same evaluation text for every row. From "
+        + " and ".join(link(f.replace(".json", ".md")) for f in GPU_TABLES)
         + f", read in {link('accuracy_gpu512_reading.md')}.")
 
 
@@ -272,7 +286,8 @@ def render_decode() -> str:
     by = {(r["variant"], r["batch"]): r for r in d["runs"]}
     batches = sorted({b for _, b in by})
     names = {"bf16": "bf16 (torch grouped GEMM)", "fp8": "fp8 (torch scaled grouped GEMM)",
-             "s24_w8a8": "**s24-fp8** (`S24HopperExperts`, W8A8)", "p48_w4a16": "**p48-nvfp4** (`P48HopperExperts`, sparse-tensor-core kernel, W4A16)",
+             "s24_w8a8": "**s24-fp8** (`S24HopperExperts`, W8A8)",
+             "p48_w4a16": "**p48-nvfp4** (`P48HopperExperts`, sparse-tensor-core kernel, W4A16)",
              "p48_w4a4": "p48-nvfp4 (`P48HopperExperts`, sparse-tensor-core kernel, W4A4)"}
     rows = []
     for v in dict.fromkeys(v for v, _ in by):
@@ -308,8 +323,8 @@ def render_kernels() -> str:
         tbps, vs8 = col(lambda n: n <= 16, "weight_TBps"), col(lambda n: n <= 16, "speedup_vs_fp8")
         larger = [(n, col(lambda x, n=n: x == n, "speedup_vs_fp8")) for n in (64, 128, 256)]
         above = "; ".join(f"N = {n}: {min(v):.2f}–{max(v):.2f}× fp8" for n, v in larger if v)
-        rows.append([name, f"N ≤ 16: {min(tbps):.2f}–{max(tbps):.2f} TB/s of packed bytes, {min(vs8):.2f}–{max(vs8):.2f}× "
-                           f"torch fp8; {above}", link(f.replace(".json", ".md"))])
+        rows.append([name, f"N ≤ 16: {min(tbps):.2f}–{max(tbps):.2f} TB/s of packed bytes, "
+                           f"{min(vs8):.2f}–{max(vs8):.2f}× torch fp8; {above}", link(f.replace(".json", ".md"))])
     return table(["kernel", "measured on an H200", "file"], rows)
 
 
@@ -320,15 +335,16 @@ def render_compression() -> str:
     for m, r in d["results"].items():
         if "block_s_extrapolated" in r:
             continue
-        rows.append([f"{names.get(m, m)} ({r['format']}), one Qwen3-30B-A3B block", f"{r['batched_block_s']:.2f} s measured",
+        rows.append([f"{names.get(m, m)} ({r['format']}), one Qwen3-30B-A3B block",
+                     f"{r['batched_block_s']:.2f} s measured",
                      f"{r['per_expert_block_s_extrapolated']:.0f} s", link(SOLVER_FILE.replace(".json", ".md"))])
     kimi = load(SOLVER_KIMI_FILE)["results"]
     for m in ("sgptq", "obr", "gptq"):
         k = kimi.get(f"{m}_kimi_k2")
         if k:
             rows.append([f"{names.get(m, m)}, one Kimi-K2 block (384 experts of 7168 × 2048)",
-                         f"≈ {k['block_s_extrapolated']:.0f} s (one chunk of {k['experts_timed']} experts timed, extrapolated; "
-                         f"CG tolerance 1e-5)", "—", link(SOLVER_KIMI_FILE.replace(".json", ".md"))])
+                         f"≈ {k['block_s_extrapolated']:.0f} s (one chunk of {k['experts_timed']} experts timed, "
+                         f"extrapolated; CG tolerance 1e-5)", "—", link(SOLVER_KIMI_FILE.replace(".json", ".md"))])
     now = load(REFINE_FILE)["variants"]["grad-fwd"]  # the default trainer: tokens held once, targets per micro-batch
     variants = load(REFINE_CACHED_FILE)["variants"]
     c = variants["grad-fwd"]  # the trainer that cached targets and quantized inputs per routed row
@@ -340,8 +356,10 @@ def render_compression() -> str:
                  f"targets and quantized inputs computed per micro-batch, nothing cached per routed row; the budget "
                  f"extrapolated)",
                  f"— (before: caching 12 bytes per routed row and hidden unit, {c['step_s_median']:.3f} s ≈ "
-                 f"{gpu_min(c):.1f} GPU-min, which ran the paper's calibration only in chunks; commit {before['commit']}: "
-                 f"compiled step {b['step_s_median']:.3f} s ≈ {gpu_min(b):.1f} GPU-min, eager {e['step_s_median']:.3f} s "
+                 f"{gpu_min(c):.1f} GPU-min, which ran the paper's calibration only in chunks; "
+                 f"commit {before['commit']}: "
+                 f"compiled step {b['step_s_median']:.3f} s ≈ {gpu_min(b):.1f} GPU-min, "
+                 f"eager {e['step_s_median']:.3f} s "
                  f"≈ {gpu_min(e):.1f})",
                  link(REFINE_FILE.replace(".json", ".md"))])
     for stage, f in (("init-sgptq", SCALING_INIT_FILE), ("refine", SCALING_REFINE_FILE)):
@@ -361,9 +379,10 @@ def render_compression() -> str:
                      link(f.replace(".json", ".md"))])
     k = load(REAL_KIMI_FILE)
     st, ph = k["steps"], k["init_sgptq_phase_seconds"]
-    peak = lambda s: f"peak host {st[s]['attempts'][-1]['peak_host_gib']:.1f} GiB, GPU {st[s]['attempts'][-1]['peak_gpu_gib'][0]:.1f} GiB"  # noqa: E731
-    rows.append(["`moesq init-sgptq` then `moesq refine` (8 Lion steps) through the CLI, one Kimi-K2 block (384 experts "
-                 "of 7168 × 2048; the paper's SGPTQ, `--no-refit`)",
+    peak = lambda s: (f"peak host {st[s]['attempts'][-1]['peak_host_gib']:.1f} GiB, "  # noqa: E731
+                      f"GPU {st[s]['attempts'][-1]['peak_gpu_gib'][0]:.1f} GiB")
+    rows.append(["`moesq init-sgptq` then `moesq refine` (8 Lion steps) through the CLI, one Kimi-K2 block "
+                 "(384 experts of 7168 × 2048; the paper's SGPTQ, `--no-refit`)",
                  f"init-sgptq {st['init-sgptq']['attempts'][-1]['wall_s']:.0f} s (solver {ph['compress']:.0f} s; "
                  f"{peak('init-sgptq')}); refine compressed the block in {k['refine_block_compressed_s']:.0f} s "
                  f"({peak('refine')}) and was stopped while writing it (commit {k['commit']})", "—",
@@ -374,24 +393,33 @@ def render_compression() -> str:
     rows.append([f"`moesq calibrate`, `init-sgptq`, `refine` (8 Lion steps), `pack`, `verify`, `eval` through the CLI, "
                  f"the whole {r48['header']['model_shape']['num_hidden_layers']}-layer Qwen3-30B-A3B-shaped model "
                  f"({st['generate']['model_bytes'] / 2**30:.1f} GiB, opened lazily)",
-                 f"init-sgptq {st['init-sgptq']['attempts'][-1]['wall_s'] / 60:.1f} min ({pb['init-sgptq']['total']:.1f} s per block), "
-                 f"refine {pb['refine']['total']:.1f} s per block (in-loop SGPTQ {pb['refine']['in_loop_init']:.1f} s), "
-                 f"resumed across {len(st['refine']['attempts'])} device calls; packed {r48['sizes_bytes']['packed'] / 2**30:.2f} GiB "
+                 f"init-sgptq {st['init-sgptq']['attempts'][-1]['wall_s'] / 60:.1f} min "
+                 f"({pb['init-sgptq']['total']:.1f} s per block), "
+                 f"refine {pb['refine']['total']:.1f} s per block "
+                 f"(in-loop SGPTQ {pb['refine']['in_loop_init']:.1f} s), "
+                 f"resumed across {len(st['refine']['attempts'])} device calls; "
+                 f"packed {r48['sizes_bytes']['packed'] / 2**30:.2f} GiB "
                  f"({st['pack']['result']['bits_per_weight']:.3f} bits/weight), verify ok; peak host "
-                 f"{max(a['peak_host_gib'] for s in compressing for a in st[s]['attempts']):.1f} GiB while compressing, "
+                 f"{max(a['peak_host_gib'] for s in compressing for a in st[s]['attempts']):.1f} GiB "
+                 "while compressing, "
                  f"GPU {max(a['peak_gpu_gib'][0] for s in compressing for a in st[s]['attempts']):.0f} GiB "
                  f"(commit {r48['header']['commit']})",
                  "—", link(REAL_48_FILE.replace(".json", ".md"))])
     fb, pc = load(FULL_BUDGET_FILE), load(PAPER_CALIB_FILE)
     b0 = pc["per_block"][0]
-    rows.append(["`moesq refine` through the CLI at the paper's steps and rows per step (1,280 × 2,097,152 routed rows; "
+    rows.append(["`moesq refine` through the CLI at the paper's steps and rows per step "
+                 "(1,280 × 2,097,152 routed rows; "
                  f"{pc['calibration']['trained_sequences']} × {pc['calibration']['seq_len']}-token calibration), "
                  "one Qwen3-30B-A3B block, default resource options",
-                 f"one chunk, no out-of-memory: {b0['seconds']:.0f} s = {pc['gpu_min_per_block']:.1f} GPU-min for block 0 "
+                 f"one chunk, no out-of-memory: {b0['seconds']:.0f} s = {pc['gpu_min_per_block']:.1f} GPU-min "
+                 "for block 0 "
                  f"(in-loop SGPTQ {b0['in_loop_init_s']:.0f} s, refinement {b0['refinement_s']:.0f} s, "
-                 f"{b0['routed_rows_per_s'] / 1e6:.1f} M routed rows/s), ≈ {pc['gpu_min_per_block_steady_estimate']:.2f} "
-                 f"GPU-min without its compilation; {pc['blocks_measured']} of 2 blocks measured (commit {pc['commit']}; "
-                 f"before: chunks of {fb['after']['engine_chunk_experts']} experts, ≈ {fb['extrapolated_min_per_block']['value']} "
+                 f"{b0['routed_rows_per_s'] / 1e6:.1f} M routed rows/s), "
+                 f"≈ {pc['gpu_min_per_block_steady_estimate']:.2f} "
+                 f"GPU-min without its compilation; {pc['blocks_measured']} of 2 blocks measured "
+                 f"(commit {pc['commit']}; "
+                 f"before: chunks of {fb['after']['engine_chunk_experts']} experts, "
+                 f"≈ {fb['extrapolated_min_per_block']['value']} "
                  f"min per block, commit {fb['commit']})",
                  "—", link(PAPER_CALIB_FILE.replace(".json", ".md"))])
     return table(["work", "batched (moesq)", "per-expert path (extrapolated)", "file"], rows)
@@ -408,14 +436,16 @@ WORKDIR_FILE = "workdir_bytes.json"
 
 def render_workdir() -> str:
     d = load(WORKDIR_FILE)
-    rows = [[r["label"], str(layout_), stage, f"{st['bytes']:,}", f"{st['bytes_per_weight']:.3f}", f"{st['x_packed_experts']:.2f}×"]
+    rows = [[r["label"], str(layout_), stage, f"{st['bytes']:,}", f"{st['bytes_per_weight']:.3f}",
+             f"{st['x_packed_experts']:.2f}×"]
             for r in d["rows"] for stage, st in r["stages"].items() for layout_ in [st["layout"]]]
     return table(["work dir", "layout", "stage", "bytes", "bytes / expert weight", "× packed experts"], rows) + (
         f"\n\nFrom {link(WORKDIR_FILE.replace('.json', '.md'))} (commit {d['commit']}; the runs' settings are there).")
 
 
 TABLES = {"run": render_run, "workdir": render_workdir, "accuracy-budget-embedded": render_budget_embedded,
-          "accuracy-budget-tiny": render_budget_tiny, "accuracy-budget-micro": render_budget_micro, "accuracy-methods": render_methods,
+          "accuracy-budget-tiny": render_budget_tiny, "accuracy-budget-micro": render_budget_micro,
+          "accuracy-methods": render_methods,
           "accuracy-gpu": render_accuracy_gpu, "accuracy-summary": render_accuracy_summary,
           "decode": render_decode, "kernels": render_kernels, "compression": render_compression}
 
@@ -435,7 +465,8 @@ def render(text: str, page: Path = README) -> tuple[str, list[str]]:
     for name in dict.fromkeys(MARKER.findall(text)):
         if name not in TABLES:
             raise SystemExit(f"{page.name}: <!-- results:{name} --> names no table (known: {', '.join(TABLES)})")
-        pat = re.compile(rf"^<!-- results:{re.escape(name)} -->$(.*?)^<!-- /results:{re.escape(name)} -->$", re.S | re.M)
+        pat = re.compile(rf"^<!-- results:{re.escape(name)} -->$(.*?)^<!-- /results:{re.escape(name)} -->$",
+                         re.S | re.M)
         new = "\n" + _relative_links(TABLES[name](), page) + "\n"
         for m in reversed(list(pat.finditer(text))):
             if m.group(1) != new:
@@ -463,7 +494,8 @@ def main(argv=None) -> int:
     stale = {p: changed for p, (_, changed) in rendered.items() if changed}
     if args.check:
         for p, changed in stale.items():
-            print(f"{p.relative_to(ROOT)} tables out of date: {', '.join(changed)} (run python benchmarks/render_readme.py)")
+            print(f"{p.relative_to(ROOT)} tables out of date: {', '.join(changed)} "
+                  "(run python benchmarks/render_readme.py)")
         return 1 if stale else 0
     for p, (text, changed) in rendered.items():
         if changed:

@@ -56,7 +56,7 @@ def qwen3_moe_config(**overrides) -> dict:
 def layer_tensors(cfg: dict, layer: int, gen: torch.Generator, device) -> dict[str, torch.Tensor]:
     """Layer `layer`'s tensors (on the CPU, bf16)."""
     H, heads, kv, hd = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    E, I, std = cfg["num_experts"], cfg["moe_intermediate_size"], cfg.get("initializer_range", 0.02)
+    E, inter, std = cfg["num_experts"], cfg["moe_intermediate_size"], cfg.get("initializer_range", 0.02)
 
     def rnd(*shape, scale=std):
         return (torch.randn(*shape, generator=gen, device=device) * scale).to(torch.bfloat16)
@@ -72,7 +72,7 @@ def layer_tensors(cfg: dict, layer: int, gen: torch.Generator, device) -> dict[s
           # a wider router than the projections: RMS-normalised inputs of norm ~sqrt(H) then give logits of
           # order 1, i.e. uneven but not degenerate routing
           p + "mlp.gate.weight": rnd(E, H, scale=max(std, 1.0 / H ** 0.5))}
-    gate, up, down = rnd(E, I, H), rnd(E, I, H), rnd(E, H, I)
+    gate, up, down = rnd(E, inter, H), rnd(E, inter, H), rnd(E, H, inter)
     for e in range(E):
         q = f"{p}mlp.experts.{e}."
         sd.update({q + "gate_proj.weight": gate[e], q + "up_proj.weight": up[e], q + "down_proj.weight": down[e]})
@@ -92,7 +92,8 @@ def write_random_qwen3_moe(out: Path | str, cfg: dict, seed: int = 0, device: st
         except (OSError, ValueError):
             done = None
         if done is None or {k: done.get(k) for k in marker} != marker:
-            raise FileExistsError(f"{out} exists and is not a random checkpoint of this config and seed; choose another path")
+            raise FileExistsError(f"{out} exists and is not a random checkpoint of this config and seed; "
+                                  "choose another path")
         return done["weight_bytes"]
     tmp = out.with_name(out.name + ".partial")
     if tmp.exists():  # an interrupted earlier write of ours (the name is ours alone)

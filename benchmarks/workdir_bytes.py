@@ -37,7 +37,8 @@ def measure(label: str, root: Path) -> dict:
             "packed_expert_bytes": expert_bytes, "packed_bits_per_weight": round(pack["bits_per_weight"], 3),
             "stages": stages, "calib_bytes": _bytes((root / "calib").rglob("*")),
             "eval_bytes": _bytes((root / "eval").rglob("*")), "pack_bytes": _bytes((root / "packed").rglob("*")),
-            "workdir_bytes_without_pack": _bytes(p for p in root.rglob("*") if "packed" not in p.relative_to(root).parts)}
+            "workdir_bytes_without_pack": _bytes(p for p in root.rglob("*")
+                                                 if "packed" not in p.relative_to(root).parts)}
 
 
 def markdown(rows: list[dict], meta: dict) -> str:

@@ -60,12 +60,15 @@ class MoesqExperts(nn.Module):
         self.register_buffer("gate_up_proj", gate_up.float().contiguous())  # [E, 2I, H], gate rows first
         self.register_buffer("down_proj", down.float().contiguous())  # [E, H, I]
         E = self.num_experts
-        self.register_buffer("act_global_in", torch.zeros(E) if act_global_in is None else act_global_in.float().clone())
-        self.register_buffer("act_global_mid", torch.zeros(E) if act_global_mid is None else act_global_mid.float().clone())
+        self.register_buffer("act_global_in",
+                             torch.zeros(E) if act_global_in is None else act_global_in.float().clone())
+        self.register_buffer("act_global_mid",
+                             torch.zeros(E) if act_global_mid is None else act_global_mid.float().clone())
 
     @classmethod
     def from_quantized(cls, fmt: Format | str, weights: list[dict[str, QuantizedWeight]], act_quant: bool,
-                       act_amax_in: torch.Tensor | None = None, act_amax_mid: torch.Tensor | None = None) -> "MoesqExperts":
+                       act_amax_in: torch.Tensor | None = None,
+                       act_amax_mid: torch.Tensor | None = None) -> "MoesqExperts":
         """From per-expert QuantizedWeights and calibrated activation ranges (amax; 0 = none). Experts without a
         range get the fallback scale that `moesq pack` writes, so this module computes what the pack serves."""
         # filled expert by expert: stacking per-expert copies held the block's dequantized weights twice
@@ -77,7 +80,8 @@ class MoesqExperts(nn.Module):
                 down = torch.empty((len(weights), *d.shape), device=d.device)
             gate_up[e, : g.shape[0]], gate_up[e, g.shape[0] :], down[e] = g, u, d
             del g, u, d
-        return cls(fmt, gate_up, down, act_quant, input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
+        return cls(fmt, gate_up, down, act_quant, input_global_scales(act_amax_in)[0],
+                   input_global_scales(act_amax_mid)[0])
 
     @classmethod
     def from_packed(cls, fmt: Format, packed: list[dict[str, dict[str, torch.Tensor]]], act_quant: bool,
@@ -186,7 +190,8 @@ class MoesqExperts(nn.Module):
             rows[order[sel]] = y[e, p] * wts[sel, None]
         return rows.view(T, k, H).sum(dim=1).to(hidden_states.dtype)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.batched or (self.batched is None and hidden_states.is_cuda):
             return self._forward_batched(hidden_states, top_k_index, top_k_weights)
         out = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)

@@ -36,7 +36,8 @@ class _PackedTensors:
             try:
                 h = safe_open(str(path / f), "pt")
             except Exception as e:
-                raise ValueError(f"{path / f}: unreadable or truncated safetensors file ({e}); run `moesq verify {path}`") from None
+                raise ValueError(f"{path / f}: unreadable or truncated safetensors file ({e}); "
+                                 f"run `moesq verify {path}`") from None
             self.handles[f] = h
             for k in h.keys():
                 self.where[k] = f
@@ -48,7 +49,8 @@ class _PackedTensors:
         try:
             t = self.handles[self.where[name]].get_tensor(name)
         except Exception as e:
-            raise ValueError(f"{self.path / self.where[name]}: reading {name} failed ({e}); run `moesq verify {self.path}`") from None
+            raise ValueError(f"{self.path / self.where[name]}: reading {name} failed ({e}); "
+                             f"run `moesq verify {self.path}`") from None
         if self.check is not None:
             self.check.tensor(self.where[name], name, t)
         return t
@@ -97,7 +99,8 @@ def install_packed_experts(block, reader: _PackedTensors, fmt, act_quant: bool, 
         for p in PROJECTIONS:
             if not t[p]:
                 raise ValueError(f"{path}: missing tensors for {expert_linear(block.prefix, e, p)}")
-    block.mlp.experts = make_experts(fmt, per_expert, act_quant, device, fast, block.prefix)  # the dense placeholder is dropped
+    # the dense placeholder is dropped
+    block.mlp.experts = make_experts(fmt, per_expert, act_quant, device, fast, block.prefix)
     return mine
 
 
@@ -106,12 +109,12 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     """(model, tokenizer) from a packed directory written by `moesq pack`, in any moesq format.
 
     The one call that loads every moesq checkpoint: routed experts become the module the format serves them
-    with (a fast GPU module where the format has one for `device`; `fast` forces it on/off), every other tensor is copied into the
-    transformers model. Tensors are read one at a time (safe_open). progress: a moesq Progress (one bar over
-    the MoE blocks) or None. verify (default): load only what `moesq pack` wrote: every file and tensor is
-    checked against the checksum manifest as it is read (checksums.ManifestCheck; a missing manifest, a changed
-    byte or an unlisted file that loaders read raises ValueError naming the file and tensor); verify=False skips
-    that, and says so in the log.
+    with (a fast GPU module where the format has one for `device`; `fast` forces it on/off), every other tensor
+    is copied into the transformers model. Tensors are read one at a time (safe_open). progress: a moesq Progress
+    (one bar over the MoE blocks) or None. verify (default): load only what `moesq pack` wrote: every file and
+    tensor is checked against the checksum manifest as it is read (checksums.ManifestCheck; a missing manifest, a
+    changed byte or an unlisted file that loaders read raises ValueError naming the file and tensor); verify=False
+    skips that, and says so in the log.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -170,9 +173,11 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
         model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the config (missing {still_meta[:5]}, unexpected {unexpected[:5]})")
+        raise ValueError(f"{path}: checkpoint does not match the config (missing {still_meta[:5]}, "
+                         f"unexpected {unexpected[:5]})")
     if check is not None:
         log.info("%s: %d files checked against %s while loading", path, check.finish(), PACK_MANIFEST)
     model.to(device).eval()
-    tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file() else None
+    has_tokenizer = (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()
+    tok = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
     return model, tok

@@ -130,7 +130,8 @@ class P48HopperExperts(nn.Module):
                        for t in (p.codes, p.scales, p.global_scale))
         return self.gate_up.nbytes + self.down.nbytes
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_dim:
             raise ValueError(f"hidden_states must be [T, {self.hidden_dim}], got {tuple(hidden_states.shape)}")
         if top_k_index.shape != top_k_weights.shape or top_k_index.shape[0] != hidden_states.shape[0]:
@@ -143,7 +144,7 @@ class P48HopperExperts(nn.Module):
 
     def _forward_fast(self, hidden: torch.Tensor, idx: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
         T, k = idx.shape
-        H, I, E = self.hidden_dim, self.intermediate_dim, self.num_experts
+        H, inter, E = self.hidden_dim, self.intermediate_dim, self.num_experts
         dev = hidden.device
         R = T * k
         out = torch.empty(T, H, dtype=hidden.dtype, device=dev)
@@ -176,9 +177,9 @@ class P48HopperExperts(nn.Module):
         y1 = self._gemm(xs, self.gate_up, offsets, counts, alpha, active, per, g_in if in_kernel else None,
                         self.k_ordered)
         quant_mid = aq and self.static_mid
-        z = torch.empty(R, I, dtype=torch.bfloat16 if (not aq or quant_mid) else torch.float32, device=dev)
+        z = torch.empty(R, inter, dtype=torch.bfloat16 if (not aq or quant_mid) else torch.float32, device=dev)
         BR = 8
-        pt._swiglu_kernel[(pt.triton.cdiv(R, BR),)](y1, z, row_expert, self.g_mid, R, I, y1.stride(0), z.stride(0),
+        pt._swiglu_kernel[(pt.triton.cdiv(R, BR),)](y1, z, row_expert, self.g_mid, R, inter, y1.stride(0), z.stride(0),
                                                     BR=BR, NBLK=4, QUANT=quant_mid, num_warps=4)
         g_mid = self.g_mid
         if aq and not quant_mid:

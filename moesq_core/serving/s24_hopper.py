@@ -66,7 +66,8 @@ def _stack(packed: list[dict[str, dict[str, torch.Tensor]]], projs: tuple[str, .
             parts = []
             for p in projs:
                 if suffix not in t[p]:
-                    raise ValueError(f"expert {e} {p}: missing {suffix} (an s24-fp8 linear needs {', '.join(SUFFIXES)})")
+                    raise ValueError(f"expert {e} {p}: missing {suffix} "
+                                     f"(an s24-fp8 linear needs {', '.join(SUFFIXES)})")
                 parts.append(t[p][suffix])
             per_e.append(torch.cat(parts))
         out.append(torch.stack(per_e))
@@ -83,11 +84,11 @@ class S24HopperExperts(nn.Module):
         device = torch.device(device if device is not None else gate_up[0].device)
         self.reference = device.type != "cuda" if reference is None else reference
         E, two_i, half_h = gate_up[0].shape
-        H, I = 2 * half_h, two_i // 2
-        if two_i % 2 or tuple(down[0].shape) != (E, H, I // 2):
-            raise ValueError(f"down weights are {tuple(down[0].shape)}, expected {(E, H, I // 2)} for gate/up "
+        H, inter = 2 * half_h, two_i // 2
+        if two_i % 2 or tuple(down[0].shape) != (E, H, inter // 2):
+            raise ValueError(f"down weights are {tuple(down[0].shape)}, expected {(E, H, inter // 2)} for gate/up "
                              f"{tuple(gate_up[0].shape)}")
-        self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, I
+        self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, inter
         if self.reference:
             for v, m, _ in (gate_up, down):
                 s24.decompress(v, m)  # validates the metadata now rather than at the first forward
@@ -127,14 +128,16 @@ class S24HopperExperts(nn.Module):
             return s24.reference_grouped_gemm(v, m, s, xq, sx, counts)
         return s24.grouped_gemm(self.gate_up if which == "gate_up" else self.down, xq, sx, counts)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         if hidden_states.dim() != 2 or hidden_states.shape[-1] != self.hidden_dim:
             raise ValueError(f"hidden_states must be [T, {self.hidden_dim}], got {tuple(hidden_states.shape)}")
-        if top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0]:
+        if (top_k_index.shape != top_k_weights.shape or top_k_index.dim() != 2
+                or top_k_index.shape[0] != hidden_states.shape[0]):
             raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
                              f"must both be [T={hidden_states.shape[0]}, k]")
         T, k = top_k_index.shape
-        E, H, I = self.num_experts, self.hidden_dim, self.intermediate_dim
+        E, H, inter = self.num_experts, self.hidden_dim, self.intermediate_dim
         dev = hidden_states.device
         if T == 0:
             return torch.zeros_like(hidden_states)
@@ -151,7 +154,7 @@ class S24HopperExperts(nn.Module):
         if self.fused_routing:
             xq, sx, counts, row = s24_route.route_quant(hidden_states, top_k_index, E, cap)
             y1 = self._gemm("gate_up", xq, sx, counts)
-            xq2, sx2 = s24_route.swiglu_quant(y1, row, I)
+            xq2, sx2 = s24_route.swiglu_quant(y1, row, inter)
             y2 = self._gemm("down", xq2, sx2, counts)
             return s24_route.combine(y2, row, top_k_weights, hidden_states.dtype)
         # 1. routing, on the device
@@ -173,15 +176,15 @@ class S24HopperExperts(nn.Module):
         # 3. gate/up
         y1 = self._gemm("gate_up", X.view(E, cap, H).view(torch.float8_e4m3fn), SX.view(E, cap), counts)
         # 4. SwiGLU on the valid rows, quantize, scatter
-        h = y1.view(E * cap, 2 * I)[row].float()
-        a = F.silu(h[:, :I]) * h[:, I:]
+        h = y1.view(E * cap, 2 * inter)[row].float()
+        a = F.silu(h[:, :inter]) * h[:, inter:]
         aq, sa = s24.quantize_activations(a)
-        X2 = torch.empty(E * cap, I, dtype=torch.uint8, device=dev)
+        X2 = torch.empty(E * cap, inter, dtype=torch.uint8, device=dev)
         SX2 = torch.ones(E * cap, dtype=torch.float32, device=dev)
         X2[row] = aq.view(torch.uint8)
         SX2[row] = sa
         # 5. down
-        y2 = self._gemm("down", X2.view(E, cap, I).view(torch.float8_e4m3fn), SX2.view(E, cap), counts)
+        y2 = self._gemm("down", X2.view(E, cap, inter).view(torch.float8_e4m3fn), SX2.view(E, cap), counts)
         # 6. combine in slot order
         y = y2.view(E * cap, H)[row].float() * top_k_weights.reshape(R, 1).float()
         return y.view(T, k, H).sum(1).to(hidden_states.dtype)

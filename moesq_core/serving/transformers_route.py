@@ -163,6 +163,7 @@ def install(auto_module) -> None:
         return
     if entries != (CompressedTensorsConfig, CompressedTensorsHfQuantizer):
         raise RuntimeError(f"transformers' {ROUTED_METHOD!r} entries are not its own classes ("
-                           f"{', '.join(getattr(e, '__name__', repr(e)) for e in entries)}); moesq does not replace them")
+                           f"{', '.join(getattr(e, '__name__', repr(e)) for e in entries)}); "
+                           "moesq does not replace them")
     configs[ROUTED_METHOD] = CompressedTensorsOrMoesqConfig
     quantizers[ROUTED_METHOD] = CompressedTensorsOrMoesqQuantizer

@@ -9,8 +9,9 @@ on one Hopper GPU.
 Decode loop: `moesq generate`'s decode step (moesq_core.serving.decode_step: the model's own forward over a
 StaticCache, greedy argmax, next-token and position update on static buffers) captured in a CUDA graph; the
 prompt (128 random tokens per sequence) is prefilled eagerly, then the step is replayed; tokens/s = batch /
-median step time (`moesq generate` adds the prefill and a host read of the finished flags every 8 steps). Expert memory = bytes of the routed experts' weights on
-the GPU. Weights are random, so the benchmark measures speed only (the routers spread tokens ~uniformly).
+median step time (`moesq generate` adds the prefill and a host read of the finished flags every 8 steps).
+Expert memory = bytes of the routed experts' weights on the GPU. Weights are random, so the benchmark measures
+speed only (the routers spread tokens ~uniformly).
 Writes e2e_decode.{json,md,png}.
 """
 from __future__ import annotations
@@ -56,16 +57,16 @@ class Fp8Experts(nn.Module):
     """Routed experts with e4m3 weights (per-channel fp32 scales) and dynamic per-token e4m3 activations,
     through torch._scaled_grouped_mm; routing as transformers' grouped_mm path (sort, histc, cumsum)."""
 
-    def __init__(self, E: int, H: int, I: int, gen: torch.Generator, device):
+    def __init__(self, E: int, H: int, inter: int, gen: torch.Generator, device):
         super().__init__()
         self.num_experts = E
 
         def rand_w(*shape):
             return (torch.randn(*shape, generator=gen, device=device) * 60).clamp(-448, 448).to(torch.float8_e4m3fn)
 
-        self.w13 = rand_w(E, 2 * I, H)
-        self.s13 = torch.rand(E, 2 * I, generator=gen, device=device) * 1e-3 + 1e-4
-        self.w2 = rand_w(E, H, I)
+        self.w13 = rand_w(E, 2 * inter, H)
+        self.s13 = torch.rand(E, 2 * inter, generator=gen, device=device) * 1e-3 + 1e-4
+        self.w2 = rand_w(E, H, inter)
         self.s2 = torch.rand(E, H, generator=gen, device=device) * 1e-3 + 1e-4
 
     def expert_nbytes(self) -> int:
@@ -92,11 +93,11 @@ class Fp8Experts(nn.Module):
         return out.view(T, k, -1).sum(1)
 
 
-def random_p48_experts(E: int, H: int, I: int, gen: torch.Generator, device, act_quant: bool) -> P48HopperExperts:
-    gate = random_p48_tensors(E, I, H, gen, device)
-    up = random_p48_tensors(E, I, H, gen, device)
+def random_p48_experts(E: int, H: int, inter: int, gen: torch.Generator, device, act_quant: bool) -> P48HopperExperts:
+    gate = random_p48_tensors(E, inter, H, gen, device)
+    up = random_p48_tensors(E, inter, H, gen, device)
     up["weight_global_scale"] = gate["weight_global_scale"]  # gate and up share one global scale
-    down = random_p48_tensors(E, H, I, gen, device)
+    down = random_p48_tensors(E, H, inter, gen, device)
     g_in = torch.full((1,), 2688.0 / 8.0, device=device)
     g_mid = torch.full((1,), 2688.0 / 4.0, device=device)
     packed = []
@@ -122,8 +123,9 @@ def random_s24_stack(E: int, M: int, K: int, gen: torch.Generator, device) -> tu
     return values, meta, scale
 
 
-def random_s24_experts(E: int, H: int, I: int, gen: torch.Generator, device) -> S24HopperExperts:
-    return S24HopperExperts(random_s24_stack(E, 2 * I, H, gen, device), random_s24_stack(E, H, I, gen, device), device)
+def random_s24_experts(E: int, H: int, inter: int, gen: torch.Generator, device) -> S24HopperExperts:
+    return S24HopperExperts(random_s24_stack(E, 2 * inter, H, gen, device), random_s24_stack(E, H, inter, gen, device),
+                            device)
 
 
 def expert_bytes(model) -> int:
@@ -187,7 +189,7 @@ def run_decode(model, batch: int, prompt: int, max_steps: int, budget_s: float, 
 
 def replace_experts(model, variant: str, gen: torch.Generator):
     cfg = model.config
-    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     dev = torch.device("cuda")
     for layer in model.model.layers:
         if variant == "bf16":
@@ -196,11 +198,11 @@ def replace_experts(model, variant: str, gen: torch.Generator):
         gc.collect()
         torch.cuda.empty_cache()
         if variant == "fp8":
-            layer.mlp.experts = Fp8Experts(E, H, I, gen, dev)
+            layer.mlp.experts = Fp8Experts(E, H, inter, gen, dev)
         elif variant == "s24_w8a8":
-            layer.mlp.experts = random_s24_experts(E, H, I, gen, dev)
+            layer.mlp.experts = random_s24_experts(E, H, inter, gen, dev)
         elif variant in ("p48_w4a16", "p48_w4a4"):
-            layer.mlp.experts = random_p48_experts(E, H, I, gen, dev, act_quant=variant == "p48_w4a4")
+            layer.mlp.experts = random_p48_experts(E, H, inter, gen, dev, act_quant=variant == "p48_w4a4")
         else:
             raise ValueError(variant)
 

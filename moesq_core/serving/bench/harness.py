@@ -135,7 +135,8 @@ def git_commit() -> str:
 
         if Path(git("rev-parse", "--show-toplevel")).resolve() != REPO_ROOT:
             return "unknown"
-        return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+        head = git("rev-parse", "--short", "HEAD")
+        return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -267,7 +268,8 @@ class Fp8GroupedMM(TimedGemm):
 
 class CusparseltFp8Loop(TimedGemm):
     name = "cusparselt_fp8_loop"
-    description = "torch._cslt_sparse_mm (cuSPARSELt 2:4 e4m3) looped over experts, per-channel alpha, tokens padded to 16"
+    description = ("torch._cslt_sparse_mm (cuSPARSELt 2:4 e4m3) looped over experts, per-channel alpha, "
+                   "tokens padded to 16")
 
     def __init__(self, prob, gen, device):
         super().__init__(prob, gen, device)
@@ -291,7 +293,8 @@ class CusparseltFp8Loop(TimedGemm):
 
         def call():
             for g in range(p.G):
-                torch._cslt_sparse_mm(comp[g], xs[g].t(), alpha=alphas[g], out_dtype=torch.bfloat16, transpose_result=True)
+                torch._cslt_sparse_mm(comp[g], xs[g].t(), alpha=alphas[g], out_dtype=torch.bfloat16,
+                                      transpose_result=True)
 
         return call
 

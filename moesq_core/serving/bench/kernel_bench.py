@@ -5,8 +5,8 @@
 
 Shapes default to the paper's Table 8 layers. Token counts per expert follow {N, 3N/4, N/2, N/4} over the G
 experts. Writes `<prefix>_kernel_bench.json` (every timing, the autotuner's per-variant times, date, GPU, commit),
-`.md` (tables + the performance targets) and `.png` / `_fast_accum.png` (speedup over the best baseline, heat map over G x N per shape,
-like the paper's Figure 5). Other formats plug in by module: `p48-nvfp4` dispatches to
+`.md` (tables + the performance targets) and `.png` / `_fast_accum.png` (speedup over the best baseline, heat
+map over G x N per shape, like the paper's Figure 5). Other formats plug in by module: `p48-nvfp4` dispatches to
 `moesq_core.serving.bench.p48_bench.bench_p48(shapes=..., G=..., N=..., out_dir=..., repeats=...)`.
 """
 from __future__ import annotations
@@ -50,7 +50,8 @@ def bench_kernel(fmt: str, shapes: list[tuple[int, int]] | None, G: list[int], N
         try:
             from moesq_core.serving.bench.p48_bench import bench_p48
         except ImportError as e:
-            raise ValueError("p48-nvfp4 has no kernel benchmark here yet (moesq_core/serving/bench/p48_bench.py)") from e
+            raise ValueError("p48-nvfp4 has no kernel benchmark here yet "
+                             "(moesq_core/serving/bench/p48_bench.py)") from e
         return bench_p48(shapes=shapes, G=G, N=N, out_dir=Path(out_dir), repeats=repeats)
     raise ValueError(f"no kernel benchmark for format {fmt!r}; have: s24-fp8, p48-nvfp4")
 
@@ -190,7 +191,8 @@ def targets(rows: list[dict], label: str = "s24_fp8") -> dict:
     decode = [sp(r) for r in rows if r["N"] <= 64 and sp(r)]
     large = [sp(r) for r in rows if r["N"] >= 256 and sp(r)]
     kimi = [r["methods"][label]["tflops"] for r in rows
-            if (r["M"], r["K"]) == PAPER_SHAPES["Kimi-K2.5 gate/up"] and r["N"] == 1024 and "tflops" in r["methods"].get(label, {})]
+            if (r["M"], r["K"]) == PAPER_SHAPES["Kimi-K2.5 gate/up"] and r["N"] == 1024
+            and "tflops" in r["methods"].get(label, {})]
     return {
         "decode_N_le_64": {"min": min(decode) if decode else None, "geomean": _geomean(decode), "target": 2.0,
                            "met": bool(decode) and min(decode) >= 2.0},
@@ -246,7 +248,8 @@ def markdown(result: dict) -> str:
     lines = [
         f"# {result['format']} grouped GEMM vs vendor baselines",
         "",
-        f"{result['date']} · {result['gpu']} ({result['sm_count']} SMs) · torch {result['torch']} (CUDA {result['cuda']})"
+        f"{result['date']} · {result['gpu']} ({result['sm_count']} SMs) · torch {result['torch']}"
+        f" (CUDA {result['cuda']})"
         f" · commit `{result['commit']}` · {result['repeats']} CUDA-graph replays (median)",
         "",
         f"Tokens per expert: {result['token_pattern']}. {result['timing']}. Effective TFLOP/s = 2·M·K·ΣN/t.",
@@ -261,15 +264,18 @@ def markdown(result: dict) -> str:
         t = result.get(key)
         if not t:
             continue
-        d, l, k = t["decode_N_le_64"], t["N_ge_256"], t["kimi_gate_up_N1024_tflops"]
+        decode, large, kimi = t["decode_N_le_64"], t["N_ge_256"], t["kimi_gate_up_N1024_tflops"]
         lines += [
             f"## Targets, {title}",
             "",
             "| target | measured | met |",
             "| --- | --- | --- |",
-            f"| decode N ≤ 64: ≥ 2.0× best baseline | min {f(d['min'])}×, geomean {f(d['geomean'])}× | {'yes' if d['met'] else 'no'} |",
-            f"| N ≥ 256: ≥ 1.3× geomean | geomean {f(l['geomean'])}×, min {f(l['min'])}× | {'yes' if l['met'] else 'no'} |",
-            f"| Kimi gate/up N = 1024: ≥ 1,600 TFLOP/s | {', '.join(f'{v:.0f}' for v in k['values']) or 'n/a'} | {'yes' if k['met'] else 'no'} |",
+            f"| decode N ≤ 64: ≥ 2.0× best baseline | min {f(decode['min'])}×, geomean {f(decode['geomean'])}× "
+            f"| {'yes' if decode['met'] else 'no'} |",
+            f"| N ≥ 256: ≥ 1.3× geomean | geomean {f(large['geomean'])}×, min {f(large['min'])}× "
+            f"| {'yes' if large['met'] else 'no'} |",
+            f"| Kimi gate/up N = 1024: ≥ 1,600 TFLOP/s | {', '.join(f'{v:.0f}' for v in kimi['values']) or 'n/a'} "
+            f"| {'yes' if kimi['met'] else 'no'} |",
             "",
         ]
     if result.get("note"):
@@ -284,7 +290,8 @@ def markdown(result: dict) -> str:
         lines += [f"## {s} (M={rows[0]['M']}, K={rows[0]['K']})", "",
                   "| G | N | " + " | ".join(f"{b} µs" for b in base_names)
                   + " | s24 µs | TFLOP/s | weights TB/s | speedup | variant | fast-acc allowed µs (×) | its variant |",
-                  "| --- | --- | " + " | ".join("---" for _ in base_names) + " | --- | --- | --- | --- | --- | --- | --- |"]
+                  "| --- | --- | " + " | ".join("---" for _ in base_names)
+                  + " | --- | --- | --- | --- | --- | --- | --- |"]
         for r in rows:
             cells = []
             for b in base_names:
@@ -293,7 +300,8 @@ def markdown(result: dict) -> str:
             o = r["methods"].get("s24_fp8", {})
             fa = r["methods"].get("s24_fp8_fast_accum", {})
             if "us" in o:
-                ours = f"{o['us']:.1f} | {o['tflops']:.0f} | {o['weight_TBps']:.2f} | {o.get('speedup', float('nan')):.2f}×"
+                ours = (f"{o['us']:.1f} | {o['tflops']:.0f} | {o['weight_TBps']:.2f} "
+                        f"| {o.get('speedup', float('nan')):.2f}×")
             else:
                 ours = f"{o.get('error', 'err')} | | | "
             fac = f"{fa['us']:.1f} ({fa.get('speedup', float('nan')):.2f}×)" if "us" in fa else "err"
@@ -363,7 +371,8 @@ def merge_results(paths: list[Path], out_dir: Path, prefix: str = "s24_fp8") -> 
             rows[(r["shape"], r["G"], r["N"])] = r
     order = {name: i for i, name in enumerate(PAPER_SHAPES)}
     merged["rows"] = sorted(rows.values(), key=lambda r: (order.get(r["shape"], 99), r["shape"], r["G"], r["N"]))
-    merged["runs"] = [{"date": p["date"], "commit": p["commit"], "gpu": p["gpu"], "rows": len(p["rows"])} for p in parts]
+    merged["runs"] = [{"date": p["date"], "commit": p["commit"], "gpu": p["gpu"], "rows": len(p["rows"])}
+                      for p in parts]
     merged["targets"] = targets(merged["rows"])
     merged["targets_fast_accum"] = targets(merged["rows"], "s24_fp8_fast_accum")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -375,7 +384,8 @@ def merge_results(paths: list[Path], out_dir: Path, prefix: str = "s24_fp8") -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moesq_core.serving.bench.kernel_bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m moesq_core.serving.bench.kernel_bench",
+                                 description=__doc__.split("\n")[0])
     ap.add_argument("--fmt", default="s24-fp8")
     ap.add_argument("--G", type=int, nargs="+", default=DEFAULT_G)
     ap.add_argument("--N", type=int, nargs="+", default=DEFAULT_N)

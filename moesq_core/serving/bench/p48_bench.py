@@ -286,7 +286,8 @@ def targets(rows: list[dict], label: str = "p48_w4a16") -> dict:
                                    "target": TARGET_SPEEDUP_SMALL,
                                    "met": bool(sp_small) and min(sp_small) >= TARGET_SPEEDUP_SMALL},
         "N_128_speedup_vs_fp8": {"min": min(sp_mid) if sp_mid else None, "geomean": _geomean(sp_mid),
-                                 "target": TARGET_SPEEDUP_128, "met": bool(sp_mid) and min(sp_mid) >= TARGET_SPEEDUP_128},
+                                 "target": TARGET_SPEEDUP_128,
+                                 "met": bool(sp_mid) and min(sp_mid) >= TARGET_SPEEDUP_128},
     }
 
 
@@ -337,8 +338,9 @@ def bench_p48(shapes, G, N, out_dir: Path, repeats: int = 50, log=print,
             for label in ("p48_w4a16", "p48_mma_w4a16", "p48_mma_w4a4_fused"):
                 p = row["methods"].get(label)
                 if p is not None:
-                    parts.append(f"{label} {p.get('us', float('nan')):8.1f} us {p.get('weight_TBps', float('nan')):5.2f} "
-                                 f"TB/s x{p.get('speedup_vs_fp8', float('nan')):.2f} vs fp8 {p.get('error', '')}")
+                    parts.append(f"{label} {p.get('us', float('nan')):8.1f} us "
+                                 f"{p.get('weight_TBps', float('nan')):5.2f} TB/s "
+                                 f"x{p.get('speedup_vs_fp8', float('nan')):.2f} vs fp8 {p.get('error', '')}")
             log(f"{name:24s} G={g:4d} N={n:4d} | fp8 {f.get('us', float('nan')):8.1f} us | " + " | ".join(parts))
             (out_dir / "p48_kernel_bench.json").write_text(json.dumps(result, indent=1))
     for label in ("p48_w4a16", "p48_w4a4", *MMA_METHODS):
@@ -371,7 +373,8 @@ def markdown(result: dict) -> str:
            "reads its inputs; back-to-back calls overlap one's launch and first weight loads with the other's tail)."
            if result.get("p48_mma_programmatic_launch") else ""),
         "",
-        "| shape | G | N | " + " | ".join(cols) + " | " + " | ".join(f"{m} TB/s | {m} vs fp8" for m in ratio_cols) + " |",
+        "| shape | G | N | " + " | ".join(cols) + " | "
+        + " | ".join(f"{m} TB/s | {m} vs fp8" for m in ratio_cols) + " |",
         "|---|---|---|" + "---|" * len(cols) + "---|---|" * len(ratio_cols),
     ]
     for r in result["rows"]:
@@ -380,9 +383,11 @@ def markdown(result: dict) -> str:
         for c in cols:
             m = ms.get(c, {})
             cells.append(f"{m['us']:.1f}" if "us" in m else ("err" if "error" in m else "–"))
-        ratios = [f"{ms.get(m, {}).get('weight_TBps', '–')} | {ms.get(m, {}).get('speedup_vs_fp8', '–')}" for m in ratio_cols]
+        ratios = [f"{ms.get(m, {}).get('weight_TBps', '–')} | {ms.get(m, {}).get('speedup_vs_fp8', '–')}"
+                  for m in ratio_cols]
         lines.append(f"| {r['shape']} | {r['G']} | {r['N']} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
-    errs = [(r["shape"], r["N"], k, m["error"]) for r in result["rows"] for k, m in r["methods"].items() if "error" in m]
+    errs = [(r["shape"], r["N"], k, m["error"])
+            for r in result["rows"] for k, m in r["methods"].items() if "error" in m]
     if errs:
         lines += ["", "Errors:", ""] + [f"- {s} N={n} {k}: {e}" for s, n, k, e in errs]
     lines += ["", "## Targets", ""]

@@ -11,6 +11,6 @@
     swiglu_quant_triton  fused SwiGLU + NVFP4 activation fake-quantization (forward + backward) for refinement
     triton_support Triton where installed, and its interpreter on the CPU
 
-Nothing here needs a GPU at import time (Triton is imported when installed); GPU entry points raise RuntimeError with the reason
-(no CUDA, not sm_90, library not built) when they cannot run.
+Nothing here needs a GPU at import time (Triton is imported when installed); GPU entry points raise RuntimeError
+with the reason (no CUDA, not sm_90, library not built) when they cannot run.
 """

@@ -382,7 +382,8 @@ def _import(path: Path):
     mod = importlib.util.module_from_spec(spec)
     loader.exec_module(mod)
     if getattr(mod, "ABI_VERSION", None) != ABI_VERSION:
-        raise NativeBuildError(f"{path} has ABI {getattr(mod, 'ABI_VERSION', None)}, expected {ABI_VERSION}: rebuild it")
+        raise NativeBuildError(f"{path} has ABI {getattr(mod, 'ABI_VERSION', None)}, expected {ABI_VERSION}: "
+                               "rebuild it")
     return mod
 
 
@@ -414,8 +415,11 @@ def load_extension(build_if_missing: bool = True):
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m moesq_core.serving.kernels.native_build", description=__doc__.split("\n")[0])
-    ap.add_argument("-j", "--jobs", type=int, default=None, help="parallel compiler processes (default: one per core, as many as the free memory holds at ~5 GiB each)")
+    ap = argparse.ArgumentParser(prog="python -m moesq_core.serving.kernels.native_build",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("-j", "--jobs", type=int, default=None,
+                    help="parallel compiler processes (default: one per core, as many as the free memory holds at "
+                         "~5 GiB each)")
     ap.add_argument("--force", action="store_true", help="rebuild everything")
     ap.add_argument("--check", action="store_true", help="import the module and check the current GPU")
     ap.add_argument("--generate", action="store_true",

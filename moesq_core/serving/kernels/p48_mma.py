@@ -135,7 +135,8 @@ class P48MmaWeights:
         if g is None or g.dtype != torch.float32 or g.numel() != E:
             raise ValueError(f"{name or 'p48 weights'}.weight_global_scale: expected float32 with one value per expert")
         scales = st.get("weight_scale")
-        if scales is None or scales.dtype != torch.float8_e4m3fn or tuple(scales.shape) != (*packed.shape[:2], packed.shape[2] // 8):
+        if (scales is None or scales.dtype != torch.float8_e4m3fn
+                or tuple(scales.shape) != (*packed.shape[:2], packed.shape[2] // 8)):
             raise ValueError(f"{name or 'p48 weights'}.weight_scale: expected float8_e4m3fn [E, out, in/32]")
         dev = torch.device(device) if device is not None else packed.device
         st = {k: v.to(dev) for k, v in st.items()}
@@ -156,7 +157,8 @@ def permute_rows(packed: dict[str, torch.Tensor], order: torch.Tensor) -> dict[s
     return {s: (t.index_select(0, order.to(t.device)) if s in ROW_SUFFIXES else t) for s, t in packed.items()}
 
 
-def stack_gate_up(gate: list[dict[str, torch.Tensor]], up: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+def stack_gate_up(gate: list[dict[str, torch.Tensor]],
+                  up: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
     """Per expert, gate's rows then up's rows ([2I, H]); both must share the weight global scale (one epilogue
     factor per expert)."""
     out = []

@@ -145,7 +145,8 @@ def expert_weights(packed_expert: dict[str, dict[str, torch.Tensor]], name: str 
         raise ValueError(f"{name or 'expert'}: missing projection(s) {missing}; need gate, up and down")
     w = {p: decode_p48(packed_expert[p], f"{name}.{p}" if name else p) for p in PROJS}
     if w["gate"].codes.shape != w["up"].codes.shape:
-        raise ValueError(f"{name or 'expert'}: gate {tuple(w['gate'].codes.shape)} and up {tuple(w['up'].codes.shape)} differ")
+        raise ValueError(f"{name or 'expert'}: gate {tuple(w['gate'].codes.shape)} and up "
+                         f"{tuple(w['up'].codes.shape)} differ")
     inter, hidden = w["gate"].codes.shape
     if tuple(w["down"].codes.shape) != (hidden, inter):
         raise ValueError(f"{name or 'expert'}: down is {tuple(w['down'].codes.shape)}, expected {(hidden, inter)}")
@@ -159,7 +160,8 @@ def expert_forward_ref(x: torch.Tensor, w: dict[str, P48Weight], act_quant: bool
     """
     gate = p48_linear_ref(x, w["gate"], act_quant)
     up_w = w["up"]
-    up = p48_linear_ref(x, P48Weight(up_w.codes, up_w.scales, up_w.global_scale, w["gate"].input_global_scale), act_quant)
+    up_in_gate_scale = P48Weight(up_w.codes, up_w.scales, up_w.global_scale, w["gate"].input_global_scale)
+    up = p48_linear_ref(x, up_in_gate_scale, act_quant)
     return p48_linear_ref(F.silu(gate) * up, w["down"], act_quant)
 
 

@@ -164,7 +164,8 @@ class P48GemmWeights:
             if t.dtype != dt or tuple(t.shape) != shape:
                 raise ValueError(f"{name}.{what}: expected {dt} {shape}, got {t.dtype} {tuple(t.shape)}")
         if g.dtype != torch.float32 or g.numel() != E:
-            raise ValueError(f"{name}.weight_global_scale: expected float32 with one value per expert, got {g.dtype} {tuple(g.shape)}")
+            raise ValueError(f"{name}.weight_global_scale: expected float32 with one value per expert, got {g.dtype} "
+                             f"{tuple(g.shape)}")
         pop = lambda v: sum(((v >> i) & 1) for i in range(4))  # noqa: E731
         m32 = mask.to(torch.int32)
         if bool(((pop(m32 & 15) != 2) | (pop(m32 >> 4) != 2)).any()):
@@ -192,10 +193,14 @@ _ASM_GROUP = """
         prmt.b32 pe, $16, pz, {lut};
         shr.b32 pt, {lut}, 16;
         prmt.b32 po, $16, pz, pt;
-        shl.b32 pt, pe, 6;  shl.b32 px, pe, 12; lop3.b32 px, pt, px, pc, 0xA8; fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a0}, ${a1}}}, px;
-        shl.b32 pt, pe, 1;  shl.b32 px, pe, 11; lop3.b32 px, pt, px, pc, 0xA8; fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a2}, ${a3}}}, px;
-        shl.b32 pt, po, 6;  shl.b32 px, po, 12; lop3.b32 px, pt, px, pc, 0xA8; fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a4}, ${a5}}}, px;
-        shl.b32 pt, po, 1;  shl.b32 px, po, 11; lop3.b32 px, pt, px, pc, 0xA8; fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a6}, ${a7}}}, px;
+        shl.b32 pt, pe, 6;  shl.b32 px, pe, 12; lop3.b32 px, pt, px, pc, 0xA8;
+        fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a0}, ${a1}}}, px;
+        shl.b32 pt, pe, 1;  shl.b32 px, pe, 11; lop3.b32 px, pt, px, pc, 0xA8;
+        fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a2}, ${a3}}}, px;
+        shl.b32 pt, po, 6;  shl.b32 px, po, 12; lop3.b32 px, pt, px, pc, 0xA8;
+        fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a4}, ${a5}}}, px;
+        shl.b32 pt, po, 1;  shl.b32 px, po, 11; lop3.b32 px, pt, px, pc, 0xA8;
+        fma.rn.bf16x2 px, px, $19, pnz; mov.b32 {{${a6}, ${a7}}}, px;
 """
 # $0..$15: the 16 bf16 outputs (PERM order); $16 word, $17/$18 selector pairs of the low/high group, $19 the
 # scale s_hat*2^119 as bf16x2. lop3 0xA8 = (a | b) & c with c = the bf16x2 sign+exponent-low+mantissa-high
@@ -450,9 +455,9 @@ if HAS_TRITON:
                 tl.store(xs_ptr + row.to(tl.int64) * stride_xs + hc, x.to(xs_ptr.dtype.element_ty), mask=msk)
 
     @triton.jit
-    def _swiglu_kernel(y_ptr, out_ptr, row_expert_ptr, g_ptr, R, I, stride_y, stride_o,
+    def _swiglu_kernel(y_ptr, out_ptr, row_expert_ptr, g_ptr, R, inter, stride_y, stride_o,
                        BR: tl.constexpr, NBLK: tl.constexpr, QUANT: tl.constexpr):
-        """out = silu(y[:, :I]) * y[:, I:], optionally NVFP4-quantized (unscaled values) with g[expert(row)]."""
+        """out = silu(y[:, :inter]) * y[:, inter:], optionally NVFP4-quantized (unscaled values) with g[expert(row)]."""
         pid = tl.program_id(0)
         rows = pid * BR + tl.arange(0, BR)
         r_ok = rows < R
@@ -460,12 +465,12 @@ if HAS_TRITON:
         if QUANT:
             ge = tl.load(row_expert_ptr + rows, mask=r_ok, other=0)
             g2 = tl.load(g_ptr + ge, mask=r_ok, other=1.0)[:, None]
-        for i0 in range(0, I, NBLK * 32):
+        for i0 in range(0, inter, NBLK * 32):
             ic = i0 + cols
-            msk = r_ok[:, None, None] & (ic < I)[None, :, :]
+            msk = r_ok[:, None, None] & (ic < inter)[None, :, :]
             base = y_ptr + rows[:, None, None].to(tl.int64) * stride_y + ic[None, :, :]
             gate = tl.load(base, mask=msk, other=0.0).to(tl.float32)
-            up = tl.load(base + I, mask=msk, other=0.0).to(tl.float32)
+            up = tl.load(base + inter, mask=msk, other=0.0).to(tl.float32)
             h = gate / (1.0 + tl.exp(-gate)) * up
             if QUANT:
                 h = _nvfp4_unscaled(h, g2)
@@ -534,7 +539,8 @@ def _num_sms(device: torch.device) -> int:
 
 # Tile shapes per regime (BN <= 32: decode; larger: prefill), as (BM, BK, num_warps, num_stages, prefetch).
 # MOESQ_P48_TILES="small:BM,BK,warps,stages,prefetch;large:..." overrides them (used by the tuning sweep).
-DEFAULT_TILES = {"small": (64, 64, 4, 3, True), "large": (128, 128, 8, 3, True)}  # the fastest of a tile sweep on an H200
+# The defaults are the fastest of a tile sweep on an H200.
+DEFAULT_TILES = {"small": (64, 64, 4, 3, True), "large": (128, 128, 8, 3, True)}
 
 
 def _tiles() -> dict[str, tuple[int, int, int, int, bool]]:

@@ -49,7 +49,8 @@ class P48Variant:
         if self.instruction not in TEMPLATES:
             raise ValueError(f"p48 variant: instruction {self.instruction!r} is not one of {', '.join(TEMPLATES)}")
         if self.instruction == WGMMA_SP:
-            if self.warps % 4 or self.row_tiles_per_warp != 1 or self.row_groups_per_unit != 1 or self.deal not in (0, 2):
+            if (self.warps % 4 or self.row_tiles_per_warp != 1 or self.row_groups_per_unit != 1
+                    or self.deal not in (0, 2)):
                 raise ValueError("p48 wgmma.sp variant: warps a multiple of 4 (whole warpgroups), one row tile per "
                                  f"warp, one row group per unit, deal 0 or 2; got {self}")
         elif self.token_width_step or self.deal not in (0, 1):
@@ -140,5 +141,6 @@ def variants_include(variants: tuple[P48Variant, ...] | None = None) -> str:
         checks = " && ".join(f"P48Row{i}::{name} == {_cpp(value)}" for name, value in v.constants().items())
         lines += [f"using P48Row{i} = {v.template()};",
                   f'static_assert({checks}, "p48 variant {i} is not its row of P48_VARIANTS");']
-    lines.append(f'static_assert(kMaxOrderE == {MAX_ORDER_EXPERTS}, "kMaxOrderE is not p48_variants.MAX_ORDER_EXPERTS");')
+    lines.append(f'static_assert(kMaxOrderE == {MAX_ORDER_EXPERTS}, '
+                 '"kMaxOrderE is not p48_variants.MAX_ORDER_EXPERTS");')
     return "\n".join(lines) + "\n"

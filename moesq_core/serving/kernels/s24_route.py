@@ -53,16 +53,16 @@ if HAS_TRITON:
             tl.store(sx_ptr + row, s)
 
     @triton.jit
-    def _swiglu_quant_kernel(y_ptr, row_ptr, xq_ptr, sx_ptr, I, BLOCK_I: tl.constexpr):
+    def _swiglu_quant_kernel(y_ptr, row_ptr, xq_ptr, sx_ptr, inter, BLOCK_I: tl.constexpr):
         p = tl.program_id(0)
         row = tl.load(row_ptr + p)
         offs = tl.arange(0, BLOCK_I)
-        m = offs < I
-        g = tl.load(y_ptr + row * (2 * I) + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(y_ptr + row * (2 * I) + I + offs, mask=m, other=0.0).to(tl.float32)
+        m = offs < inter
+        g = tl.load(y_ptr + row * (2 * inter) + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(y_ptr + row * (2 * inter) + inter + offs, mask=m, other=0.0).to(tl.float32)
         a = tl.where(m, g * tl.sigmoid(g) * u, 0.0)
         q, s = _quant_row(a)
-        tl.store(xq_ptr + row * I + offs, q, mask=m)
+        tl.store(xq_ptr + row * inter + offs, q, mask=m)
         tl.store(sx_ptr + row, s)
 
     @triton.jit
@@ -98,13 +98,14 @@ def route_quant(hidden: torch.Tensor, top_k_index: torch.Tensor, E: int, cap: in
     return xq, sx, counts, row
 
 
-def swiglu_quant(y1: torch.Tensor, row: torch.Tensor, I: int):
-    """y1 bf16 [E, cap, 2I] (gate then up) -> (xq float8_e4m3fn [E, cap, I], sx float32 [E, cap]) on the rows used."""
+def swiglu_quant(y1: torch.Tensor, row: torch.Tensor, inter: int):
+    """y1 bf16 [E, cap, 2 * inter] (gate then up) -> (xq float8_e4m3fn [E, cap, inter], sx float32 [E, cap]) on the
+    rows used."""
     E, cap = y1.shape[0], y1.shape[1]
-    xq = torch.empty(E, cap, I, dtype=torch.float8_e4m3fn, device=y1.device)
+    xq = torch.empty(E, cap, inter, dtype=torch.float8_e4m3fn, device=y1.device)
     sx = torch.empty(E, cap, dtype=torch.float32, device=y1.device)
-    _swiglu_quant_kernel[(row.numel(),)](y1, row, xq, sx, I, BLOCK_I=triton.next_power_of_2(I),
-                                         num_warps=4 if I <= 4096 else 8)
+    _swiglu_quant_kernel[(row.numel(),)](y1, row, xq, sx, inter, BLOCK_I=triton.next_power_of_2(inter),
+                                         num_warps=4 if inter <= 4096 else 8)
     return xq, sx
 
 
