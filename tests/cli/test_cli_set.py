@@ -219,7 +219,7 @@ def test_a_recipe_gives_only_the_keys_it_writes(tmp_path):
     (`init-sgptq`, and `run` past its one-shot stage); a recipe key that differs from the work dir's is refused,
     naming only that key."""
     calib = tmp_path / "text.txt.xz"
-    calib.write_bytes((Path(__file__).parents[1] / "moesq_core" / "assets" / "calib-sample.txt.xz").read_bytes())
+    calib.write_bytes((Path(__file__).parents[2] / "moesq_core" / "assets" / "calib-sample.txt.xz").read_bytes())
     wd = tmp_path / "wd"
     moesq_here("calibrate", "-w", wd, *TINY, "--calib", calib, "--set", "act_quant=false", "--quiet")
     made = json.loads((wd / "manifest.json").read_text())["config"]
