@@ -140,7 +140,7 @@ def test_micro_model_reference_logits_match_dequantized_model():
 _INTERP_SCRIPT = r"""
 import torch
 from conftest import routing
-from tests.test_runtime_p48 import random_experts
+from test_runtime_p48 import random_experts
 from moesq_core.serving.p48_hopper import P48HopperExperts
 packed, _, _ = random_experts(E=5, H=64, I=96, dynamic=(1,))
 worst = 0.0
