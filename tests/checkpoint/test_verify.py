@@ -14,7 +14,7 @@ from moesq_core.compression.export import quantization_config
 from moesq_core.formats import get_format
 from moesq_core.formats.packing import pack
 
-H, I, E, LAYERS = 64, 32, 2, 2  # hidden, expert intermediate, experts per layer, layers
+H, INTER, E, LAYERS = 64, 32, 2, 2  # hidden, expert intermediate, experts per layer, layers
 
 
 def expert_tensors(fmt_name: str, layout: str | None, seed: int) -> dict[str, torch.Tensor]:
@@ -24,7 +24,7 @@ def expert_tensors(fmt_name: str, layout: str | None, seed: int) -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     for layer in range(LAYERS):
         for e in range(E):
-            gate, up, down = torch.randn(I, H, generator=gen), torch.randn(I, H, generator=gen), torch.randn(H, I, generator=gen)
+            gate, up, down = torch.randn(INTER, H, generator=gen), torch.randn(INTER, H, generator=gen), torch.randn(H, INTER, generator=gen)
             g = fmt.global_scale(gate, up)  # gate and up share one global scale
             qws = {"gate_proj": fmt.quantize(gate, global_scale=g), "up_proj": fmt.quantize(up, global_scale=g),
                    "down_proj": fmt.quantize(down)}
@@ -92,12 +92,12 @@ def test_good_dir_passes(tmp_path, fmt, layout, bits):
     assert len(report.rows) == LAYERS * E * 3
     assert calls[-1] == (LAYERS * E * 3, LAYERS * E * 3)
     row = report.rows[0]
-    assert row.name == "model.layers.0.mlp.experts.0.gate_proj" and row.shape == (I, H) and row.status == "ok"
+    assert row.name == "model.layers.0.mlp.experts.0.gate_proj" and row.shape == (INTER, H) and row.status == "ok"
     assert row.format == (layout or fmt)
     # Stored bits/weight: the format's figure plus the per-matrix global scale or per-row scales.
-    extra = 32 / (I * H) if fmt != "s24-fp8" else 32 / H
+    extra = 32 / (INTER * H) if fmt != "s24-fp8" else 32 / H
     assert row.bits_per_weight == pytest.approx(bits + extra, abs=1e-12)
-    assert {r.shape for r in report.rows} == {(I, H), (H, I)}
+    assert {r.shape for r in report.rows} == {(INTER, H), (H, INTER)}
 
 
 def test_sharded_good_dir_passes(tmp_path):

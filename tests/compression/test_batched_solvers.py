@@ -45,7 +45,7 @@ def applies(name: str, fmt_name: str) -> bool:
     return name != "gptq" or get_format(fmt_name).patterns.is_dense
 
 
-def make_block(E=3, H=64, I=32, seed=0, empty=(), dead=()) -> list[ExpertData]:
+def make_block(E=3, H=64, inter=32, seed=0, empty=(), dead=()) -> list[ExpertData]:
     """Experts with correlated inputs, different token counts, router weights; experts in `empty` get no
     tokens, input columns in `dead` are never excited (for expert 0)."""
     g = torch.Generator().manual_seed(seed)
@@ -56,8 +56,8 @@ def make_block(E=3, H=64, I=32, seed=0, empty=(), dead=()) -> list[ExpertData]:
         x = torch.randn(n, H, generator=g) @ A
         if e == 0 and dead:
             x[:, list(dead)] = 0
-        out.append(ExpertData(e, 0.2 * torch.randn(I, H, generator=g), 0.2 * torch.randn(I, H, generator=g),
-                              0.2 * torch.randn(H, I, generator=g), x, torch.rand(n, generator=g)))
+        out.append(ExpertData(e, 0.2 * torch.randn(inter, H, generator=g), 0.2 * torch.randn(inter, H, generator=g),
+                              0.2 * torch.randn(H, inter, generator=g), x, torch.rand(n, generator=g)))
     return out
 
 
@@ -325,7 +325,7 @@ def test_chunking_does_not_change_results(variant):
 def test_block_must_share_shapes():
     fmt = get_format("p48-nvfp4")
     a = make_block(E=1, seed=10)[0]
-    b = make_block(E=1, H=64, I=64, seed=11)[0]
+    b = make_block(E=1, H=64, inter=64, seed=11)[0]
     with pytest.raises(ValueError, match="share their shapes"):
         get_method("sgptq").compress_block([a, b], fmt)
 
@@ -338,7 +338,7 @@ def test_gpu_factorisations_forced_on_cpu_stay_within_float_tolerance(fmt_name, 
     level: a tiny fraction of codes sit on a rounding boundary, the errors agree to float tolerance."""
     name, opts = variant
     fmt = get_format(fmt_name)
-    experts = make_block(E=3, H=128, I=64, seed=12)
+    experts = make_block(E=3, H=128, inter=64, seed=12)
     ref = get_method(name, batched=False, **opts).compress_block(experts, fmt)
     monkeypatch.setattr(spd, "BASE", 16)
     monkeypatch.setattr(spd, "STRATEGY", strategy)
@@ -366,14 +366,14 @@ def real_block(path, layer=0, n_seq=8, seq=128, max_experts=None) -> list[Expert
     mlp = model.model.layers[layer].mlp
     with torch.no_grad():
         _, weights, idx = mlp.gate(x)
-    E, _, I = mlp.experts.down_proj.shape
+    E, _, inter = mlp.experts.down_proj.shape
     counts = torch.bincount(idx.flatten(), minlength=E)
     order = counts.argsort(descending=True).tolist()[:max_experts or E]
     out = []
     for e in sorted(order):
         sel = (idx == e).any(-1)
         gu = mlp.experts.gate_up_proj[e].detach()
-        out.append(ExpertData(e, gu[:I].clone(), gu[I:].clone(), mlp.experts.down_proj[e].detach().clone(),
+        out.append(ExpertData(e, gu[:inter].clone(), gu[inter:].clone(), mlp.experts.down_proj[e].detach().clone(),
                               x[sel], (weights * (idx == e)).sum(-1)[sel]))
     return out
 
@@ -416,7 +416,7 @@ def test_batched_equals_reference_on_the_tiny_model(tiny_block, fmt_name, varian
 @pytest.mark.parametrize("name", ["sgptq", "obr"])
 def test_batched_on_cuda_matches_the_cpu_reference(name):
     fmt = get_format("p48-nvfp4")
-    experts = make_block(E=3, H=128, I=64, seed=13)
+    experts = make_block(E=3, H=128, inter=64, seed=13)
     ref = get_method(name, batched=False).compress_block(experts, fmt)
     cuda = [ExpertData(ex.index, *(t.cuda() for t in (ex.gate, ex.up, ex.down, ex.x, ex.w))) for ex in experts]
     got = get_method(name).compress_block(cuda, fmt)

@@ -30,11 +30,11 @@ RUN_TUNED = dict(RUN, n_train=8)
 RCFG = RefineConfig(epochs=1, steps_per_epoch=2, e2e_steps=6, e2e_lr=3e-3, e2e_batch_size=4, init_split_rows=False)
 
 
-def _random_block(fmt, E=3, I=64, H=96, seed=0):
+def _random_block(fmt, E=3, inter=64, H=96, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(E):
-        w = {p: torch.randn(*s, generator=g) * 0.05 for p, s in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
+        w = {p: torch.randn(*s, generator=g) * 0.05 for p, s in (("gate", (inter, H)), ("up", (inter, H)), ("down", (H, inter)))}
         gs = fmt.global_scale(w["gate"], w["up"])
         out.append({p: fmt.quantize(w[p], None, gs if p != "down" else None) for p in PROJECTIONS})
     return out
@@ -322,7 +322,7 @@ def test_auto_end_to_end_runs_where_it_fits_and_is_skipped_with_a_reason_where_n
 def test_tunable_experts_on_cuda_match_the_cpu_reference(act_quant):
     """The end-to-end step's forward and gradient on the GPU (batched experts forward) against the CPU's."""
     fmt = get_format("p48-nvfp4")
-    weights = _random_block(fmt, E=5, I=96, H=160)
+    weights = _random_block(fmt, E=5, inter=96, H=160)
     amax_in, amax_mid = torch.tensor([3.0, 2.5, 4.0, 1.5, 2.0]), torch.tensor([1.0, 0.5, 2.0, 0.7, 1.2])
     g = torch.Generator().manual_seed(2)
     x = torch.randn(77, 160, generator=g)  # awkward row count

@@ -403,7 +403,7 @@ def test_block_compressed_in_expert_chunks_gives_the_same_bytes(micro_path, tmp_
     for name, chunk in (("whole", None), ("chunked", 3)):
         if chunk is not None:
             monkeypatch.setattr(engine, "dense_weight_chunks",
-                                lambda experts, I, H, device: [experts[i:i + chunk] for i in range(0, len(experts), chunk)])
+                                lambda experts, inter, H, device: [experts[i:i + chunk] for i in range(0, len(experts), chunk)])
         wd = tmp_path / name
         run_init(wd, MethodConfig("sgptq"), micro_path, run, device="cpu", batch_size=4)
         run_refine(wd, rcfg, micro_path, run, device="cpu", batch_size=4)
@@ -495,7 +495,7 @@ def test_dense_weight_chunks_fit_the_weights_on_a_gpu():
     dev = torch.device("cuda")
     assert dense_weight_chunks(list(range(8)), 64, 64, dev) == [list(range(8))]
     free = torch.cuda.mem_get_info(dev)[0] * WEIGHTS_GPU_FRACTION
-    I = int(free // 4 // (3 * 64 * (4 + RESULT_BYTES_PER_WEIGHT)))  # a quarter of the budget per expert
-    many = dense_weight_chunks(list(range(8)), I, 64, dev)
+    inter = int(free // 4 // (3 * 64 * (4 + RESULT_BYTES_PER_WEIGHT)))  # a quarter of the budget per expert
+    many = dense_weight_chunks(list(range(8)), inter, 64, dev)
     assert [e for c in many for e in c] == list(range(8)) and all(1 <= len(c) <= 4 for c in many) and len(many) >= 2
     assert dense_weight_chunks([5], 10 ** 9, 10 ** 4, dev) == [[5]]

@@ -127,8 +127,8 @@ def test_released_experts_refuse_to_run_and_an_eager_model_keeps_its_own(micro_p
         model, _, adapter, _ = load_model(micro_path, lazy=lazy)
         block = adapter.blocks(model)[0]
         E = block.num_experts
-        I, H = block.dense_experts.down_proj.shape[2], block.dense_experts.down_proj.shape[1]
-        mine = MoesqExperts("p48-nvfp4", torch.zeros(E, 2 * I, H), torch.zeros(E, H, I), act_quant=False)
+        inter, H = block.dense_experts.down_proj.shape[2], block.dense_experts.down_proj.shape[1]
+        mine = MoesqExperts("p48-nvfp4", torch.zeros(E, 2 * inter, H), torch.zeros(E, H, inter), act_quant=False)
         block.set_experts(mine)
         block.release_installed()
         if lazy:

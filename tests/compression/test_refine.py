@@ -17,7 +17,7 @@ from moesq_core.formats.quantizers import NVFP4ActQuantizer, nvfp4_global_scale
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors, one intra-op thread
 
 
-def make_block(E=4, H=64, I=64, n=300, n_val=100, seed=0, with_val=True, device="cpu"):
+def make_block(E=4, H=64, inter=64, n=300, n_val=100, seed=0, with_val=True, device="cpu"):
     """Experts with correlated inputs (low-rank + noise, a few outlier channels) and random router weights."""
     g = torch.Generator().manual_seed(seed)
     L = torch.randn(H, 16, generator=g)
@@ -31,9 +31,9 @@ def make_block(E=4, H=64, I=64, n=300, n_val=100, seed=0, with_val=True, device=
     for e in range(E):
         x, w = tokens(n)
         xv, wv = tokens(n_val) if with_val else (None, None)
-        gate = torch.randn(I, H, generator=g) * H ** -0.5
-        up = torch.randn(I, H, generator=g) * H ** -0.5
-        down = torch.randn(H, I, generator=g) * I ** -0.5
+        gate = torch.randn(inter, H, generator=g) * H ** -0.5
+        up = torch.randn(inter, H, generator=g) * H ** -0.5
+        down = torch.randn(H, inter, generator=g) * inter ** -0.5
         def t(a):
             return None if a is None else a.to(device)
         experts.append(ExpertData(e, t(gate), t(up), t(down), t(x), t(w), t(xv), t(wv)))
@@ -423,7 +423,7 @@ def test_bad_inputs_are_refused_clearly():
         RefineConfig(loss_power=3)
     with pytest.raises(ValueError, match="init returned"):
         BlockRefiner(ex, inits[:1], fmt, RefineConfig())
-    bad = make_block(E=1, H=64, I=32, n=50, n_val=10)
+    bad = make_block(E=1, H=64, inter=32, n=50, n_val=10)
     with pytest.raises(ValueError, match="shape"):
         BlockRefiner(ex[:1] + bad, inits[:1] + RTN(report_errors=False).compress_block(bad, fmt), fmt, RefineConfig())
     with pytest.raises(ValueError, match="format"):
@@ -454,7 +454,7 @@ def test_compiled_step_on_cuda_matches_eager(compute_dtype, rtol):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     fmt = get_format("p48-nvfp4")
-    ex = make_block(E=5, H=128, I=64, n=400, n_val=40, seed=23, device="cuda")
+    ex = make_block(E=5, H=128, inter=64, n=400, n_val=40, seed=23, device="cuda")
     inits = RTN(report_errors=False).compress_block(ex, fmt)
     rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=3, micro_batch_rows=300, compile=c,
                                                     compute_dtype=compute_dtype)) for c in (False, "auto")]
@@ -468,7 +468,7 @@ def test_compiled_step_on_cuda_matches_eager(compute_dtype, rtol):
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
-    ex2 = make_block(E=7, H=128, I=64, n=500, n_val=40, seed=24, device="cuda")
+    ex2 = make_block(E=7, H=128, inter=64, n=500, n_val=40, seed=24, device="cuda")
     r2 = BlockRefiner(ex2, RTN(report_errors=False).compress_block(ex2, fmt), fmt,
                       RefineConfig(epochs=1, steps_per_epoch=3, micro_batch_rows=300, compute_dtype=compute_dtype))
     order = r2.epoch_order()
@@ -481,7 +481,7 @@ def test_compiled_step_on_cuda_matches_eager(compute_dtype, rtol):
 def test_compiled_relaxation_matches_eager():
     """compile=True fuses the elementwise relaxation/quantization; it must compute the same step."""
     fmt = get_format("p48-nvfp4")
-    ex = make_block(E=3, H=64, I=32, n=120, n_val=20, seed=17)
+    ex = make_block(E=3, H=64, inter=32, n=120, n_val=20, seed=17)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
     rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=96, compile=c))
           for c in (False, True)]
@@ -493,7 +493,7 @@ def test_compiled_relaxation_matches_eager():
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
-    ex2 = make_block(E=4, H=64, I=32, n=150, n_val=20, seed=18)
+    ex2 = make_block(E=4, H=64, inter=32, n=150, n_val=20, seed=18)
     r2 = BlockRefiner(ex2, RTN(report_errors=False).compress_block(ex2, fmt), fmt,
                       RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=96, compile=True))
     r2.train_step(r2.epoch_order(), 0)
@@ -830,12 +830,12 @@ def test_refinement_memory_estimate_counts_the_token_matrix_once():
         refine_shared_bytes,
     )
 
-    H, I, T, k = 2048, 768, 1024 * 4096, 8
-    shared = refine_shared_bytes(H, I, T, 2, T * k, 262144)
-    assert shared == T * H * 2 + T * k * ROW_BYTES + micro_batch_bytes(H, I, 262144)
+    H, inter, T, k = 2048, 768, 1024 * 4096, 8
+    shared = refine_shared_bytes(H, inter, T, 2, T * k, 262144)
+    assert shared == T * H * 2 + T * k * ROW_BYTES + micro_batch_bytes(H, inter, 262144)
     assert 16 * 2**30 == T * H * 2 < shared < 40 * 2**30  # 1,024 sequences of 4,096 tokens: 16 GiB of bf16 tokens
-    per = refine_bytes_per_expert(get_format("p48-nvfp4"), I, H)
-    assert 128 * per < 40 * 2**30 and per == refine_bytes_per_expert(get_format("p48-nvfp4"), I, H)
+    per = refine_bytes_per_expert(get_format("p48-nvfp4"), inter, H)
+    assert 128 * per < 40 * 2**30 and per == refine_bytes_per_expert(get_format("p48-nvfp4"), inter, H)
 
 
 def test_refinement_says_before_the_block_loop_whether_a_block_fits():
