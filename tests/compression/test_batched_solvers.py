@@ -210,7 +210,8 @@ def test_batched_sweep_equals_per_expert_sweep(fmt_name, exact):
                 assert torch.equal(getattr(ref, name), getattr(got, name)), (e, k, name)
             assert ref.pinned == got.pinned and torch.equal(ref.global_scale, got.global_scale)
             ref_fixed = solver.solve(W[e, rows], U[e], gs[e], mask=bat.mask[e, rows])
-            assert torch.equal(ref_fixed.codes, fixed.codes[e, rows]) and torch.equal(ref_fixed.scales, fixed.scales[e, rows])
+            assert torch.equal(ref_fixed.codes, fixed.codes[e, rows])
+            assert torch.equal(ref_fixed.scales, fixed.scales[e, rows])
             ref_sparse = SGPTQSolver(fmt, quantize=False).solve(W[e, rows], U[e])
             assert torch.equal(ref_sparse.values, sparse_only.values[e, rows])
     if fmt.scale_block == 0:  # fixed per-row scales (OBR's second stage)
@@ -239,7 +240,8 @@ def test_graphed_sweep_equals_launched_sweep_on_cuda(fmt_name, exact, monkeypatc
         free = solver.solve_batched(W, U, gs, row_groups=2)
         runs[graphs] = (free, solver.solve_batched(W, U, gs, mask=free.mask, row_groups=2),
                         solver.solve_batched(W, U, gs, mask=free.mask, scales=free.scales, row_groups=2),
-                        SGPTQSolver(fmt, blocksize=64, quantize=False, cuda_graphs=graphs).solve_batched(W, U, row_groups=2))
+                        SGPTQSolver(fmt, blocksize=64, quantize=False, cuda_graphs=graphs)
+                        .solve_batched(W, U, row_groups=2))
     assert len(replays) >= 4 * 2  # 4 sweeps (FP8's pre-passes add more), each replays full blocks 2 and 3
     assert "capture failed" not in caplog.text
     for launched, graphed in zip(*runs.values()):
@@ -305,7 +307,8 @@ def test_retries_inside_a_batch_stay_per_expert(caplog):
     ref = get_method("sgptq", percdamp=0.0, batched=False).compress_block(experts, fmt)
     assert_same(ref, bat)
     assert bat[1].info["percdamp"]["gate_up"] > 0 and bat[0].info["percdamp"]["gate_up"] == 0
-    assert all(r.getMessage().startswith("expert 1 ") for r in caplog.records if "not positive definite" in r.getMessage())
+    assert all(r.getMessage().startswith("expert 1 ")
+               for r in caplog.records if "not positive definite" in r.getMessage())
 
 
 @pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("obr", {})], ids=variant_id)
@@ -388,7 +391,8 @@ def tiny_block(tiny_path):
     return real_block(tiny_path, layer=1, max_experts=4)
 
 
-@pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("gptq", {}), ("obr", {})], ids=variant_id)
+@pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("gptq", {}), ("obr", {})],
+                         ids=variant_id)
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_batched_equals_reference_on_the_micro_model(micro_block, fmt_name, variant):
     name, opts = variant
@@ -401,7 +405,8 @@ def test_batched_equals_reference_on_the_micro_model(micro_block, fmt_name, vari
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("gptq", {}), ("obr", {})], ids=variant_id)
+@pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("gptq", {}), ("obr", {})],
+                         ids=variant_id)
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_batched_equals_reference_on_the_tiny_model(tiny_block, fmt_name, variant):
     name, opts = variant
@@ -442,7 +447,8 @@ def test_solver_chunks_are_sized_from_the_memory_free_before_each(monkeypatch):
     sizes = []
     real = get_method("sgptq")._compress_chunk
     method = get_method("sgptq")
-    monkeypatch.setattr(method, "_compress_chunk", lambda chunk, f, budget: sizes.append(len(chunk)) or real(chunk, f, budget))
+    monkeypatch.setattr(method, "_compress_chunk",
+                        lambda chunk, f, budget: sizes.append(len(chunk)) or real(chunk, f, budget))
     assert_same(one_pass, method.compress_block(experts, fmt), "chunks sized per chunk")
     assert sizes == [3, 1, 1]
 

@@ -202,8 +202,10 @@ def test_peak_rss_per_process_is_bounded_by_three_blocks(tmp_path):
         got[f"init rtn --nproc {nproc}"] = _peak_rss_per_process(
             [*cli, "init-sgptq", "-m", str(model), "-w", str(wd), "--method", "rtn", "--device", "cpu", "-q",
              "--nproc", str(nproc), *calib], env)
-    got["pack"] = _peak_rss_per_process([*cli, "pack", str(tmp_path / "wd1"), "-o", str(tmp_path / "packed"), "-q"], env)
-    print(json.dumps({k: [round(v / 2**20) for v in peaks[:3]] for k, peaks in got.items()}), f"bound {bound / 2**20:.0f} MiB")
+    got["pack"] = _peak_rss_per_process(
+        [*cli, "pack", str(tmp_path / "wd1"), "-o", str(tmp_path / "packed"), "-q"], env)
+    print(json.dumps({k: [round(v / 2**20) for v in peaks[:3]] for k, peaks in got.items()}),
+          f"bound {bound / 2**20:.0f} MiB")
     assert len(got["init rtn --nproc 2"]) >= 3  # the launcher and its two workers
     for what, peaks in got.items():
         assert peaks[0] <= bound, f"{what}: peak RSS {peaks[0] / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"

@@ -49,7 +49,8 @@ def test_kernel_matches_index_add_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     assert rows_add_triton.available(torch.device("cuda"))
-    assert len(check_against_index_add("cuda", shapes=((5, 3, 7), (6, 1, 4097), (3, 0, 9), (40, 768, 2048)))) == 4 * 6 * 3
+    shapes = ((5, 3, 7), (6, 1, 4097), (3, 0, 9), (40, 768, 2048))
+    assert len(check_against_index_add("cuda", shapes=shapes)) == 4 * 6 * 3
 
 
 def test_fallback_and_argument_checks():

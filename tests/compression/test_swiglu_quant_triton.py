@@ -1,6 +1,6 @@
-"""The fused SwiGLU + NVFP4 activation quantizer refinement uses (moesq_core.compression.kernels.swiglu_quant_triton.swiglu_quant
-with an NVFP4ActQuantizer) against the torch ops it replaces (swiglu_quant_reference): under the Triton
-interpreter on the CPU and on CUDA.
+"""The fused SwiGLU + NVFP4 activation quantizer refinement uses
+(moesq_core.compression.kernels.swiglu_quant_triton.swiglu_quant with an NVFP4ActQuantizer) against the torch ops it
+replaces (swiglu_quant_reference): under the Triton interpreter on the CPU and on CUDA.
 
 What is exact and what is not: the quantizer is the same fp32 arithmetic, so wherever h = silu(g) ⊙ u is the
 same number the output and the range are bitwise the reference's. silu is exact for g >= 17 (exp(−g) vanishes
@@ -70,7 +70,10 @@ def check_against_reference(device: str, shapes=SHAPES) -> list[str]:
     for k, C, inter, block in shapes:
         act = NVFP4ActQuantizer(block)
         for exact_silu in (True, False):
-            gate = (17 + 3 * torch.rand(k, C, inter, generator=gen)) if exact_silu else 6 * torch.randn(k, C, inter, generator=gen)
+            if exact_silu:
+                gate = 17 + 3 * torch.rand(k, C, inter, generator=gen)
+            else:
+                gate = 6 * torch.randn(k, C, inter, generator=gen)
             up = _up(k, C, inter, gen)
             for in_dtype, out_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                         (torch.bfloat16, torch.float32)):
@@ -117,7 +120,8 @@ def check_gradients(device: str, shapes=SHAPES[:3]) -> list[str]:
             up = torch.randn(k, C, inter, generator=gen).to(dtype).to(device)
             dout = torch.randn(k, C, inter, generator=gen).to(dtype).to(device)
             grads = []
-            for fn in (lambda *a, **kw: swiglu_quant(act, *a, **kw), lambda *a, **kw: swiglu_quant_reference(act, *a, **kw)):
+            for fn in (lambda *a, **kw: swiglu_quant(act, *a, **kw),
+                       lambda *a, **kw: swiglu_quant_reference(act, *a, **kw)):
                 gl, ul = gate.clone().requires_grad_(), up.clone().requires_grad_()
                 hq, amax = fn(gl, ul, gs, ste=True, out_dtype=dtype)
                 assert hq.requires_grad and not amax.requires_grad
@@ -182,8 +186,8 @@ def check_opaque_to_compile(device: str) -> str:
     valid[0, -3:] = False  # padding rows
     # (x, valid, g_in, Dg, Du, Dd): the rows and their dense targets; then the quantized weights (the leaves),
     # then (tw, scale, g_h)
-    head = [torch.randn(k, C, H, generator=gen), valid, nvfp4_global_scale(torch.rand(k, generator=gen) + 1.0).reshape(-1, 1, 1),
-            *dense]
+    head = [torch.randn(k, C, H, generator=gen), valid,
+            nvfp4_global_scale(torch.rand(k, generator=gen) + 1.0).reshape(-1, 1, 1), *dense]
     weights = [d + 0.05 * torch.randn(d.shape, generator=gen) * d.std() for d in dense]
     tail = [torch.rand(k, C, generator=gen), torch.rand(k, generator=gen),
             nvfp4_global_scale(torch.rand(k, generator=gen) + 0.5).reshape(-1, 1, 1)]
