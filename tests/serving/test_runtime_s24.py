@@ -33,7 +33,8 @@ def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor):
 
 def random_experts(E=6, H=64, inter=96, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return quantize_experts(torch.randn(E, 2 * inter, H, generator=g) * 0.08, torch.randn(E, H, inter, generator=g) * 0.08)
+    return quantize_experts(torch.randn(E, 2 * inter, H, generator=g) * 0.08,
+                            torch.randn(E, H, inter, generator=g) * 0.08)
 
 
 # ------------------------------------------------------------------------------------------------ CPU
@@ -233,7 +234,9 @@ def test_gpu_fused_routing_kernels_match_torch_ops():
     for dtype in (torch.bfloat16, torch.float32):
         out = s24_route.combine(y2, row, w, dtype)
         ref_out = (y2.view(E * T, H)[row].float() * w.reshape(-1, 1).float()).view(T, k, H).sum(1)
-        assert out.dtype == dtype and torch.allclose(out.float(), ref_out.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+        assert out.dtype == dtype
+        assert torch.allclose(out.float(), ref_out.to(dtype).float(),
+                              rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
