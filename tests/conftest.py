@@ -232,7 +232,8 @@ class P48GroupedCase:
         C = max(max(counts), 1)
         x = torch.randn(E, C, K, generator=gen) * 3
         if spread:
-            x = x * torch.exp(torch.randn(E, C, K // 32, 1, generator=gen) * spread).expand(-1, -1, -1, 32).reshape(E, C, K)
+            scale = torch.exp(torch.randn(E, C, K // 32, 1, generator=gen) * spread)
+            x = x * scale.expand(-1, -1, -1, 32).reshape(E, C, K)
         x = x.to(torch.bfloat16)
         cnt = torch.tensor(counts, dtype=torch.int32)
         self.E, self.M, self.K, self.C, self.counts_list, self.act_quant = E, M, K, C, list(counts), act_quant

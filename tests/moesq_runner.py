@@ -59,7 +59,8 @@ def moesq_here(*args, check=True, cwd=None):
     sys.argv = ["moesq", *argv]
     try:
         with contextlib.chdir(cwd or os.getcwd()):
-            res = CliRunner().invoke(app, argv, env={k: ENV[k] for k in ("HF_HUB_OFFLINE", "COLUMNS", "MOESQ_CACHE_DIR")})
+            env = {k: ENV[k] for k in ("HF_HUB_OFFLINE", "COLUMNS", "MOESQ_CACHE_DIR")}
+            res = CliRunner().invoke(app, argv, env=env)
     finally:
         sys.argv = old_argv
         torch.set_num_threads(threads)

@@ -59,7 +59,8 @@ def test_shared_folder_is_an_option(table, tmp_path):
         table.SHARED = tmp_path
         assert table.model_path("tiny") == tmp_path / "models/tiny-qwen3-moe"
         assert table.texts("micro") == (tmp_path / "data/calib-docs.txt.xz", tmp_path / "data/eval-docs.txt.xz")
-        assert table.model_path("embedded") == table.pipeline.DEFAULT_MODEL  # the packaged model, whatever --shared says
+        # the packaged model, whatever --shared says
+        assert table.model_path("embedded") == table.pipeline.DEFAULT_MODEL
     finally:
         table.SHARED = old
 

@@ -70,8 +70,10 @@ def test_budget_options_reach_calibrate_and_refine(tmp_path):
     args.batch_rows, args.e2e_steps = 0, ""
     assert drv.refine_args(args) == ["--epochs", "80", "--steps-per-epoch", "8"]
     log = tmp_path / "moesq.log"
-    log.write_text("2026-12-02 09:17:49,099 INFO moesq: refine schedule: 2 epochs × 16 steps = 32 Lion steps per block\n"
-                   "2026-12-02 10:17:49,099 INFO moesq: refine schedule: 80 epochs × 16 steps = 1280 Lion steps per block\n")
+    log.write_text("2026-12-02 09:17:49,099 INFO moesq: "
+                   "refine schedule: 2 epochs × 16 steps = 32 Lion steps per block\n"
+                   "2026-12-02 10:17:49,099 INFO moesq: "
+                   "refine schedule: 80 epochs × 16 steps = 1280 Lion steps per block\n")
     assert drv.refine_schedule(log) == "80 epochs × 16 steps = 1280 Lion steps per block"
     assert drv.refine_schedule(tmp_path / "missing.log") is None
 

@@ -27,7 +27,8 @@ def random_qw(out: int, inn: int, seed: int, zero_frac: float, stack: int | None
         qws.append(fmt.quantize(w * (torch.rand(out, inn, generator=gen) >= zero_frac)))
     if stack is None:
         return qws[0]
-    return QuantizedWeight(FMT, *(torch.stack([getattr(q, f) for q in qws]) for f in ("codes", "scales", "global_scale", "mask")))
+    fields = ("codes", "scales", "global_scale", "mask")
+    return QuantizedWeight(FMT, *(torch.stack([getattr(q, f) for q in qws]) for f in fields))
 
 
 def raw(t: torch.Tensor) -> torch.Tensor:
@@ -89,8 +90,11 @@ def fp8_pack(micro_path, tmp_path_factory):
     calib = build_calibration(tok, read_documents(DEFAULT_CALIB, max_chars=200_000),
                               CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
     wd = WorkDir(root / "wd")
-    wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": FMT, "act_quant": True})
-    run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(FMT), lambda li: RTN(), {"method": "rtn"}, batch_size=4), wd.ledger("init-rtn"))
+    wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)},
+            {"format": FMT, "act_quant": True})
+    run_stage(model, adapter, calib,
+              StageSpec("init-rtn", get_format(FMT), lambda li: RTN(), {"method": "rtn"}, batch_size=4),
+              wd.ledger("init-rtn"))
     out = root / "packed"
     export_packed(wd, "init-rtn", out)
     return wd, out
@@ -118,7 +122,8 @@ def test_compressed_tensors_decompresses_exactly_what_load_packed_serves(fp8_pac
     from moesq_core.serving.loader import load_packed
 
     out = fp8_pack[1]
-    scheme = QuantizationConfig.model_validate(json.loads((out / "config.json").read_text())["quantization_config"]).config_groups["group_0"]
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationConfig.model_validate(qc).config_groups["group_0"]
     model, _ = load_packed(out)
     checked = 0
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -173,11 +178,13 @@ def test_stage_commands_end_to_end(micro_path, tmp_path):
     """gptq → refine → pack → verify → eval, as a user runs them; the packed model is the stage's model."""
     wd = tmp_path / "wd"
     moesq_here("init-sgptq", "--model", micro_path, "-w", wd, "--method", "gptq", "--format", FMT, *SMALL, "--quiet")
-    moesq_here("refine", "-w", wd, "--init", "gptq", "--epochs", "1", "--steps-per-epoch", "2", "--quiet", "--device", "cpu")
+    moesq_here("refine", "-w", wd, "--init", "gptq", "--epochs", "1", "--steps-per-epoch", "2", "--quiet",
+               "--device", "cpu")
     r = moesq_here("pack", wd, "--out", tmp_path / "packed", "--quiet")
     assert "8.194 bits/weight" in r.stdout  # 8 bits + a 32-bit scale per row (192 columns for gate/up, 128 for down)
     assert "verify: ok" in moesq_here("verify", tmp_path / "packed", "--quiet").stdout
-    moesq_here("eval", wd, tmp_path / "packed", "--ppl", EVAL, "--ppl-tokens", "2048", "--json", tmp_path / "ppl.json", "--quiet")
+    moesq_here("eval", wd, tmp_path / "packed", "--ppl", EVAL, "--ppl-tokens", "2048", "--json", tmp_path / "ppl.json",
+               "--quiet")
     rows = {x["label"]: x["ppl"] for x in json.loads((tmp_path / "ppl.json").read_text())["ppl"]}
     assert set(rows) == {"reference", "gptq", "refine", "packed:packed"}, rows
     assert rows["refine"] == pytest.approx(rows["packed:packed"], rel=1e-5)

@@ -1,6 +1,6 @@
-"""Packed directories of every format, built once per session from the embedded model (conftest: stages, packs): what stock tools read
-(compressed-tensors config and decompression), checksums that catch every flipped byte, safe --out handling,
-byte-deterministic output, file modes, the model card, load_packed / generate."""
+"""Packed directories of every format, built once per session from the embedded model (conftest: stages, packs):
+what stock tools read (compressed-tensors config and decompression), checksums that catch every flipped byte, safe
+--out handling, byte-deterministic output, file modes, the model card, load_packed / generate."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,7 +25,8 @@ from conftest import PACK_FORMATS as FORMATS
 
 
 def _digests(d: Path) -> dict:
-    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 # ---- what the directory holds --------------------------------------------------------------------------------
@@ -97,7 +98,8 @@ def test_standard_configs_pass_compressed_tensors_validation(packs, fmt):
     assert parsed.quantization_status == QuantizationStatus.COMPRESSED and parsed.format == "nvfp4-pack-quantized"
     w = parsed.config_groups["group_0"].weights
     block = 32 if fmt == "p48-nvfp4" else 16
-    assert (w.num_bits, w.type, w.strategy, w.group_size, w.symmetric, w.dynamic) == (4, "float", "tensor_group", block, True, False)
+    assert (w.num_bits, w.type, w.strategy, w.group_size, w.symmetric, w.dynamic) == (
+        4, "float", "tensor_group", block, True, False)
     assert parsed.config_groups["group_0"].input_activations.group_size == block
     assert "lm_head" in parsed.ignore and "model.layers.0.mlp.gate" in parsed.ignore
     if fmt == "p48-nvfp4":  # as the public release writes it

@@ -14,7 +14,7 @@ from moesq_core.compression.export import quantization_config
 from moesq_core.formats import get_format
 from moesq_core.formats.packing import pack
 
-H, I, E, LAYERS = 64, 32, 2, 2  # hidden, expert intermediate, experts per layer, layers
+H, INTER, E, LAYERS = 64, 32, 2, 2  # hidden, expert intermediate, experts per layer, layers
 
 
 def expert_tensors(fmt_name: str, layout: str | None, seed: int) -> dict[str, torch.Tensor]:
@@ -24,7 +24,8 @@ def expert_tensors(fmt_name: str, layout: str | None, seed: int) -> dict[str, to
     out: dict[str, torch.Tensor] = {}
     for layer in range(LAYERS):
         for e in range(E):
-            gate, up, down = torch.randn(I, H, generator=gen), torch.randn(I, H, generator=gen), torch.randn(H, I, generator=gen)
+            gate, up = torch.randn(INTER, H, generator=gen), torch.randn(INTER, H, generator=gen)
+            down = torch.randn(H, INTER, generator=gen)
             g = fmt.global_scale(gate, up)  # gate and up share one global scale
             qws = {"gate_proj": fmt.quantize(gate, global_scale=g), "up_proj": fmt.quantize(up, global_scale=g),
                    "down_proj": fmt.quantize(down)}
@@ -85,19 +86,20 @@ def rewrite(root: Path, name: str, fn) -> None:
 ])
 def test_good_dir_passes(tmp_path, fmt, layout, bits):
     calls = []
-    report = verify_packed_dir(build_dir(tmp_path, fmt, layout), progress=lambda done, total: calls.append((done, total)))
+    report = verify_packed_dir(build_dir(tmp_path, fmt, layout),
+                               progress=lambda done, total: calls.append((done, total)))
     assert isinstance(report, VerifyReport)
     assert report.ok, report.first_error
     assert report.first_error is None and report.format == fmt
     assert len(report.rows) == LAYERS * E * 3
     assert calls[-1] == (LAYERS * E * 3, LAYERS * E * 3)
     row = report.rows[0]
-    assert row.name == "model.layers.0.mlp.experts.0.gate_proj" and row.shape == (I, H) and row.status == "ok"
+    assert row.name == "model.layers.0.mlp.experts.0.gate_proj" and row.shape == (INTER, H) and row.status == "ok"
     assert row.format == (layout or fmt)
     # Stored bits/weight: the format's figure plus the per-matrix global scale or per-row scales.
-    extra = 32 / (I * H) if fmt != "s24-fp8" else 32 / H
+    extra = 32 / (INTER * H) if fmt != "s24-fp8" else 32 / H
     assert row.bits_per_weight == pytest.approx(bits + extra, abs=1e-12)
-    assert {r.shape for r in report.rows} == {(I, H), (H, I)}
+    assert {r.shape for r in report.rows} == {(INTER, H), (H, INTER)}
 
 
 def test_sharded_good_dir_passes(tmp_path):
@@ -152,7 +154,8 @@ def test_bad_s24_row_scale_and_nan_value_are_caught(tmp_path):
         return v
 
     rewrite(root, f"{base}.weight_sparse_values", nan_value)
-    rewrite(root, "model.layers.1.mlp.experts.0.down_proj.weight_scale", lambda s: s.index_fill_(0, torch.tensor([2]), -1.0))
+    rewrite(root, "model.layers.1.mlp.experts.0.down_proj.weight_scale",
+            lambda s: s.index_fill_(0, torch.tensor([2]), -1.0))
     report = verify_packed_dir(root)
     assert [(e.tensor, e.position) for e in report.errors] == [
         (f"{base}.weight_sparse_values", (3, 4)),
@@ -194,8 +197,10 @@ def test_missing_or_bad_input_scale_is_caught(tmp_path):
     seal(root)
     report = verify_packed_dir(root)
     assert [str(e) for e in report.errors] == [
-        "model.layers.0.mlp.experts.1.up_proj.input_global_scale[0]: input global scale is -1.0, must be finite and > 0",
-        "model.layers.1.mlp.experts.0.gate_proj.input_global_scale[0]: input global scale is 0.0, must be finite and > 0",
+        "model.layers.0.mlp.experts.1.up_proj.input_global_scale[0]: "
+        "input global scale is -1.0, must be finite and > 0",
+        "model.layers.1.mlp.experts.0.gate_proj.input_global_scale[0]: "
+        "input global scale is 0.0, must be finite and > 0",
         "model.layers.1.mlp.experts.0.up_proj.input_global_scale[0]: input global scale is inf, must be finite and > 0",
         "model.layers.1.mlp.experts.1.down_proj.input_global_scale: missing (NVFP4 activations need it)",
     ]

@@ -16,7 +16,8 @@ from conftest import EVAL
 from moesq_runner import ENV, MOESQ, SMALL, moesq, moesq_here
 
 
-@pytest.mark.parametrize("cmd", ["", "calibrate", "init-sgptq", "refine", "pack", "verify", "bench-kernel", "eval", "run"])
+@pytest.mark.parametrize("cmd", ["", "calibrate", "init-sgptq", "refine", "pack", "verify", "bench-kernel", "eval",
+                                 "run"])
 def test_help(cmd):
     r = moesq(*([cmd] if cmd else []), "--help")
     assert "Usage: moesq" in r.stdout and len(r.stdout) > 300
@@ -58,7 +59,8 @@ def test_killed_stage_resumes_to_identical_artifacts(micro_path, tmp_path):
     moesq(*args, "-w", ref)
     want = _checksums(ref, "init-sgptq")
     wd = tmp_path / "wd"
-    p = subprocess.Popen([MOESQ, *map(str, args), "-w", str(wd)], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen([MOESQ, *map(str, args), "-w", str(wd)], env=ENV, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
     deadline = time.time() + 600
     while time.time() < deadline:  # kill it once at least one block is recorded, mid-stage
         try:
@@ -95,7 +97,8 @@ def test_bad_inputs_get_clear_errors(micro_path, tmp_path):
     r = moesq_here("calibrate", "--model", micro_path, "-w", wd, *SMALL, "--format", "s24-fp8", check=False)
     assert r.returncode == 1 and "format: 'p48-nvfp4' (work dir) vs 's24-fp8' (now)" in r.stdout + r.stderr
     assert (wd / "manifest.json").read_text() == before
-    r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", "--seq-len", "128", check=False)  # no --model: still checked
+    # no --model: still checked
+    r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", "--seq-len", "128", check=False)
     assert r.returncode == 1 and "seq_len: 64 (work dir) vs 128 (now)" in r.stdout + r.stderr
     assert (wd / "manifest.json").read_text() == before
     # a bad end-to-end length or memory budget is refused before the work dir is touched

@@ -103,7 +103,8 @@ def refused(cmd, p, value) -> bool:
 def test_every_numeric_option_refuses_nan_inf_negative_and_zero():
     options = list(numeric_options())
     assert len(options) >= 50  # the enumeration sees the app's options
-    accepted = [f"{cmd.name} {p.opts[0]} {v}" for cmd, p in options for v in bad_values(cmd, p) if not refused(cmd, p, v)]
+    accepted = [f"{cmd.name} {p.opts[0]} {v}"
+                for cmd, p in options for v in bad_values(cmd, p) if not refused(cmd, p, v)]
     assert not accepted, accepted
 
 

@@ -31,7 +31,8 @@ def test_pack_verify_generate_json(stages, tmp_path):
     r = moesq_here("verify", out, "--json", "-", "--quiet")
     v = json.loads(r.stdout)  # stdout holds only the JSON; the table went to stderr
     assert v["schema"] == "moesq.verify/1" and v["ok"] and v["checksums"] == "ok"
-    r = moesq_here("generate", out, "--prompt", "Memory barriers order", "--max-new-tokens", "3", "--json", "-", "--quiet")
+    r = moesq_here("generate", out, "--prompt", "Memory barriers order", "--max-new-tokens", "3", "--json", "-",
+                   "--quiet")
     g = json.loads(r.stdout)
     assert g["schema"] == "moesq.generate/2" and g["new_tokens"] == 3 and g["device"] == "cpu"
 
@@ -53,7 +54,8 @@ def test_pack_refusals_lose_nothing(stages, tmp_path):
 def test_push_to_hub_without_network_keeps_the_pack(stages, tmp_path):
     wd = stages["s24-fp8"].root
     out = tmp_path / "model"
-    r = moesq("pack", wd, "--out", out, "--push-to-hub", "someone/moesq-test", "--json", tmp_path / "p.json", check=False)
+    r = moesq("pack", wd, "--out", out, "--push-to-hub", "someone/moesq-test", "--json", tmp_path / "p.json",
+              check=False)
     assert r.returncode == 1
     err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "--push-to-hub someone/moesq-test" in err[0] and "Traceback" not in r.stderr

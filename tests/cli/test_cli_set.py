@@ -14,7 +14,8 @@ import pytest
 from moesq_runner import moesq_here
 
 TINY = ["--seq-len", "32", "--n-train", "2", "--n-val", "2", "--n-init", "8"]
-TINY_SET = ["--set", "calib.seq_len=32", "--set", "calib.n_train=2", "--set", "calib.n_val=2", "--set", "calib.n_init=8"]
+TINY_SET = ["--set", "calib.seq_len=32", "--set", "calib.n_train=2", "--set", "calib.n_val=2",
+            "--set", "calib.n_init=8"]
 TINY_YAML = "calib: {seq_len: 32, n_train: 2, n_val: 2, n_init: 8}\n"
 FAST = ["--device", "cpu", "--quiet"]
 
@@ -82,9 +83,11 @@ def test_help_lists_the_settings_with_type_default_and_help():
     text = moesq_here("init-sgptq", "--help").stdout
     under = _options_under_keys(text)
     assert under["init.options.percdamp"] == ["--percdamp"] and under["format"] == ["--format, -f"]
-    assert under["init.options.exact_scales"] == ["--exact-scales", "--fp32-scales"] and under["calib.seed"] == ["--seed"]
+    assert under["init.options.exact_scales"] == ["--exact-scales", "--fp32-scales"]
+    assert under["calib.seed"] == ["--seed"]
     assert "--percdamp" not in _options_panel(text)
-    assert _options_under_keys(moesq_here("refine", "--help").stdout)["refine.train_support"] == ["--values-only: false"]
+    refine_keys = _options_under_keys(moesq_here("refine", "--help").stdout)
+    assert refine_keys["refine.train_support"] == ["--values-only: false"]
 
 
 def _options_panel(help_text: str) -> str:
@@ -123,7 +126,8 @@ def test_every_option_of_every_command_is_in_its_help():
         more = [p for p in options if p.hidden and p.name not in config_params({"init": "init-sgptq"}.get(name, name))]
         assert all(p.help for p in more), (name, [p.name for p in more if not p.help])
         for p in more:
-            assert p.opts[0] not in _options_panel(out) and p.opts[0] in out.split("╭─ More options ")[1], (name, p.opts)
+            assert p.opts[0] not in _options_panel(out), (name, p.opts)
+            assert p.opts[0] in out.split("╭─ More options ")[1], (name, p.opts)
         if "╭─ Settings" in out:  # each option that sets a key, below it
             under = {o.split(":")[0] for opts in _options_under_keys(out).values() for line in opts
                      for o in line.split(", ")}
@@ -188,7 +192,8 @@ def test_an_option_set_and_a_recipe_make_the_same_stage(tmp_path):
     new = ["--set", "init.options.percdamp=0.02", "--set", "init.options.refit=false",
            "--set", "init.options.hessian_weighting=w"]
     recipe = tmp_path / "init.yaml"
-    recipe.write_text(TINY_YAML + "init: {method: sgptq, options: {percdamp: 0.02, refit: false, hessian_weighting: w}}\n")
+    recipe.write_text(TINY_YAML
+                      + "init: {method: sgptq, options: {percdamp: 0.02, refit: false, hessian_weighting: w}}\n")
     made = []
     for name, args in (("old", [*TINY, *old]), ("set", [*TINY_SET, *new]), ("recipe", ["--recipe", recipe])):
         moesq_here("init-sgptq", "-w", tmp_path / name, *args, *FAST)
@@ -209,7 +214,8 @@ def test_an_option_set_and_a_recipe_make_the_same_stage(tmp_path):
         moesq_here("refine", "-w", tmp_path / name, *args, *FAST)
         made.append(_stage(tmp_path / name, "refine"))
     refine = made[0][1]["refine"]
-    assert refine["lr_logits"] == 1e-3 and refine["e2e_steps"] == 2 and refine["seed"] == 3 and "init_split_rows" not in refine
+    assert refine["lr_logits"] == 1e-3 and refine["e2e_steps"] == 2 and refine["seed"] == 3
+    assert "init_split_rows" not in refine
     assert made[0] == made[1] == made[2]
 
 
@@ -219,7 +225,7 @@ def test_a_recipe_gives_only_the_keys_it_writes(tmp_path):
     (`init-sgptq`, and `run` past its one-shot stage); a recipe key that differs from the work dir's is refused,
     naming only that key."""
     calib = tmp_path / "text.txt.xz"
-    calib.write_bytes((Path(__file__).parents[1] / "moesq_core" / "assets" / "calib-sample.txt.xz").read_bytes())
+    calib.write_bytes((Path(__file__).parents[2] / "moesq_core" / "assets" / "calib-sample.txt.xz").read_bytes())
     wd = tmp_path / "wd"
     moesq_here("calibrate", "-w", wd, *TINY, "--calib", calib, "--set", "act_quant=false", "--quiet")
     made = json.loads((wd / "manifest.json").read_text())["config"]

@@ -84,13 +84,15 @@ def test_refine_says_how_many_experts_improved_on_their_init(wd):
     m = re.search(r"stage refine: 4 blocks \(4 computed now\) in .+?; (\d+) of (\d+) experts improved on their init",
                   " ".join(r.stdout.split()))  # the console wraps long lines
     assert m, r.stdout
-    infos = [i for rec in _manifest(wd)["stages"]["refine"]["blocks"].values() for i in block_info(wd / rec["file"]).values()]
+    blocks = _manifest(wd)["stages"]["refine"]["blocks"].values()
+    infos = [i for rec in blocks for i in block_info(wd / rec["file"]).values()]
     assert int(m.group(2)) == len(infos) == 32
     assert int(m.group(1)) == sum(i["refine"]["best_epoch"] > 0 for i in infos)
     # where every expert ships its init, the line says the budget did not pay
     from moesq_cli.app import _stage_line
 
-    line = _stage_line("refine", {"blocks": 4, "computed_now": 4, "improved_on_init": {"improved": 0, "experts": 32}}, wd)
+    stats = {"blocks": 4, "computed_now": 4, "improved_on_init": {"improved": 0, "experts": 32}}
+    line = _stage_line("refine", stats, wd)
     assert line.endswith("; 0 of 32 experts improved on their init (all ship the init: this budget is too small for "
                          "refinement to pay; raise --epochs / --steps-per-epoch)")
 
@@ -192,7 +194,8 @@ def test_interrupted_calibration_and_temp_files(micro_path, tmp_path):
     assert _manifest(wd)["config"]["calib"]["n_init"] == 6 and _manifest(wd)["calibration"]["sequences"]["init"] == 6
     assert not list(wd.rglob("*.k3j_x9a0.tmp")) and not list(wd.rglob("tmpab12cd34.pt"))
     assert not list(wd.rglob("tmpe_tprqyf.states"))
-    assert (wd / "notes.tmp").read_text() == "mine" and (wd / "cache" / "refine-rank0" / "mine.states").read_text() == "mine"
+    assert (wd / "notes.tmp").read_text() == "mine"
+    assert (wd / "cache" / "refine-rank0" / "mine.states").read_text() == "mine"
 
 
 def test_failed_calibration_leaves_nothing(micro_path, tmp_path):
@@ -210,7 +213,8 @@ def test_failed_calibration_leaves_nothing(micro_path, tmp_path):
 def test_bad_options_never_touch_the_manifest(wd):
     before = (wd / "manifest.json").read_bytes()
     cases = [
-        (["refine", "-w", wd, "--steps-per-epoch", "4", "--batch-rows", "100"], 2, "--steps-per-epoch and --batch-rows"),
+        (["refine", "-w", wd, "--steps-per-epoch", "4", "--batch-rows", "100"], 2,
+         "--steps-per-epoch and --batch-rows"),
         (["refine", "-w", wd, "--micro-batch-rows", "0"], 2, "--micro-batch-rows"),
         (["refine", "-w", wd, "--values-only", "--support-only"], 2, "--values-only and --support-only"),
         (["refine", "-w", wd, "--seq-len", "128"], 1, "seq_len: 32 (work dir) vs 128 (now)"),
@@ -283,7 +287,8 @@ def test_signal_says_what_was_saved(wd, sig, code):
         pytest.skip("the stage finished before the signal")
     assert p.returncode == code, err
     line = err.strip().splitlines()[-1]
-    assert line.startswith(f"interrupted ({sig.name})") and "refine " in line and "/4 blocks" in line and "re-run" in line
+    assert line.startswith(f"interrupted ({sig.name})")
+    assert "refine " in line and "/4 blocks" in line and "re-run" in line
     assert "Traceback" not in err
     assert "Traceback" in (wd / "logs" / "moesq.log").read_text()  # kept, not swallowed
     assert not list(wd.rglob("*.tmp"))

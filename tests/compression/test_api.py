@@ -33,7 +33,8 @@ def test_shipped_recipes():
     quick = CompressConfig.from_file(REPO / "recipes" / "micro-quick.yaml")
     assert quick.to_dict() == default_run_config().to_dict()  # `moesq run`'s default is this recipe
     paper = CompressConfig.from_file(REPO / "recipes" / "qwen3-30b-a3b-p48-nvfp4.yaml")
-    assert paper.model == "Qwen/Qwen3-30B-A3B" and paper.calib.seq_len == 4096 and paper.init.options["percdamp"] == 0.01
+    assert paper.model == "Qwen/Qwen3-30B-A3B" and paper.calib.seq_len == 4096
+    assert paper.init.options["percdamp"] == 0.01
     # 8,192 sequences × 4,096 tokens × top-8 over 128 experts: the paper's 128 steps per epoch
     assert paper.refine.schedule(8192 * 4096 * 8, 128).steps_per_epoch == 128
     assert not paper.refine.init_split_rows  # the 512 one-shot sequences would make it 136
@@ -56,11 +57,12 @@ def test_config_errors_name_the_key(tmp_path):
                       ("serving: {act_global_scale: 1.0}", "serving: unknown key (valid: format, act_quant,"),
                       ("calib: {seq_len: 0}", "calib.seq_len: must be a positive"),
                       ("calib: {seq_lem: 64}", "calib.seq_lem: unknown key (did you mean seq_len?)"),
-                      ("init: {method: nope}", "init: unknown method"), ("init: {method: rtn, option: {}}",
-                                                                          "init.option: unknown key (did you mean options?)"),
+                      ("init: {method: nope}", "init: unknown method"),
+                      ("init: {method: rtn, option: {}}", "init.option: unknown key (did you mean options?)"),
                       ("refine: {epochs: -1}", "refine.epochs: must be >= 0"),
                       ("refine: {lr_logits: .inf}", "refine.lr_logits: expected a finite number, got inf"),
-                      ("init: {method: sgptq, options: {percdamp: x}}", "init.options.percdamp: expected a number, got 'x'"),
+                      ("init: {method: sgptq, options: {percdamp: x}}",
+                       "init.options.percdamp: expected a number, got 'x'"),
                       ("init: {method: obr, options: {alpha: 2}}", "init.options.alpha: must be in [0, 1], got 2"),
                       ("refine: {epochs: two}", "refine.epochs: expected an integer, got 'two'"),
                       ("refine: {epoch: 2}", "refine.epoch: unknown key (did you mean epochs?)"),
@@ -135,4 +137,5 @@ def test_stage_commands_print_json(micro_path, tmp_path):
     assert json.loads(r.stdout)["calibration"]["sequences"] == {"train": 2, "val": 2, "init": 4}
     r = moesq_here("init-sgptq", "-w", wd, "--method", "rtn", "--quiet", "--device", "cpu", "--json", "-")
     out = json.loads(r.stdout)
-    assert out["stage"] == "init-rtn" and out["blocks"] == 4 and out["config"] == {"method": "rtn", "options": {"report_errors": True}}
+    assert out["stage"] == "init-rtn" and out["blocks"] == 4
+    assert out["config"] == {"method": "rtn", "options": {"report_errors": True}}

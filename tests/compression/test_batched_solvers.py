@@ -45,7 +45,7 @@ def applies(name: str, fmt_name: str) -> bool:
     return name != "gptq" or get_format(fmt_name).patterns.is_dense
 
 
-def make_block(E=3, H=64, I=32, seed=0, empty=(), dead=()) -> list[ExpertData]:
+def make_block(E=3, H=64, inter=32, seed=0, empty=(), dead=()) -> list[ExpertData]:
     """Experts with correlated inputs, different token counts, router weights; experts in `empty` get no
     tokens, input columns in `dead` are never excited (for expert 0)."""
     g = torch.Generator().manual_seed(seed)
@@ -56,8 +56,8 @@ def make_block(E=3, H=64, I=32, seed=0, empty=(), dead=()) -> list[ExpertData]:
         x = torch.randn(n, H, generator=g) @ A
         if e == 0 and dead:
             x[:, list(dead)] = 0
-        out.append(ExpertData(e, 0.2 * torch.randn(I, H, generator=g), 0.2 * torch.randn(I, H, generator=g),
-                              0.2 * torch.randn(H, I, generator=g), x, torch.rand(n, generator=g)))
+        out.append(ExpertData(e, 0.2 * torch.randn(inter, H, generator=g), 0.2 * torch.randn(inter, H, generator=g),
+                              0.2 * torch.randn(H, inter, generator=g), x, torch.rand(n, generator=g)))
     return out
 
 
@@ -210,7 +210,8 @@ def test_batched_sweep_equals_per_expert_sweep(fmt_name, exact):
                 assert torch.equal(getattr(ref, name), getattr(got, name)), (e, k, name)
             assert ref.pinned == got.pinned and torch.equal(ref.global_scale, got.global_scale)
             ref_fixed = solver.solve(W[e, rows], U[e], gs[e], mask=bat.mask[e, rows])
-            assert torch.equal(ref_fixed.codes, fixed.codes[e, rows]) and torch.equal(ref_fixed.scales, fixed.scales[e, rows])
+            assert torch.equal(ref_fixed.codes, fixed.codes[e, rows])
+            assert torch.equal(ref_fixed.scales, fixed.scales[e, rows])
             ref_sparse = SGPTQSolver(fmt, quantize=False).solve(W[e, rows], U[e])
             assert torch.equal(ref_sparse.values, sparse_only.values[e, rows])
     if fmt.scale_block == 0:  # fixed per-row scales (OBR's second stage)
@@ -239,7 +240,8 @@ def test_graphed_sweep_equals_launched_sweep_on_cuda(fmt_name, exact, monkeypatc
         free = solver.solve_batched(W, U, gs, row_groups=2)
         runs[graphs] = (free, solver.solve_batched(W, U, gs, mask=free.mask, row_groups=2),
                         solver.solve_batched(W, U, gs, mask=free.mask, scales=free.scales, row_groups=2),
-                        SGPTQSolver(fmt, blocksize=64, quantize=False, cuda_graphs=graphs).solve_batched(W, U, row_groups=2))
+                        SGPTQSolver(fmt, blocksize=64, quantize=False, cuda_graphs=graphs)
+                        .solve_batched(W, U, row_groups=2))
     assert len(replays) >= 4 * 2  # 4 sweeps (FP8's pre-passes add more), each replays full blocks 2 and 3
     assert "capture failed" not in caplog.text
     for launched, graphed in zip(*runs.values()):
@@ -305,7 +307,8 @@ def test_retries_inside_a_batch_stay_per_expert(caplog):
     ref = get_method("sgptq", percdamp=0.0, batched=False).compress_block(experts, fmt)
     assert_same(ref, bat)
     assert bat[1].info["percdamp"]["gate_up"] > 0 and bat[0].info["percdamp"]["gate_up"] == 0
-    assert all(r.getMessage().startswith("expert 1 ") for r in caplog.records if "not positive definite" in r.getMessage())
+    assert all(r.getMessage().startswith("expert 1 ")
+               for r in caplog.records if "not positive definite" in r.getMessage())
 
 
 @pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("obr", {})], ids=variant_id)
@@ -325,7 +328,7 @@ def test_chunking_does_not_change_results(variant):
 def test_block_must_share_shapes():
     fmt = get_format("p48-nvfp4")
     a = make_block(E=1, seed=10)[0]
-    b = make_block(E=1, H=64, I=64, seed=11)[0]
+    b = make_block(E=1, H=64, inter=64, seed=11)[0]
     with pytest.raises(ValueError, match="share their shapes"):
         get_method("sgptq").compress_block([a, b], fmt)
 
@@ -338,7 +341,7 @@ def test_gpu_factorisations_forced_on_cpu_stay_within_float_tolerance(fmt_name, 
     level: a tiny fraction of codes sit on a rounding boundary, the errors agree to float tolerance."""
     name, opts = variant
     fmt = get_format(fmt_name)
-    experts = make_block(E=3, H=128, I=64, seed=12)
+    experts = make_block(E=3, H=128, inter=64, seed=12)
     ref = get_method(name, batched=False, **opts).compress_block(experts, fmt)
     monkeypatch.setattr(spd, "BASE", 16)
     monkeypatch.setattr(spd, "STRATEGY", strategy)
@@ -366,14 +369,14 @@ def real_block(path, layer=0, n_seq=8, seq=128, max_experts=None) -> list[Expert
     mlp = model.model.layers[layer].mlp
     with torch.no_grad():
         _, weights, idx = mlp.gate(x)
-    E, _, I = mlp.experts.down_proj.shape
+    E, _, inter = mlp.experts.down_proj.shape
     counts = torch.bincount(idx.flatten(), minlength=E)
     order = counts.argsort(descending=True).tolist()[:max_experts or E]
     out = []
     for e in sorted(order):
         sel = (idx == e).any(-1)
         gu = mlp.experts.gate_up_proj[e].detach()
-        out.append(ExpertData(e, gu[:I].clone(), gu[I:].clone(), mlp.experts.down_proj[e].detach().clone(),
+        out.append(ExpertData(e, gu[:inter].clone(), gu[inter:].clone(), mlp.experts.down_proj[e].detach().clone(),
                               x[sel], (weights * (idx == e)).sum(-1)[sel]))
     return out
 
@@ -388,7 +391,8 @@ def tiny_block(tiny_path):
     return real_block(tiny_path, layer=1, max_experts=4)
 
 
-@pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("gptq", {}), ("obr", {})], ids=variant_id)
+@pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("gptq", {}), ("obr", {})],
+                         ids=variant_id)
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_batched_equals_reference_on_the_micro_model(micro_block, fmt_name, variant):
     name, opts = variant
@@ -401,7 +405,8 @@ def test_batched_equals_reference_on_the_micro_model(micro_block, fmt_name, vari
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("gptq", {}), ("obr", {})], ids=variant_id)
+@pytest.mark.parametrize("variant", [("sgptq", {}), ("sgptq", {"refit": True}), ("gptq", {}), ("obr", {})],
+                         ids=variant_id)
 @pytest.mark.parametrize("fmt_name", FORMATS)
 def test_batched_equals_reference_on_the_tiny_model(tiny_block, fmt_name, variant):
     name, opts = variant
@@ -416,7 +421,7 @@ def test_batched_equals_reference_on_the_tiny_model(tiny_block, fmt_name, varian
 @pytest.mark.parametrize("name", ["sgptq", "obr"])
 def test_batched_on_cuda_matches_the_cpu_reference(name):
     fmt = get_format("p48-nvfp4")
-    experts = make_block(E=3, H=128, I=64, seed=13)
+    experts = make_block(E=3, H=128, inter=64, seed=13)
     ref = get_method(name, batched=False).compress_block(experts, fmt)
     cuda = [ExpertData(ex.index, *(t.cuda() for t in (ex.gate, ex.up, ex.down, ex.x, ex.w))) for ex in experts]
     got = get_method(name).compress_block(cuda, fmt)
@@ -442,7 +447,8 @@ def test_solver_chunks_are_sized_from_the_memory_free_before_each(monkeypatch):
     sizes = []
     real = get_method("sgptq")._compress_chunk
     method = get_method("sgptq")
-    monkeypatch.setattr(method, "_compress_chunk", lambda chunk, f, budget: sizes.append(len(chunk)) or real(chunk, f, budget))
+    monkeypatch.setattr(method, "_compress_chunk",
+                        lambda chunk, f, budget: sizes.append(len(chunk)) or real(chunk, f, budget))
     assert_same(one_pass, method.compress_block(experts, fmt), "chunks sized per chunk")
     assert sizes == [3, 1, 1]
 

@@ -114,7 +114,8 @@ def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, mon
     rec = Recorder()
     run_stage(model, adapter, calib, _spec(lambda li: RTN()), wd.ledger("init-rtn"), rec)
     est = [n for n in rec.notes if "remaining" in n]
-    assert len(est) == 1 and re.fullmatch(r"stage init-rtn: ~3 blocks × \d+\.\d s/block ≈ \d+ s remaining", est[0]), rec.notes
+    assert len(est) == 1, rec.notes
+    assert re.fullmatch(r"stage init-rtn: ~3 blocks × \d+\.\d s/block ≈ \d+ s remaining", est[0]), rec.notes
     assert rec.tasks["init-rtn: blocks"] == ["advance"] * 4
 
     # resumed after 2 blocks: the loaded ones are skipped (no rate from them) and the estimate counts only
@@ -137,8 +138,9 @@ def test_estimate_after_the_first_computed_block(micro_calibrated, tmp_path, mon
     rec = Recorder()
     run_stage(model, adapter, calib, _spec(slow_first), wd.ledger("init-rtn"), rec)
     est = [n for n in rec.notes if "remaining" in n]
-    assert len(est) == 2 and est[0].startswith("stage init-rtn: ~3 blocks × ") and \
-        re.fullmatch(r"stage init-rtn: ~2 blocks × \d+\.\d s/block ≈ \d+ s remaining \(revised after the second block\)", est[1]), est
+    assert len(est) == 2 and est[0].startswith("stage init-rtn: ~3 blocks × "), est
+    assert re.fullmatch(r"stage init-rtn: ~2 blocks × \d+\.\d s/block ≈ \d+ s remaining "
+                        r"\(revised after the second block\)", est[1]), est
     first, second = (float(re.search(r"× ([\d.]+) s/block", n).group(1)) for n in est)
     assert first >= 1.0 > second
 

@@ -30,11 +30,12 @@ RUN_TUNED = dict(RUN, n_train=8)
 RCFG = RefineConfig(epochs=1, steps_per_epoch=2, e2e_steps=6, e2e_lr=3e-3, e2e_batch_size=4, init_split_rows=False)
 
 
-def _random_block(fmt, E=3, I=64, H=96, seed=0):
+def _random_block(fmt, E=3, inter=64, H=96, seed=0):
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(E):
-        w = {p: torch.randn(*s, generator=g) * 0.05 for p, s in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I)))}
+        shapes = (("gate", (inter, H)), ("up", (inter, H)), ("down", (H, inter)))
+        w = {p: torch.randn(*s, generator=g) * 0.05 for p, s in shapes}
         gs = fmt.global_scale(w["gate"], w["up"])
         out.append({p: fmt.quantize(w[p], None, gs if p != "down" else None) for p in PROJECTIONS})
     return out
@@ -188,8 +189,8 @@ def test_interrupted_end_to_end_resumes_to_the_same_bytes_and_redo_from_restores
 
 
 def test_bad_end_to_end_options_are_refused():
-    for kw, name in (({"e2e_steps": -1}, "e2e_steps"), ({"e2e_lr": 0.0}, "e2e_lr"), ({"e2e_batch_size": 0}, "e2e_batch_size"),
-                     ({"e2e_loss": "mse"}, "e2e_loss")):
+    for kw, name in (({"e2e_steps": -1}, "e2e_steps"), ({"e2e_lr": 0.0}, "e2e_lr"),
+                     ({"e2e_batch_size": 0}, "e2e_batch_size"), ({"e2e_loss": "mse"}, "e2e_loss")):
         with pytest.raises(ValueError, match=name):
             RefineConfig(**kw)
 
@@ -213,7 +214,8 @@ def test_stage_identity_without_the_end_to_end_step_is_unchanged():
     assert not any(k.startswith("e2e_") for k in plain)  # a stage recorded before the e2e options matches
     ident = refine_identity(RCFG, MethodConfig("rtn"))["refine"]
     assert ident["e2e_steps"] == RCFG.e2e_steps
-    assert "e2e_loss" not in ident and "e2e_memory_gb" not in ident  # stages from before them: the KL, the device's memory
+    # stages from before them: the KL, the device's memory
+    assert "e2e_loss" not in ident and "e2e_memory_gb" not in ident
     assert refine_identity(RefineConfig(), MethodConfig("rtn"))["refine"]["e2e_steps"] == "auto"
     assert refine_identity(RefineConfig(e2e_memory_gb=2.0), MethodConfig("rtn"))["refine"]["e2e_memory_gb"] == 2.0
 
@@ -322,7 +324,7 @@ def test_auto_end_to_end_runs_where_it_fits_and_is_skipped_with_a_reason_where_n
 def test_tunable_experts_on_cuda_match_the_cpu_reference(act_quant):
     """The end-to-end step's forward and gradient on the GPU (batched experts forward) against the CPU's."""
     fmt = get_format("p48-nvfp4")
-    weights = _random_block(fmt, E=5, I=96, H=160)
+    weights = _random_block(fmt, E=5, inter=96, H=160)
     amax_in, amax_mid = torch.tensor([3.0, 2.5, 4.0, 1.5, 2.0]), torch.tensor([1.0, 0.5, 2.0, 0.7, 1.2])
     g = torch.Generator().manual_seed(2)
     x = torch.randn(77, 160, generator=g)  # awkward row count

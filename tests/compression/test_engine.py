@@ -176,7 +176,8 @@ def test_saved_states_are_not_used_once_their_blocks_change(micro, tmp_path):
     spec.method_for_block = _DiesAfter(3)
     with pytest.raises(_Interrupt):
         run_stage(model, adapter, calib, spec, part.ledger("init-rtn"))
-    part.ledger("init-rtn").drop_blocks_from(1)  # as --redo-from 1: the saved states (after layer 2) follow a dropped block
+    # as --redo-from 1: the saved states (after layer 2) follow a dropped block
+    part.ledger("init-rtn").drop_blocks_from(1)
     calls, hooks = _layer_calls(model)
     try:
         assert run_stage(model, adapter, calib, _spec(resume_every_s=0), part.ledger("init-rtn"))["computed_now"] == 3
@@ -281,7 +282,8 @@ from conftest import MICRO
 dist.init_process_group("gloo")
 torch.set_num_threads(1)
 model, tok, adapter, path = load_model(MICRO)
-calib = build_calibration(tok, read_documents(CALIB, max_chars=400_000), CalibConfig(seq_len=64, n_train=8, n_val=4, n_init=8))
+calib = build_calibration(tok, read_documents(CALIB, max_chars=400_000),
+                          CalibConfig(seq_len=64, n_train=8, n_val=4, n_init=8))
 root = {root!r}
 if dist.get_rank() == 0:
     _new_wd(root, path)
@@ -304,7 +306,8 @@ def test_expert_parallel_equals_single_process(micro, tmp_path, cache_limit, por
     finally:
         torch.set_num_threads(threads)
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(repo=str(REPO), tests=str(REPO / "tests"), here=str(Path(__file__).resolve().parent), root=str(tmp_path / "ep"),
+    script.write_text(WORKER.format(repo=str(REPO), tests=str(REPO / "tests"),
+                                    here=str(Path(__file__).resolve().parent), root=str(tmp_path / "ep"),
                                     cache_limit=cache_limit))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     procs = [subprocess.Popen([sys.executable, str(script)], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
@@ -329,13 +332,15 @@ def test_stage_identity_is_the_normalised_config():
 
     assert MethodConfig("sgptq").to_dict() == MethodConfig("sgptq", {"percdamp": 0.01, "exact_scales": True}).to_dict()
     assert MethodConfig("sgptq", {"refit": False}).to_dict() != MethodConfig("sgptq").to_dict()
-    assert MethodConfig("sgptq").to_dict() == MethodConfig("sgptq", {"refit": True}).to_dict()  # refit is sgptq's default
+    # refit is sgptq's default
+    assert MethodConfig("sgptq").to_dict() == MethodConfig("sgptq", {"refit": True}).to_dict()
     assert MethodConfig("gptq").options["refit"] is False and "dense_only" not in MethodConfig("gptq").options
     with pytest.raises(ValueError, match="no option"):
         MethodConfig("rtn", {"percdamp": 0.1})
     with pytest.raises(ValueError, match="unknown method"):
         MethodConfig("nope")
-    assert RunConfig.from_options({}).to_dict() == RunConfig.from_options({"seq_len": 512, "format": "p48-nvfp4"}).to_dict()
+    assert (RunConfig.from_options({}).to_dict()
+            == RunConfig.from_options({"seq_len": 512, "format": "p48-nvfp4"}).to_dict())
     with pytest.raises(ValueError, match="seq_len must be a positive"):
         RunConfig.from_options({"seq_len": -5})
     with pytest.raises(ValueError, match="unknown format"):
@@ -402,8 +407,8 @@ def test_block_compressed_in_expert_chunks_gives_the_same_bytes(micro_path, tmp_
     sums = []
     for name, chunk in (("whole", None), ("chunked", 3)):
         if chunk is not None:
-            monkeypatch.setattr(engine, "dense_weight_chunks",
-                                lambda experts, I, H, device: [experts[i:i + chunk] for i in range(0, len(experts), chunk)])
+            monkeypatch.setattr(engine, "dense_weight_chunks", lambda experts, inter, H, device: [
+                experts[i:i + chunk] for i in range(0, len(experts), chunk)])
         wd = tmp_path / name
         run_init(wd, MethodConfig("sgptq"), micro_path, run, device="cpu", batch_size=4)
         run_refine(wd, rcfg, micro_path, run, device="cpu", batch_size=4)
@@ -424,7 +429,8 @@ def test_routed_rows_are_each_experts_tokens_in_order(micro):
     kw = capture_layer_inputs(model, calib["train"], 3, store)  # batches of 3 sequences: offsets matter
     assert len(store) > 1
     routed = gather_experts(block, store, kw, experts=[0, 2, 5])
-    x = torch.cat([_moe_inputs(block.layer, block.mlp, h, kw[h.shape[0]]).reshape(-1, routed.x.shape[-1]) for h in store])
+    x = torch.cat([_moe_inputs(block.layer, block.mlp, h, kw[h.shape[0]]).reshape(-1, routed.x.shape[-1])
+                   for h in store])
     idx, wts = block.route(x)
     assert torch.equal(routed.x, x) and routed.x.dtype == x.dtype
     for e in range(block.num_experts):
@@ -495,7 +501,7 @@ def test_dense_weight_chunks_fit_the_weights_on_a_gpu():
     dev = torch.device("cuda")
     assert dense_weight_chunks(list(range(8)), 64, 64, dev) == [list(range(8))]
     free = torch.cuda.mem_get_info(dev)[0] * WEIGHTS_GPU_FRACTION
-    I = int(free // 4 // (3 * 64 * (4 + RESULT_BYTES_PER_WEIGHT)))  # a quarter of the budget per expert
-    many = dense_weight_chunks(list(range(8)), I, 64, dev)
+    inter = int(free // 4 // (3 * 64 * (4 + RESULT_BYTES_PER_WEIGHT)))  # a quarter of the budget per expert
+    many = dense_weight_chunks(list(range(8)), inter, 64, dev)
     assert [e for c in many for e in c] == list(range(8)) and all(1 <= len(c) <= 4 for c in many) and len(many) >= 2
     assert dense_weight_chunks([5], 10 ** 9, 10 ** 4, dev) == [[5]]

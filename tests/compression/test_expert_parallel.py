@@ -35,8 +35,8 @@ def _blocks(wd: Path, stage: str) -> dict:
 def single(micro_path, tmp_path_factory) -> Path:
     """A work dir whose init-sgptq and refine stages one process computed."""
     wd = tmp_path_factory.mktemp("ep") / "single"
-    r = subprocess.run([MOESQ, "init-sgptq", "--model", str(micro_path), "-w", str(wd), *SMALL, "--device", "cpu", "-q"],
-                       capture_output=True, text=True, env=ONE_THREAD, timeout=600)
+    r = subprocess.run([MOESQ, "init-sgptq", "--model", str(micro_path), "-w", str(wd), *SMALL, "--device", "cpu",
+                        "-q"], capture_output=True, text=True, env=ONE_THREAD, timeout=600)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([MOESQ, "refine", "-w", str(wd), *REFINE, "-q"],
                        capture_output=True, text=True, env=ONE_THREAD, timeout=600)
@@ -63,7 +63,8 @@ def test_two_processes_write_the_artifacts_of_one(single, micro_path, tmp_path):
     changed = 0
     for rec in m["stages"]["refine"]["blocks"].values():
         with safe_open(str(wd / rec["file"]), "pt") as f:
-            changed += sum(e["refine"].get("groups_changed", 0) for e in json.loads(f.metadata()["moesq"])["info"].values())
+            info = json.loads(f.metadata()["moesq"])["info"]
+            changed += sum(e["refine"].get("groups_changed", 0) for e in info.values())
     assert changed > 0
 
 
@@ -150,7 +151,8 @@ def test_killed_rank_stops_the_run_and_it_resumes(single, micro_path, tmp_path):
 
     wd = tmp_path / "wd"
     shutil.copytree(single, wd)
-    slow = ["--epochs", "12", "--steps-per-epoch", "4", "--lr-logits", "0.01", "--device", "cpu", "--stage", "rk", *BATCHES]
+    slow = ["--epochs", "12", "--steps-per-epoch", "4", "--lr-logits", "0.01", "--device", "cpu", "--stage", "rk",
+            *BATCHES]
     ref = subprocess.run([MOESQ, "refine", "-w", str(single), *slow, "-q"], env=ONE_THREAD, capture_output=True,
                          text=True, timeout=600)
     assert ref.returncode == 0, ref.stderr

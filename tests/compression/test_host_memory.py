@@ -127,8 +127,8 @@ def test_released_experts_refuse_to_run_and_an_eager_model_keeps_its_own(micro_p
         model, _, adapter, _ = load_model(micro_path, lazy=lazy)
         block = adapter.blocks(model)[0]
         E = block.num_experts
-        I, H = block.dense_experts.down_proj.shape[2], block.dense_experts.down_proj.shape[1]
-        mine = MoesqExperts("p48-nvfp4", torch.zeros(E, 2 * I, H), torch.zeros(E, H, I), act_quant=False)
+        inter, H = block.dense_experts.down_proj.shape[2], block.dense_experts.down_proj.shape[1]
+        mine = MoesqExperts("p48-nvfp4", torch.zeros(E, 2 * inter, H), torch.zeros(E, H, inter), act_quant=False)
         block.set_experts(mine)
         block.release_installed()
         if lazy:
@@ -202,8 +202,10 @@ def test_peak_rss_per_process_is_bounded_by_three_blocks(tmp_path):
         got[f"init rtn --nproc {nproc}"] = _peak_rss_per_process(
             [*cli, "init-sgptq", "-m", str(model), "-w", str(wd), "--method", "rtn", "--device", "cpu", "-q",
              "--nproc", str(nproc), *calib], env)
-    got["pack"] = _peak_rss_per_process([*cli, "pack", str(tmp_path / "wd1"), "-o", str(tmp_path / "packed"), "-q"], env)
-    print(json.dumps({k: [round(v / 2**20) for v in peaks[:3]] for k, peaks in got.items()}), f"bound {bound / 2**20:.0f} MiB")
+    got["pack"] = _peak_rss_per_process(
+        [*cli, "pack", str(tmp_path / "wd1"), "-o", str(tmp_path / "packed"), "-q"], env)
+    print(json.dumps({k: [round(v / 2**20) for v in peaks[:3]] for k, peaks in got.items()}),
+          f"bound {bound / 2**20:.0f} MiB")
     assert len(got["init rtn --nproc 2"]) >= 3  # the launcher and its two workers
     for what, peaks in got.items():
         assert peaks[0] <= bound, f"{what}: peak RSS {peaks[0] / 2**20:.0f} MiB > {bound / 2**20:.0f} MiB"

@@ -219,7 +219,7 @@ def test_cg_on_cuda_reaches_the_cpu_exact_optimum(rank, monkeypatch):
 @pytest.mark.parametrize("name", ["sgptq", "obr"])
 def test_methods_with_cg_on_cuda_match_the_cpu_exact_reference(name):
     fmt = get_format("p48-nvfp4")
-    experts = make_block(E=3, H=128, I=64, seed=13)
+    experts = make_block(E=3, H=128, inter=64, seed=13)
     from moesq_core.compression.methods.base import CompressedExpert, ExpertData
 
     ref = get_method(name, batched=False, solve="exact").compress_block(experts, fmt)

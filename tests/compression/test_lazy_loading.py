@@ -154,15 +154,17 @@ def test_lazy_loading_refuses_a_checkpoint_with_missing_experts(micro_path, tmp_
     with safe_open(str(dst / "model.safetensors"), "pt") as f:
         sd = {k: f.get_tensor(k) for k in f.keys() if k != "model.layers.2.mlp.experts.5.up_proj.weight"}
     save_file(sd, str(dst / "model.safetensors"))
-    with pytest.raises(UnsupportedModelError, match=r"model.layers.2.mlp.experts.5 up: expected shape \[128, 192\].*missing"):
+    with pytest.raises(UnsupportedModelError,
+                       match=r"model.layers.2.mlp.experts.5 up: expected shape \[128, 192\].*missing"):
         load_model(dst, lazy=True)
 
 
 # -- host memory bound ----------------------------------------------------------------------------------------
 def write_synthetic_qwen3_moe(out: Path, layers: int, hidden: int, experts: int, inter: int, seed: int = 0) -> int:
     """A random Qwen3-MoE checkpoint with per-expert tensors, one shard per decoder layer, never whole in memory."""
-    cfg = qwen3_moe_config(hidden_size=hidden, num_hidden_layers=layers, num_experts=experts, moe_intermediate_size=inter,
-                           intermediate_size=inter, num_attention_heads=1, num_key_value_heads=1, head_dim=32)
+    cfg = qwen3_moe_config(hidden_size=hidden, num_hidden_layers=layers, num_experts=experts,
+                           moe_intermediate_size=inter, intermediate_size=inter, num_attention_heads=1,
+                           num_key_value_heads=1, head_dim=32)
     return write_random_qwen3_moe(out, cfg, seed=seed)
 
 
@@ -192,8 +194,8 @@ print(json.dumps({{"baseline": base, "peak": peak, "blocks": summary["blocks"]}}
 
 
 def _peak_rss_of_compressing(tmp_path: Path, **shape) -> tuple[int, dict]:
-    """(model weight bytes, RSS figures) of `moesq calibrate` + `init-rtn` through moesq_core.compression.pipeline as is: the
-    stages must open the model lazily for the bound to hold (eagerly, the 48-block model takes ~7x its size)."""
+    """(model weight bytes, RSS figures) of `moesq calibrate` + `init-rtn` through moesq_core.compression.pipeline as
+    is: the stages must open the model lazily for the bound to hold (eagerly, the 48-block model takes ~7x its size)."""
     model = tmp_path / "model"
     size = write_synthetic_qwen3_moe(model, **shape)
     script = tmp_path / "rss_worker.py"
@@ -210,7 +212,8 @@ def _check_bound(size: int, got: dict, ratio: float, layers: int) -> None:
           f"{increase / 2**20:.0f} MiB over a {got['baseline'] / 2**20:.0f} MiB baseline after imports: "
           f"model = {size / increase:.1f}x the peak increase")
     assert got["blocks"] == layers
-    assert size >= ratio * increase, f"peak RSS increase {increase / 2**20:.0f} MiB is more than 1/{ratio:g} of the model ({size / 2**20:.0f} MiB)"
+    assert size >= ratio * increase, (f"peak RSS increase {increase / 2**20:.0f} MiB is more than 1/{ratio:g} "
+                                      f"of the model ({size / 2**20:.0f} MiB)")
 
 
 @pytest.mark.slow  # alone it measures ~270 MiB; once inside the whole suite 659 MiB (not yet explained)

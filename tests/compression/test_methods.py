@@ -13,13 +13,13 @@ from moesq_core.formats import get_format
 FORMATS = ["p48-nvfp4", "dense-nvfp4", "s24-fp8"]
 
 
-def make_expert(index=0, n=512, H=64, I=64, seed=0) -> ExpertData:
+def make_expert(index=0, n=512, H=64, inter=64, seed=0) -> ExpertData:
     """An expert with correlated inputs (X = Z·A) and router weights in (0, 1)."""
     g = torch.Generator().manual_seed(seed)
     A = torch.randn(H, H, generator=g) / H**0.5 + 0.3 * torch.eye(H)
     x = torch.randn(n, H, generator=g) @ A
-    return ExpertData(index, 0.2 * torch.randn(I, H, generator=g), 0.2 * torch.randn(I, H, generator=g),
-                      0.2 * torch.randn(H, I, generator=g), x, torch.rand(n, generator=g))
+    return ExpertData(index, 0.2 * torch.randn(inter, H, generator=g), 0.2 * torch.randn(inter, H, generator=g),
+                      0.2 * torch.randn(H, inter, generator=g), x, torch.rand(n, generator=g))
 
 
 def output_error(ex: ExpertData, ce: CompressedExpert, x: torch.Tensor | None = None) -> float:
@@ -197,9 +197,9 @@ def micro_expert(micro_path):
     counts = torch.bincount(idx.flatten(), minlength=mlp.experts.down_proj.shape[0])
     e = int(counts.argmax())
     sel = (idx == e).any(-1)
-    I = mlp.experts.down_proj.shape[-1]
+    inter = mlp.experts.down_proj.shape[-1]
     gu = mlp.experts.gate_up_proj[e].detach()
-    ex = ExpertData(e, gu[:I].clone(), gu[I:].clone(), mlp.experts.down_proj[e].detach().clone(),
+    ex = ExpertData(e, gu[:inter].clone(), gu[inter:].clone(), mlp.experts.down_proj[e].detach().clone(),
                     cal[sel], (weights * (idx == e)).sum(-1)[sel])
     # the expert as rebuilt here (gate rows first) computes what the model's expert e computes
     with torch.no_grad():

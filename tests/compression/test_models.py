@@ -23,8 +23,8 @@ def _configs():
         "mixtral": MixtralConfig(**common, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
         "deepseek-v3": DeepseekV3Config(**common, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
                                         num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                        n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=None, kv_lora_rank=16,
-                                        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
+                                        n_shared_experts=1, routed_scaling_factor=2.5, q_lora_rank=None,
+                                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16),
         "olmoe": OlmoeConfig(**common, intermediate_size=32, num_experts=4, num_experts_per_tok=2),
     }
 
@@ -120,7 +120,8 @@ def test_experts_forward_reads_the_static_scales_once_and_computes_what_each_exp
     idx = torch.randint(0, E - 1, (T, k))  # expert E-1 gets no token
     w = torch.rand(T, k)
     expected = torch.zeros(T, H)
-    for e in range(E):  # each expert on all its rows at once (a dynamic scale is taken over them), scales read per expert
+    # each expert on all its rows at once (a dynamic scale is taken over them), scales read per expert
+    for e in range(E):
         t, j = (idx == e).nonzero(as_tuple=True)
         if len(t):
             expected.index_add_(0, t, module.expert_forward(e, x[t]) * w[t, j, None])

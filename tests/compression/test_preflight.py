@@ -1,5 +1,5 @@
-"""The disk check before a blockwise stage (moesq_core/compression/preflight.py): the calibration states' memory and disk
-counted by hand on small cases, the refusal and what it suggests at the paper's calibration size, and through
+"""The disk check before a blockwise stage (moesq_core/compression/preflight.py): the calibration states' memory and
+disk counted by hand on small cases, the refusal and what it suggests at the paper's calibration size, and through
 the stage functions a refusal that leaves the work dir as it was; the summary line through the CLI."""
 from __future__ import annotations
 

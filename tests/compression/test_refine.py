@@ -17,7 +17,7 @@ from moesq_core.formats.quantizers import NVFP4ActQuantizer, nvfp4_global_scale
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors, one intra-op thread
 
 
-def make_block(E=4, H=64, I=64, n=300, n_val=100, seed=0, with_val=True, device="cpu"):
+def make_block(E=4, H=64, inter=64, n=300, n_val=100, seed=0, with_val=True, device="cpu"):
     """Experts with correlated inputs (low-rank + noise, a few outlier channels) and random router weights."""
     g = torch.Generator().manual_seed(seed)
     L = torch.randn(H, 16, generator=g)
@@ -31,9 +31,9 @@ def make_block(E=4, H=64, I=64, n=300, n_val=100, seed=0, with_val=True, device=
     for e in range(E):
         x, w = tokens(n)
         xv, wv = tokens(n_val) if with_val else (None, None)
-        gate = torch.randn(I, H, generator=g) * H ** -0.5
-        up = torch.randn(I, H, generator=g) * H ** -0.5
-        down = torch.randn(H, I, generator=g) * I ** -0.5
+        gate = torch.randn(inter, H, generator=g) * H ** -0.5
+        up = torch.randn(inter, H, generator=g) * H ** -0.5
+        down = torch.randn(H, inter, generator=g) * inter ** -0.5
         def t(a):
             return None if a is None else a.to(device)
         experts.append(ExpertData(e, t(gate), t(up), t(down), t(x), t(w), t(xv), t(wv)))
@@ -77,7 +77,8 @@ def test_soft_mask_sums_to_kept_and_becomes_one_hot(ps):
     for tau in (2.0, 0.5, 0.05):
         z = relaxation.soft_mask(relaxation.pattern_probs(A, tau, 100.0, G), ps)
         assert z.shape == (3, 5, 4 * ps.group)
-        torch.testing.assert_close(z.reshape(3, 5, 4, ps.group).sum(-1), torch.full((3, 5, 4), float(ps.kept_per_group)))
+        torch.testing.assert_close(z.reshape(3, 5, 4, ps.group).sum(-1),
+                                   torch.full((3, 5, 4), float(ps.kept_per_group)))
         assert bool(((z >= 0) & (z <= 1 + 1e-6)).all())
     hot = relaxation.pattern_probs(A, 1e-4, 100.0, G)
     assert float((hot.amax(-1) - 1).abs().max()) < 1e-5
@@ -146,7 +147,8 @@ def test_weighted_sq_error_gradient(dtype):
     num, gy = objective.weighted_sq_error_and_grad(yhat, y, tw, scale)
     assert not num.requires_grad and gy.dtype == dtype
     assert torch.equal(gy, yhat.grad) and torch.equal(num, objective.weighted_sq_error(yhat.detach(), y, tw))
-    torch.testing.assert_close(objective.weighted_sq_error(yhat.detach(), y, tw), (tw * (yref.detach() - y).square().sum(-1)).sum(-1))
+    torch.testing.assert_close(objective.weighted_sq_error(yhat.detach(), y, tw),
+                               (tw * (yref.detach() - y).square().sum(-1)).sum(-1))
 
 
 # --- batched helpers equal the format's per-tensor functions ---------------------------------------------------
@@ -172,7 +174,8 @@ def test_batched_quantizers_match_format(fmt_name):
 def test_ste_gradients_reach_logits_and_values():
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=2, n=64, n_val=16)
-    r = BlockRefiner(ex, RTN(report_errors=False).compress_block(ex, fmt), fmt, RefineConfig(epochs=1, steps_per_epoch=2))
+    r = BlockRefiner(ex, RTN(report_errors=False).compress_block(ex, fmt), fmt,
+                     RefineConfig(epochs=1, steps_per_epoch=2))
     W = r.soft_weights(1.0, 100.0)
     idx = r.val_idx
     x, y, valid, w = r._gather(idx)
@@ -281,7 +284,8 @@ def test_best_epoch_never_worse_than_init():
         if r["best_epoch"] == 0:
             kept_init += 1
             for p in PROJECTIONS:
-                assert ce.weights()[p] is inits[e].weights()[p] or torch.equal(ce.weights()[p].codes, inits[e].weights()[p].codes)
+                assert ce.weights()[p] is inits[e].weights()[p] or torch.equal(ce.weights()[p].codes,
+                                                                              inits[e].weights()[p].codes)
         assert ref_val_loss(ce, ex[e], fmt) <= ref_val_loss(inits[e], ex[e], fmt) * 1.02
     assert kept_init >= 1  # the bad run really was worse somewhere
 
@@ -289,8 +293,8 @@ def test_best_epoch_never_worse_than_init():
 def test_same_seed_same_result_and_seed_matters():
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=2, n=100, n_val=0, with_val=False, seed=11)
-    cfg = RefineConfig(epochs=2, steps_per_epoch=5, micro_batch_rows=64, lr_logits=5e-3, lr_values=1e-3, val_fraction=0.2,
-                       lr_budget_steps=None)
+    cfg = RefineConfig(epochs=2, steps_per_epoch=5, micro_batch_rows=64, lr_logits=5e-3, lr_values=1e-3,
+                       val_fraction=0.2, lr_budget_steps=None)
     runs = [RefineMethod(RTN(report_errors=False), c).compress_block(ex, fmt)
             for c in (cfg, cfg, RefineConfig(**{**cfg.__dict__, "seed": 1}))]
     diff_seed = False
@@ -309,7 +313,8 @@ def test_micro_batching_does_not_change_the_step():
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=3, n=150, n_val=20, seed=12)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
-    rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=m, lr_logits=5e-3, lr_values=1e-3))
+    rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=m, lr_logits=5e-3,
+                                                    lr_values=1e-3))
           for m in (9, 100_000)]
     losses = [r.train_step(r.epoch_order(), 0) for r in rs]
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=0)
@@ -324,7 +329,8 @@ def test_values_only_keeps_the_init_support():
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=2, n=200, n_val=60, seed=13)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
-    r = BlockRefiner(ex, inits, fmt, RefineConfig(**{**FAST, "epochs": 1, "steps_per_epoch": 10, "train_support": False}))
+    r = BlockRefiner(ex, inits, fmt,
+                     RefineConfig(**{**FAST, "epochs": 1, "steps_per_epoch": 10, "train_support": False}))
     assert all(pr.A is None for pr in r.proj.values())
     V0 = {p: r.proj[p].V.detach().clone() for p in PROJECTIONS}
     r.end_epoch(1, r.train_epoch())
@@ -342,7 +348,8 @@ def test_support_only_keeps_the_values():
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=2, n=200, n_val=60, seed=14)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
-    r = BlockRefiner(ex, inits, fmt, RefineConfig(**{**FAST, "epochs": 1, "steps_per_epoch": 20, "train_values": False}))
+    r = BlockRefiner(ex, inits, fmt,
+                     RefineConfig(**{**FAST, "epochs": 1, "steps_per_epoch": 20, "train_values": False}))
     V0 = {p: r.proj[p].V.detach().clone() for p in PROJECTIONS}
     A0 = {p: r.proj[p].A.detach().clone() for p in PROJECTIONS}
     r.end_epoch(1, r.train_epoch())
@@ -357,7 +364,8 @@ def test_support_only_keeps_the_values():
     for e, ce in enumerate(r.export()):
         if ce.info["refine"]["best_epoch"] == 1:
             for p in PROJECTIONS:  # values re-rounded from the unchanged latent under the new masks
-                assert torch.equal(ce.weights()[p].dequantize(), fmt.quantize(V0[p][e], masks[p][e], ce.weights()[p].global_scale).dequantize())
+                assert torch.equal(ce.weights()[p].dequantize(),
+                                   fmt.quantize(V0[p][e], masks[p][e], ce.weights()[p].global_scale).dequantize())
 
 
 def test_dense_format_refines_values_only():
@@ -382,7 +390,8 @@ def test_experts_with_few_or_no_rows_keep_their_init():
     ex[1].x, ex[1].w = ex[1].x[:0], ex[1].w[:0]
     ex[2].x, ex[2].w = ex[2].x[:1], ex[2].w[:1]
     inits = RTN(report_errors=False).compress_block(ex, fmt)
-    out = RefineMethod(RTN(report_errors=False), RefineConfig(epochs=1, steps_per_epoch=4, val_fraction=0.2)).compress_block(ex, fmt)
+    out = RefineMethod(RTN(report_errors=False),
+                       RefineConfig(epochs=1, steps_per_epoch=4, val_fraction=0.2)).compress_block(ex, fmt)
     for e in (1, 2):
         r = out[e].info["refine"]
         assert r["n_val"] == 0 and r["best_epoch"] == 0 and r["val_loss"] == [None, None]
@@ -423,7 +432,7 @@ def test_bad_inputs_are_refused_clearly():
         RefineConfig(loss_power=3)
     with pytest.raises(ValueError, match="init returned"):
         BlockRefiner(ex, inits[:1], fmt, RefineConfig())
-    bad = make_block(E=1, H=64, I=32, n=50, n_val=10)
+    bad = make_block(E=1, H=64, inter=32, n=50, n_val=10)
     with pytest.raises(ValueError, match="shape"):
         BlockRefiner(ex[:1] + bad, inits[:1] + RTN(report_errors=False).compress_block(bad, fmt), fmt, RefineConfig())
     with pytest.raises(ValueError, match="format"):
@@ -454,7 +463,7 @@ def test_compiled_step_on_cuda_matches_eager(compute_dtype, rtol):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     fmt = get_format("p48-nvfp4")
-    ex = make_block(E=5, H=128, I=64, n=400, n_val=40, seed=23, device="cuda")
+    ex = make_block(E=5, H=128, inter=64, n=400, n_val=40, seed=23, device="cuda")
     inits = RTN(report_errors=False).compress_block(ex, fmt)
     rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=3, micro_batch_rows=300, compile=c,
                                                     compute_dtype=compute_dtype)) for c in (False, "auto")]
@@ -468,7 +477,7 @@ def test_compiled_step_on_cuda_matches_eager(compute_dtype, rtol):
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
-    ex2 = make_block(E=7, H=128, I=64, n=500, n_val=40, seed=24, device="cuda")
+    ex2 = make_block(E=7, H=128, inter=64, n=500, n_val=40, seed=24, device="cuda")
     r2 = BlockRefiner(ex2, RTN(report_errors=False).compress_block(ex2, fmt), fmt,
                       RefineConfig(epochs=1, steps_per_epoch=3, micro_batch_rows=300, compute_dtype=compute_dtype))
     order = r2.epoch_order()
@@ -481,7 +490,7 @@ def test_compiled_step_on_cuda_matches_eager(compute_dtype, rtol):
 def test_compiled_relaxation_matches_eager():
     """compile=True fuses the elementwise relaxation/quantization; it must compute the same step."""
     fmt = get_format("p48-nvfp4")
-    ex = make_block(E=3, H=64, I=32, n=120, n_val=20, seed=17)
+    ex = make_block(E=3, H=64, inter=32, n=120, n_val=20, seed=17)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
     rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=96, compile=c))
           for c in (False, True)]
@@ -493,7 +502,7 @@ def test_compiled_relaxation_matches_eager():
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
-    ex2 = make_block(E=4, H=64, I=32, n=150, n_val=20, seed=18)
+    ex2 = make_block(E=4, H=64, inter=32, n=150, n_val=20, seed=18)
     r2 = BlockRefiner(ex2, RTN(report_errors=False).compress_block(ex2, fmt), fmt,
                       RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=96, compile=True))
     r2.train_step(r2.epoch_order(), 0)
@@ -524,8 +533,10 @@ def test_budget_rule_keeps_the_papers_travel():
     # the trainer's optimizer uses the scheduled rates
     fmt = get_format("p48-nvfp4")
     ex = make_block(E=2, n=200, n_val=20, seed=21)
-    r = BlockRefiner(ex, RTN(report_errors=False).compress_block(ex, fmt), fmt, RefineConfig(epochs=2, steps_per_epoch=8))
-    assert {g["name"]: g["base_lr"] for g in r.opt.param_groups} == {"logits": r.plan.lr_logits, "values": r.plan.lr_values}
+    r = BlockRefiner(ex, RTN(report_errors=False).compress_block(ex, fmt), fmt,
+                     RefineConfig(epochs=2, steps_per_epoch=8))
+    assert ({g["name"]: g["base_lr"] for g in r.opt.param_groups}
+            == {"logits": r.plan.lr_logits, "values": r.plan.lr_values})
     assert r.plan.lr_values == pytest.approx(80 * 5e-5)
 
 
@@ -693,7 +704,8 @@ def test_release_faithful_options():
         assert xq.dtype == y.dtype == getattr(torch, compute), compute
         assert torch.equal(xq, fmt.act.batched(xq.float(), r.g_in, ste=False).to(xq.dtype))  # already on the grid
     # separate gate/up global scales in training; the export still shares one (re-quantized, as served)
-    sep = RefineMethod(RTN(report_errors=False), RefineConfig(**FAST, shared_gate_up_global=False)).compress_block(ex, fmt)
+    sep = RefineMethod(RTN(report_errors=False),
+                       RefineConfig(**FAST, shared_gate_up_global=False)).compress_block(ex, fmt)
     _check_export(sep, inits, fmt)
     for e in range(len(ex)):
         assert ref_val_loss(sep[e], ex[e], fmt) < ref_val_loss(inits[e], ex[e], fmt)
@@ -753,7 +765,8 @@ def test_any_sharding_of_a_block_gives_bitwise_the_same_experts(with_val):
             assert got.info == whole[i].info, (shard, i)
             for p in PROJECTIONS:
                 for name in ("codes", "scales", "global_scale", "mask"):
-                    assert torch.equal(getattr(got.weights()[p], name), getattr(whole[i].weights()[p], name)), (shard, i, p, name)
+                    assert torch.equal(getattr(got.weights()[p], name),
+                                       getattr(whole[i].weights()[p], name)), (shard, i, p, name)
     other_layer = BlockRows(7, rows.rows, rows.val_rows)
     for e in ex:
         e.block = other_layer
@@ -780,7 +793,8 @@ def test_refining_a_block_in_memory_chunks_gives_bitwise_the_same_experts(with_b
     per_expert = refine_bytes_per_expert(fmt, 64, 64)
     two = RefineConfig(**base, chunk_gb=2.5 * per_expert / 2**30)  # two experts per chunk
     assert [len(c) for c in refine_chunks(ex, fmt, two)] == [2, 2, 1]
-    assert [len(c) for c in refine_chunks(ex, fmt, RefineConfig(**base))] == [5]  # CPU, no chunk_gb: within HOST_CHUNK_BYTES
+    # CPU, no chunk_gb: within HOST_CHUNK_BYTES
+    assert [len(c) for c in refine_chunks(ex, fmt, RefineConfig(**base))] == [5]
     whole = RefineMethod(RTN(report_errors=False), RefineConfig(**base)).compress_block(ex, fmt)
     chunked = RefineMethod(RTN(report_errors=False), two).compress_block(ex, fmt)
     assert any(r.info["refine"]["best_epoch"] > 0 for r in whole)
@@ -830,12 +844,12 @@ def test_refinement_memory_estimate_counts_the_token_matrix_once():
         refine_shared_bytes,
     )
 
-    H, I, T, k = 2048, 768, 1024 * 4096, 8
-    shared = refine_shared_bytes(H, I, T, 2, T * k, 262144)
-    assert shared == T * H * 2 + T * k * ROW_BYTES + micro_batch_bytes(H, I, 262144)
+    H, inter, T, k = 2048, 768, 1024 * 4096, 8
+    shared = refine_shared_bytes(H, inter, T, 2, T * k, 262144)
+    assert shared == T * H * 2 + T * k * ROW_BYTES + micro_batch_bytes(H, inter, 262144)
     assert 16 * 2**30 == T * H * 2 < shared < 40 * 2**30  # 1,024 sequences of 4,096 tokens: 16 GiB of bf16 tokens
-    per = refine_bytes_per_expert(get_format("p48-nvfp4"), I, H)
-    assert 128 * per < 40 * 2**30 and per == refine_bytes_per_expert(get_format("p48-nvfp4"), I, H)
+    per = refine_bytes_per_expert(get_format("p48-nvfp4"), inter, H)
+    assert 128 * per < 40 * 2**30 and per == refine_bytes_per_expert(get_format("p48-nvfp4"), inter, H)
 
 
 def test_refinement_says_before_the_block_loop_whether_a_block_fits():
@@ -853,7 +867,8 @@ def test_refinement_says_before_the_block_loop_whether_a_block_fits():
     assert h200.endswith("one chunk") and "GiB of calibration tokens" in h200
     small = refine_memory_plan(fmt, RefineConfig(), available=60 * 2**30, **plan)
     assert "chunks of experts" in small
-    with pytest.raises(RefineMemoryError, match=r"needs ~\d+\.\d GiB on cuda:0.*--n-train.*\d+ of the 1152 sequences would fit.*--micro-batch-rows"):
+    with pytest.raises(RefineMemoryError, match=r"needs ~\d+\.\d GiB on cuda:0.*--n-train.*\d+ of the 1152 sequences "
+                                                r"would fit.*--micro-batch-rows"):
         refine_memory_plan(fmt, RefineConfig(), available=24 * 2**30, **plan)
     # fewer micro-batch rows lower it
     assert "one chunk" in refine_memory_plan(fmt, RefineConfig(micro_batch_rows=65536), available=72 * 2**30, **plan)
@@ -877,7 +892,8 @@ def test_refinement_reports_its_steps_and_routed_rows_inside_the_block(caplog):
     def spy(self, on_step=None):
         return original(self, lambda d, r: (updates.append((d, r)), on_step(d, r)))
 
-    cfg = RefineConfig(epochs=2, steps_per_epoch=3, micro_batch_rows=64, chunk_gb=1.5 * trainer.refine_bytes_per_expert(fmt, 64, 64) / 2**30)
+    cfg = RefineConfig(epochs=2, steps_per_epoch=3, micro_batch_rows=64,
+                       chunk_gb=1.5 * trainer.refine_bytes_per_expert(fmt, 64, 64) / 2**30)
     with caplog.at_level(logging.INFO, logger="moesq.progress"):
         trainer.BlockRefiner.run = spy
         try:
@@ -899,7 +915,8 @@ def test_a_refiners_expert_order_changes_no_expert_and_sorted_micro_batches_are_
     ex = make_block(E=5, n=80, n_val=16, seed=4)
     for e, n in zip(ex, (20, 80, 41, 60, 7)):
         e.x, e.w = e.x[:n], e.w[:n]
-    cfg = RefineConfig(epochs=2, steps_per_epoch=2, micro_batch_rows=40, lr_logits=5e-3, lr_values=1e-3, lr_budget_steps=None)
+    cfg = RefineConfig(epochs=2, steps_per_epoch=2, micro_batch_rows=40, lr_logits=5e-3, lr_values=1e-3,
+                       lr_budget_steps=None)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
 
     def micro_batches(r):

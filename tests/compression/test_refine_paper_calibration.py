@@ -58,11 +58,14 @@ def _recorded_work_dir(root: Path) -> Path:
     work = root / "work"
     (work / "logs").mkdir(parents=True)
     cal = {"file": "calib/calibration.safetensors", "sha256": "0" * 64,
-           "sequences": {"train": 960, "val": 128, "init": 64}, "seq_len": 4096, "tokens": 1152 * 4096, "documents": 9000}
+           "sequences": {"train": 960, "val": 128, "init": 64}, "seq_len": 4096, "tokens": 1152 * 4096,
+           "documents": 9000}
     (work / "manifest.json").write_text(json.dumps({"calibration": cal, "stages": {"refine": {
-        "blocks": {"0": {"file": "stages/refine/block_000.safetensors"}, "1": {"file": "stages/refine/block_001.safetensors"}},
+        "blocks": {"0": {"file": "stages/refine/block_000.safetensors"},
+                   "1": {"file": "stages/refine/block_001.safetensors"}},
         "block_timings": {"0": {"seconds": 300.0}, "1": {"seconds": 240.0}}}}}))
-    start = f"{M}moesq refine -m {root}/model -w {work} --calib /data/calib-docs.txt.xz --seq-len 4096 --json {root}/r.json"
+    start = (f"{M}moesq refine -m {root}/model -w {work} --calib /data/calib-docs.txt.xz --seq-len 4096 "
+             f"--json {root}/r.json")
     lines = [
         f"2026-12-05 10:00:00,000 {start}",
         f"2026-12-05 10:00:30,000 {M}calibration: {cal}",
@@ -101,8 +104,10 @@ def test_results_from_a_recorded_work_dir(tmp_path):
     work = _recorded_work_dir(root)
     state = {"steps": {"generate": {"done": True, "model_bytes": 3 * 2 ** 30, "attempts": [{"rc": 0, "wall_s": 8.0}]},
                        "refine": {"done": True, "attempts": [
-                           {"rc": -15, "wall_s": 540.0, "stopped": True, "peak_host_gib": 30.0, "peak_gpu_gib": [120.5]},
-                           {"rc": 0, "wall_s": 300.0, "stopped": False, "peak_host_gib": 31.0, "peak_gpu_gib": [118.0]}]}}}
+                           {"rc": -15, "wall_s": 540.0, "stopped": True, "peak_host_gib": 30.0,
+                            "peak_gpu_gib": [120.5]},
+                           {"rc": 0, "wall_s": 300.0, "stopped": False, "peak_host_gib": 31.0,
+                            "peak_gpu_gib": [118.0]}]}}}
     cfg = {"num_hidden_layers": 2, "hidden_size": 2048, "num_experts": 128, "moe_intermediate_size": 768,
            "num_experts_per_tok": 8, "vocab_size": 151936}
     command = ["refine", "-m", str(root / "model"), "-w", str(work), "--calib", "/data/calib-docs.txt.xz",

@@ -17,7 +17,7 @@ from conftest import run_triton_interpreted
 
 def check_against_reference(device: str, shapes=((3, 5, 48), (1, 7, 8), (2, 3, 136)),
                             forms=("cols", "tile")) -> list[str]:
-    """The kernel forms vs the reference on each [E, O, K] shape; returns a line per case (raises on a mismatch)."""
+    """The kernel forms vs the reference on each [E, out, K] shape; returns a line per case (raises on a mismatch)."""
     lines = []
     saved = relax_triton.KERNELS
     try:
@@ -51,14 +51,14 @@ def _check_kernels(device: str, shapes) -> list[str]:
     fi = torch.finfo(torch.float32)
     lines = []
     gen = torch.Generator().manual_seed(0)
-    for E, O, K in shapes:
+    for E, out, K in shapes:
         for noise in (True, False):
             for logits_dtype in (torch.float32, torch.bfloat16):
                 for need_da in (True, False):
-                    A = (0.05 * torch.randn(E, O, K // group, P, generator=gen)).to(logits_dtype).to(device)
-                    V = torch.randn(E, O, K, generator=gen).to(device).requires_grad_()
+                    A = (0.05 * torch.randn(E, out, K // group, P, generator=gen)).to(logits_dtype).to(device)
+                    V = torch.randn(E, out, K, generator=gen).to(device).requires_grad_()
                     A.requires_grad_(need_da)
-                    U = torch.rand(E, O, K // group, P, generator=gen).to(device) if noise else None
+                    U = torch.rand(E, out, K // group, P, generator=gen).to(device) if noise else None
                     if U is not None and K == 8:
                         U[..., 0] = 0.0  # the clamp keeps −log(−log U) finite
                     tau, gain = 0.7, 100.0
@@ -68,17 +68,17 @@ def _check_kernels(device: str, shapes) -> list[str]:
                     ref = relaxation.soft_mask(relaxation.pattern_probs(Af, tau, gain, G), ps) * V
                     dout = torch.randn(ref.shape, generator=gen).to(device)
                     want = torch.autograd.grad(ref, [Af, V] if need_da else [V], dout)
-                    out = relax_triton.relaxed_weight(A, V, U, ps.pattern_matrix(), tau, gain)
-                    assert out.dtype == V.dtype and out.shape == V.shape
-                    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-                    got = torch.autograd.grad(out, [A, V] if need_da else [V], dout)
+                    relaxed = relax_triton.relaxed_weight(A, V, U, ps.pattern_matrix(), tau, gain)
+                    assert relaxed.dtype == V.dtype and relaxed.shape == V.shape
+                    torch.testing.assert_close(relaxed, ref, rtol=1e-5, atol=1e-6)
+                    got = torch.autograd.grad(relaxed, [A, V] if need_da else [V], dout)
                     if need_da:
                         assert got[0].dtype == A.dtype
                         scale = float(want[0].abs().max())
                         tol = 1e-5 if logits_dtype == torch.float32 else 1e-2
                         assert float((got[0].float() - want[0]).abs().max()) <= tol * scale + 1e-6
                     torch.testing.assert_close(got[-1], want[-1], rtol=1e-5, atol=1e-6)
-                    lines.append(f"ok {E}x{O}x{K} noise={noise} logits={logits_dtype} dA={need_da}")
+                    lines.append(f"ok {E}x{out}x{K} noise={noise} logits={logits_dtype} dA={need_da}")
     return lines
 
 

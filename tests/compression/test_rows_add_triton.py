@@ -16,12 +16,12 @@ def check_against_index_add(device: str, shapes=((5, 3, 7), (4, 2, 4096), (6, 1,
     """add_rows_ vs index_add_ on each [E, out, in] shape; returns a line per case (raises on a mismatch)."""
     gen = torch.Generator().manual_seed(0)
     lines = []
-    for E, O, K in shapes:
+    for E, out, K in shapes:
         for dtype in (torch.bfloat16, torch.float32):
             for k in (0, 1, E - 1):
                 idx = torch.randperm(E, generator=gen)[:k].to(device)
-                acc = torch.randn(E, O, K, generator=gen).to(device)
-                src = torch.randn(k, O, K, generator=gen).to(dtype).to(device)
+                acc = torch.randn(E, out, K, generator=gen).to(device)
+                src = torch.randn(k, out, K, generator=gen).to(dtype).to(device)
                 # a weight gradient of x Wᵀ: [k, out, in] with out contiguous, copied first or read in place
                 for transposed, strided in ((False, False), (True, False), (True, True)):
                     s = src.transpose(1, 2).contiguous().transpose(1, 2) if transposed else src
@@ -32,8 +32,8 @@ def check_against_index_add(device: str, shapes=((5, 3, 7), (4, 2, 4096), (6, 1,
                         got = rows_add_triton.add_rows_(a, idx, s)
                     finally:
                         rows_add_triton.STRIDED = default
-                    assert got is a and torch.equal(got, want), (E, O, K, dtype, k, transposed, strided)
-                    lines.append(f"ok {E}x{O}x{K} {dtype} k={k} transposed={transposed} strided={strided}")
+                    assert got is a and torch.equal(got, want), (E, out, K, dtype, k, transposed, strided)
+                    lines.append(f"ok {E}x{out}x{K} {dtype} k={k} transposed={transposed} strided={strided}")
     return lines
 
 
@@ -49,7 +49,8 @@ def test_kernel_matches_index_add_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     assert rows_add_triton.available(torch.device("cuda"))
-    assert len(check_against_index_add("cuda", shapes=((5, 3, 7), (6, 1, 4097), (3, 0, 9), (40, 768, 2048)))) == 4 * 6 * 3
+    shapes = ((5, 3, 7), (6, 1, 4097), (3, 0, 9), (40, 768, 2048))
+    assert len(check_against_index_add("cuda", shapes=shapes)) == 4 * 6 * 3
 
 
 def test_fallback_and_argument_checks():

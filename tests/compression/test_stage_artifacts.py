@@ -75,7 +75,8 @@ def test_block_round_trip_is_bit_identical(block0_experts, fmt_name, method, tmp
             assert got.format == fmt_name
             assert got.codes.dtype == torch.uint8 and torch.equal(got.codes, want.codes), p
             assert got.scales.dtype == torch.float32 and torch.equal(got.scales, want.scales.float()), p
-            assert got.global_scale.shape == () and torch.equal(got.global_scale, want.global_scale.float().reshape(())), p
+            assert got.global_scale.shape == (), p
+            assert torch.equal(got.global_scale, want.global_scale.float().reshape(())), p
             assert got.mask.dtype == torch.bool and torch.equal(got.mask, want.mask.bool()), p
     # stored packed: the format's packed tensors, [E, ...] per projection, and no latent values
     with safe_open(str(path), "pt") as f:

@@ -1,6 +1,6 @@
-"""The fused SwiGLU + NVFP4 activation quantizer refinement uses (moesq_core.compression.kernels.swiglu_quant_triton.swiglu_quant
-with an NVFP4ActQuantizer) against the torch ops it replaces (swiglu_quant_reference): under the Triton
-interpreter on the CPU and on CUDA.
+"""The fused SwiGLU + NVFP4 activation quantizer refinement uses
+(moesq_core.compression.kernels.swiglu_quant_triton.swiglu_quant with an NVFP4ActQuantizer) against the torch ops it
+replaces (swiglu_quant_reference): under the Triton interpreter on the CPU and on CUDA.
 
 What is exact and what is not: the quantizer is the same fp32 arithmetic, so wherever h = silu(g) ⊙ u is the
 same number the output and the range are bitwise the reference's. silu is exact for g >= 17 (exp(−g) vanishes
@@ -41,16 +41,16 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(same_bits(a, b).all())
 
 
-def _up(k, C, I, gen):
+def _up(k, C, inter, gen):
     """Up-projection outputs over 60 binades, with zero rows, a zero scale block and both signs."""
-    u = torch.randn(k, C, I, generator=gen) * torch.logspace(-30, 30, I)[torch.randperm(I, generator=gen)]
+    u = torch.randn(k, C, inter, generator=gen) * torch.logspace(-30, 30, inter)[torch.randperm(inter, generator=gen)]
     u[:, ::4] = 0.0  # zero rows
-    if I >= 32:
+    if inter >= 32:
         u[:, 1::4, :16] = 0.0  # a zero scale block (and part of one)
     return u
 
 
-def _scales(k, I, gen) -> list[torch.Tensor]:
+def _scales(k, inter, gen) -> list[torch.Tensor]:
     """Per-expert global scales [k, 1, 1]: from ranges across the dynamic range (blocks saturating at 448 and
     blocks whose scales clamp to 2^-9), and zeros (0/0 = NaN, as the torch ops give)."""
     amax = torch.logspace(-20, 20, k) * (1 + torch.rand(k, generator=gen))
@@ -67,15 +67,18 @@ def check_against_reference(device: str, shapes=SHAPES) -> list[str]:
     """Kernel vs torch ops on each shape; returns a line per case (raises on a mismatch)."""
     gen = torch.Generator().manual_seed(0)
     lines = []
-    for k, C, I, block in shapes:
+    for k, C, inter, block in shapes:
         act = NVFP4ActQuantizer(block)
         for exact_silu in (True, False):
-            gate = (17 + 3 * torch.rand(k, C, I, generator=gen)) if exact_silu else 6 * torch.randn(k, C, I, generator=gen)
-            up = _up(k, C, I, gen)
+            if exact_silu:
+                gate = 17 + 3 * torch.rand(k, C, inter, generator=gen)
+            else:
+                gate = 6 * torch.randn(k, C, inter, generator=gen)
+            up = _up(k, C, inter, gen)
             for in_dtype, out_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
                                         (torch.bfloat16, torch.float32)):
                 gt, ut = gate.to(in_dtype), up.to(in_dtype)
-                for gs in _scales(k, I, gen):
+                for gs in _scales(k, inter, gen):
                     for ste in (True, False):
                         got, amax = swiglu_quant(act, gt.to(device), ut.to(device), gs.to(device), ste=ste,
                                                  out_dtype=out_dtype)
@@ -84,7 +87,7 @@ def check_against_reference(device: str, shapes=SHAPES) -> list[str]:
                                                                  ste, out_dtype)
                         want, want_amax = want.cpu(), want_amax.cpu()
                         if exact_silu:
-                            assert bits_equal(got, want), (k, C, I, in_dtype, out_dtype, ste, gs.flatten()[0])
+                            assert bits_equal(got, want), (k, C, inter, in_dtype, out_dtype, ste, gs.flatten()[0])
                             assert bits_equal(amax, want_amax)
                         else:
                             # h to an ulp: the range within 4 ulp, the output bitwise wherever the quantizer
@@ -95,11 +98,11 @@ def check_against_reference(device: str, shapes=SHAPES) -> list[str]:
                             if device == "cpu":  # the interpreter: with numpy's exp in the reference, bitwise
                                 h = numpy_silu_mul(gt, ut)
                                 ref = act.batched(h, gs, ste=ste).to(out_dtype)
-                                assert bits_equal(got, ref), (k, C, I, in_dtype, out_dtype, ste)
+                                assert bits_equal(got, ref), (k, C, inter, in_dtype, out_dtype, ste)
                                 assert bits_equal(amax, h.abs().amax(dim=(1, 2)))
                             else:
                                 lines.append(f"differ {int((~same).sum())}/{same.numel()}")
-                        lines.append(f"ok {k}x{C}x{I}/{block} exact={exact_silu} {in_dtype}->{out_dtype} "
+                        lines.append(f"ok {k}x{C}x{inter}/{block} exact={exact_silu} {in_dtype}->{out_dtype} "
                                      f"g={float(gs.flatten()[0]):.3g} ste={ste}")
     return lines
 
@@ -109,15 +112,16 @@ def check_gradients(device: str, shapes=SHAPES[:3]) -> list[str]:
     rounding, bf16 inputs within a bf16 ulp; no gradient without STE."""
     gen = torch.Generator().manual_seed(1)
     lines = []
-    for k, C, I, block in shapes:
+    for k, C, inter, block in shapes:
         act = NVFP4ActQuantizer(block)
         gs = nvfp4_global_scale(torch.rand(k, generator=gen) * 10 + 0.1).reshape(-1, 1, 1).to(device)
         for dtype, rtol, atol in ((torch.float32, 1e-5, 1e-6), (torch.bfloat16, 1.6e-2, 1e-5)):
-            gate = (4 * torch.randn(k, C, I, generator=gen)).to(dtype).to(device)
-            up = torch.randn(k, C, I, generator=gen).to(dtype).to(device)
-            dout = torch.randn(k, C, I, generator=gen).to(dtype).to(device)
+            gate = (4 * torch.randn(k, C, inter, generator=gen)).to(dtype).to(device)
+            up = torch.randn(k, C, inter, generator=gen).to(dtype).to(device)
+            dout = torch.randn(k, C, inter, generator=gen).to(dtype).to(device)
             grads = []
-            for fn in (lambda *a, **kw: swiglu_quant(act, *a, **kw), lambda *a, **kw: swiglu_quant_reference(act, *a, **kw)):
+            for fn in (lambda *a, **kw: swiglu_quant(act, *a, **kw),
+                       lambda *a, **kw: swiglu_quant_reference(act, *a, **kw)):
                 gl, ul = gate.clone().requires_grad_(), up.clone().requires_grad_()
                 hq, amax = fn(gl, ul, gs, ste=True, out_dtype=dtype)
                 assert hq.requires_grad and not amax.requires_grad
@@ -128,7 +132,7 @@ def check_gradients(device: str, shapes=SHAPES[:3]) -> list[str]:
             hq, _ = swiglu_quant(act, gate.clone().requires_grad_(), up.clone().requires_grad_(), gs, ste=False,
                                  out_dtype=dtype)
             assert not hq.requires_grad
-            lines.append(f"ok grad {k}x{C}x{I} {dtype}")
+            lines.append(f"ok grad {k}x{C}x{inter} {dtype}")
     return lines
 
 
@@ -175,15 +179,15 @@ def check_opaque_to_compile(device: str) -> str:
     from moesq_core.compression.methods.refine.trainer import BlockRefiner
 
     gen = torch.Generator().manual_seed(3)
-    k, C, H, I = 3, 11, 64, 64
-    dense = [torch.randn(k, I, H, generator=gen) * H ** -0.5, torch.randn(k, I, H, generator=gen) * H ** -0.5,
-             torch.randn(k, H, I, generator=gen) * I ** -0.5]
+    k, C, H, inter = 3, 11, 64, 64
+    dense = [torch.randn(k, inter, H, generator=gen) * H ** -0.5, torch.randn(k, inter, H, generator=gen) * H ** -0.5,
+             torch.randn(k, H, inter, generator=gen) * inter ** -0.5]
     valid = torch.ones(k, C, dtype=torch.bool)
     valid[0, -3:] = False  # padding rows
     # (x, valid, g_in, Dg, Du, Dd): the rows and their dense targets; then the quantized weights (the leaves),
     # then (tw, scale, g_h)
-    head = [torch.randn(k, C, H, generator=gen), valid, nvfp4_global_scale(torch.rand(k, generator=gen) + 1.0).reshape(-1, 1, 1),
-            *dense]
+    head = [torch.randn(k, C, H, generator=gen), valid,
+            nvfp4_global_scale(torch.rand(k, generator=gen) + 1.0).reshape(-1, 1, 1), *dense]
     weights = [d + 0.05 * torch.randn(d.shape, generator=gen) * d.std() for d in dense]
     tail = [torch.rand(k, C, generator=gen), torch.rand(k, generator=gen),
             nvfp4_global_scale(torch.rand(k, generator=gen) + 0.5).reshape(-1, 1, 1)]
@@ -283,7 +287,7 @@ def check_compiled_trainer() -> str:
 
     assert swiglu_quant_triton.USE and rows_add_triton.STRIDED  # the defaults
     fmt = get_format("p48-nvfp4")
-    ex = make_block(E=3, H=64, I=64, n=160, n_val=20, seed=23)
+    ex = make_block(E=3, H=64, inter=64, n=160, n_val=20, seed=23)
     inits = RTN(report_errors=False).compress_block(ex, fmt)
     rs = [BlockRefiner(ex, inits, fmt, RefineConfig(epochs=1, steps_per_epoch=2, micro_batch_rows=96, compile=c))
           for c in (False, True)]

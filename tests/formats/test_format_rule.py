@@ -14,7 +14,8 @@ FORMAT_WORDS = (*FORMAT_NAMES, "dense-p48", "nvfp4", "fp8", "p48", "s24")
 
 
 def _names_format(node: ast.AST) -> bool:
-    return isinstance(node, ast.Constant) and isinstance(node.value, str) and any(w in node.value.lower() for w in FORMAT_WORDS)
+    return (isinstance(node, ast.Constant) and isinstance(node.value, str)
+            and any(w in node.value.lower() for w in FORMAT_WORDS))
 
 
 def violations(source: str, path: str) -> list[str]:
@@ -24,11 +25,12 @@ def violations(source: str, path: str) -> list[str]:
         what = None
         if isinstance(node, ast.Compare) and any(_names_format(n) for n in (node.left, *node.comparators)):
             what = "compares with a format name"
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("startswith", "endswith") \
-                and any(_names_format(a) for a in node.args):
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith") and any(_names_format(a) for a in node.args)):
             what = f"{node.func.attr} of a format name"
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("isinstance", "issubclass") \
-                and len(node.args) == 2 and any(n.endswith(("Quantizer", "Format")) for n in _type_names(node.args[1])):
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("isinstance", "issubclass") and len(node.args) == 2
+              and any(n.endswith(("Quantizer", "Format")) for n in _type_names(node.args[1]))):
             what = "tests a format/quantizer type"
         elif isinstance(node, ast.Dict) and any(k is not None and _names_format(k) for k in node.keys):
             what = "a table keyed by format names"

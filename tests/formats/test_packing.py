@@ -157,7 +157,8 @@ def random_raw(layout: str, lead: tuple[int, ...], out: int, inn: int, seed: int
 
 
 @SETTINGS
-@given(st.sampled_from(CASES), st.sampled_from([(), (2,)]), st.integers(1, 5), st.integers(1, 4), st.integers(0, 2**31 - 1))
+@given(st.sampled_from(CASES), st.sampled_from([(), (2,)]), st.integers(1, 5), st.integers(1, 4),
+       st.integers(0, 2**31 - 1))
 def test_repack_is_byte_identical(case, lead, out, k, seed):
     fmt, layout, mult = case
     t = random_raw(layout, lead, out, mult * k, seed)
@@ -173,7 +174,8 @@ def test_bits_per_weight_exact(out, k, seed):
     inn = 32 * k
     n = out * inn
     t = pack(random_qw("p48-nvfp4", out, inn, seed, 0.0, True, None))
-    assert 8 * (t["weight_sparse_packed"].nbytes + t["weight_sparse_mask"].nbytes + t["weight_scale"].nbytes) == 2.75 * n
+    nbytes = t["weight_sparse_packed"].nbytes + t["weight_sparse_mask"].nbytes + t["weight_scale"].nbytes
+    assert 8 * nbytes == 2.75 * n
     assert bits_per_weight(t, (out, inn)) == 2.75 + 32 / n  # + the fp32 global scale
     assert packed_nbytes(t) == n * 11 // 32 + 4
 
@@ -232,7 +234,8 @@ def test_p48_mask_completion_lowest_free_pair():
 
 def test_dense_nvfp4_example():
     codes = torch.arange(16, dtype=torch.uint8).reshape(1, 16)
-    qw = QuantizedWeight("dense-nvfp4", codes, torch.tensor([[0.5]]), torch.tensor(2.0), torch.ones(1, 16, dtype=torch.bool))
+    qw = QuantizedWeight("dense-nvfp4", codes, torch.tensor([[0.5]]), torch.tensor(2.0),
+                         torch.ones(1, 16, dtype=torch.bool))
     t = pack(qw)
     assert t["weight_packed"].tolist() == [[0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]]
     assert_same_qw(unpack("dense-nvfp4", t), qw)
@@ -270,7 +273,8 @@ def test_mask_nibble_with_three_bits_rejected():
     free_bit = next(b for b in range(4) if not low >> b & 1)
     m[2, 3] ^= 1 << free_bit
     bad["weight_sparse_mask"] = m
-    with pytest.raises(PackingError, match=r"expert\.weight_sparse_mask\[2, 3\]: low nibble 0b\d{4} has 3 bits set") as e:
+    with pytest.raises(PackingError,
+                       match=r"expert\.weight_sparse_mask\[2, 3\]: low nibble 0b\d{4} has 3 bits set") as e:
         unpack("p48-nvfp4", bad, name="expert")
     assert e.value.position == (2, 3) and e.value.tensor == "expert.weight_sparse_mask"
 
@@ -280,7 +284,8 @@ def test_mask_nibble_with_one_bit_rejected():
     m = t["weight_sparse_mask"].clone()
     high = int(m[1, 0]) >> 4
     m[1, 0] ^= (1 << next(b for b in range(4) if high >> b & 1)) << 4
-    with pytest.raises(PackingError, match=r"weight_sparse_mask\[1, 0\]: high nibble .* has 1 bits set.*columns 8\.\.15"):
+    with pytest.raises(PackingError,
+                       match=r"weight_sparse_mask\[1, 0\]: high nibble .* has 1 bits set.*columns 8\.\.15"):
         unpack("p48-nvfp4", {**t, "weight_sparse_mask": m})
 
 

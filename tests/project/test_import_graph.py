@@ -93,7 +93,8 @@ def imports_of(name: str, is_package: bool, source: str, modules) -> dict[str, i
 
 def import_graph() -> dict[str, dict[str, int]]:
     modules = module_files()
-    return {name: imports_of(name, path.name == "__init__.py", path.read_text(), modules) for name, path in modules.items()}
+    return {name: imports_of(name, path.name == "__init__.py", path.read_text(), modules)
+            for name, path in modules.items()}
 
 
 def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:

@@ -22,10 +22,14 @@ def _pack_micro(micro_path, root, fmt_name):
 
     model, tok, adapter, path = load_model(micro_path)
     text = CALIB
-    calib = build_calibration(tok, read_documents(text, max_chars=300_000), CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
+    calib = build_calibration(tok, read_documents(text, max_chars=300_000),
+                              CalibConfig(seq_len=64, n_train=4, n_val=2, n_init=8))
     wd = WorkDir(root / "wd")
-    wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)}, {"format": fmt_name, "act_quant": True})
-    run_stage(model, adapter, calib, StageSpec("init-rtn", get_format(fmt_name), lambda li: RTN(), {"method": "rtn"}, batch_size=4), wd.ledger("init-rtn"))
+    wd.init({"source": str(path), "path": str(path), "fingerprint": model_fingerprint(path)},
+            {"format": fmt_name, "act_quant": True})
+    run_stage(model, adapter, calib,
+              StageSpec("init-rtn", get_format(fmt_name), lambda li: RTN(), {"method": "rtn"}, batch_size=4),
+              wd.ledger("init-rtn"))
     export_packed(wd, "init-rtn", root / "packed")
     return root / "packed", tok
 
@@ -85,7 +89,8 @@ def test_s24_fast_path_logits_and_generation(packed_micro_s24):
     print(f"s24 rel={float(rel):.2e} generated: {text!r}")
 
 
-@pytest.mark.parametrize("fixture, fast_module", [("packed_micro", "P48HopperExperts"), ("packed_micro_s24", "S24HopperExperts")])
+@pytest.mark.parametrize("fixture, fast_module",
+                         [("packed_micro", "P48HopperExperts"), ("packed_micro_s24", "S24HopperExperts")])
 @torch.no_grad()
 def test_from_pretrained_serves_the_fast_experts_like_load_packed(request, fixture, fast_module):
     """`import moesq_core` + `AutoModelForCausalLM.from_pretrained(pack, device_map="cuda")`: the format's fast

@@ -217,7 +217,7 @@ def test_ptx_expansion_matches_reference_dequant():
 _INTERP_SCRIPT = r"""
 import sys, torch
 from moesq_core.serving.kernels import p48_reference as ref, p48_triton as pt
-from tests.test_kernel_p48 import packed_weight, stacked
+from test_kernel_p48 import packed_weight, stacked
 torch.manual_seed(0)
 E, M, K, C = 3, 80, 96, 19
 ws = [packed_weight(M, K, 10 + s) for s in range(E)]

@@ -644,7 +644,8 @@ def test_gpu_kernel_ignores_x_past_k_and_stale_staging(variant, x_permuted):
     wide = random_p48_tensors(2, 64, 1024, gen, "cpu")
     Ww = pm.P48MmaWeights.from_packed(wide, dev)
     xw = torch.full((2 * 200, 1024), float("inf"), dtype=torch.bfloat16, device=dev)
-    rs, cnt = torch.tensor([0, 200], dtype=torch.int32, device=dev), torch.tensor([200, 200], dtype=torch.int32, device=dev)
+    rs = torch.tensor([0, 200], dtype=torch.int32, device=dev)
+    cnt = torch.tensor([200, 200], dtype=torch.int32, device=dev)
     pm.p48_mma_gemm_rows(xw, Ww, rs, cnt, Ww.global_scale, torch.zeros(400, 64, device=dev), pm.MmaConfig(variant, 1),
                          native, x_permuted=x_permuted)
     counts = [130, 7, 0, 1]
@@ -700,7 +701,8 @@ def test_gpu_kernel_many_experts_few_active(variant, act_quant, split):
     counts = [0] * 300
     for e, n in ((0, 3), (1, 16), (7, 1), (130, 9), (255, 2), (256, 5), (257, 16), (299, 1)):
         counts[e] = n
-    _gpu_case(300, 264, 640, counts, act_quant, split, variant, torch.float32, seed=int(torch.randint(0, 99, (1,), generator=gen)))
+    _gpu_case(300, 264, 640, counts, act_quant, split, variant, torch.float32,
+              seed=int(torch.randint(0, 99, (1,), generator=gen)))
 
 
 @pytest.mark.gpu

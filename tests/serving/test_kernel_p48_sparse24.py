@@ -19,8 +19,10 @@ FMT = get_format("p48-nvfp4")
 
 def random_p48(lead, M, K, gen, random_masks=True):
     """Packed p48 tensors of random weights; masks random (not magnitude) so every pair pattern appears."""
-    w = torch.randn(*lead, M, K, generator=gen) * torch.exp(torch.randn(*lead, M, K // 32, 1, generator=gen)).repeat_interleave(32, -2).reshape(*lead, M, K)
-    pats = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    w = torch.randn(*lead, M, K, generator=gen)  # drawn first, then its scales
+    w = w * torch.exp(torch.randn(*lead, M, K // 32, 1, generator=gen)).repeat_interleave(32, -2).reshape(*lead, M, K)
+    pats = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 0, 1], [0, 1, 1, 0], [0, 1, 0, 1], [0, 0, 1, 1]],
+                        dtype=torch.bool)
     pairs = pats[torch.randint(0, 6, (*lead, M, K // 8), generator=gen)]  # [..., M, K/8, 4]
     mask = pairs.repeat_interleave(2, -1).reshape(*lead, M, K) if random_masks else None
     if lead:
@@ -95,15 +97,16 @@ def test_expert_forward_through_permuted_operands(act_quant):
     """gate/up rows permuted at load time + down's K permuted + the input's K permuted = the p48 reference
     expert (float64 sums; the operands are exact)."""
     gen = torch.Generator().manual_seed(1)
-    H, I = 64, 96
-    t = {"gate": random_p48((), I, H, gen), "up": random_p48((), I, H, gen), "down": random_p48((), H, I, gen)}
+    H, inter = 64, 96
+    t = {"gate": random_p48((), inter, H, gen), "up": random_p48((), inter, H, gen),
+         "down": random_p48((), H, inter, gen)}
     t["up"]["weight_global_scale"] = t["gate"]["weight_global_scale"]
     for p in t:
         t[p]["input_global_scale"] = torch.tensor([0.0])
     x = torch.randn(7, H, generator=gen)
     want = ref.expert_forward_ref(x, ref.expert_weights(t), act_quant)
 
-    pk_h, pk_i = ps.k_permutation(H), ps.k_permutation(I)
+    pk_h, pk_i = ps.k_permutation(H), ps.k_permutation(inter)
     ops = {p: ps.p48_to_2to4(ps.permute_rows(t[p], pk_i) if p != "down" else t[p]) for p in t}
 
     def linear(v, op):  # v in the operand's permuted K order

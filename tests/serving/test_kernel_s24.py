@@ -135,7 +135,8 @@ def test_reference_against_dequantized_weights():
     assert ref.shape == (E, cap, M) and ref.dtype == torch.bfloat16
     fmt = get_format("s24-fp8")
     for e in range(E):
-        qw = s24_packing.unpack({"weight_sparse_values": values[e], "weight_sparse_meta": meta[e], "weight_scale": scale[e]})
+        qw = s24_packing.unpack({"weight_sparse_values": values[e], "weight_sparse_meta": meta[e],
+                                 "weight_scale": scale[e]})
         wdeq = fmt.weight.decode(qw.codes, qw.scales) * qw.mask
         c = int(counts[e])
         want = (xq[e, :c].double() * sx[e, :c, None].double()) @ wdeq.double().T

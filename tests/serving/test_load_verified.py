@@ -50,7 +50,8 @@ def test_edited_config_deleted_manifest_and_unlisted_tokenizer_file_are_refused(
     assert verify_packed_dir(pack).ok  # the same bytes as packed again
 
     (pack / "added_tokens.json").write_text('{"<x>": 99999}')  # a file the tokenizer loader reads
-    with pytest.raises(ValueError, match=r"added_tokens\.json: not listed in the checksum manifest, and loaders read it"):
+    with pytest.raises(ValueError,
+                       match=r"added_tokens\.json: not listed in the checksum manifest, and loaders read it"):
         load_packed(pack)
     report = verify_packed_dir(pack)
     assert not report.ok and report.first_error.tensor == "added_tokens.json"

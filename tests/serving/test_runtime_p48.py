@@ -60,10 +60,10 @@ def dequantized(packed) -> tuple[torch.Tensor, torch.Tensor]:
     return gate_up, down
 
 
-def random_experts(E=6, H=64, I=96, seed=0, dynamic=(2,)):
+def random_experts(E=6, H=64, inter=96, seed=0, dynamic=(2,)):
     g = torch.Generator().manual_seed(seed)
-    gate_up = torch.randn(E, 2 * I, H, generator=g) * 0.08
-    down = torch.randn(E, H, I, generator=g) * 0.08
+    gate_up = torch.randn(E, 2 * inter, H, generator=g) * 0.08
+    down = torch.randn(E, H, inter, generator=g) * 0.08
     g_in = torch.full((E,), 2688.0 / 4.0)
     g_mid = torch.full((E,), 2688.0 / 0.5)
     for e in dynamic:  # no calibration data: dynamic activation scale
@@ -140,9 +140,9 @@ def test_micro_model_reference_logits_match_dequantized_model():
 _INTERP_SCRIPT = r"""
 import torch
 from conftest import routing
-from tests.test_runtime_p48 import random_experts
+from test_runtime_p48 import random_experts
 from moesq_core.serving.p48_hopper import P48HopperExperts
-packed, _, _ = random_experts(E=5, H=64, I=96, dynamic=(1,))
+packed, _, _ = random_experts(E=5, H=64, inter=96, dynamic=(1,))
 worst = 0.0
 for aq in (False, True):
     ref_ = P48HopperExperts.from_packed(packed, aq, "cpu")
@@ -224,7 +224,7 @@ def test_gpu_micro_model_logits(act_quant, kernel):
 @pytest.mark.parametrize("act_quant", [False, True])
 def test_gpu_module_matches_reference_and_replays_in_cuda_graph(act_quant, kernel, monkeypatch):
     kernel = _kernel_or_skip(kernel)
-    packed, _, _ = random_experts(E=8, H=128, I=192, dynamic=(3,))
+    packed, _, _ = random_experts(E=8, H=128, inter=192, dynamic=(3,))
     ref_ = P48HopperExperts.from_packed(packed, act_quant, "cpu")
     fast = P48HopperExperts.from_packed(packed, act_quant, "cuda", kernel=kernel)
     assert fast.kernel == kernel

@@ -31,9 +31,10 @@ def quantize_experts(gate_up: torch.Tensor, down: torch.Tensor):
     return packed, qws
 
 
-def random_experts(E=6, H=64, I=96, seed=0):
+def random_experts(E=6, H=64, inter=96, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return quantize_experts(torch.randn(E, 2 * I, H, generator=g) * 0.08, torch.randn(E, H, I, generator=g) * 0.08)
+    return quantize_experts(torch.randn(E, 2 * inter, H, generator=g) * 0.08,
+                            torch.randn(E, H, inter, generator=g) * 0.08)
 
 
 # ------------------------------------------------------------------------------------------------ CPU
@@ -76,7 +77,7 @@ def _token_by_token(qws, x, idx, w):
 
 
 def test_reference_path_matches_token_by_token_numerics():
-    packed, qws = random_experts(E=5, H=32, I=64, seed=2)
+    packed, qws = random_experts(E=5, H=32, inter=64, seed=2)
     mod = S24HopperExperts.from_packed(packed, True, "cpu")
     x = torch.randn(13, 32, generator=torch.Generator().manual_seed(1)) * 2
     idx, w = routing(13, 5, 3, seed=5)
@@ -85,7 +86,7 @@ def test_reference_path_matches_token_by_token_numerics():
 
 def test_unpacked_weights_are_the_packed_ones():
     """The module holds the packed tensors unchanged (gate rows then up rows per expert)."""
-    packed, qws = random_experts(E=2, H=32, I=16)
+    packed, qws = random_experts(E=2, H=32, inter=16)
     mod = S24HopperExperts.from_packed(packed, True, "cpu")
     v, m, s = mod._ref["gate_up"]
     for e in range(2):
@@ -98,7 +99,7 @@ def test_unpacked_weights_are_the_packed_ones():
 
 def test_static_and_dynamic_capacity_agree(monkeypatch):
     """Capacity T (decode, graph capture) and capacity = largest count (large eager calls) give equal outputs."""
-    packed, _ = random_experts(E=5, H=32, I=64, seed=1)
+    packed, _ = random_experts(E=5, H=32, inter=64, seed=1)
     mod = S24HopperExperts.from_packed(packed, True, "cpu")
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(2))
     idx, w = routing(40, 5, 2, seed=3)
@@ -167,8 +168,8 @@ def test_micro_model_reference_logits_match_reference_module():
 @pytest.mark.hopper
 @torch.no_grad()
 def test_gpu_module_matches_reference_and_replays_in_cuda_graph():
-    E, H, I = 8, 128, 192
-    packed, _ = random_experts(E=E, H=H, I=I, seed=4)
+    E, H, inter = 8, 128, 192
+    packed, _ = random_experts(E=E, H=H, inter=inter, seed=4)
     ref = S24HopperExperts.from_packed(packed, True, "cpu")
     fast = S24HopperExperts.from_packed(packed, True, "cuda")
     assert not fast.reference and fast.expert_nbytes() > 0
@@ -203,7 +204,7 @@ def test_gpu_fused_routing_kernels_match_torch_ops():
     from moesq_core.serving.kernels import s24_route
     from moesq_core.serving.kernels.s24_gemm import quantize_activations
 
-    E, H, I, T, k = 5, 200, 72, 13, 3
+    E, H, inter, T, k = 5, 200, 72, 13, 3
     gen = torch.Generator().manual_seed(6)
     x = (torch.randn(T, H, generator=gen) * torch.exp(torch.randn(T, 1, generator=gen))).to(torch.bfloat16).cuda()
     x[4] = 0  # an all-zero token: scale 1
@@ -221,19 +222,21 @@ def test_gpu_fused_routing_kernels_match_torch_ops():
     # torch divides by the scalar 448 as a multiply by its reciprocal on CUDA; the kernel divides exactly
     assert torch.allclose(sx.view(-1)[row], ws[tok], rtol=2**-23, atol=0)
     assert float(ws[4]) == 1.0
-    y1 = (torch.randn(E, T, 2 * I, generator=gen) * 3).to(torch.bfloat16).cuda()
-    xq2, sx2 = s24_route.swiglu_quant(y1, row, I)
-    h = y1.view(E * T, 2 * I)[row].float()
-    aq, sa = quantize_activations(torch.nn.functional.silu(h[:, :I]) * h[:, I:])
-    got = xq2.view(E * T, I)[row].float() * sx2.view(-1)[row, None]
+    y1 = (torch.randn(E, T, 2 * inter, generator=gen) * 3).to(torch.bfloat16).cuda()
+    xq2, sx2 = s24_route.swiglu_quant(y1, row, inter)
+    h = y1.view(E * T, 2 * inter)[row].float()
+    aq, sa = quantize_activations(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:])
+    got = xq2.view(E * T, inter)[row].float() * sx2.view(-1)[row, None]
     want = aq.float() * sa[:, None]
-    same = (xq2.view(E * T, I)[row].view(torch.uint8) == aq.view(torch.uint8)).float().mean().item()
+    same = (xq2.view(E * T, inter)[row].view(torch.uint8) == aq.view(torch.uint8)).float().mean().item()
     assert same > 0.99 and rel(got, want) < 1e-2, (same, rel(got, want))  # sigmoid may differ by an ulp
     y2 = torch.randn(E, T, H, generator=gen).to(torch.bfloat16).cuda()
     for dtype in (torch.bfloat16, torch.float32):
         out = s24_route.combine(y2, row, w, dtype)
         ref_out = (y2.view(E * T, H)[row].float() * w.reshape(-1, 1).float()).view(T, k, H).sum(1)
-        assert out.dtype == dtype and torch.allclose(out.float(), ref_out.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+        assert out.dtype == dtype
+        assert torch.allclose(out.float(), ref_out.to(dtype).float(),
+                              rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -37,7 +37,8 @@ def route_packs(packs, micro_path, tmp_path_factory):
 
 
 def _digests(d: Path) -> dict:
-    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {p.relative_to(d).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 IDS = torch.arange(5, 69).view(2, 32)
@@ -67,7 +68,8 @@ def test_from_pretrained_gives_load_packeds_model(route_packs, fmt, dtype):
     assert torch.equal(logits, ref(input_ids=IDS).logits)
     weights_only = load_packed(path, dtype=model.dtype, act_quant=False)[0](input_ids=IDS).logits
     assert not torch.equal(logits, weights_only)  # the activations are quantized
-    assert model.config.quantization_config.to_dict() == json.loads((path / "config.json").read_text())["quantization_config"]
+    assert (model.config.quantization_config.to_dict()
+            == json.loads((path / "config.json").read_text())["quantization_config"])
 
 
 def test_the_compressed_tensors_entries_dispatch_on_the_moesq_key(route_packs):
@@ -133,7 +135,8 @@ from moesq_core.serving.experts import MoesqExperts
 model = AutoModelForCausalLM.from_pretrained({pack!r})
 assert isinstance(model.model.layers[0].mlp.experts, MoesqExperts)
 """
-    first = _run("import sys, moesq_core\nassert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)\n" + check)
+    first = _run("import sys, moesq_core\n"
+                 "assert not {'torch', 'transformers'} & set(sys.modules), sorted(sys.modules)\n" + check)
     assert first.returncode == 0, first.stderr[-3000:]
     after = _run("import transformers.quantizers.auto\nimport moesq_core\n" + check)
     assert after.returncode == 0, after.stderr[-3000:]
@@ -171,7 +174,8 @@ def test_install_wraps_only_transformers_own_entries_once():
     assert foreign.AUTO_QUANTIZATION_CONFIG_MAPPING["compressed-tensors"] is dict
 
 
-@pytest.mark.parametrize("tensor", ["model.layers.1.mlp.experts.3.down_proj.weight_sparse_packed", "model.embed_tokens.weight"])
+@pytest.mark.parametrize("tensor", ["model.layers.1.mlp.experts.3.down_proj.weight_sparse_packed",
+                                    "model.embed_tokens.weight"])
 def test_from_pretrained_refuses_a_changed_pack_naming_the_tensor(route_packs, tensor, tmp_path):
     """The route checks the pack against moesq_pack.json as load_packed does: an expert byte (read by moesq) and an
     embedding byte (read by transformers) are both caught."""
