@@ -114,7 +114,8 @@ def read_manifest(root: Path) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"not valid JSON ({e})") from None
-    if not isinstance(body, dict) or body.get("moesq_pack") != MANIFEST_VERSION or not isinstance(body.get("files"), dict):
+    if (not isinstance(body, dict) or body.get("moesq_pack") != MANIFEST_VERSION
+            or not isinstance(body.get("files"), dict)):
         raise ValueError(f"not a moesq pack manifest (version {MANIFEST_VERSION})")
     recorded = body.pop("manifest_sha256", None)
     if hashlib.sha256(canonical(body)).hexdigest() != recorded:
@@ -189,7 +190,8 @@ def _compare(p: Path, rel: str, want: dict, whole: bool) -> list[ChecksumProblem
         else:
             data_start, _ = safetensors_layout(p)
             with open(p, "rb") as f:  # no whole-file hash; the tensors are taken as recorded (checked when read)
-                got = {"sha256": None, "header": hashlib.sha256(f.read(data_start)).hexdigest(), "tensors": want["tensors"]}
+                header = hashlib.sha256(f.read(data_start)).hexdigest()
+                got = {"sha256": None, "header": header, "tensors": want["tensors"]}
     except (OSError, ValueError, KeyError, TypeError) as e:
         return [ChecksumProblem(rel, None, f"checksum mismatch; its safetensors header is unreadable ({e})")]
     if got["sha256"] == want.get("sha256"):
@@ -249,14 +251,15 @@ class ManifestCheck:
     def __init__(self, root: Path):
         self.root = Path(root)
         if not (self.root / PACK_MANIFEST).is_file():
-            self._fail(PACK_MANIFEST, None, "missing: a moesq pack lists its files' checksums there (deleted, or written "
-                       "by another tool?)")
+            self._fail(PACK_MANIFEST, None, "missing: a moesq pack lists its files' checksums there (deleted, or "
+                       "written by another tool?)")
         try:
             body = read_manifest(self.root)
         except (OSError, ValueError) as e:
             self._fail(PACK_MANIFEST, None, f"checksum manifest is damaged: {e}")
         self.files = body["files"]
-        problems = [p for rel, want in sorted(self.files.items()) for p in _check_file(self.root, rel, want, whole=False)[1]]
+        problems = [p for rel, want in sorted(self.files.items())
+                    for p in _check_file(self.root, rel, want, whole=False)[1]]
         problems += _unlisted(self.root, set(self.files))[0]
         if problems:
             self._fail(problems[0].file, problems[0].tensor, problems[0].problem)
@@ -279,5 +282,6 @@ class ManifestCheck:
         """After loading: every listed tensor was read and checked; returns the number of files checked."""
         if self.unread:
             file, name = min(self.unread)
-            self._fail(file, name, f"listed in the checksum manifest but not read by the loader ({len(self.unread)} such)")
+            self._fail(file, name,
+                       f"listed in the checksum manifest but not read by the loader ({len(self.unread)} such)")
         return len(self.files)

@@ -169,6 +169,7 @@ def model_card(identity: RunIdentity, manifest: dict, summary: dict, evals: dict
                          base_model=hub_id, base_model_relation="quantized" if hub_id else None,
                          tags=["moesq", "moe", "quantized", *fmt.card_tags])
     name = hub_id or Path(source).name
+    activations = f"quantized ({fmt.act_label})" if summary["act_quant"] else "not quantized (weights only)"
     lines = [
         f"# {name.split('/')[-1]} — moesq {fmt.name}", "",
         f"The routed experts of {'`' + hub_id + '`' if hub_id else 'the base model'} compressed by moesq "
@@ -177,7 +178,7 @@ def model_card(identity: RunIdentity, manifest: dict, summary: dict, evals: dict
         f"| base model | `{hub_id or Path(source).name}` |",
         f"| method | {summary['method']} |",
         f"| format | {fmt.name} ({fmt.description}) |",
-        f"| activations | {'quantized (' + fmt.act_label + ')' if summary['act_quant'] else 'not quantized (weights only)'} |",
+        f"| activations | {activations} |",
         f"| expert bits per weight | {summary['bits_per_weight']:.3f} |",
         f"| expert weights | {summary['expert_weights']:,} in {summary['expert_bytes']:,} bytes |",
         "", "## How it was made", "",

@@ -123,7 +123,8 @@ class VerifyReport:
     def num_linears(self) -> int:
         return len(self.rows)
 
-    def _error(self, tensor: str, problem: str, position: tuple[int, ...] | None = None, row: TensorRow | None = None) -> None:
+    def _error(self, tensor: str, problem: str, position: tuple[int, ...] | None = None,
+               row: TensorRow | None = None) -> None:
         err = VerifyError(tensor, position, problem)
         self.errors.append(err)
         if row is not None and row.ok:
@@ -149,7 +150,8 @@ def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, dict, di
         report._error("config.json", "no quantization_config: not a packed checkpoint")
         return None, {}, config
     if qc.get("quant_method") != "compressed-tensors":
-        report._error("config.json", f"quantization_config.quant_method is {qc.get('quant_method')!r}, expected 'compressed-tensors'")
+        report._error("config.json", f"quantization_config.quant_method is {qc.get('quant_method')!r}, "
+                      "expected 'compressed-tensors'")
     if qc.get("quantization_status") != "compressed":
         report._error("config.json", f"quantization_config.quantization_status is {qc.get('quantization_status')!r}, "
                       "expected 'compressed' (stock loaders treat anything else as not yet compressed)")
@@ -162,7 +164,8 @@ def _read_config(root: Path, report: VerifyReport) -> tuple[str | None, dict, di
         report._error("config.json", f"quantization_config.moesq.format is {fmt!r}; known: {', '.join(FORMATS)}")
         return None, qc, config
     if moesq.get("version") != MOESQ_VERSION:
-        report._error("config.json", f"quantization_config.moesq.version is {moesq.get('version')!r}; this moesq reads version {MOESQ_VERSION}")
+        report._error("config.json", f"quantization_config.moesq.version is {moesq.get('version')!r}; "
+                      f"this moesq reads version {MOESQ_VERSION}")
     report.format = fmt
     for key in ("format", "ignore"):
         if key not in qc:
@@ -222,7 +225,8 @@ def _weight_map(root: Path, report: VerifyReport) -> tuple[dict[str, str] | None
             report._error(k, f"the index puts it in {f} but it is in {from_headers[k]}")
     missing = [k for k, f in wm.items() if f in readable and k not in from_headers]
     if missing:
-        report._error(missing[0], f"listed in the index under {wm[missing[0]]} but absent from that file ({len(missing)} such)")
+        report._error(missing[0], f"listed in the index under {wm[missing[0]]} but absent from that file "
+                      f"({len(missing)} such)")
     extra = sorted(set(from_headers) - set(wm))
     if extra:
         report.warnings.append(f"{len(extra)} tensor(s) in the shards are not in the index, e.g. {extra[0]}")
@@ -298,7 +302,8 @@ def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> Veri
         for p in sums.problems:
             report._error(p.tensor or p.file, f"{p.problem}" + (f" (in {p.file})" if p.tensor else ""))
         if sums.extra_files:
-            report.warnings.append(f"{len(sums.extra_files)} file(s) not written by moesq pack, e.g. {sums.extra_files[0]}")
+            report.warnings.append(f"{len(sums.extra_files)} file(s) not written by moesq pack, "
+                                   f"e.g. {sums.extra_files[0]}")
     if checksums_only:
         return report
     fmt, qc, config = _read_config(root, report)
@@ -319,7 +324,8 @@ def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> Veri
         linears[module][m["suffix"]] = f
         experts[(m["prefix"], int(m["expert"]))][m["proj"]] = module
     if not linears:
-        report._error(report.files[0] if report.files else str(root), "no routed-expert tensors (<prefix>.mlp.experts.<e>.<proj>.*) found")
+        report._error(report.files[0] if report.files else str(root),
+                      "no routed-expert tensors (<prefix>.mlp.experts.<e>.<proj>.*) found")
         return report
 
     file_order = {f: i for i, f in enumerate(report.files)}
@@ -403,14 +409,17 @@ def _check_experts(experts, rows, global_scales, report, changed: set[str] = fro
         if up.shape != gate.shape:
             report._error(up.name, f"shape {up.shape} differs from gate_proj's {gate.shape}", row=up)
         elif down.shape != gate.shape[::-1]:
-            report._error(down.name, f"shape {down.shape} does not match gate_proj {gate.shape} (expected {gate.shape[::-1]})", row=down)
+            report._error(down.name, f"shape {down.shape} does not match gate_proj {gate.shape} "
+                          f"(expected {gate.shape[::-1]})", row=down)
         else:
             shapes = (gate.shape, down.shape)
             first = layer_shapes.setdefault(prefix, shapes)
             if first != shapes:
-                report._error(gate.name, f"expert shapes {shapes} differ from the layer's first expert {first}", row=gate)
+                report._error(gate.name, f"expert shapes {shapes} differ from the layer's first expert {first}",
+                              row=gate)
         g_gate, g_up = global_scales.get(gate.name), global_scales.get(up.name)
-        if g_gate is not None and g_up is not None and not torch.equal(g_gate.view(torch.int32), g_up.view(torch.int32)):
+        if (g_gate is not None and g_up is not None
+                and not torch.equal(g_gate.view(torch.int32), g_up.view(torch.int32))):
             # blame the tensor the checksums show changed; without a manifest, name both
             gate_changed = f"{gate.name}.weight_global_scale" in changed
             up_changed = f"{up.name}.weight_global_scale" in changed

@@ -560,8 +560,8 @@ def evaluate_tasks(
     num_fewshot: overrides the preset/task default (a task whose YAML pins 0 shots keeps 0, as in lm-eval).
     seed: python, numpy, torch and few-shot sampling seeds. cache_dir: per-task JSON results; finished tasks
     are read back instead of rerun. model_id: identity of the weights for the cache key when the label alone
-    does not pin them (e.g. checksums of a work dir stage; a changed stage then reruns). bootstrap_iters: for stderr of non-mean metrics (lm-eval's default is
-    100000, slow on CPU; means use a closed form anyway).
+    does not pin them (e.g. checksums of a work dir stage; a changed stage then reruns). bootstrap_iters: for
+    stderr of non-mean metrics (lm-eval's default is 100000, slow on CPU; means use a closed form anyway).
 
     Raises ValueError for unknown tasks or bad arguments, FileNotFoundError/NotADirectoryError/PermissionError
     for a bad tasks dir or tokenizer dir, TaskUnavailableError for a Hub task that cannot be downloaded.
