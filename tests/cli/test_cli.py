@@ -1,6 +1,6 @@
-"""The installed `moesq` command, run in a subprocess as a user would: help texts, a small end-to-end
-pipeline on the shared micro model, kill-and-resume with identical artifacts; and clear errors for bad input
-(those in this process, `moesq_here`, which other test files use where no process boundary is tested)."""
+"""The installed `moesq` command as a user meets it: help texts and kill-and-resume with identical artifacts in a
+subprocess; a small end-to-end pipeline on the shared micro model and clear errors for bad input in this process
+(`moesq_here`, as other test files use it where no process boundary is tested)."""
 from __future__ import annotations
 
 import json
@@ -30,12 +30,12 @@ def _checksums(wd: Path, stage: str) -> dict:
 
 def test_pipeline_pack_verify_eval(micro_path, tmp_path):
     wd = tmp_path / "wd"
-    moesq("init-sgptq", "--model", micro_path, "-w", wd, "--method", "rtn", *SMALL, "--quiet")
-    r = moesq("pack", wd, "--out", tmp_path / "packed", "--quiet")
+    moesq_here("init-sgptq", "--model", micro_path, "-w", wd, "--method", "rtn", *SMALL, "--quiet")
+    r = moesq_here("pack", wd, "--out", tmp_path / "packed", "--quiet")
     assert "2.75" in r.stdout
-    r = moesq("verify", tmp_path / "packed", "--quiet")
+    r = moesq_here("verify", tmp_path / "packed", "--quiet")
     assert "verify: ok" in r.stdout
-    r = moesq("eval", wd, tmp_path / "packed", "--ppl", EVAL, "--ppl-tokens", "2048", "--json",
+    r = moesq_here("eval", wd, tmp_path / "packed", "--ppl", EVAL, "--ppl-tokens", "2048", "--json",
               tmp_path / "ppl.json", "--quiet")
     rows = {x["label"]: x["ppl"] for x in json.loads((tmp_path / "ppl.json").read_text())["ppl"]}
     assert set(rows) == {"reference", "rtn", "packed:packed"}
@@ -49,14 +49,14 @@ def test_pipeline_pack_verify_eval(micro_path, tmp_path):
     key = next(k for k in sd if k.endswith("layers.1.mlp.experts.3.up_proj.weight_sparse_mask"))
     sd[key][2, 1] = 0x77  # 3 bits set in each nibble: not a paired 4:8 mask
     save_file(sd, str(shard), metadata={"format": "pt"})
-    r = moesq("verify", tmp_path / "packed", "--quiet", check=False)
+    r = moesq_here("verify", tmp_path / "packed", "--quiet", check=False)
     assert r.returncode == 1 and "layers.1.mlp.experts.3.up_proj" in r.stdout + r.stderr
 
 
 def test_killed_stage_resumes_to_identical_artifacts(micro_path, tmp_path):
     ref = tmp_path / "ref"
     args = ["init-sgptq", "--model", micro_path, "--method", "sgptq", *SMALL, "--quiet", "--device", "cpu"]
-    moesq(*args, "-w", ref)
+    moesq_here(*args, "-w", ref)  # the reference in this process; the killed and resumed run as a user's
     want = _checksums(ref, "init-sgptq")
     wd = tmp_path / "wd"
     p = subprocess.Popen([MOESQ, *map(str, args), "-w", str(wd)], env=ENV, stdout=subprocess.DEVNULL,

@@ -61,7 +61,7 @@ def test_push_to_hub_without_network_keeps_the_pack(stages, tmp_path):
     assert len(err) == 1 and "--push-to-hub someone/moesq-test" in err[0] and "Traceback" not in r.stderr
     assert "intact" in r.stderr.replace("\n", " ")
     assert json.loads((tmp_path / "p.json").read_text())["hub"]["error"]
-    assert moesq("verify", out, "--quiet").returncode == 0
+    assert moesq_here("verify", out, "--quiet").returncode == 0
 
 
 def test_the_cards_pack_push_to_hub_as_written(stages, tmp_path):
@@ -72,4 +72,4 @@ def test_the_cards_pack_push_to_hub_as_written(stages, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stderr
     err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "-moesq-p48-nvfp4" in err[0] and "intact" in r.stderr.replace("\n", " ")
-    assert moesq("verify", tmp_path / "moesq-work" / "packed", "--quiet").returncode == 0
+    assert moesq_here("verify", tmp_path / "moesq-work" / "packed", "--quiet").returncode == 0
