@@ -29,7 +29,9 @@ def inside(root: str | Path, relpath: object, what: str) -> Path:
     if real == real_root:
         raise UnsafePathError(f"{what}: {relpath!r} is {root} itself, not a file in it; refusing to use it")
     if os.path.commonpath([_containing(real_root), real]) != _containing(real_root):
-        raise UnsafePathError(f"{what}: {relpath!r} resolves to {real}, outside {root} (a symlink?); refusing to use it")
+        raise UnsafePathError(
+            f"{what}: {relpath!r} resolves to {real}, outside {root} (a symlink?); refusing to use it"
+        )
     return root / relpath
 
 

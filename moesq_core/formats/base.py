@@ -43,7 +43,9 @@ class QuantizedWeight:
         return w * self.mask
 
     def to(self, device) -> "QuantizedWeight":
-        return QuantizedWeight(self.format, *(t.to(device) for t in (self.codes, self.scales, self.global_scale, self.mask)))
+        return QuantizedWeight(
+            self.format, *(t.to(device) for t in (self.codes, self.scales, self.global_scale, self.mask))
+        )
 
     def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         return {
@@ -146,7 +148,9 @@ class Format:
     def global_scale(self, *weights: torch.Tensor) -> torch.Tensor:
         return self.weight.global_scale(*weights)
 
-    def quantize(self, w: torch.Tensor, mask: torch.Tensor | None = None, global_scale: torch.Tensor | None = None) -> QuantizedWeight:
+    def quantize(
+        self, w: torch.Tensor, mask: torch.Tensor | None = None, global_scale: torch.Tensor | None = None
+    ) -> QuantizedWeight:
         """Round-to-nearest in this format. mask defaults to magnitude selection; global scale to w's own.
 
         The global scale is taken from the masked weight unless given (gate/up share one: pass it).
@@ -161,7 +165,13 @@ class Format:
         codes = self.weight.encode(wm, scales, g) * mask
         return QuantizedWeight(self.name, codes.to(torch.uint8), scales, g, mask)
 
-    def fake_quant_weight(self, w: torch.Tensor, mask: torch.Tensor | None = None, global_scale: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
+    def fake_quant_weight(
+        self,
+        w: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        global_scale: torch.Tensor | None = None,
+        ste: bool = False,
+    ) -> torch.Tensor:
         """Differentiable quantize-dequantize of (masked) w; scales from w itself, detached."""
         if mask is not None:
             w = w * mask
@@ -177,7 +187,9 @@ class Format:
         for lay in self.layouts:
             if lay.name == name:
                 return lay
-        raise ValueError(f"format {self.name!r} has no layout {name!r}; its layouts: {', '.join(l.name for l in self.layouts)}")
+        raise ValueError(
+            f"format {self.name!r} has no layout {name!r}; its layouts: {', '.join(lay.name for lay in self.layouts)}"
+        )
 
     def export_layout(self, sparse: bool = True) -> Layout:
         """The layout `moesq pack` writes (sparse=False: `--dense-layout`, where the format has a dense variant)."""
@@ -224,7 +236,9 @@ class Format:
             if gs is None:
                 out.append(("warning", "quantization_config has no group_size"))
             elif gs != self.scale_block:
-                out.append(("error", f"group_size is {gs!r}, but {self.name} uses {self.scale_block}-column scale blocks"))
+                out.append(
+                    ("error", f"group_size is {gs!r}, but {self.name} uses {self.scale_block}-column scale blocks")
+                )
         return out
 
     def check_layouts(self, rows: list[tuple[str, str]], qc: dict, config: dict) -> list[tuple[str, str]]:
@@ -249,7 +263,9 @@ class Format:
                 return PackingError(f"{module}.input_global_scale", f"missing ({self.act_label} activations need it)")
         else:
             if inp.dtype != torch.float32 or tuple(inp.shape) != (1,):
-                return PackingError(f"{module}.input_global_scale", f"is {inp.dtype} {tuple(inp.shape)}, expected float32 (1,)")
+                return PackingError(
+                    f"{module}.input_global_scale", f"is {inp.dtype} {tuple(inp.shape)}, expected float32 (1,)"
+                )
             checks.append(("input_global_scale", "input global scale"))
         for suffix, what in checks:
             f = tensors[suffix].float()

@@ -57,7 +57,9 @@ def unpack(tensors: dict[str, torch.Tensor], name: str = "") -> QuantizedWeight:
     t, lead, out, inn = read_dense(tensors, name, NAME, SCALE_BLOCK, SCALE_BLOCK)
     codes = bytes_to_nibbles(t["weight_packed"])
     mask = torch.ones_like(codes, dtype=torch.bool)
-    return QuantizedWeight(NAME, codes, t["weight_scale"].float(), global_from_packed(t["weight_global_scale"], lead), mask)
+    return QuantizedWeight(
+        NAME, codes, t["weight_scale"].float(), global_from_packed(t["weight_global_scale"], lead), mask
+    )
 
 
 FORMAT = NVFP4Format(

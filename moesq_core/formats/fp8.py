@@ -17,7 +17,9 @@ ROW_SCALE = (("weight_scale", "row scale"),)  # what verify requires finite and 
 def check_unit_global(qw: QuantizedWeight) -> None:
     g = qw.global_scale.float()
     if bool((g != 1).any()):
-        raise PackingError("global_scale", f"{qw.format} stores no global scale, so it must be 1.0 (got {g.flatten()[0].item()})")
+        raise PackingError(
+            "global_scale", f"{qw.format} stores no global scale, so it must be 1.0 (got {g.flatten()[0].item()})"
+        )
 
 
 def row_scales(qw: QuantizedWeight) -> torch.Tensor:

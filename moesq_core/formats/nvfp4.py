@@ -49,7 +49,9 @@ def read_dense(tensors: dict[str, torch.Tensor], name: str, layout: str, block: 
     tn = lambda s: full_name(name, s)  # noqa: E731
     packed = t["weight_packed"]
     lead, out, inn = primary_dims(packed, tn("weight_packed"), 2, "[out, in/2]")
-    check_divisible(inn, need, tn("weight_packed"), f"{inn // 2} packed bytes per row = {inn} columns, layout {layout!r}")
+    check_divisible(
+        inn, need, tn("weight_packed"), f"{inn // 2} packed bytes per row = {inn} columns, layout {layout!r}"
+    )
     check_tensor(packed, torch.uint8, packed.shape, tn("weight_packed"))
     check_tensor(t["weight_scale"], torch.float8_e4m3fn, (*lead, out, inn // block), tn("weight_scale"))
     check_tensor(t["weight_global_scale"], torch.float32, (*lead, 1), tn("weight_global_scale"))

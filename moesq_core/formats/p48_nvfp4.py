@@ -1,7 +1,8 @@
 """`p48-nvfp4`: paired 4:8 sparse NVFP4, 32-column UE4M3 scales, W4A4 (Blackwell sparse tensor cores; on
 Hopper the packed Triton experts). Two layouts on disk.
 
-The public release's pair-bitmask layout (`p48-nvfp4`, the default), per linear with logical weight [out, in] (in a multiple of 32; leading expert dims allowed):
+The public release's pair-bitmask layout (`p48-nvfp4`, the default), per linear with logical weight [out, in]
+(in a multiple of 32; leading expert dims allowed):
 
     weight_sparse_packed  uint8          [out, in/4]   dense packed row = bytes of 2 E2M1 codes (lower K in the
                                                        low nibble), i.e. one byte per pair; of every 4
@@ -215,8 +216,9 @@ class P48Format(NVFP4Format):
         dense = [m for m, lay in rows if lay == DENSE_LAYOUT]
         out = []
         if sparse and not has_marker:
-            out.append(("config.json", f"{len(sparse)} expert linears (e.g. {sparse[0]}) are stored sparse (pair-bitmask) "
-                        f"but quantization_config has no {MARKER_KEY} marker, so loaders would not decode them"))
+            out.append(("config.json", f"{len(sparse)} expert linears (e.g. {sparse[0]}) are stored sparse "
+                        f"(pair-bitmask) but quantization_config has no {MARKER_KEY} marker, so loaders would not "
+                        "decode them"))
         if dense and has_marker:
             out.append((f"{dense[0]}.weight_packed", f"the config's {MARKER_KEY} marker says p48 experts are "
                         f"stored sparse, but {len(dense)} expert linears (e.g. this one) are stored dense"))

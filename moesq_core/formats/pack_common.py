@@ -41,7 +41,9 @@ def first_index(bad: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in bad.nonzero()[0].tolist())
 
 
-def select(tensors: dict[str, torch.Tensor], required: Iterable[str], layout: str, name: str) -> dict[str, torch.Tensor]:
+def select(
+    tensors: dict[str, torch.Tensor], required: Iterable[str], layout: str, name: str
+) -> dict[str, torch.Tensor]:
     """The required tensors of a layout; missing or unexpected suffixes raise (activation scales are ignored)."""
     required = tuple(required)
     missing = [s for s in required if s not in tensors]
@@ -52,11 +54,15 @@ def select(tensors: dict[str, torch.Tensor], required: Iterable[str], layout: st
         )
     extra = sorted(set(tensors) - set(required) - set(ACTIVATION_SUFFIXES))
     if extra:
-        raise PackingError(full_name(name, extra[0]), f"unexpected tensor for layout {layout!r}, which stores {', '.join(required)}")
+        raise PackingError(
+            full_name(name, extra[0]), f"unexpected tensor for layout {layout!r}, which stores {', '.join(required)}"
+        )
     return {s: tensors[s] for s in required}
 
 
-def primary_dims(t: torch.Tensor, tname: str, columns_per_element: int, expected: str) -> tuple[tuple[int, ...], int, int]:
+def primary_dims(
+    t: torch.Tensor, tname: str, columns_per_element: int, expected: str
+) -> tuple[tuple[int, ...], int, int]:
     """(leading dims, out, logical in) of a layout's primary tensor, which must be at least 2-D."""
     if t.dim() < 2:
         raise PackingError(tname, f"expected {expected}, got shape {tuple(t.shape)}")
@@ -144,12 +150,16 @@ def to_e4m3(scales: torch.Tensor, tname: str) -> torch.Tensor:
     """float32 scales that are exactly e4m3 values -> float8_e4m3fn; anything else would not round trip."""
     s = scales.float()
     if not bool(torch.isfinite(s).all()):
-        raise PackingError(tname, f"non-finite scale {s[~torch.isfinite(s)][0].item()}", first_index(~torch.isfinite(s)))
+        raise PackingError(
+            tname, f"non-finite scale {s[~torch.isfinite(s)][0].item()}", first_index(~torch.isfinite(s))
+        )
     s8 = s.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     bad = s8.float() != s
     if bool(bad.any()):
         pos = first_index(bad)
-        raise PackingError(tname, f"scale {s[pos].item()!r} is not an e4m3 value (round it with round_ue4m3_scale first)", pos)
+        raise PackingError(
+            tname, f"scale {s[pos].item()!r} is not an e4m3 value (round it with round_ue4m3_scale first)", pos
+        )
     return s8
 
 
@@ -167,7 +177,9 @@ def check_qw(qw: QuantizedWeight, fmt: str, codes_dtype: torch.dtype = torch.uin
     *lead, out, inn = c.shape
     n_global = math.prod(lead)
     if qw.global_scale.numel() != n_global:
-        raise PackingError("global_scale", f"has {qw.global_scale.numel()} elements, expected {n_global} (one per weight matrix)")
+        raise PackingError(
+            "global_scale", f"has {qw.global_scale.numel()} elements, expected {n_global} (one per weight matrix)"
+        )
     return tuple(lead), out, inn
 
 

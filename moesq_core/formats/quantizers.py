@@ -7,8 +7,8 @@ rounding (scales are detached), which is what refinement trains through.
 All weight quantizers share one interface (solvers and the refine trainer ask it instead of testing types):
 `block` (input columns per scale, 0 = one per row), `max_value` (the largest magnitude a code holds),
 `rounds_scales` (stored scales are a rounded projection of the fp32 ones), `global_scale(s)`,
-`block_scales`, `unrounded_block_scales`, `round_scales`, `encode`/`decode`, `code_values` (float value of every uint8 code),
-`column` (the quantizer one column of a scale block sees) and `fake_quant`. Weights may carry leading
+`block_scales`, `unrounded_block_scales`, `round_scales`, `encode`/`decode`, `code_values` (float value of every
+uint8 code), `column` (the quantizer one column of a scale block sees) and `fake_quant`. Weights may carry leading
 (expert) dimensions throughout. Activation quantizers share `uses_global_scale`, `global_from_amax`,
 `batched`, `swiglu_quant`, `packed_tensors` and `__call__`.
 """

@@ -60,7 +60,9 @@ CONFIG_FORMAT = "moesq-sparse24-fp8"
 MARKER_KEY = "moesq_sparse24"
 MARKER = {"layout": "values-meta", "version": 1}
 # meta nibble i0 | i1 << 2 -> slot bitmask 1 << i0 | 1 << i1 (0 for invalid nibbles, which unpack rejects first)
-_META_TO_KEPT = torch.tensor([(1 << (m & 3) | 1 << (m >> 2)) if (m & 3) < (m >> 2) else 0 for m in range(16)], dtype=torch.uint8)
+_META_TO_KEPT = torch.tensor(
+    [(1 << (m & 3) | 1 << (m >> 2)) if (m & 3) < (m >> 2) else 0 for m in range(16)], dtype=torch.uint8
+)
 
 
 def pack(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -74,7 +76,11 @@ def pack(qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     over = kept.sum(-1) > 2
     if bool(over.any()):
         pos = first_index(over)
-        raise PackingError("mask", f"row {pos[-2]} keeps more than 2 of input columns {pos[-1] * 4}..{pos[-1] * 4 + 3}; not 2:4", (*pos[:-1], pos[-1] * 4))
+        raise PackingError(
+            "mask",
+            f"row {pos[-2]} keeps more than 2 of input columns {pos[-1] * 4}..{pos[-1] * 4 + 3}; not 2:4",
+            (*pos[:-1], pos[-1] * 4),
+        )
     pos = nibble_positions(kept_to_nibble(complete_kept(kept)))  # [..., in/4, 2]
     values = torch.gather(codes.reshape(*lead, out, inn // 4, 4), -1, pos).reshape(*lead, out, inn // 2)
     meta = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.uint8)
@@ -116,7 +122,11 @@ def unpack(tensors: dict[str, torch.Tensor], name: str = "") -> QuantizedWeight:
     codes = spread_pairs(values.view(torch.uint8).reshape(*lead, out, inn // 4, 2), kept)
     mask = nibble_to_kept(kept)
     return QuantizedWeight(
-        NAME, codes.reshape(*lead, out, inn), t["weight_scale"].clone(), unit_global(lead, values.device), mask.reshape(*lead, out, inn)
+        NAME,
+        codes.reshape(*lead, out, inn),
+        t["weight_scale"].clone(),
+        unit_global(lead, values.device),
+        mask.reshape(*lead, out, inn),
     )
 
 

@@ -112,7 +112,11 @@ def adapter_for(config_or_model) -> MoEAdapter:
     model_type = getattr(config, "model_type", None)
     if model_type in _BY_MODEL_TYPE:
         return _BY_MODEL_TYPE[model_type]
-    n_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
+    n_experts = (
+        getattr(config, "num_experts", None)
+        or getattr(config, "num_local_experts", None)
+        or getattr(config, "n_routed_experts", None)
+    )
     what = "a dense (non-MoE) model" if not n_experts else "an MoE architecture moesq has no adapter for"
     raise UnsupportedModelError(
         f"model_type {model_type!r} is {what}. moesq compresses routed experts of: {supported_list()}."
@@ -225,10 +229,12 @@ def resolve_model_path(source: str) -> Path:
         from huggingface_hub import snapshot_download
 
         # *.jinja / *.py: chat templates and remote code that `moesq pack` carries over; README.md: its license
-        path = Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja", "*.py", "README.md"]))
+        patterns = ["*.json", "*.safetensors", "tokenizer*", "*.txt", "*.model", "*.jinja", "*.py", "README.md"]
+        path = Path(snapshot_download(source, allow_patterns=patterns))
     except Exception as e:  # network, auth, missing repo: one clear message
         raise FileNotFoundError(
-            f"model {source!r}: could not be found locally nor downloaded from the Hugging Face Hub ({type(e).__name__}: {e}). "
+            f"model {source!r}: could not be found locally nor downloaded from the Hugging Face Hub "
+            f"({type(e).__name__}: {e}). "
             "Check the id, your network and HF_TOKEN, or pass a local directory."
         ) from None
     for f in sorted(path.glob("*.safetensors")):

@@ -99,7 +99,9 @@ class _ExpertSource:
             for proj, shape in want.items():
                 if proj not in self.fused or tuple(shapes[self.fused[proj]]) != shape:
                     got = shapes.get(self.fused.get(proj, ""), "missing")
-                    raise UnsupportedModelError(f"{where}.{proj}: expected shape {list(shape)} in the checkpoint, found {got}")
+                    raise UnsupportedModelError(
+                        f"{where}.{proj}: expected shape {list(shape)} in the checkpoint, found {got}"
+                    )
             return
         want = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
         for e in range(num_experts):
@@ -107,7 +109,9 @@ class _ExpertSource:
             for proj, shape in want.items():
                 if proj not in names or tuple(shapes[names[proj]]) != shape:
                     got = shapes.get(names.get(proj, ""), "missing")
-                    raise UnsupportedModelError(f"{where}.{e} {proj}: expected shape {list(shape)} in the checkpoint, found {got}")
+                    raise UnsupportedModelError(
+                        f"{where}.{e} {proj}: expected shape {list(shape)} in the checkpoint, found {got}"
+                    )
 
 
 class LazyExperts(nn.Module):
@@ -139,11 +143,15 @@ class LazyExperts(nn.Module):
 
     @property
     def gate_up_proj(self) -> torch.Tensor:
-        return self._pinned[0] if self._pinned is not None else self._meta((self.num_experts, 2 * self._inter, self._hidden))
+        if self._pinned is not None:
+            return self._pinned[0]
+        return self._meta((self.num_experts, 2 * self._inter, self._hidden))
 
     @property
     def down_proj(self) -> torch.Tensor:
-        return self._pinned[1] if self._pinned is not None else self._meta((self.num_experts, self._hidden, self._inter))
+        if self._pinned is not None:
+            return self._pinned[1]
+        return self._meta((self.num_experts, self._hidden, self._inter))
 
     @property
     def is_materialized(self) -> bool:
@@ -159,13 +167,13 @@ class LazyExperts(nn.Module):
         if src.fused:
             gu, down = self._reader.read([src.fused["gate_up_proj"], src.fused["down_proj"]])
             return self._cast(gu), self._cast(down)
-        E, I, H = self.num_experts, self._inter, self._hidden
-        gu = torch.empty(E, 2 * I, H, dtype=self._anchor.dtype, device=self._anchor.device)
-        down = torch.empty(E, H, I, dtype=self._anchor.dtype, device=self._anchor.device)
+        E, inter, H = self.num_experts, self._inter, self._hidden
+        gu = torch.empty(E, 2 * inter, H, dtype=self._anchor.dtype, device=self._anchor.device)
+        down = torch.empty(E, H, inter, dtype=self._anchor.dtype, device=self._anchor.device)
         for e in range(E):
             n = src.per_expert[e]
             g, u, d = self._reader.read([n["gate"], n["up"], n["down"]])
-            gu[e, :I], gu[e, I:], down[e] = self._cast(g), self._cast(u), self._cast(d)
+            gu[e, :inter], gu[e, inter:], down[e] = self._cast(g), self._cast(u), self._cast(d)
         return gu, down
 
     def materialize(self) -> "LazyExperts":
@@ -189,15 +197,18 @@ class LazyExperts(nn.Module):
         else:
             src = self._source
             if src.fused:
-                gu, down = (self._cast(t) for t in self._reader.read([src.fused["gate_up_proj"], src.fused["down_proj"]], e))
+                fused = [src.fused["gate_up_proj"], src.fused["down_proj"]]
+                gu, down = (self._cast(t) for t in self._reader.read(fused, e))
             else:
                 n = src.per_expert[e]
                 g, u, down = (self._cast(t) for t in self._reader.read([n["gate"], n["up"], n["down"]]))
                 gu = torch.cat([g, u])
-        I = self._inter
-        return {"gate": gu[:I].float().clone(), "up": gu[I:].float().clone(), "down": down.float().clone()}
+        inter = self._inter
+        return {"gate": gu[:inter].float().clone(), "up": gu[inter:].float().clone(), "down": down.float().clone()}
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         gu, down = self._pinned if self._pinned is not None else self.load_dense()
         t = self._template
         saved = t.gate_up_proj, t.down_proj
@@ -237,7 +248,9 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 def _target_dtype(model: nn.Module, name: str, dtype: torch.dtype) -> torch.dtype:
     # transformers keeps some modules (e.g. deepseek-v3's router) in fp32 when loading in half precision
-    keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or []) if dtype in (torch.float16, torch.bfloat16) else []
+    keep = []
+    if dtype in (torch.float16, torch.bfloat16):
+        keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or [])
     if dtype == torch.float16:
         keep += list(getattr(model, "_keep_in_fp32_modules", None) or [])
     return torch.float32 if any(k in name for k in keep) else dtype
@@ -281,8 +294,8 @@ def load_lazy(path: Path, config, adapter: MoEAdapter, dtype: torch.dtype, devic
     mlps = [b.mlp for b in blocks.values()]
     for name, block in blocks.items():
         template = block.mlp.experts
-        E, H, I = template.down_proj.shape
-        sources[name].check(E, I, H, reader.shapes)
+        E, H, inter = template.down_proj.shape
+        sources[name].check(E, inter, H, reader.shapes)
         block.mlp.experts = LazyExperts(template, sources[name], reader, block.layer_index, dtype, mlps)
 
     target_of = {key: target for target, key in dense.items()}
