@@ -358,7 +358,7 @@ def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, 
     H = blocks[0].dense_experts.gate_up_proj.shape[-1]
     I = max(b.dense_experts.down_proj.shape[-1] for b in blocks)
     tokens = trained.numel() + held_out.numel()
-    return refine_memory_plan(fmt, rcfg, experts=experts, H=H, I=I, tokens=tokens, token_bytes=_dtype(device).itemsize,
+    return refine_memory_plan(fmt, rcfg, experts=experts, H=H, inter=I, tokens=tokens, token_bytes=_dtype(device).itemsize,
                               routed_rows=tokens * top_k, available=device_available_bytes(device) if device.type == "cuda" else None,
                               device=str(device), sequences=trained.shape[0] + held_out.shape[0])
 

@@ -153,7 +153,7 @@ def test_refinement_on_the_cpu_goes_in_chunks_of_the_host_budget(monkeypatch):
     assert [len(c) for c in refine_chunks(experts, fmt, RefineConfig())] == [5]
     monkeypatch.setattr(trainer, "HOST_CHUNK_BYTES", int(2.5 * refine_bytes_per_expert(fmt, 64, 64)))
     assert [len(c) for c in refine_chunks(experts, fmt, RefineConfig())] == [2, 2, 1]
-    plan = refine_memory_plan(fmt, RefineConfig(), experts=5, H=64, I=64, tokens=12, token_bytes=4, routed_rows=24,
+    plan = refine_memory_plan(fmt, RefineConfig(), experts=5, H=64, inter=64, tokens=12, token_bytes=4, routed_rows=24,
                               available=None, device="cpu", sequences=3)
     assert plan.endswith("refined in 3 chunks of experts to bound host memory"), plan
 

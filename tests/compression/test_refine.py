@@ -861,7 +861,7 @@ def test_refinement_says_before_the_block_loop_whether_a_block_fits():
     fmt = get_format("p48-nvfp4")
     seqs = 1152
     tokens = seqs * 4096
-    plan = dict(experts=128, H=2048, I=768, tokens=tokens, token_bytes=2, routed_rows=tokens * 8, device="cuda:0",
+    plan = dict(experts=128, H=2048, inter=768, tokens=tokens, token_bytes=2, routed_rows=tokens * 8, device="cuda:0",
                 sequences=seqs)
     h200 = refine_memory_plan(fmt, RefineConfig(), available=140 * 2**30, **plan)
     assert h200.endswith("one chunk") and "GiB of calibration tokens" in h200

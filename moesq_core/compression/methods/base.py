@@ -134,11 +134,13 @@ class Method(Protocol):
 
     name: str
 
-    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+    def compress_block(self, experts: list[ExpertData], fmt: Format,
+                       progress: ProgressFn | None = None) -> list[CompressedExpert]:
         ...
 
 
-def compress_each(experts: list[ExpertData], fmt: Format, compress_expert: Callable[[ExpertData, Format], CompressedExpert],
+def compress_each(experts: list[ExpertData], fmt: Format,
+                  compress_expert: Callable[[ExpertData, Format], CompressedExpert],
                   progress: ProgressFn | None = None) -> list[CompressedExpert]:
     """`compress_block` of a method that treats experts one at a time: its per-expert solve, with progress."""
     out = []

@@ -32,12 +32,12 @@ def memory_budget(device: torch.device, chunk_gb: float | None) -> int:
     return DEFAULT_CPU_BUDGET
 
 
-def solver_bytes_per_expert(I: int, H: int) -> int:
+def solver_bytes_per_expert(inter: int, H: int) -> int:
     """Peak bytes of one expert in a batched sweep (the larger of the gate/up and the down phase): ~28 bytes per
     weight (stacked fp32 weights, the sweep's values, latent and working copy, codes, mask, transients) and
     ~48 bytes per Hessian entry (fp32 Hessian and factor, the fp64 factorisation's temporaries)."""
-    gate_up = 28 * (2 * I) * H + 48 * H * H
-    down = 28 * H * I + 48 * I * I
+    gate_up = 28 * (2 * inter) * H + 48 * H * H
+    down = 28 * H * inter + 48 * inter * inter
     return max(gate_up, down)
 
 
@@ -67,12 +67,12 @@ def compress_batched(experts: list[ExpertData], fmt: Format, method_name: str,
     devices = {experts[i].gate.device for i in active}
     if len(devices) > 1:
         raise ValueError(f"the experts of one block must be on one device, got {sorted(map(str, devices))}")
-    I, H = first.gate.shape
+    inter, H = first.gate.shape
     s = 0
     while s < len(active):
         # sized before every chunk: the finished chunks' results hold device memory the next one cannot use
         budget = memory_budget(first.gate.device, chunk_gb)
-        idx = active[s:s + (experts_per_chunk or max(1, budget // solver_bytes_per_expert(I, H)))]
+        idx = active[s:s + (experts_per_chunk or max(1, budget // solver_bytes_per_expert(inter, H)))]
         s += len(idx)
         try:
             chunk_out = solve_chunk([experts[i] for i in idx], budget)

@@ -267,9 +267,11 @@ def damped_factors(H: torch.Tensor, percdamp: float = 0.01, max_tries: int = 6, 
     what = what or [f"hessian {e}" for e in range(E)]
     finite = torch.isfinite(H).flatten(1).all(1).tolist()
     if not all(finite):
-        raise ValueError(f"{what[finite.index(False)]}: non-finite entries in the Hessian (NaN/Inf calibration inputs?)")
+        raise ValueError(f"{what[finite.index(False)]}: non-finite entries in the Hessian "
+                         f"(NaN/Inf calibration inputs?)")
     H64 = H.to(torch.float64)
-    mean_diag = torch.diagonal(H64, dim1=-2, dim2=-1).mean(-1) if d else torch.zeros(E, dtype=torch.float64, device=H.device)
+    mean_diag = (torch.diagonal(H64, dim1=-2, dim2=-1).mean(-1) if d
+                 else torch.zeros(E, dtype=torch.float64, device=H.device))
     eye = torch.eye(d, dtype=torch.float64, device=H.device)
     Hd_out = torch.empty(H.shape, dtype=torch.float32, device=H.device)
     U_out = torch.empty(H.shape, dtype=torch.float32, device=H.device)
@@ -279,7 +281,8 @@ def damped_factors(H: torch.Tensor, percdamp: float = 0.01, max_tries: int = 6, 
     for _ in range(max_tries):
         sel = torch.tensor(todo, device=H.device)
         all_of_them = len(todo) == E
-        dmp = torch.tensor([pd[e] for e in todo], dtype=torch.float64, device=H.device) * (mean_diag if all_of_them else mean_diag[sel])
+        dmp = (torch.tensor([pd[e] for e in todo], dtype=torch.float64, device=H.device)
+               * (mean_diag if all_of_them else mean_diag[sel]))
         Hd = (H64 if all_of_them else H64[sel]) + dmp[:, None, None] * eye
         U, ok = spd.inverse_cholesky_upper(Hd, blocked)
         ok = ok.tolist()
@@ -304,7 +307,8 @@ def damped_factors(H: torch.Tensor, percdamp: float = 0.01, max_tries: int = 6, 
         if not todo:
             return DampedBatch(Hd_out, U_out, pd, damp)
     e = todo[0]
-    raise ValueError(f"{what[e]}: not positive definite even with percdamp={pd[e] / 10:g}; calibration data degenerate?")
+    raise ValueError(f"{what[e]}: not positive definite even with percdamp={pd[e] / 10:g}; "
+                     f"calibration data degenerate?")
 
 
 def row_sets_batched(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -84,7 +84,9 @@ class JSQ:
     def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:
         return score_masked_expert(
             ex, fmt, self.name,
-            lambda W, x: jsq_scores(W, x, self.rho, self.clip_h, self.range_tokens, self.ref_tokens), self.report_errors)
+            lambda W, x: jsq_scores(W, x, self.rho, self.clip_h, self.range_tokens, self.ref_tokens),
+            self.report_errors)
 
-    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+    def compress_block(self, experts: list[ExpertData], fmt: Format,
+                       progress: ProgressFn | None = None) -> list[CompressedExpert]:
         return compress_each(experts, fmt, self.compress_expert, progress)

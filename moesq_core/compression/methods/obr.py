@@ -14,9 +14,9 @@ Per projection, with H the damped Hessian:
 
 Each row has its own kept set, so steps 2-3 are least-squares problems per row, solved for all rows at once
 (`hessian.kept_set_solve`): by preconditioned conjugate gradients (`solve="cg"`, the default) or one Cholesky per
-row of the gathered H[K, K] (`solve="exact"`): no Python loop over rows. `compress_block` runs all experts of a block at once (gate and up
-stacked along their rows, then down; chunked to a memory budget); `batched=False` runs the per-expert
-reference (`compress_expert`) instead.
+row of the gathered H[K, K] (`solve="exact"`): no Python loop over rows. `compress_block` runs all experts of a
+block at once (gate and up stacked along their rows, then down; chunked to a memory budget); `batched=False` runs
+the per-expert reference (`compress_expert`) instead.
 """
 from __future__ import annotations
 
@@ -146,7 +146,8 @@ class OBR:
         }
         return CompressedExpert(q["gate"], q["up"], q["down"], latent=latent, info=info)
 
-    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+    def compress_block(self, experts: list[ExpertData], fmt: Format,
+                       progress: ProgressFn | None = None) -> list[CompressedExpert]:
         if not self.batched:
             return compress_each(experts, fmt, self.compress_expert, progress)
         return compress_batched(experts, fmt, self.name, lambda chunk, budget: self._compress_chunk(chunk, fmt, budget),
@@ -188,7 +189,7 @@ class OBR:
     def _compress_chunk(self, experts: list[ExpertData], fmt: Format, budget: int) -> list[CompressedExpert]:
         """`compress_expert` for a chunk of experts (all with tokens) at once: gate and up stacked along their
         rows (they share the Hessian and the global scale), then down."""
-        I = experts[0].gate.shape[0]
+        inter = experts[0].gate.shape[0]
         results: list[dict] = [dict(q={}, latent={}, rel_err={}, percdamp={}, damp={}) for _ in experts]
         phases = (("gate_up", ("gate", "up"), lambda ex: ex.inputs(), lambda ex: torch.cat([ex.gate, ex.up])),
                   ("down", ("down",), lambda ex: ex.dense_intermediate(), lambda ex: ex.down))
@@ -197,7 +198,8 @@ class OBR:
             H = stats.H
             W = torch.stack([weight(ex).detach().float() for ex in experts])
             Hf, W = fix_dead_batched(H, W)
-            fac = damped_factors(Hf, self.percdamp, what=[f"expert {ex.index} {phase.replace('_', '/')} Hessian" for ex in experts])
+            fac = damped_factors(Hf, self.percdamp,
+                                 what=[f"expert {ex.index} {phase.replace('_', '/')} Hessian" for ex in experts])
             del Hf
             mask = fmt.patterns.best_mask(W.abs() * stats.sq_norms.sqrt()[:, None, :])  # Wanda's scores
             Wc = masked_optimum_batched(W, fac.H, mask, budget // 2, solve=self.solve)
@@ -212,7 +214,7 @@ class OBR:
                 r = results[e]
                 r["percdamp"][phase], r["damp"][phase] = pds[e], dmps[e]
                 for k, p in enumerate(projs):
-                    rows = slice(k * I, (k + 1) * I) if len(projs) > 1 else slice(None)
+                    rows = slice(k * inter, (k + 1) * inter) if len(projs) > 1 else slice(None)
                     r["q"][p] = QuantizedWeight(fmt.name, codes[e, rows].clone(), scales[e, rows].clone(),
                                                 g[e].reshape(()).clone(), mask[e, rows].clone())
                     r["latent"][p] = latent[e, rows].clone()

@@ -22,8 +22,8 @@ def check_expert(ex: ExpertData, fmt: Format) -> None:
     """Shape/finite checks of all three projections and of the calibration inputs, with clear messages."""
     for p in PROJECTIONS:
         fmt.check_weight(getattr(ex, p), f"expert {ex.index} {p}_proj")
-    I, H = ex.gate.shape
-    if ex.up.shape != (I, H) or ex.down.shape != (H, I):
+    inter, H = ex.gate.shape
+    if ex.up.shape != (inter, H) or ex.down.shape != (H, inter):
         raise ValueError(
             f"expert {ex.index}: inconsistent shapes gate {tuple(ex.gate.shape)}, up {tuple(ex.up.shape)}, "
             f"down {tuple(ex.down.shape)} (expected [I, H], [I, H], [H, I])"
@@ -35,7 +35,8 @@ def check_expert(ex: ExpertData, fmt: Format) -> None:
         raise ValueError(f"expert {ex.index}: non-finite calibration inputs")
 
 
-def quantize_masked(fmt: Format, weights: dict[str, torch.Tensor], masks: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
+def quantize_masked(fmt: Format, weights: dict[str, torch.Tensor],
+                    masks: dict[str, torch.Tensor]) -> dict[str, QuantizedWeight]:
     """RTN of gate/up/down under given masks; gate and up share one global scale from their masked weights."""
     g = fmt.global_scale(weights["gate"] * masks["gate"], weights["up"] * masks["up"])
     return {
@@ -72,10 +73,12 @@ def rtn_expert(ex: ExpertData, fmt: Format, masks: dict[str, torch.Tensor] | Non
 def fallback_no_tokens(ex: ExpertData, fmt: Format, method: str) -> CompressedExpert:
     """Experts no calibration token reached have no Hessian and no activation statistics: RTN with
     magnitude masks is the only data-free choice. Recorded in info so the log shows it."""
-    return rtn_expert(ex, fmt, info={"method": method, "fallback": "rtn-magnitude (no routed tokens)"}, report_errors=False)
+    return rtn_expert(ex, fmt, info={"method": method, "fallback": "rtn-magnitude (no routed tokens)"},
+                      report_errors=False)
 
 
-def score_masked_expert(ex: ExpertData, fmt: Format, method: str, score, report_errors: bool = True) -> CompressedExpert:
+def score_masked_expert(ex: ExpertData, fmt: Format, method: str, score,
+                        report_errors: bool = True) -> CompressedExpert:
     """The score-based pruning methods (Wanda, JSQ): each projection's pattern per group keeps the largest summed
     `score(W, inputs)` (gate/up scored on the routed tokens, down on the dense SwiGLU intermediate), then RTN."""
     check_expert(ex, fmt)
@@ -94,7 +97,8 @@ class RTN:
     name: str = "rtn"
     report_errors: bool = True
 
-    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+    def compress_block(self, experts: list[ExpertData], fmt: Format,
+                       progress: ProgressFn | None = None) -> list[CompressedExpert]:
         return compress_each(experts, fmt, self.compress_expert, progress)
 
     def compress_expert(self, ex: ExpertData, fmt: Format) -> CompressedExpert:

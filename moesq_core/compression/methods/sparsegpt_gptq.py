@@ -482,7 +482,8 @@ class SGPTQ:
     percdamp: float = 0.01  # Hessian damping as a fraction of mean(diag H)
     blocksize: int = 128  # columns per lazy GPTQ block
     mask_block: int | None = None  # None: the pattern group (SparseGPT's N:M mode)
-    exact_scales: bool = True  # GPTQ with the final E4M3 block scales (export-exact); false: fp32 scales projected afterwards
+    exact_scales: bool = True  # GPTQ with the final E4M3 block scales (export-exact); false: fp32 scales
+    # projected afterwards
     pin_block_max: bool = True  # with exact_scales: a scale block's drifted max element is pinned to the max code
     hessian_weighting: str = "none"  # router weighting of the Hessian: none | w | w2
     refit: bool = False  # not SGPTQ proper: SparseGPT's support + closed-form reconstruction + GPTQ
@@ -549,7 +550,8 @@ class SGPTQ:
         latent = {p: res[p].latent for p in PROJECTIONS}
         return CompressedExpert(q["gate"], q["up"], q["down"], latent=latent, info=info)
 
-    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+    def compress_block(self, experts: list[ExpertData], fmt: Format,
+                       progress: ProgressFn | None = None) -> list[CompressedExpert]:
         if self.dense_only and not fmt.patterns.is_dense:
             raise ValueError(f"method {self.name!r} is GPTQ on a dense format; format {fmt.name!r} is sparse "
                              f"({fmt.patterns.name}): use method 'sgptq' for sparse formats")
@@ -562,7 +564,7 @@ class SGPTQ:
         """`compress_expert` for a chunk of experts (all with tokens) at once: gate and up stacked along their
         rows (they share the Hessian and the global scale), then down."""
         solver = self._solver(fmt)
-        I = experts[0].gate.shape[0]
+        inter = experts[0].gate.shape[0]
         results: list[dict] = [dict(q={}, latent={}, pinned={}, rel_err={}, percdamp={}, damp={}) for _ in experts]
         phases = (("gate_up", ("gate", "up"), lambda ex: ex.inputs(), lambda ex: torch.cat([ex.gate, ex.up])),
                   ("down", ("down",), lambda ex: ex.dense_intermediate(), lambda ex: ex.down))
@@ -571,7 +573,8 @@ class SGPTQ:
             H = stats.H
             W = torch.stack([weight(ex).detach().float() for ex in experts])
             Hf, W = fix_dead_batched(H, W)
-            fac = damped_factors(Hf, self.percdamp, what=[f"expert {ex.index} {phase.replace('_', '/')} Hessian" for ex in experts])
+            fac = damped_factors(Hf, self.percdamp,
+                                 what=[f"expert {ex.index} {phase.replace('_', '/')} Hessian" for ex in experts])
             del Hf
             U = fac.hinv_chol
             rg = len(projs)
@@ -593,7 +596,7 @@ class SGPTQ:
                 r = results[e]
                 r["percdamp"][phase], r["damp"][phase] = pds[e], dmps[e]
                 for k, p in enumerate(projs):
-                    part = res.expert(e, slice(k * I, (k + 1) * I) if rg > 1 else slice(None), k)
+                    part = res.expert(e, slice(k * inter, (k + 1) * inter) if rg > 1 else slice(None), k)
                     r["q"][p] = part.quantized_weight(fmt)
                     r["latent"][p] = part.latent
                     r["pinned"][p] = part.pinned

@@ -41,7 +41,8 @@ def _split(n: int, base: int) -> int:
     return min(max(h, unit), n - 1)
 
 
-def cholesky(A: torch.Tensor, blocked: bool | None = None, base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def cholesky(A: torch.Tensor, blocked: bool | None = None,
+             base: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Lower L with A = L Lᵀ for A [..., n, n]; ok [...] is False where A is not numerically positive definite
     (L is then meaningless for that matrix)."""
     base = _base(base)

@@ -16,7 +16,8 @@ from moesq_core.compression.methods.rtn import score_masked_expert
 from moesq_core.formats import Format
 
 
-def wanda_scores(W: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = None, weighting: str = "none") -> torch.Tensor:
+def wanda_scores(W: torch.Tensor, x: torch.Tensor, w: torch.Tensor | None = None,
+                 weighting: str = "none") -> torch.Tensor:
     """|W_ij|·‖X_j‖₂ for W [out, in], x [n, in]."""
     return W.detach().float().abs() * input_sq_norms(x, w, weighting).sqrt()[None, :]
 
@@ -34,5 +35,6 @@ class Wanda:
         return score_masked_expert(ex, fmt, self.name, lambda W, x: wanda_scores(W, x, ex.w, self.hessian_weighting),
                                    self.report_errors)
 
-    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+    def compress_block(self, experts: list[ExpertData], fmt: Format,
+                       progress: ProgressFn | None = None) -> list[CompressedExpert]:
         return compress_each(experts, fmt, self.compress_expert, progress)

@@ -43,11 +43,13 @@ class RefineMethod:
 
             init = get_method("sgptq")
         if not hasattr(init, "compress_block"):
-            raise TypeError(f"RefineMethod needs an init method (an object with compress_block), got {type(init).__name__}")
+            raise TypeError(f"RefineMethod needs an init method (an object with compress_block), "
+                            f"got {type(init).__name__}")
         self.init = init
         self.config = config or RefineConfig()
 
-    def compress_block(self, experts: list[ExpertData], fmt: Format, progress: ProgressFn | None = None) -> list[CompressedExpert]:
+    def compress_block(self, experts: list[ExpertData], fmt: Format,
+                       progress: ProgressFn | None = None) -> list[CompressedExpert]:
         if not experts:
             return []
         # Timings are logged, never stored in CompressedExpert.info: artifacts must be byte-identical across runs.

@@ -61,7 +61,8 @@ class TunableExperts(MoesqExperts):
             self.V[p] = nn.Parameter(torch.stack([q.dequantize().float() for q in qws]))
             self.register_buffer(f"mask_{p}", torch.stack([q.mask.bool() for q in qws]))
             # per expert the input's global scale (gate and up share one): fixed, so the tuned weights keep it
-            self.register_buffer(f"g_{p}", torch.stack([q.global_scale.float().reshape(()) for q in qws]).reshape(-1, 1, 1))
+            self.register_buffer(f"g_{p}",
+                                 torch.stack([q.global_scale.float().reshape(()) for q in qws]).reshape(-1, 1, 1))
         self._w: tuple[torch.Tensor, torch.Tensor] | None = None
         self.to(device)
 
@@ -79,7 +80,8 @@ class TunableExperts(MoesqExperts):
     def stacked_linears(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._w
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
         W = self.weights()  # once per forward, for all experts
         self._w = (torch.cat([W["gate"], W["up"]], dim=1), W["down"])
         try:

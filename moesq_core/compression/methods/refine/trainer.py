@@ -146,7 +146,8 @@ class RefineConfig:
     states instead (validation stays the exact KL): no vocabulary-sized logits per step.
     """
 
-    # config files and --set: an unknown key is an error, and so is a nan or infinite number (moesq_core.compression.config)
+    # config files and --set: an unknown key is an error, and so is a nan or infinite number
+    # (moesq_core.compression.config)
     __pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False}
 
     epochs: int = 10  # passes over the training tokens per block
@@ -155,12 +156,14 @@ class RefineConfig:
     min_steps_per_epoch: int = 16  # floor for steps derived from batch_rows (a 1-step epoch learns nothing)
     min_rows_per_step: int = 8
     micro_batch_rows: int = 8 * 4096 * 8  # routed rows per forward/backward (bounds memory, changes no result)
-    lr_logits: float = 2.5e-4  # Lion learning rate of the pattern logits A at the paper's budget (scaled: lr_budget_steps)
+    lr_logits: float = 2.5e-4  # Lion learning rate of the pattern logits A at the paper's budget
+    # (scaled: lr_budget_steps)
     lr_values: float = 5e-5  # Lion learning rate of the latent weights V at the paper's budget (scaled likewise)
     lr_budget_steps: int | None = PAPER_STEPS  # the budget rule (above); None: lrs as given at any budget
     lr_budget_cap_logits: float = 10.0  # largest multiplier of lr_logits the rule applies (see below)
     lr_budget_cap_values: float = 100.0  # largest multiplier of lr_values the rule applies
-    lr_budget_values_rms: float | None = RMS_CAP  # the rule never raises an expert's lr_values above this × its weights' RMS
+    lr_budget_values_rms: float | None = RMS_CAP  # the rule never raises an expert's lr_values above this × its
+    # weights' RMS
     values_first: float = 0.0  # fraction of the block's steps that train the values only, before joint training
     betas: tuple[float, float] = (0.9, 0.95)  # Lion's betas
     weight_decay: float = 1.0  # Lion's weight decay, p ← p·(1 − lr·wd)
@@ -179,10 +182,11 @@ class RefineConfig:
     logits_dtype: str = "float32"  # dtype of the logits A ("bfloat16": the release's, where small steps vanish)
     ship: str = "best"  # "best": per expert the best-validating epoch (the init included); "last": the last epoch
     shared_gate_up_global: bool = True  # False: gate and up train with separate global scales (the release)
-    compile: bool | str = "auto"  # torch.compile the weight quantizer and the micro-batch forward+loss, and use the fused
-    # Triton relaxation and Lion kernels (where Triton is installed); auto = on CUDA
+    compile: bool | str = "auto"  # torch.compile the weight quantizer and the micro-batch forward+loss, and use
+    # the fused Triton relaxation and Lion kernels (where Triton is installed); auto = on CUDA
     keep_latent: bool = False  # return the refined V as CompressedExpert.latent
-    chunk_gb: float | None = None  # memory for the state of one chunk of a block's experts (None: 85 % of the free GPU memory less the block's tokens, rows and micro-batch; on the CPU memory.HOST_CHUNK_BYTES)
+    chunk_gb: float | None = None  # memory for the state of one chunk of a block's experts (None: 85 % of the free
+    # GPU memory less the block's tokens, rows and micro-batch; on the CPU memory.HOST_CHUNK_BYTES)
     init_split_rows: bool = True  # the block loop also routes the one-shot split's sequences (see above)
     e2e_steps: int | str = "auto"  # end-to-end tuning after the last block (0: none; "auto": see above); e2e.py
     e2e_lr: float = 1e-3  # its Adam learning rate (cosine to 0)
@@ -195,7 +199,8 @@ class RefineConfig:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
-        for name in ("micro_batch_rows", "steps_per_epoch", "min_steps_per_epoch", "min_rows_per_step", "lr_budget_steps"):
+        for name in ("micro_batch_rows", "steps_per_epoch", "min_steps_per_epoch", "min_rows_per_step",
+                     "lr_budget_steps"):
             v = getattr(self, name)
             if v is not None and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
@@ -210,7 +215,8 @@ class RefineConfig:
             raise ValueError(f"lr_budget_values_rms must be > 0 (a fraction of each expert's weight RMS) or None (no "
                              f"such cap), got {self.lr_budget_values_rms}")
         if not 0 <= self.values_first < 1:
-            raise ValueError(f"values_first must be in [0, 1) (a fraction of the block's steps), got {self.values_first}")
+            raise ValueError(f"values_first must be in [0, 1) (a fraction of the block's steps), "
+                             f"got {self.values_first}")
         if self.values_first > 0 and not (self.train_support and self.train_values):
             raise ValueError("values_first needs both train_support and train_values")
         if not 0 < self.lr_final_ratio <= 1:
@@ -227,10 +233,12 @@ class RefineConfig:
         for name in ("compute_dtype", "logits_dtype"):
             v = getattr(self, name)
             if v not in _DTYPES and not (name == "compute_dtype" and v == "auto"):
-                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}{' or auto' if name == 'compute_dtype' else ''}, got {v!r}")
+                raise ValueError(f"{name} must be one of {sorted(_DTYPES)}"
+                                 f"{' or auto' if name == 'compute_dtype' else ''}, got {v!r}")
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"compile must be true, false or auto (on CUDA only), got {self.compile!r}")
-        if not (self.e2e_steps == "auto" or (isinstance(self.e2e_steps, int) and not isinstance(self.e2e_steps, bool) and self.e2e_steps >= 0)):
+        if not (self.e2e_steps == "auto"
+                or (isinstance(self.e2e_steps, int) and not isinstance(self.e2e_steps, bool) and self.e2e_steps >= 0)):
             raise ValueError(f"e2e_steps must be a number of steps >= 0 or 'auto', got {self.e2e_steps!r}")
         if self.e2e_batch_size < 1:
             raise ValueError(f"e2e_batch_size must be >= 1, got {self.e2e_batch_size}")
@@ -324,14 +332,14 @@ REFINE_GPU_FRACTION = 0.85  # of the free device memory: the estimates below alr
 ROW_BYTES = 48  # per routed row: its token index, router weight, epoch order and step indices (int64/fp32)
 
 
-def micro_batch_bytes(H: int, I: int, rows: int) -> int:
+def micro_batch_bytes(H: int, inter: int, rows: int) -> int:
     """Peak activations of one micro-batch of `rows` routed rows: the gathered tokens, quantized inputs, dense
     targets, expert outputs, residual and gradient (~24 bytes per row and hidden unit), the gate/up outputs,
     SwiGLU output and what autograd keeps of them (~32 per row and intermediate unit)."""
-    return rows * (24 * H + 32 * I)
+    return rows * (24 * H + 32 * inter)
 
 
-def refine_bytes_per_expert(fmt: Format, I: int, H: int) -> int:
+def refine_bytes_per_expert(fmt: Format, inter: int, H: int) -> int:
     """Estimated peak bytes of one expert's state in the batched trainer: per weight the fp32 latent, its
     gradient, Lion state and best copy, the copy of the values taken before each step where the budget rule's
     weight-scale cap rescales it (lr_budget_values_rms), the dense weights the targets are computed from, the
@@ -339,40 +347,44 @@ def refine_bytes_per_expert(fmt: Format, I: int, H: int) -> int:
     (~38 B + 12 B per logit)."""
     ps = fmt.patterns
     logits_per_weight = ps.num_patterns / ps.group if ps.num_patterns > 1 else 0.0
-    return int(3 * I * H * (38 + 12 * logits_per_weight))
+    return int(3 * inter * H * (38 + 12 * logits_per_weight))
 
 
-def refine_shared_bytes(H: int, I: int, tokens: int, token_bytes: int, routed_rows: int, micro_batch_rows: int) -> int:
+def refine_shared_bytes(H: int, inter: int, tokens: int, token_bytes: int, routed_rows: int,
+                        micro_batch_rows: int) -> int:
     """Estimated peak bytes a block's refinement holds whatever its experts: the token matrix (`tokens` rows of
     H values of `token_bytes`), ROW_BYTES per routed row (`routed_rows`: training and validation) and one
     micro-batch's activations (never more rows than the block has)."""
-    return tokens * H * token_bytes + routed_rows * ROW_BYTES + micro_batch_bytes(H, I, min(micro_batch_rows, routed_rows))
+    return (tokens * H * token_bytes + routed_rows * ROW_BYTES
+            + micro_batch_bytes(H, inter, min(micro_batch_rows, routed_rows)))
 
 
 class RefineMemoryError(ValueError):
     """A block's refinement cannot fit the device: raised before the block loop starts."""
 
 
-def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int, I: int, tokens: int, token_bytes: int,
-                       routed_rows: int, available: int | None, device: str, sequences: int) -> str:
+def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int, inter: int, tokens: int,
+                       token_bytes: int, routed_rows: int, available: int | None, device: str, sequences: int) -> str:
     """One line saying what refining a block holds on `device` and whether all of its `experts` fit at once,
     from the calibration (`tokens` held once per block, `sequences` of them trained on or validated,
     `routed_rows` = their tokens × top-k) before any work. `available`: the device's free bytes (None: unknown,
     nothing is checked). Raises RefineMemoryError, naming the bytes needed and the options that lower them, when
     not even one expert fits beside the block's shared part (`refine_shared_bytes`); with fewer than all experts
     fitting, refinement goes in chunks (slower, the same bytes) and the line says so."""
-    shared = refine_shared_bytes(H, I, tokens, token_bytes, routed_rows, cfg.micro_batch_rows)
-    micro = micro_batch_bytes(H, I, min(cfg.micro_batch_rows, routed_rows))
-    per = refine_bytes_per_expert(fmt, I, H)
+    shared = refine_shared_bytes(H, inter, tokens, token_bytes, routed_rows, cfg.micro_batch_rows)
+    micro = micro_batch_bytes(H, inter, min(cfg.micro_batch_rows, routed_rows))
+    per = refine_bytes_per_expert(fmt, inter, H)
     whole = shared + experts * per
     parts = (f"{size(tokens * H * token_bytes)} of calibration tokens ({tokens:,} × {H} × {token_bytes} B), "
              f"{size(micro)} of micro-batch activations "
-             f"(--micro-batch-rows {cfg.micro_batch_rows:,}), {size(routed_rows * ROW_BYTES)} for {routed_rows:,} routed rows, "
+             f"(--micro-batch-rows {cfg.micro_batch_rows:,}), "
+             f"{size(routed_rows * ROW_BYTES)} for {routed_rows:,} routed rows, "
              f"{size(experts * per)} of expert state")
     if available is None:
         if cfg.chunk_gb is None and device == "cpu" and experts * per > HOST_CHUNK_BYTES:
             chunks = math.ceil(experts / max(1, HOST_CHUNK_BYTES // per))
-            return (f"~{size(shared + min(experts, max(1, HOST_CHUNK_BYTES // per)) * per)} per block on cpu ({parts}), "
+            return (f"~{size(shared + min(experts, max(1, HOST_CHUNK_BYTES // per)) * per)} per block on cpu "
+                    f"({parts}), "
                     f"refined in {chunks} chunks of experts to bound host memory")
         return f"~{size(whole)} per block on {device} ({parts}); the device's free memory is unknown"
     budget = available * REFINE_GPU_FRACTION
@@ -382,7 +394,8 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
         raise RefineMemoryError(
             f"refine: a block at this calibration needs ~{size(shared + per)} on {device} for one expert beside what "
             f"every block holds ({parts}), and {size(budget)} of the {size(available)} available may be used: lower "
-            f"--n-train/--n-init/--n-val ({fit} of the {sequences} sequences would fit) or --seq-len, or --micro-batch-rows")
+            f"--n-train/--n-init/--n-val ({fit} of the {sequences} sequences would fit) or --seq-len, "
+            f"or --micro-batch-rows")
     if cfg.chunk_gb is None and whole > budget:
         chunks = math.ceil(experts * per / max(budget - shared, per))
         return (f"~{size(whole)} per block on {device} ({parts}); {size(budget)} may be used, so each block is refined "
@@ -393,13 +406,13 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
 def refine_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -> list[list[ExpertData]]:
     """The block's experts cut into consecutive chunks whose state fits cfg.chunk_gb (default: 85 % of the
     free CUDA memory less what the block holds whatever its experts, `refine_shared_bytes`; on the CPU
-    memory.HOST_CHUNK_BYTES, which bounds the host memory per process). Refining chunk by chunk gives the same bytes as all at once: every expert
-    draws from its own generator and batches are sized from the whole block's row counts (ExpertData.block),
-    exactly as for expert parallel."""
+    memory.HOST_CHUNK_BYTES, which bounds the host memory per process). Refining chunk by chunk gives the same
+    bytes as all at once: every expert draws from its own generator and batches are sized from the whole block's
+    row counts (ExpertData.block), exactly as for expert parallel."""
     if not experts:
         return []
     dev = experts[0].gate.device
-    I, H = experts[0].gate.shape
+    inter, H = experts[0].gate.shape
     if cfg.chunk_gb is not None:
         budget = cfg.chunk_gb * (1 << 30)
     elif dev.type == "cuda":
@@ -410,11 +423,11 @@ def refine_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -
         # of their own, are copied in (block_token_matrix)
         copied = sum(t.numel() * t.element_size() for t in matrices.values() if t.device != dev)
         copied += sum(row_count(x) for x in sources if not isinstance(x, TokenRows)) * H * 4
-        shared = refine_shared_bytes(H, I, 0, 0, rows, cfg.micro_batch_rows) + copied
+        shared = refine_shared_bytes(H, inter, 0, 0, rows, cfg.micro_batch_rows) + copied
         budget = torch.cuda.mem_get_info(dev)[0] * REFINE_GPU_FRACTION - shared
     else:
         budget = HOST_CHUNK_BYTES
-    need = [refine_bytes_per_expert(fmt, I, H)] * len(experts)
+    need = [refine_bytes_per_expert(fmt, inter, H)] * len(experts)
     if sum(need) <= budget:
         return [experts]
     if experts[0].block is None:
@@ -470,10 +483,10 @@ class RefineSchedule:
     def warning(self) -> str | None:
         if not self.learns_support or self.can_change_patterns or self.total_steps == 0:
             return None
-        return (f"refinement cannot change the sparsity patterns: in {self.total_steps - self.values_first_steps} steps "
-                f"at lr(A) {self.lr_logits:.3g} the logits close at most {self.logit_closure:.3g} of the init pattern's "
-                f"lead of {self.init_gap:.3g} (only the rare groups whose init noise narrowed it can flip), so this "
-                f"trains the values only; give more steps or a larger lr_logits (or lr_budget_cap_logits)")
+        return (f"refinement cannot change the sparsity patterns: in {self.total_steps - self.values_first_steps} "
+                f"steps at lr(A) {self.lr_logits:.3g} the logits close at most {self.logit_closure:.3g} of the init "
+                f"pattern's lead of {self.init_gap:.3g} (only the rare groups whose init noise narrowed it can flip), "
+                f"so this trains the values only; give more steps or a larger lr_logits (or lr_budget_cap_logits)")
 
     def __str__(self) -> str:
         rates = f"lr(A) {self.lr_logits:.3g}, lr(V) {self.lr_values:.3g}"
@@ -538,7 +551,8 @@ class StepSchedule(NamedTuple):
     joint: bool  # False in the values-only phase (values_first)
 
 
-def block_token_matrix(experts: list[ExpertData], device: torch.device) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
+def block_token_matrix(experts: list[ExpertData], device: torch.device
+                       ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor | None]]]:
     """The token matrix [T, H] the experts' rows index, on `device`, and per expert (training row tokens [n],
     validation row tokens [n_val] or None), int64 on `device`. Experts whose rows (ExpertData.x, x_val) are
     `TokenRows` of one shared matrix use it as it is (moved to `device` once if it lives elsewhere); rows given
@@ -587,7 +601,8 @@ def zero_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
 
 
-def quantized_rows(fmt: Format, cd: torch.dtype, x: torch.Tensor, valid: torch.Tensor, g_in: torch.Tensor | None) -> torch.Tensor:
+def quantized_rows(fmt: Format, cd: torch.dtype, x: torch.Tensor, valid: torch.Tensor,
+                   g_in: torch.Tensor | None) -> torch.Tensor:
     """The input-quantized rows of `rows_and_targets` alone."""
     return fmt.act.batched(zero_padding(x, valid), g_in, ste=False).to(cd)
 
@@ -629,20 +644,22 @@ class BlockRefiner:
         self.experts, self.inits = experts, inits
         self.E = len(experts)
         self.device = dev = experts[0].gate.device
-        I, H = experts[0].gate.shape
-        self.H, self.I = H, I
+        inter, H = experts[0].gate.shape
+        self.H, self.I = H, inter
         for ex in experts:
-            for p, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+            for p, shape in (("gate", (inter, H)), ("up", (inter, H)), ("down", (H, inter))):
                 t = getattr(ex, p)
                 if tuple(t.shape) != shape:
-                    raise ValueError(f"expert {ex.index}: {p} has shape {tuple(t.shape)}, expected {shape} like the block's first expert")
+                    raise ValueError(f"expert {ex.index}: {p} has shape {tuple(t.shape)}, expected {shape} "
+                                     f"like the block's first expert")
                 if t.device != dev:
                     raise ValueError(f"expert {ex.index}: {p} is on {t.device}, the block's first expert on {dev}")
                 fmt.check_weight(t, f"expert {ex.index} {p}")
         for ex, ce in zip(experts, inits):
             for p, qw in ce.weights().items():
                 if qw.format != fmt.name:
-                    raise ValueError(f"init for expert {ex.index} {p} is in format {qw.format!r}, refining {fmt.name!r}")
+                    raise ValueError(f"init for expert {ex.index} {p} is in format {qw.format!r}, "
+                                     f"refining {fmt.name!r}")
         self.cd = self._compute_dtype()
         # auto: compiled on CUDA, where compiling takes a third off the step
         # (benchmarks/results/refine_h200_2026-12-01_75a3a44.md, eager vs compile); eager on the CPU, the
@@ -653,7 +670,8 @@ class BlockRefiner:
         self.fused_swiglu = self.compiled and swiglu_quant_triton.USE and swiglu_quant_triton.available(dev)
         self.learn_support = config.train_support and self.ps.num_patterns > 1
         if not (self.learn_support or config.train_values):
-            raise ValueError(f"format {fmt.name} has no sparsity pattern to learn and train_values is False: nothing to refine")
+            raise ValueError(f"format {fmt.name} has no sparsity pattern to learn and train_values is False: "
+                             f"nothing to refine")
         # Shard invariance (expert parallel gives each process some of a block's experts): every random draw
         # of an expert (split, A init, shuffles, Gumbel noise) comes from its own generator, seeded by (seed,
         # layer, expert index), and batches are sized from the whole block's row counts, so an expert's
@@ -733,9 +751,11 @@ class BlockRefiner:
             zero = torch.zeros((), device=dev)
             amax_in.append(token_amax[idx].amax() if idx.numel() else zero)
             if idx_val is not None:
-                wv = (ex.w_val if ex.w_val is not None else torch.ones(idx_val.numel())).to(dev, torch.float32).reshape(-1)
+                wv = (ex.w_val if ex.w_val is not None
+                      else torch.ones(idx_val.numel())).to(dev, torch.float32).reshape(-1)
                 if wv.numel() != idx_val.numel():
-                    raise ValueError(f"expert {ex.index}: {idx_val.numel()} validation rows but {wv.numel()} router weights")
+                    raise ValueError(f"expert {ex.index}: {idx_val.numel()} validation rows but "
+                                     f"{wv.numel()} router weights")
                 it, wt, iv = idx, w, idx_val
             else:
                 nv = self._n_val(idx.numel())
@@ -931,7 +951,8 @@ class BlockRefiner:
         self.values_rate: dict[str, torch.Tensor | None] = {p: None for p in PROJECTIONS}
         if cfg.train_values:
             for p in PROJECTIONS:
-                rms = torch.stack([getattr(ex, p).to(self.device, torch.float32).pow(2).mean().sqrt() for ex in self.experts])
+                rms = torch.stack([getattr(ex, p).to(self.device, torch.float32).pow(2).mean().sqrt()
+                                   for ex in self.experts])
                 m = cfg.values_rate(self.plan, rms)
                 self.values_rate[p] = None if bool((m == 1).all()) else m.reshape(-1, 1, 1)
         groups = []  # base rates after the budget rule (self.plan)
@@ -1115,7 +1136,8 @@ class BlockRefiner:
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
             x = self._token_rows(sl)
-            out, grad_out, n, hamax = micro(x, sl != self.sentinel, self._sel(self.g_in, act) if self.g_in is not None else None,
+            out, grad_out, n, hamax = micro(x, sl != self.sentinel,
+                                            self._sel(self.g_in, act) if self.g_in is not None else None,
                                             *(self._sel(self.dense[p], act) for p in PROJECTIONS),
                                             leaves["gate"], leaves["up"], leaves["down"], tw,
                                             self._sel(inv_den, act), None if g_h is None else self._sel(g_h, act))
@@ -1200,7 +1222,8 @@ class BlockRefiner:
             amax = torch.zeros(self.E, device=self.device)
             for act, sl in self._val_batches():
                 x = self._gather(sl, act, targets=False)[0]
-                self._note_amax(amax, act, self.intermediate(x, self._sel(W["gate"], act), self._sel(W["up"], act), self.cd))
+                self._note_amax(amax, act,
+                                self.intermediate(x, self._sel(W["gate"], act), self._sel(W["up"], act), self.cd))
             g_h = act_global(self.fmt, amax)
         num = torch.zeros(self.E, device=self.device)
         den = torch.zeros(self.E, device=self.device)
@@ -1229,7 +1252,8 @@ class BlockRefiner:
         W, masks = self.hard_state()
         v = self.validate(W)
         if self.cfg.ship == "last":  # the release: the last epoch ships wherever the expert trained
-            better = (self.n_train > 0).to(self.device) if epoch == self.cfg.epochs else torch.zeros_like(v, dtype=torch.bool)
+            better = ((self.n_train > 0).to(self.device) if epoch == self.cfg.epochs
+                      else torch.zeros_like(v, dtype=torch.bool))
         else:
             better = v < self.best_loss  # NaN (no validation rows) never wins: those experts keep their init
         self.best_loss = torch.where(better, v, self.best_loss)
@@ -1255,7 +1279,8 @@ class BlockRefiner:
             v = self.end_epoch(epoch, tl)
             if log.isEnabledFor(logging.INFO):
                 fin = torch.isfinite(v)
-                log.info("refine epoch %d/%d: train %.4g, val %.4g (mean over %d experts), %d/%d experts improved on init, %.1fs",
+                log.info("refine epoch %d/%d: train %.4g, val %.4g (mean over %d experts), "
+                         "%d/%d experts improved on init, %.1fs",
                          epoch, self.cfg.epochs, float(tl.mean()), float(v[fin].mean()) if fin.any() else math.nan,
                          int(fin.sum()), int((self.best_epoch > 0).sum()), self.E, time.perf_counter() - te)
         self.seconds = time.perf_counter() - t0
@@ -1296,7 +1321,8 @@ class BlockRefiner:
                 },
             }
             if best_epoch[e] == 0:
-                out.append(CompressedExpert(ce.gate, ce.up, ce.down, latent=ce.latent if self.cfg.keep_latent else None, info=info))
+                out.append(CompressedExpert(ce.gate, ce.up, ce.down, latent=ce.latent if self.cfg.keep_latent else None,
+                                            info=info))
                 continue
             vals, masks = {}, {}
             for p, pr in self.proj.items():
