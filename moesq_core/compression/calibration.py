@@ -17,7 +17,8 @@ import torch
 
 @dataclass(frozen=True)
 class CalibConfig:
-    __pydantic_config__ = {"extra": "forbid"}  # config files: an unknown key is an error (moesq_core.compression.config)
+    # config files: an unknown key is an error (moesq_core.compression.config)
+    __pydantic_config__ = {"extra": "forbid"}
 
     seq_len: int = 512  # tokens per calibration sequence
     n_train: int = 128  # refinement sequences
@@ -71,7 +72,8 @@ def _read_file(p: Path, max_chars: int | None) -> list[str]:
     if not docs:
         raise ValueError(f"calibration file {p} contains no text")
     if any("\x00" in d for d in docs):
-        raise ValueError(f"calibration file {p} is binary (contains NUL bytes), not text; pass a .txt/.txt.xz/.jsonl file")
+        raise ValueError(f"calibration file {p} is binary (contains NUL bytes), not text; "
+                         "pass a .txt/.txt.xz/.jsonl file")
     return docs
 
 

@@ -146,8 +146,8 @@ def _named(key: str, check, value) -> None:
 def refine_identity(rcfg, init: MethodConfig) -> dict:
     """The manifest identity of a refinement stage: its (in-loop) init method's normalised config and the full
     RefineConfig — without the end-to-end options when there is no end-to-end step (they change nothing then,
-    and stages recorded before they existed keep their identity; `e2e_loss` too when it is the KL), and without `init_split_rows` when it is
-    off (stages recorded before it existed routed the training split alone)."""
+    and stages recorded before they existed keep their identity; `e2e_loss` too when it is the KL), and without
+    `init_split_rows` when it is off (stages recorded before it existed routed the training split alone)."""
     refine = jsonable(asdict(rcfg))
     if not rcfg.e2e_steps:
         refine = {k: v for k, v in refine.items() if not k.startswith("e2e_")}
@@ -173,7 +173,9 @@ class CompressConfig:
     format: str = "p48-nvfp4"  # the experts' compressed format
     act_quant: bool = True  # quantize activations too (W4A4 / W8A8), or weights only
     calib: CalibConfig = field(default_factory=CalibConfig)
-    calib_source: str = str(DEFAULT_CALIB)  # calibration text: a .txt/.txt.xz/.jsonl file, a dir, or a Hub dataset name[:config][@split] (default: the embedded sample)
+    # calibration text: a .txt/.txt.xz/.jsonl file, a dir, or a Hub dataset name[:config][@split]
+    # (default: the embedded sample)
+    calib_source: str = str(DEFAULT_CALIB)
     init: Annotated[MethodConfig, BeforeValidator(lambda v: {"method": v} if isinstance(v, str) else v)] = \
         field(default_factory=MethodConfig)
     refine: RefineConfig | None = None  # None: the init stage only
@@ -193,7 +195,8 @@ class CompressConfig:
         if isinstance(self.refine, dict):
             self.refine = RefineConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in self.refine.items()})
         elif self.refine is not None and not isinstance(self.refine, RefineConfig):
-            raise ValueError(f"refine must be a RefineConfig, a dict of its fields or None, got {type(self.refine).__name__}")
+            raise ValueError("refine must be a RefineConfig, a dict of its fields or None, "
+                             f"got {type(self.refine).__name__}")
         self.baselines = tuple(self.baselines or ())
         for b in self.baselines:
             _named("baselines", MethodConfig, b)  # an unknown baseline is refused here
@@ -336,9 +339,9 @@ def _method_option_names() -> set[str]:
     return {o for m in METHODS for o in method_options(m)}
 
 
-_EXPECTED = {"int": "an integer", "float": "a number", "finite": "a finite number", "bool": "true or false", "string": "a string",
-             "tuple": "a list", "list": "a list", "dict": "a mapping", "dataclass": "a mapping of keys",
-             "none": "null"}
+_EXPECTED = {"int": "an integer", "float": "a number", "finite": "a finite number", "bool": "true or false",
+             "string": "a string", "tuple": "a list", "list": "a list", "dict": "a mapping",
+             "dataclass": "a mapping of keys", "none": "null"}
 
 
 def _error_lines(errors: list[dict]) -> str:
@@ -354,7 +357,8 @@ def _error_lines(errors: list[dict]) -> str:
         if kind in ("unexpected_keyword_argument", "extra_forbidden"):
             valid = _section_keys(loc[:-1])
             near = difflib.get_close_matches(loc[-1], valid, n=1)
-            lines[path] = f"{path}: unknown key ({f'did you mean {near[0]}?' if near else 'valid: ' + ', '.join(valid)})"
+            lines[path] = (f"{path}: unknown key "
+                           f"({f'did you mean {near[0]}?' if near else 'valid: ' + ', '.join(valid)})")
         elif expected and kind != "value_error":
             prev = lines.get(path)
             wanted = (prev[0] + " or " if isinstance(prev, tuple) else "") + expected

@@ -582,8 +582,8 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                     # the time per block the stage ETA uses: the later blocks' (the first carries the warm-up)
                     per_block = (sum(block_times[1:]) / (len(block_times) - 1) if len(block_times) > 1
                                  else block_times[0] if block_times else None)
-                    results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist, clock,
-                                                                 len([b for b in todo if b > li]), per_block)
+                    results, amax_in, amax_mid = _compress_block(block, spec, stores, kwargs_by_bs, progress, dist,
+                                                                 clock, len([b for b in todo if b > li]), per_block)
                     seconds += time.perf_counter() - t0
                     log.info("%s: layer %d, %d experts compressed in %.1f s (rank %d of %d)", spec.name, li,
                              len(results), time.perf_counter() - t0, rank, world)
@@ -629,11 +629,13 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                     saved.save(li, sorted(blocks), stores)
                     clock.mark("save states")
             if block is not None and li < last_moe:
-                block.release_installed()  # propagated (or resumed past): on a lazily opened model nothing runs it again
+                # propagated (or resumed past): on a lazily opened model nothing runs it again
+                block.release_installed()
             release_freed_memory()  # the block's freed per-expert tensors, back to the system
             if block is not None and li > resumed_after:
                 log.info("%s: layer %d phases (s): %s", spec.name, li,
-                         {k: round(v - before.get(k, 0.0), 2) for k, v in clock.seconds.items() if v > before.get(k, 0.0)})
+                         {k: round(v - before.get(k, 0.0), 2) for k, v in clock.seconds.items()
+                          if v > before.get(k, 0.0)})
     for s in stores.values():
         s.close()
     summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2),
@@ -705,14 +707,15 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist else (0, 1)
     mine = [e for e in range(E) if e % world == rank]
     if not mine:
-        raise ValueError(f"{world} processes for the {E} experts of layer {block.layer_index}: use at most {E} (--nproc)")
+        raise ValueError(f"{world} processes for the {E} experts of layer {block.layer_index}: "
+                         f"use at most {E} (--nproc)")
     # Each rank gathers the routed rows of its own experts only.
     routed = gather_experts(block, stores[spec.compress_split], kwargs_by_bs, mine, spec.name)
     held = gather_experts(block, stores[spec.val_split], kwargs_by_bs, mine, spec.name) if spec.val_split else None
     rows = BlockRows(block.layer_index, routed.counts, held.counts if held else None)
     clock.mark("route")
     method = spec.method_for_block(block.layer_index)
-    I = block.dense_experts.down_proj.shape[-1]
+    inter = block.dense_experts.down_proj.shape[-1]
     dev = next(block.mlp.gate.parameters()).device  # methods run where the model is
     results_mine, amax_mine = [], []
     # One token matrix for both splits: every expert's rows (training and held-out) are indices into it, so a
@@ -727,7 +730,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
         # Experts whose dense fp32 weights fit the device together are compressed together; a larger block
         # (Kimi-K2: 68 GB of fp32 weights) goes chunk by chunk, which gives the same bytes: methods size
         # everything from the whole block's row counts (ExpertData.block), exactly as under expert parallel.
-        for chunk in dense_weight_chunks(mine, I, H, dev):
+        for chunk in dense_weight_chunks(mine, inter, H, dev):
             data = []
             for e in chunk:
                 w = block.expert_weights(e)
@@ -743,7 +746,8 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
             clock.mark("weights")
             results = method.compress_block(data, spec.fmt, report)
             clock.mark("compress")
-            amax_mine += [expert_activation_amax(spec.fmt, r, d.inputs(), spec.act_quant) for r, d in zip(results, data)]
+            amax_mine += [expert_activation_amax(spec.fmt, r, d.inputs(), spec.act_quant)
+                          for r, d in zip(results, data)]
             for r in results:  # to the host chunk by chunk: a Kimi-K2 block's codes and masks alone are 34 GB
                 r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
                 _results_to_cpu(r)
@@ -777,12 +781,12 @@ WEIGHTS_GPU_FRACTION = 0.4  # of the free device memory, for a chunk's dense fp3
 RESULT_BYTES_PER_WEIGHT = 6  # a method's result on the device until the chunk ends: codes, mask, fp32 latent
 
 
-def dense_weight_chunks(experts: list[int], I: int, H: int, device: torch.device) -> list[list[int]]:
+def dense_weight_chunks(experts: list[int], inter: int, H: int, device: torch.device) -> list[list[int]]:
     """A block's experts in consecutive chunks compressed together: on a GPU as many as fit WEIGHTS_GPU_FRACTION
     of its free memory with their results (the routed rows are the block's one token matrix, already
     allocated; the method's working memory takes the rest), on the CPU as many as fit HOST_CHUNK_BYTES (the
     whole block's dense fp32 copy would be twice its checkpoint's bf16 experts); at least one expert a chunk."""
-    need = [3 * I * H * (4 + RESULT_BYTES_PER_WEIGHT)] * len(experts)
+    need = [3 * inter * H * (4 + RESULT_BYTES_PER_WEIGHT)] * len(experts)
     budget = torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION if device.type == "cuda" else HOST_CHUNK_BYTES
     return consecutive_chunks(experts, need, budget)
 
@@ -815,7 +819,8 @@ def _gather_results(by_e: dict, E: int, world: int, stage: str, layer: int, devi
     return out
 
 
-def load_workdir_model(workdir: str | Path, stage: str, device="cpu", dtype=torch.float32, act_quant: bool | None = None):
+def load_workdir_model(workdir: str | Path, stage: str, device="cpu", dtype=torch.float32,
+                       act_quant: bool | None = None):
     """(model, tokenizer): the source model with each block's experts replaced by `stage`'s compressed ones."""
     wd = WorkDir(workdir)
     identity, ledger = wd.identity(), wd.ledger(stage)

@@ -179,7 +179,8 @@ def check_output_dir(out_dir: Path, workdir_root: Path, source: Path | None, ove
     if out == wd or wd in out.parents and out != wd / PACKED_SLOT:
         where = "is the work dir" if out == wd else "is inside the work dir"
         raise ValueError(f"--out {out_dir} {where} {workdir_root}, whose artifacts it could replace; "
-                         f"choose a directory outside it (or leave --out out to use {Path(workdir_root) / PACKED_SLOT})")
+                         "choose a directory outside it "
+                         f"(or leave --out out to use {Path(workdir_root) / PACKED_SLOT})")
     if _inside(wd, out):
         raise ValueError(f"--out {out_dir} contains the work dir {workdir_root}; choose another directory")
     if source is not None:
@@ -188,8 +189,8 @@ def check_output_dir(out_dir: Path, workdir_root: Path, source: Path | None, ove
             raise ValueError(f"--out {out_dir} is or overlaps the source model {source}; choose another directory")
     if out.is_dir() and any(out.iterdir()):
         if not is_moesq_pack(out):
-            raise FileExistsError(f"--out {out_dir} holds files that are not a moesq pack (no {PACK_MANIFEST}, or files it "
-                                  "does not list); moesq only replaces its own packs: choose another --out")
+            raise FileExistsError(f"--out {out_dir} holds files that are not a moesq pack (no {PACK_MANIFEST}, "
+                                  "or files it does not list); moesq only replaces its own packs: choose another --out")
         if not overwrite:
             raise FileExistsError(f"--out {out_dir} holds an earlier moesq pack; pass --overwrite to replace it "
                                   "or choose another --out")
@@ -367,7 +368,8 @@ def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, o
                 progress(1)
         shards = writer.finish()
         config = json.loads((src / "config.json").read_text())
-        config["quantization_config"] = quantization_config(identity.format_name, sorted(ignore), act_quant, sparse_layout)
+        config["quantization_config"] = quantization_config(identity.format_name, sorted(ignore), act_quant,
+                                                            sparse_layout)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         carried = sorted({f for f in CARRIED_FILES if (src / f).is_file()}
                          | {p.name for pat in CARRIED_PATTERNS for p in src.glob(pat) if p.is_file()})
@@ -432,12 +434,14 @@ def push_to_hub(out_dir: Path, repo_id: str | None, private: bool = False, token
             api.upload_large_folder(repo_id=repo_id, folder_path=str(out_dir), repo_type="model")
             commit = url
         else:
-            info = api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="model", commit_message="moesq pack")
+            info = api.upload_folder(folder_path=str(out_dir), repo_id=repo_id, repo_type="model",
+                                     commit_message="moesq pack")
             commit = str(getattr(info, "commit_url", url))
         return {"repo": repo_id, "url": commit, "private": private, "bytes": size, "notes": notes}
     except Exception as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         raise RuntimeError(
-            f"--push-to-hub {repo_id or '(your user)/' + str(default_name)}: upload failed ({type(e).__name__}: {msg}). The packed model is intact in "
+            f"--push-to-hub {repo_id or '(your user)/' + str(default_name)}: upload failed "
+            f"({type(e).__name__}: {msg}). The packed model is intact in "
             f"{out_dir}; check your network and `hf auth login` / HF_TOKEN, then push again."
         ) from None

@@ -111,7 +111,8 @@ def _check_calibration(workdir: WorkDir, m: dict) -> dict | None:
     if not path.is_file():
         return None
     if sha256_file(path) != info["sha256"]:
-        raise WorkDirError(f"{path} is corrupt or truncated (checksum mismatch); delete it and re-run `moesq calibrate`")
+        raise WorkDirError(f"{path} is corrupt or truncated (checksum mismatch); "
+                           "delete it and re-run `moesq calibrate`")
     return info
 
 
@@ -174,7 +175,8 @@ def open_workdir(workdir: WorkDir | str | Path, model: str | Path | None = None,
             problems = _diff(recorded.to_dict(), wanted.to_dict())
             if problems:
                 raise WorkDirError(f"{wd.root} was made with other settings:\n  " + "\n  ".join(problems)
-                                   + "\nUse another --workdir, or leave these settings out (options or recipe keys) to use the work dir's.")
+                                   + "\nUse another --workdir, or leave these settings out (options or recipe keys) "
+                                   "to use the work dir's.")
             if model is None and _check_calibration(wd, m) is not None:
                 return wd
             cfg = recorded
@@ -333,7 +335,8 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
         note(progress, check_stage_states(ledger, [split, "val"], calib, model, sized_split="train",
                                           batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
                                           disk_free_bytes=disk_free_bytes))
-        note(progress, f"{stage} memory: {refine_memory(rcfg, fmt, model, adapter, _routing(run)[0], calib[split], calib['val'])}")
+        note(progress, f"{stage} memory: "
+                       f"{refine_memory(rcfg, fmt, model, adapter, _routing(run)[0], calib[split], calib['val'])}")
         spec = StageSpec(
             name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=stage_config,
             compress_split=split, val_split="val", act_quant=run.act_quant, batch_size=batch_size,
@@ -356,16 +359,18 @@ def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, 
         return "no MoE block"
     experts = max(b.num_experts for b in blocks)
     H = blocks[0].dense_experts.gate_up_proj.shape[-1]
-    I = max(b.dense_experts.down_proj.shape[-1] for b in blocks)
+    inter = max(b.dense_experts.down_proj.shape[-1] for b in blocks)
     tokens = trained.numel() + held_out.numel()
-    return refine_memory_plan(fmt, rcfg, experts=experts, H=H, inter=I, tokens=tokens, token_bytes=_dtype(device).itemsize,
-                              routed_rows=tokens * top_k, available=device_available_bytes(device) if device.type == "cuda" else None,
+    return refine_memory_plan(fmt, rcfg, experts=experts, H=H, inter=inter, tokens=tokens,
+                              token_bytes=_dtype(device).itemsize, routed_rows=tokens * top_k,
+                              available=device_available_bytes(device) if device.type == "cuda" else None,
                               device=str(device), sequences=trained.shape[0] + held_out.shape[0])
 
 
 def improved_on_init(ledger: StageLedger) -> dict:
     """How many of a refine stage's experts ship refined weights, i.e. validated better than their init in some
-    epoch or end-to-end pass (the others ship the init: at a budget too small for the model, refinement then only cost time)."""
+    epoch or end-to-end pass (the others ship the init: at a budget too small for the model, refinement then only
+    cost time)."""
     from moesq_core.compression.engine import block_info
 
     improved = experts = 0
@@ -503,7 +508,8 @@ def default_stage(workdir: WorkDir) -> str:
     """The stage `pack` and `eval` use by default: refine if finished, else the last finished init stage."""
     done = finished_stages(workdir)
     if not done:
-        raise WorkDirError(f"{workdir.root} has no finished compression stage yet; run `moesq init-sgptq` or `moesq refine`")
+        raise WorkDirError(f"{workdir.root} has no finished compression stage yet; "
+                           "run `moesq init-sgptq` or `moesq refine`")
     return "refine" if "refine" in done else done[-1]
 
 
@@ -547,7 +553,8 @@ def model_source(model) -> str | Path | None:
         return model
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "save_pretrained"):
-        raise ValueError(f"model must be a local dir, a Hub id or a loaded transformers model, got {type(model).__name__}")
+        raise ValueError("model must be a local dir, a Hub id or a loaded transformers model, "
+                         f"got {type(model).__name__}")
     source = getattr(model, "name_or_path", None) or getattr(config, "name_or_path", None)
     if not source:
         raise ValueError("the loaded model has no source checkpoint (its name_or_path is empty), and moesq needs "

@@ -263,7 +263,8 @@ def check_stage_states(ledger, splits: Sequence[str], calib: Mapping, model, *, 
         seq_len=int(calib[splits[0]].shape[1]), hidden_size=int(embedding.shape[-1]),
         dtype_bytes=embedding.element_size(), batch_size=batch_size,
         world_size=dist.get_world_size() if dist else 1)
-    cache_dir, stage = ledger.cache_dir, ledger.name  # run_stage's spill dirs (cache/<stage>-rank<r>), StateCheckpoint's
+    # run_stage's spill dirs (cache/<stage>-rank<r>), StateCheckpoint's
+    cache_dir, stage = ledger.cache_dir, ledger.name
     return check_states_fit(states, cache_limit_bytes, cache_dir, stage=stage, sized_split=sized_split,
                             saved_bytes=saved_states_bytes(cache_dir, stage), disk_free_bytes=disk_free_bytes,
                             memory_available_bytes=device_available_bytes(embedding.device),

@@ -337,7 +337,8 @@ class WorkDir:
         """Refuse (before writing anything) a path that is not a directory moesq may use as a work dir."""
         check_location(self.root)
         if self.root.is_dir() and not self.exists() and any(p.name != LOCK_FILE for p in self.root.iterdir()):
-            raise WorkDirError(f"{self.root} exists, is not empty and is not a moesq work dir; choose another --workdir")
+            raise WorkDirError(f"{self.root} exists, is not empty and is not a moesq work dir; "
+                               "choose another --workdir")
 
     @contextmanager
     def locked(self):
@@ -566,7 +567,8 @@ class StageLedger:
         if old is not None and stage_layout(old) != LAYOUT:
             log.warning("stage %s in %s was written by an older moesq (work-dir layout %d, this moesq writes %d): "
                         "recomputing it", self.name, self.root, stage_layout(old), LAYOUT)
-            files = [self._file(rec, b) for b, rec in old.get("blocks", {}).items()]  # all checked before any is removed
+            # all checked before any is removed
+            files = [self._file(rec, b) for b, rec in old.get("blocks", {}).items()]
             for f in files:
                 f.unlink(missing_ok=True)
             del m["stages"][self.name]
@@ -591,14 +593,16 @@ class StageLedger:
         st = self.record()
         if st is not None and stage_layout(st) != LAYOUT:
             raise StaleStageError(
-                f"stage {self.name!r} in {self.root} was written by an older moesq (work-dir layout {stage_layout(st)}; "
-                f"this moesq reads layout {LAYOUT}); re-run that stage's command to recompute it, or use another --workdir")
+                f"stage {self.name!r} in {self.root} was written by an older moesq "
+                f"(work-dir layout {stage_layout(st)}; this moesq reads layout {LAYOUT}); "
+                "re-run that stage's command to recompute it, or use another --workdir")
         rec = (st or {}).get("blocks", {}).get(str(block))
         if rec is None:
             return None
         path = self._file(rec, block)
         if not path.is_file():
-            raise WorkDirError(f"artifact {path} recorded as finished is missing; remove the work dir entry or restore it")
+            raise WorkDirError(f"artifact {path} recorded as finished is missing; "
+                               "remove the work dir entry or restore it")
         if sha256_file(path) != rec["sha256"]:
             raise WorkDirError(
                 f"artifact {path} of stage {self.name!r} is corrupt or truncated (checksum mismatch). Nothing was "
@@ -622,7 +626,8 @@ class StageLedger:
         path = self.write_artifact(block, write)
         m = self.workdir.load()
         st = m["stages"][self.name]
-        st["blocks"][str(block)] = {"file": str(path.relative_to(self.root)), "sha256": sha256_file(path), **(extra or {})}
+        st["blocks"][str(block)] = {"file": str(path.relative_to(self.root)), "sha256": sha256_file(path),
+                                    **(extra or {})}
         if timings:
             st.setdefault("block_timings", {})[str(block)] = timings
         self.workdir.save(m)

@@ -248,12 +248,14 @@ def relaxed_weight(A: torch.Tensor, V: torch.Tensor, U: torch.Tensor | None, pat
     """(π(A, U) · Pat) ⊙ V with π = softmax((gain·A − log(−log U))/τ); A [..., G, P], U like A or None (no
     noise), V [..., G·group]; differentiable in A and V. Needs `available(A.device)`."""
     if not available(A.device):
-        raise RuntimeError(f"the fused relaxation kernel runs on CUDA with Triton (or under TRITON_INTERPRET=1), got {A.device}")
+        raise RuntimeError("the fused relaxation kernel runs on CUDA with Triton (or under TRITON_INTERPRET=1), "
+                           f"got {A.device}")
     if tau <= 0:
         raise ValueError(f"temperature must be positive, got {tau}")
     P, group = pattern_matrix.shape
     if A.shape[-1] != P or V.numel() != A.numel() // P * group:
-        raise ValueError(f"logits {tuple(A.shape)} and weights {tuple(V.shape)} do not match a [{P}, {group}] pattern set")
+        raise ValueError(f"logits {tuple(A.shape)} and weights {tuple(V.shape)} "
+                         f"do not match a [{P}, {group}] pattern set")
     if U is not None and U.shape != A.shape:
         raise ValueError(f"noise {tuple(U.shape)} does not match logits {tuple(A.shape)}")
     return _RelaxedWeight.apply(A, V, U, pattern_matrix, float(tau), float(gain))

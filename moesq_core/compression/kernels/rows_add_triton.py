@@ -38,15 +38,15 @@ if HAS_TRITON:
 
 
     @triton.jit
-    def _rows_add_transposed(acc_ptr, src_ptr, idx_ptr, O, K, BO: tl.constexpr, BK: tl.constexpr):
-        """acc[idx[i], o, k] += src[i, o, k] for a src stored as [n, K, O] (its last two axes transposed)."""
+    def _rows_add_transposed(acc_ptr, src_ptr, idx_ptr, n_out, K, BO: tl.constexpr, BK: tl.constexpr):
+        """acc[idx[i], o, k] += src[i, o, k] for a src stored as [n, K, n_out] (its last two axes transposed)."""
         i = tl.program_id(0).to(tl.int64)
         o = tl.program_id(1).to(tl.int64) * BO + tl.arange(0, BO)
         k = tl.program_id(2).to(tl.int64) * BK + tl.arange(0, BK)
-        m = (o < O)[:, None] & (k < K)[None, :]
+        m = (o < n_out)[:, None] & (k < K)[None, :]
         dst = tl.load(idx_ptr + i).to(tl.int64)
-        s = tl.load(src_ptr + i * O * K + k[None, :] * O + o[:, None], mask=m, other=0.0).to(tl.float32)
-        off = dst * O * K + o[:, None] * K + k[None, :]
+        s = tl.load(src_ptr + i * n_out * K + k[None, :] * n_out + o[:, None], mask=m, other=0.0).to(tl.float32)
+        off = dst * n_out * K + o[:, None] * K + k[None, :]
         a = tl.load(acc_ptr + off, mask=m, other=0.0)
         tl.store(acc_ptr + off, a + s, mask=m)
 
@@ -65,13 +65,15 @@ ALL_ROWS = True
 def add_rows_(acc: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """acc[idx[i]] += src[i] in place (acc fp32 [E, ...], src [len(idx), ...] any float dtype, idx distinct)."""
     if acc.dtype != torch.float32 or src.shape[1:] != acc.shape[1:] or idx.shape != src.shape[:1]:
-        raise ValueError(f"add_rows_: acc {tuple(acc.shape)} {acc.dtype}, idx {tuple(idx.shape)}, src {tuple(src.shape)}")
+        raise ValueError(f"add_rows_: acc {tuple(acc.shape)} {acc.dtype}, idx {tuple(idx.shape)}, "
+                         f"src {tuple(src.shape)}")
     if not (available(acc.device) and acc.is_contiguous()):
         return acc.index_add_(0, idx, src.to(acc.dtype))
     if STRIDED and src.dim() == 3 and not src.is_contiguous() and src.transpose(1, 2).is_contiguous():
-        n, O, K = src.shape
-        if n and O and K:
-            _rows_add_transposed[(n, triton.cdiv(O, TILE), triton.cdiv(K, TILE))](acc, src, idx, O, K, BO=TILE, BK=TILE)
+        n, n_out, K = src.shape
+        if n and n_out and K:
+            grid = (n, triton.cdiv(n_out, TILE), triton.cdiv(K, TILE))
+            _rows_add_transposed[grid](acc, src, idx, n_out, K, BO=TILE, BK=TILE)
         return acc
     src = src.contiguous()
     row_len = acc[0].numel() if acc.shape[0] else 0

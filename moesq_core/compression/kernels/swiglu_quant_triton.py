@@ -93,15 +93,15 @@ if HAS_TRITON:
         return y
 
     @triton.jit
-    def _tile(C, I, BLOCK_R: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr):
+    def _tile(C, inter, BLOCK_R: tl.constexpr, NB: tl.constexpr, QBLOCK: tl.constexpr):
         """This program's expert and its [BLOCK_R, NB, QBLOCK] tile: NB scale blocks of QBLOCK columns per row
-        (a scale block never straddles the edge: I is a multiple of QBLOCK)."""
+        (a scale block never straddles the edge: `inter` is a multiple of QBLOCK)."""
         e = tl.program_id(2).to(tl.int64)
         rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = (tl.program_id(1).to(tl.int64) * (NB * QBLOCK) + tl.arange(0, NB)[:, None] * QBLOCK
                 + tl.arange(0, QBLOCK)[None, :])
-        off = e * C * I + rows[:, None, None] * I + cols[None, :, :]
-        mask = (rows < C)[:, None, None] & (cols < I)[None, :, :]
+        off = e * C * inter + rows[:, None, None] * inter + cols[None, :, :]
+        mask = (rows < C)[:, None, None] & (cols < inter)[None, :, :]
         return e, off, mask
 
     @triton.jit
@@ -115,11 +115,11 @@ if HAS_TRITON:
     if INTERPRET:
         _CONFIGS = _CONFIGS[1:2]
 
-    @triton.autotune(configs=_CONFIGS, key=["I", "QBLOCK", "NB", "STE"])
+    @triton.autotune(configs=_CONFIGS, key=["inter", "QBLOCK", "NB", "STE"])
     @triton.jit
-    def _fwd_kernel(gate_ptr, up_ptr, gs_ptr, out_ptr, amax_ptr, C, I, STE: tl.constexpr,
+    def _fwd_kernel(gate_ptr, up_ptr, gs_ptr, out_ptr, amax_ptr, C, inter, STE: tl.constexpr,
                     ACCURATE_EXP: tl.constexpr, QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr):
-        e, off, mask = _tile(C, I, BLOCK_R, NB, QBLOCK)
+        e, off, mask = _tile(C, inter, BLOCK_R, NB, QBLOCK)
         g = tl.load(gate_ptr + off, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + off, mask=mask, other=0.0).to(tl.float32)
         h = _silu(g, ACCURATE_EXP) * u
@@ -135,11 +135,11 @@ if HAS_TRITON:
             q = h + (q - h)
         tl.store(out_ptr + off, _to_out(q, out_ptr), mask=mask)
 
-    @triton.autotune(configs=_CONFIGS, key=["I", "NB"])
+    @triton.autotune(configs=_CONFIGS, key=["inter", "NB"])
     @triton.jit
-    def _bwd_kernel(gate_ptr, up_ptr, dout_ptr, dgate_ptr, dup_ptr, C, I, ACCURATE_EXP: tl.constexpr,
+    def _bwd_kernel(gate_ptr, up_ptr, dout_ptr, dgate_ptr, dup_ptr, C, inter, ACCURATE_EXP: tl.constexpr,
                     QBLOCK: tl.constexpr, BLOCK_R: tl.constexpr, NB: tl.constexpr):
-        e, off, mask = _tile(C, I, BLOCK_R, NB, QBLOCK)
+        e, off, mask = _tile(C, inter, BLOCK_R, NB, QBLOCK)
         g = tl.load(gate_ptr + off, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + off, mask=mask, other=0.0).to(tl.float32)
         dh = tl.load(dout_ptr + off, mask=mask, other=0.0).to(tl.float32)
@@ -152,24 +152,27 @@ if HAS_TRITON:
         tl.store(dgate_ptr + off, _to_out(dg, dgate_ptr), mask=mask)
 
 
-def _grid(k: int, C: int, I: int, block: int):
+def _grid(k: int, C: int, inter: int, block: int):
     """(NB, grid): NB scale blocks of `block` columns per program (up to COLUMNS columns, fewer for a narrow
-    I); programs over rows, column tiles and experts."""
-    nb = max(1, min(triton.next_power_of_2(-(-I // block)), COLUMNS // block))
-    return nb, lambda meta: (triton.cdiv(C, meta["BLOCK_R"]), triton.cdiv(I, nb * block), k)
+    `inter`); programs over rows, column tiles and experts."""
+    nb = max(1, min(triton.next_power_of_2(-(-inter // block)), COLUMNS // block))
+    return nb, lambda meta: (triton.cdiv(C, meta["BLOCK_R"]), triton.cdiv(inter, nb * block), k)
 
 
 def _check(gate: torch.Tensor, up: torch.Tensor, block: int) -> None:
     if not available(gate.device):
-        raise RuntimeError(f"the fused SwiGLU quantizer runs on CUDA with Triton (or under TRITON_INTERPRET=1), got {gate.device}")
+        raise RuntimeError("the fused SwiGLU quantizer runs on CUDA with Triton (or under TRITON_INTERPRET=1), "
+                           f"got {gate.device}")
     if gate.dim() != 3 or up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
-        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} must be equal-shaped [k, C, I]")
+        raise ValueError(f"gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
+                         "must be equal-shaped [k, C, I]")
     if not supports_block(block) or gate.shape[-1] % block:
-        raise ValueError(f"the SwiGLU width {gate.shape[-1]} is not a multiple of the scale block {block} (a power of two)")
+        raise ValueError(f"the SwiGLU width {gate.shape[-1]} is not a multiple of the scale block {block} "
+                         "(a power of two)")
 
 
 def _forward(gate, up, gs, block: int, ste: bool, out_dtype: torch.dtype):
-    k, C, I = gate.shape
+    k, C, inter = gate.shape
     gate, up = gate.contiguous(), up.contiguous()
     gs = gs.reshape(-1).to(torch.float32).contiguous()
     if gs.numel() != k:
@@ -177,21 +180,21 @@ def _forward(gate, up, gs, block: int, ste: bool, out_dtype: torch.dtype):
     out = torch.empty(gate.shape, dtype=out_dtype, device=gate.device)
     amax = torch.zeros(k, dtype=torch.float32, device=gate.device)
     if gate.numel():
-        nb, grid = _grid(k, C, I, block)
+        nb, grid = _grid(k, C, inter, block)
         # No FMA contraction: eager torch rounds h = silu(g)·u in its own kernel before the straight-through
         # h + (q − h); fused into fma(−silu, u, q) it differs in the last bit (seen on the H200)
-        _fwd_kernel[grid](gate, up, gs, out, amax.view(torch.int32), C, I, STE=ste, ACCURATE_EXP=not INTERPRET,
+        _fwd_kernel[grid](gate, up, gs, out, amax.view(torch.int32), C, inter, STE=ste, ACCURATE_EXP=not INTERPRET,
                           QBLOCK=block, NB=nb, **({} if INTERPRET else {"enable_fp_fusion": False}))
     return out, amax
 
 
 def _backward(gate, up, dout):
-    k, C, I = gate.shape
+    k, C, inter = gate.shape
     gate, up, dout = gate.contiguous(), up.contiguous(), dout.contiguous()
     dgate, dup = torch.empty_like(gate), torch.empty_like(up)
     if gate.numel():
-        nb, grid = _grid(k, C, I, 32)  # elementwise: any tiling of the columns
-        _bwd_kernel[grid](gate, up, dout, dgate, dup, C, I, ACCURATE_EXP=not INTERPRET, QBLOCK=32, NB=nb)
+        nb, grid = _grid(k, C, inter, 32)  # elementwise: any tiling of the columns
+        _bwd_kernel[grid](gate, up, dout, dgate, dup, C, inter, ACCURATE_EXP=not INTERPRET, QBLOCK=32, NB=nb)
     return dgate, dup
 
 
