@@ -80,6 +80,9 @@ def pytest_collection_modifyitems(config, items):
         if full:
             config.hook.pytest_deselected(items=full)
             items[:] = [item for item in items if "full_matrix" not in item.keywords]
+    # files flagged START_FIRST (minutes of work in one file) run first: pytest-xdist hands out whole files in this
+    # order (addopts: --no-loadscope-reorder), and one started last would leave the other workers idle meanwhile
+    items.sort(key=lambda item: not getattr(getattr(item, "module", None), "START_FIRST", False))  # stable
     has_gpu = torch.cuda.is_available()
     hopper = has_gpu and torch.cuda.get_device_capability() == (9, 0)
     for item in items:

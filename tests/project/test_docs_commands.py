@@ -26,6 +26,8 @@ from moesq_runner import ENV, MOESQ, moesq_here
 
 REPO = Path(__file__).resolve().parents[2]
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[\w.-]+)?(@[\w.:%\[\]-]+)?$")
+# minutes of work (the README's real run among them): under pytest-xdist this file starts first (conftest.py)
+START_FIRST = True
 # the stage order: a later command's examples may use what an earlier one made
 ORDER = ["calibrate", "init-sgptq", "refine", "pack", "verify", "eval", "run", "bench-kernel"]
 
