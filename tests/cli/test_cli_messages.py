@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from moesq_runner import moesq_here
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120", "PYTHONPATH": str(ROOT)}
 
@@ -112,7 +114,7 @@ def test_bad_numbers_exit_2_with_one_line_before_any_work(tmp_path):
     wd = tmp_path / "wd"
     for args in (["refine", "-w", wd, "--lr-logits", "inf"], ["eval", wd, "--window", "0"],
                  ["init-sgptq", "-w", wd, "--cache-gb", "nan"], ["generate", wd, "-p", "x", "--temperature", "inf"]):
-        r = cli(*args)
+        r = moesq_here(*args, check=False)
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr and "Invalid value" in r.stderr, r.stderr
         assert not wd.exists()
@@ -205,7 +207,7 @@ def test_an_unwritable_log_file_is_skipped_quietly(work_copy, tmp_path):
 
     shutil.rmtree(work_copy / "logs", ignore_errors=True)
     (work_copy / "logs" / "moesq.log").mkdir(parents=True)
-    r = cli("pack", work_copy, "--out", tmp_path / "packed", "-q")
+    r = moesq_here("pack", work_copy, "--out", tmp_path / "packed", "-q", check=False)
     assert r.returncode == 0 and "Logging error" not in r.stderr and r.stderr.strip() == "", r.stderr
 
 
@@ -268,12 +270,12 @@ def test_damaged_checkpoints_are_one_line_naming_the_file_exit_2(micro_path, tmp
         (model / "model.safetensors").chmod(0o644)
         (model / "model.safetensors").write_bytes(payload)
         wd = tmp_path / f"wd-{kind}"
-        r = cli("calibrate", "--model", model, "-w", wd, "-q")
+        r = moesq_here("calibrate", "--model", model, "-w", wd, "-q", check=False)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1, (kind, r.stderr)
         assert f"{model / 'model.safetensors'}: damaged weight file" in lines[0], (kind, lines)
         assert not wd.exists()
-    r = cli("eval", tmp_path / "truncated", "-q")
+    r = moesq_here("eval", tmp_path / "truncated", "-q", check=False)
     assert r.returncode == 2 and "the file is truncated" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 

@@ -247,7 +247,7 @@ def test_bad_options_never_touch_the_manifest(wd):
     (["run", "--baselines", "magnitude,nope"], "--baselines"),
 ])
 def test_usage_errors_name_the_option(args, option, tmp_path):
-    r = subprocess.run([MOESQ, *args], capture_output=True, text=True, env=ENV, timeout=120, cwd=tmp_path)
+    r = moesq_here(*args, check=False, cwd=tmp_path)
     assert r.returncode == 2 and option in _flat(r.stderr) and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "moesq-work").exists()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moesq_runner import ENV, MOESQ, moesq
+from moesq_runner import ENV, MOESQ, moesq, moesq_here
 
 # batches of 2 sequences: each rank runs the decoder-layer passes of every other batch (and broadcasts them)
 BATCHES = ["--batch-size", "2"]
@@ -106,9 +106,9 @@ def test_torchrun_launch_writes_the_artifacts_of_one(single, tmp_path):
 
 def test_bad_options_are_refused_once(tmp_path):
     # --nproc: refused before any process starts
-    r = moesq("refine", "-w", tmp_path / "a", "--nproc", "2", "--device", "cuda:1", check=False)
+    r = moesq_here("refine", "-w", tmp_path / "a", "--nproc", "2", "--device", "cuda:1", check=False)
     assert r.returncode == 2 and "--device cuda:1" in r.stderr and not (tmp_path / "a").exists()
-    r = moesq("refine", "-w", tmp_path / "a", "--nproc", "0", check=False)
+    r = moesq_here("refine", "-w", tmp_path / "a", "--nproc", "0", check=False)
     assert r.returncode == 2 and "--nproc" in r.stderr
     # ranks of a torchrun launch (its environment): every rank validates and exits 2, rank 0 alone prints
     for bad in (["--values-only", "--support-only"], ["--epochs", "-1"]):

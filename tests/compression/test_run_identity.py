@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ from moesq_core.formats import Format, get_format
 from moesq_core.models import load_model
 
 from conftest import CALIB
+from moesq_runner import moesq_here
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = {"seq_len": 32, "n_train": 2, "n_val": 2, "n_init": 8}
@@ -97,9 +95,7 @@ def test_a_command_on_a_damaged_manifest_exits_with_one_line_and_writes_nothing(
     del m["config"]["format"]
     wd.save(m)
     before = sha256_file(wd.manifest_path)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "moesq_cli", "init-sgptq", "-w", str(wd.root), "-q"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = moesq_here("init-sgptq", "-w", wd.root, "-q", check=False)
     assert r.returncode == 1, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "config.format is missing" in lines[0] and "Traceback" not in r.stderr, r.stderr
