@@ -173,9 +173,8 @@ class CompressConfig:
     format: str = "p48-nvfp4"  # the experts' compressed format
     act_quant: bool = True  # quantize activations too (W4A4 / W8A8), or weights only
     calib: CalibConfig = field(default_factory=CalibConfig)
-    # calibration text: a .txt/.txt.xz/.jsonl file, a dir, or a Hub dataset name[:config][@split]
-    # (default: the embedded sample)
-    calib_source: str = str(DEFAULT_CALIB)
+    calib_source: str = str(DEFAULT_CALIB)  # calibration text: a .txt/.txt.xz/.jsonl file, a dir, or a Hub
+    # dataset name[:config][@split] (default: the embedded sample)
     init: Annotated[MethodConfig, BeforeValidator(lambda v: {"method": v} if isinstance(v, str) else v)] = \
         field(default_factory=MethodConfig)
     refine: RefineConfig | None = None  # None: the init stage only
