@@ -69,6 +69,15 @@ def test_settings_are_the_dataclasses_fields():
     assert {"format", "act_quant", "calib_source", "init.method", "refine", "baselines"} <= keys
 
 
+def test_every_setting_has_a_help_text():
+    """A setting's help is its config field's trailing comment (and comment lines right below it): a field without
+    one, or whose comment was moved onto a line of its own above it, would be listed bare."""
+    from moesq_cli.settings import all_settings
+
+    bare = [key for key, s in all_settings().items() if not s.help.strip()]
+    assert not bare, bare
+
+
 def test_help_lists_the_settings_with_type_default_and_help():
     r = moesq_here("refine", "--help")
     out = re.sub(r"\s+", " ", re.sub(r"[│╭╮╰╯─]", " ", r.stdout))

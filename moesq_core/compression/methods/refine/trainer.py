@@ -154,7 +154,7 @@ class RefineConfig:
     steps_per_epoch: int | None = None  # None: from batch_rows when given, else the paper's 128
     batch_rows: int | None = None  # when set: steps_per_epoch = ceil(training rows of the block / batch_rows)
     min_steps_per_epoch: int = 16  # floor for steps derived from batch_rows (a 1-step epoch learns nothing)
-    min_rows_per_step: int = 8
+    min_rows_per_step: int = 8  # steps per epoch are capped so each expert averages at least this many routed rows
     micro_batch_rows: int = 8 * 4096 * 8  # routed rows per forward/backward (bounds memory, changes no result)
     lr_logits: float = 2.5e-4  # Lion learning rate of the pattern logits A at the paper's budget
     # (scaled: lr_budget_steps)
