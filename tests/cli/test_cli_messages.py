@@ -18,11 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120", "PYTHONPATH": str(ROOT)}
 
 
-def cli(*args, timeout=300, env=None):
-    return subprocess.run([sys.executable, "-m", "moesq_cli", *map(str, args)], capture_output=True, text=True,
-                          env=env or ENV, timeout=timeout, cwd=ROOT)
-
-
 # -- start-up -----------------------------------------------------------------------------------------------------
 _IMPORTS_AFTER = """
 import sys

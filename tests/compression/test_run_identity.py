@@ -22,7 +22,6 @@ from moesq_core.models import load_model
 from conftest import CALIB
 from moesq_runner import moesq_here
 
-REPO = Path(__file__).resolve().parents[2]
 TINY = {"seq_len": 32, "n_train": 2, "n_val": 2, "n_init": 8}
 
 
