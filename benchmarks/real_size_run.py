@@ -234,7 +234,8 @@ def refine_args(args) -> list[str]:
 
 
 PHASES_LINE = re.compile(r"moesq\.engine: (?P<stage>[\w-]+): layer (?P<layer>\d+) phases \(s\): (?P<phases>\{.*\})")
-REFINE_LINE = re.compile(r"refine: \d+ experts in \d+ chunk\(s\), init (?P<init>[\d.]+) s, "
+REFINE_LINE = re.compile(r"refine: \d+ experts in \d+ chunk\(s\)(?: and \d+ out-of-memory retries)?, "
+                         r"init (?P<init>[\d.]+) s, "
                          r"refinement (?P<train>[\d.]+) s")
 
 

@@ -60,6 +60,12 @@ PROTOCOL = (("calib", ""), ("seq_len", 4096), ("n_train", 960), ("n_init", 64), 
             ("batch_rows", 2097152), ("epochs", 80), ("e2e_steps", "0"))
 # Resource options: passed only when given (the measured run gives none).
 RESOURCE = (("micro_batch_rows", int), ("chunk_gb", float), ("cache_gb", float), ("batch_size", int))
+# moesq run with its GPU memory capped at a smaller card's (torch.cuda.set_per_process_memory_fraction), as a
+# process of its own: `python -c CAPPED GIB moesq-args...`
+CAPPED = ("import sys; from moesq_core.memory import use_expandable_segments; use_expandable_segments(); "
+          "import torch; torch.cuda.set_per_process_memory_fraction(min(1.0, float(sys.argv[1]) * 2**30 / "
+          "torch.cuda.get_device_properties(0).total_memory)); sys.argv = ['moesq', *sys.argv[2:]]; "
+          "from moesq_cli.app import main; main()")
 
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 ATTEMPT_LINE = re.compile(r" moesq: moesq refine( |$)")
@@ -170,6 +176,28 @@ def blocks_from_log(log: Path) -> dict[int, dict]:
     return out
 
 
+PEAKS_LINE = re.compile(r"moesq\.engine: refine: layer (?P<layer>\d+) peak GPU memory per phase "
+                        r"\(GiB allocated, reserved\): (?P<peaks>\{.*\})")
+PLAN_LINE = re.compile(r"refine memory: ~(?P<gib>[\d.]+) (?P<unit>GiB|MiB) per block at peak")
+
+
+def peaks_from_log(log: Path) -> dict[int, dict]:
+    """Per computed block (its last computation), the engine's peak device memory per phase: {phase: [allocated,
+    reserved] GiB} (torch's caching allocator, this process alone)."""
+    out: dict[int, dict] = {}
+    for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
+        if m := PEAKS_LINE.search(line):
+            out[int(m["layer"])] = ast.literal_eval(m["peaks"])
+    return out
+
+
+def plan_from_log(log: Path) -> float | None:
+    """The refine memory plan's predicted peak per block (GiB), as the last run printed it."""
+    got = [float(m["gib"]) / (1024 if m["unit"] == "MiB" else 1) for line in
+           (log.read_text(errors="replace").splitlines() if log.is_file() else []) if (m := PLAN_LINE.search(line))]
+    return got[-1] if got else None
+
+
 def blocks_done(work: Path) -> int:
     """The refine stage's blocks recorded in the work dir's manifest."""
     try:
@@ -213,6 +241,13 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
     between = [sum(b["phases"].get(p, 0.0) for p in ("install", "propagate", "save states"))
                for b in per_block if "propagate" in b.get("phases", {})]
     between_s = statistics.mean(between) if between else None
+    propagate = [b["phases"]["propagate"] for b in per_block if "propagate" in b.get("phases", {})]
+    peaks = peaks_from_log(log)
+    for b in per_block:
+        if b["layer"] in peaks:
+            b["peak_gpu_gib"] = peaks[b["layer"]]
+    torch_peak = max((r for p in peaks.values() for _, r in p.values()), default=None)
+    plan_gib = plan_from_log(log)
     runs = attempts_from_log(log)
     one_time, where = {}, {}
     for key in ("model_load", "calibration", "embedding"):
@@ -279,8 +314,21 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
         "per_block": per_block,
         "between_blocks_s": round(between_s, 2) if between_s is not None else None,
         "one_time_s": one_time, "one_time_from_run": where, "one_time_per_run_s": runs,
-        "peak_gpu_gib": max(gpu_peaks) if gpu_peaks else None,
-        "peak_gpu_gib_source": "nvidia-smi memory.used (the whole GPU), sampled every 0.5 s, max over the runs",
+        "plan_gib": plan_gib,
+        "plan_gib_source": "the refine memory line's predicted peak per block (the work dir log)",
+        "peak_gpu_gib": torch_peak,
+        "peak_gpu_gib_source": "torch's peak reserved memory per block phase (the engine's log lines), max over the "
+                               "measured blocks and phases",
+        "peak_within_plan": (torch_peak <= plan_gib) if torch_peak is not None and plan_gib else None,
+        "plan_over_peak": round(plan_gib / torch_peak, 3) if torch_peak and plan_gib else None,
+        "peak_gpu_gib_nvidia_smi": max(gpu_peaks) if gpu_peaks else None,
+        "peak_gpu_gib_nvidia_smi_source": "nvidia-smi memory.used (the whole GPU: every process and the CUDA "
+                                          "context), sampled every 0.5 s, max over the runs",
+        "gpu_memory_cap_gib": resource.get("gpu_memory_gib"),
+        "propagation_s_per_layer": round(statistics.mean(propagate), 2) if propagate else None,
+        "propagation_s_per_layer_source": "the engine's 'propagate' phase (running the calibration states through "
+                                          "the layer with its compressed block, from and back to host memory), mean "
+                                          "over the layers measured",
         "peak_host_gib": max((a.get("peak_host_gib", 0) for a in attempts), default=None),
         "oom": oom, "exit_status": final_rc,
         "wall_s": [a["wall_s"] for a in attempts],
@@ -295,6 +343,10 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
     return relative(doc, root)
 
 
+def _cell(v) -> str:
+    return "—" if v is None else str(v)
+
+
 def markdown(doc: dict) -> str:
     s = doc["model_shape"]
     gmin = doc["gpu_min_per_block"]
@@ -303,12 +355,16 @@ def markdown(doc: dict) -> str:
              f"{s['num_experts']} experts of {s['hidden_size']} × {s['moe_intermediate_size']}, "
              f"top-{s['num_experts_per_tok']}",
              "", "    " + doc["command"], "",
-             "| date | GPU | commit | GPU-min per block | peak GPU GiB (nvidia-smi) | OOM "
-             "| 48-layer hours (extrapolated) |",
-             "| --- | --- | --- | --- | --- | --- | --- |",
+             "| date | GPU | commit | GPU-min per block | plan GiB | peak GiB (torch, reserved) | peak GiB "
+             "(nvidia-smi) | OOM | propagation s/layer | 48-layer hours (extrapolated) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
              f"| {doc['date']} | {doc['gpu']} | {doc['commit']} | {'—' if gmin is None else f'{gmin:.2f}'} | "
-             f"{'—' if doc['peak_gpu_gib'] is None else doc['peak_gpu_gib']} | {'yes' if doc['oom'] else 'no'} | "
+             f"{_cell(doc['plan_gib'])} | {_cell(doc['peak_gpu_gib'])} | {_cell(doc['peak_gpu_gib_nvidia_smi'])} | "
+             f"{'yes' if doc['oom'] else 'no'} | {_cell(doc['propagation_s_per_layer'])} | "
              f"{'—' if hours is None else f'{hours:.2f}'} |", "", f"Status: {doc.get('status', 'complete')}.", ""]
+    if doc.get("gpu_memory_cap_gib"):
+        lines += [f"The moesq process was capped at {doc['gpu_memory_cap_gib']} GiB of GPU memory "
+                  "(torch.cuda.set_per_process_memory_fraction).", ""]
     cal = doc["calibration"]
     seqs = cal["sequences"]
     lines += [f"Calibration ({cal['source']}): {seqs.get('train', 0)} training + {seqs.get('init', 0)} one-shot "
@@ -332,6 +388,13 @@ def markdown(doc: dict) -> str:
                          + " | ".join(f"{b.get('phases', {}).get(p, 0.0):.2f}" for p in phases)
                          + f" | {split.get('in_loop_init', '')} | {split.get('refinement', '')} |")
         lines.append("")
+    peaked = [b for b in doc["per_block"] if b.get("peak_gpu_gib")]
+    if peaked:
+        lines += ["Peak GPU memory per phase (GiB allocated / reserved, torch's allocator):", ""]
+        for b in peaked:
+            lines.append(f"- block {b['layer']}: " + ", ".join(f"{k} {a} / {r}" for k, (a, r) in
+                                                                b["peak_gpu_gib"].items()))
+        lines.append("")
     lines += [f"Extrapolation: {doc['extrapolation']}", ""]
     return "\n".join(lines)
 
@@ -348,6 +411,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"moesq refine {flag(opt)} (default {default or 'moesq: the embedded sample'})")
     for opt, typ in RESOURCE:
         ap.add_argument(flag(opt), type=typ, default=None, help=f"moesq refine {flag(opt)} (default: not passed)")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None,
+                    help="cap moesq's GPU memory at this many GiB (a smaller card's), as a per-process fraction")
     ap.add_argument("--deadline-s", type=float, default=None, help="stop (resumably, exit 3) after this many seconds")
     ap.add_argument("--out", type=Path, default=None, help=f"results directory ({STEM}.json and .md)")
     return ap.parse_args(argv)
@@ -361,6 +426,8 @@ def main(argv=None) -> int:
     cfg = model_config(argparse.Namespace(shape="qwen3-30b-a3b", small=args.small, layers=args.layers))
     options = {opt: getattr(args, opt) for opt, _ in PROTOCOL}
     resource = resource_options(args)
+    if args.gpu_memory_gib is not None:
+        resource["gpu_memory_gib"] = args.gpu_memory_gib
     state = State(root, {"mode": "refine-paper-calibration", "config": cfg, "device": args.device, **options,
                          "resource_options": resource}, name=STATE_FILE)
     model = (args.model_dir or root / "model").resolve()
@@ -399,7 +466,9 @@ def main(argv=None) -> int:
         return text
 
     try:
-        run_step(state, "refine", moesq(*command), root / "commands.log", deadline, res / "refine.json")
+        argv = (moesq(*command) if args.gpu_memory_gib is None
+                else [sys.executable, "-c", CAPPED, str(args.gpu_memory_gib), *command])
+        run_step(state, "refine", argv, root / "commands.log", deadline, res / "refine.json")
     except SystemExit as e:
         attempts = note_blocks()
         if e.code == 3:

@@ -124,8 +124,8 @@ BatchOpt = Annotated[Optional[int], typer.Option(
     help=f"Calibration sequences per forward pass (default {_arg_default('batch_size')}).")]
 CacheOpt = Annotated[Optional[float], typer.Option(
     "--cache-gb", callback=_non_negative_float, hidden=True,
-    help="GiB of calibration states kept in memory; the rest spill to the work dir "
-         f"(default {_arg_default('cache_limit_gb')}).")]
+    help="GiB of calibration states kept in host memory; the rest spill to the work dir (default: all of them "
+         "while they take at most half the available host memory, else as much as fits that).")]
 RecipeOpt = Annotated[Optional[Path], typer.Option(
     "--recipe", help="A recipe: YAML with a config's keys (recipes/*.yaml; the Settings below); the options and "
                      "--set apply over it.")]
@@ -1021,6 +1021,9 @@ def expand_argv(argv: list[str]) -> list[str]:
 
 
 def main():
+    from moesq_core.memory import use_expandable_segments
+
+    use_expandable_segments()  # before torch's first CUDA allocation
     sys.argv[1:] = expand_argv(sys.argv[1:])
     if _rank() != 0:  # under torchrun: every rank parses the same options, rank 0 prints usage errors
         try:

@@ -27,15 +27,55 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def device_available_bytes(device) -> int | None:
-    """Bytes a new allocation on `device` can still get: a CUDA device's free memory plus its cached, unused
-    blocks; the host's available memory for the CPU (None when the system does not say)."""
+def _cuda_cap_bytes(device) -> int | None:
+    """The process's own limit on `device` (torch.cuda.set_per_process_memory_fraction × its memory), or None."""
+    import torch
+
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get is None:
+        return None
+    fraction = get(device)
+    if fraction >= 1.0:
+        return None
+    return int(fraction * torch.cuda.get_device_properties(device).total_memory)
+
+
+def device_free_bytes(device) -> int | None:
+    """Bytes the device can still hand out to new allocations beyond what torch's caching allocator holds: a CUDA
+    device's free memory, never more than the process's own cap (set_per_process_memory_fraction) leaves to
+    reserve; the host's available memory for the CPU. What sizes work chunks before they start."""
     if device.type == "cuda":
         import torch
 
         free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        cap = _cuda_cap_bytes(device)
+        return free if cap is None else max(0, min(free, cap - torch.cuda.memory_reserved(device)))
     return available_memory_bytes()
+
+
+def device_available_bytes(device) -> int | None:
+    """Bytes a new allocation on `device` can still get: a CUDA device's free memory plus its cached, unused
+    blocks, never more than the process's own cap leaves; the host's available memory for the CPU (None when
+    the system does not say)."""
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        available = free + torch.cuda.memory_reserved(device) - allocated
+        cap = _cuda_cap_bytes(device)
+        return available if cap is None else max(0, min(available, cap - allocated))
+    return available_memory_bytes()
+
+
+def use_expandable_segments() -> None:
+    """Ask torch's CUDA allocator for expandable segments unless the user configured it (PYTORCH_CUDA_ALLOC_CONF):
+    a block's phases free and allocate tensors of very different sizes (refinement's state, then one pass over an
+    expert's rows), and fixed segments left ~13 GiB reserved but unusable for the next request on an 80 GB card.
+    Takes effect for the allocations made after it; call it before the first CUDA allocation."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or "PYTORCH_ALLOC_CONF" in os.environ:
+        return
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
 
 def size(nbytes: float) -> str:
@@ -86,3 +126,15 @@ def release_freed_memory() -> None:
             pass
     if _LIBC_TRIM:
         _LIBC_TRIM(0)
+
+
+def release_device_cache() -> None:
+    """After an out-of-memory error: collect the failed attempt's tensors and give torch's cached CUDA blocks back,
+    so a smaller retry can use them."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -27,7 +27,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moesq_core.compression import distributed
-from moesq_core.compression.methods.base import PROJECTIONS, BlockRows, CompressedExpert, ExpertData, Method, TokenRows
+from moesq_core.compression.methods.base import (
+    PROJECTIONS,
+    BlockRows,
+    CompressedExpert,
+    ExpertData,
+    Method,
+    TokenRows,
+    row_count,
+)
 from moesq_core.compression.state_checkpoint import EVERY_S, StateCheckpoint
 from moesq_core.compression.workdir import (
     LAYOUT,
@@ -39,7 +47,13 @@ from moesq_core.compression.workdir import (
     disk_errors,
 )
 from moesq_core.formats import Format, QuantizedWeight, packing
-from moesq_core.memory import HOST_CHUNK_BYTES, consecutive_chunks, release_freed_memory
+from moesq_core.memory import (
+    HOST_CHUNK_BYTES,
+    consecutive_chunks,
+    device_free_bytes,
+    release_device_cache,
+    release_freed_memory,
+)
 from moesq_core.models import MoEAdapter, MoEBlock, load_model
 from moesq_core.progress import BlockProgress, NullProgress, note, skip
 from moesq_core.serving.experts import MoesqExperts
@@ -63,15 +77,26 @@ class SpilledChunk:
     device: torch.device = torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class HeldChunk:
+    """A chunk of hidden states kept in memory away from the device it was computed on (`device`)."""
+
+    tensor: torch.Tensor
+    device: torch.device
+
+
 class StateStore:
     """Per-batch hidden-state chunks; chunks beyond `limit_bytes` go to one append-only spill file that is read
-    back memory-mapped (pages come in as a chunk is used and the OS may drop them again), so host memory stays
-    at `limit_bytes` whatever the calibration size."""
+    back memory-mapped (pages come in as a chunk is used and the OS may drop them again), so memory stays at
+    `limit_bytes` whatever the calibration size. `home`: where the chunks kept in memory live (None: where they
+    were computed); a GPU stage keeps them in host memory, which is larger and which the block's work does not
+    need. A chunk always comes back on the device it was computed on."""
 
-    def __init__(self, limit_bytes: int, spill_dir: Path | None):
+    def __init__(self, limit_bytes: int, spill_dir: Path | None, home: torch.device | str | None = None):
         self.limit = limit_bytes
         self.spill_dir = spill_dir
-        self.chunks: list[torch.Tensor | SpilledChunk] = []
+        self.home = None if home is None else torch.device(home)
+        self.chunks: list[torch.Tensor | HeldChunk | SpilledChunk] = []
         self.in_memory = 0
         self.spill_path: Path | None = None
         self.spilled = 0
@@ -79,7 +104,8 @@ class StateStore:
     def append(self, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
         if self.in_memory + nbytes <= self.limit or self.spill_dir is None:
-            self.chunks.append(t)
+            self.chunks.append(t if self.home is None or t.device == self.home
+                               else HeldChunk(t.detach().to(self.home), t.device))
             self.in_memory += nbytes
             return
         raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -112,18 +138,28 @@ class StateStore:
 
     def __getitem__(self, i: int) -> torch.Tensor:
         c = self.chunks[i]
-        return self._read(c) if isinstance(c, SpilledChunk) else c
+        if isinstance(c, SpilledChunk):
+            return self._read(c)
+        return c.tensor.to(c.device) if isinstance(c, HeldChunk) else c
 
     def like(self, i: int) -> torch.Tensor:
         """An uninitialised tensor of chunk i's shape, dtype and device (without reading a spilled chunk)."""
         c = self.chunks[i]
-        return torch.empty(c.shape, dtype=c.dtype, device=c.device)
+        if isinstance(c, torch.Tensor):
+            return torch.empty_like(c)
+        t = c.tensor if isinstance(c, HeldChunk) else c
+        return torch.empty(t.shape, dtype=t.dtype, device=c.device)
 
     def close(self) -> None:
         if self.spill_path is not None:
             self.spill_path.unlink(missing_ok=True)
             self.spill_path = None
         self.chunks, self.spilled, self.in_memory = [], 0, 0
+
+
+# Where a stage keeps the calibration states it holds in memory (--cache-gb): host memory, also for a GPU stage,
+# whose device memory goes to the block's work (preflight.py counts them there).
+STATES_HOME = torch.device("cpu")
 
 
 @dataclass
@@ -364,7 +400,8 @@ def map_batches(fn: Callable[[torch.Tensor], torch.Tensor], store: StateStore, w
             yield fn(h)
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    own = StateStore(store.limit, store.spill_dir)  # this rank's results until their turn (spilled past the limit)
+    # this rank's results until their turn (spilled past the limit)
+    own = StateStore(store.limit, store.spill_dir, store.home)
     for i in range(rank, len(store), world):
         h = store[i]
         out = fn(h)
@@ -464,7 +501,7 @@ def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
         offset += x.shape[0]
         if not on_host and x.is_cuda:
             kept += x.numel() * x.element_size()
-            if kept > torch.cuda.mem_get_info(x.device)[0] * ROWS_GPU_FRACTION:
+            if kept > device_free_bytes(x.device) * ROWS_GPU_FRACTION:
                 parts, on_host = [p.cpu() for p in parts], True
         parts.append(x.cpu() if on_host else x)
     empty = torch.zeros(0, dtype=torch.int64)
@@ -473,19 +510,89 @@ def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
                       [torch.cat(w) if w else torch.zeros(0) for w in ws], tuple(total))
 
 
+AMAX_ROWS = 1 << 16  # routed rows per piece of the activation-range pass (a fixed size: the same numbers anywhere)
+
+
+def amax_pass_bytes(H: int, inter: int, rows: int = AMAX_ROWS) -> int:
+    """Peak transient bytes of one piece of `expert_activation_amax` over `rows` rows: the gathered fp32 rows, their
+    quantized copy (4 + 4 bytes per row and hidden unit), the gate/up output, the SwiGLU output and its
+    magnitudes (16 bytes per row and intermediate unit)."""
+    return rows * (8 * H + 16 * inter)
+
+
+def installed_block_bytes(experts: int, H: int, inter: int) -> int:
+    """Device bytes of a compressed block installed for propagation (MoesqExperts: dequantized fp32 gate/up and
+    down weights, 12 bytes per weight)."""
+    return experts * 3 * inter * H * 4
+
+
+def propagation_bytes(tokens: int, top_k: int, H: int, inter: int) -> int:
+    """Peak transient bytes of one batch of `tokens` tokens through a decoder layer with its compressed block
+    installed (MoesqExperts' batched path): the routed rows in fp32 twice (gathered and weighted, 8 bytes per routed
+    row and hidden unit), its expert chunks (MoesqExperts.BATCH_BYTES of padded rows, ~6 copies: quantized input,
+    gate/up output, SwiGLU output and its quantized copy, output) and the layer's hidden states (~16 bytes per token
+    and hidden unit: attention's input, output and residual in fp32)."""
+    return tokens * top_k * H * 8 + 6 * MoesqExperts.BATCH_BYTES * max(1, (2 * inter) // H) + tokens * H * 16
+
+
 @torch.no_grad()
-def expert_activation_amax(fmt: Format, result: CompressedExpert, x: torch.Tensor,
-                           act_quant: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static activation ranges of one expert (for the calibrated activation global scales), computed where
-    its routed inputs x are: amax of its input and of its SwiGLU output with the compressed gate/up weights
-    (zeros when no calibration token reached it)."""
-    if len(x) == 0:
+def expert_activation_amax(fmt: Format, result: CompressedExpert, x, act_quant: bool,
+                           device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Static activation ranges of one expert (for the calibrated activation global scales): amax of its routed
+    inputs x (TokenRows of the block's token matrix, or a tensor [n, H]) and of its SwiGLU output with the
+    compressed gate/up weights, computed on `device` (default where x is); zeros when no calibration token
+    reached it. The rows go AMAX_ROWS at a time (every operation is row-wise and amax is exact, so the pieces give
+    the numbers of one pass over all rows); a piece that runs out of device memory is retried in halves."""
+    n = row_count(x)
+    if n == 0:
         return torch.zeros(()), torch.zeros(())
-    amax_in = x.abs().amax().float().cpu()
-    module = MoesqExperts.from_quantized(fmt, [result.weights()], act_quant, amax_in.reshape(1), None).to(x.device)
-    xq = fmt.quant_act(x, module._global(module.act_global_in[0])) if act_quant else x
-    gate, up = (xq @ module.gate_up_proj[0].T).chunk(2, dim=-1)
-    return amax_in, (torch.nn.functional.silu(gate) * up).abs().amax().float().cpu()
+    tokens = x.tokens if isinstance(x, TokenRows) else x
+    device = tokens.device if device is None else torch.device(device)
+
+    def piece(a: int, b: int) -> torch.Tensor:
+        if isinstance(x, TokenRows):
+            return x.tokens.index_select(0, x.idx[a:b].to(x.tokens.device)).to(device, torch.float32)
+        return x[a:b].to(device, torch.float32)
+
+    amax_in = torch.zeros((), device=device)
+    for a, b, rows in _pieces(n, lambda a, b: piece(a, b).abs().amax()):
+        torch.maximum(amax_in, rows, out=amax_in)
+    amax_in = amax_in.cpu()
+    module = MoesqExperts.from_quantized(fmt, [result.weights()], act_quant, amax_in.reshape(1), None).to(device)
+    g_in = module._global(module.act_global_in[0])
+    gate_up = module.gate_up_proj[0].T
+
+    def mid(a: int, b: int) -> torch.Tensor:
+        xs = piece(a, b)
+        xq = fmt.quant_act(xs, g_in) if act_quant else xs
+        del xs
+        gate, up = (xq @ gate_up).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up).abs().amax()
+
+    amax_mid = torch.zeros((), device=device)
+    for a, b, m in _pieces(n, mid):
+        torch.maximum(amax_mid, m, out=amax_mid)
+    return amax_in, amax_mid.float().cpu()
+
+
+def _pieces(n: int, fn: Callable[[int, int], torch.Tensor], rows: int | None = None):
+    """(a, b, fn(a, b)) over rows [0, n) in pieces of `rows`; a piece that runs out of device memory is freed and
+    retried in halves (down to one row, then the error stands), with a warning."""
+    rows = AMAX_ROWS if rows is None else rows
+    todo = [(a, min(a + rows, n)) for a in range(0, n, rows)]
+    while todo:
+        a, b = todo.pop(0)
+        try:
+            out = fn(a, b)
+        except torch.OutOfMemoryError:
+            if b - a <= 1:
+                raise
+            release_device_cache()
+            half = (a + b) // 2
+            log.warning("out of device memory over %d rows; retrying them in two halves", b - a)
+            todo[:0] = [(a, half), (half, b)]
+            continue
+        yield a, b, out
 
 
 def fill_missing_amax(amax_in: torch.Tensor, amax_mid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -543,11 +650,11 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
     stores, kwargs_by_bs = {}, {}
     with progress.task(f"{spec.name}: embedding calibration", len(splits)) as t:
         for s in splits:
-            stores[s] = StateStore(spec.cache_limit_bytes // len(splits), spill)
+            stores[s] = StateStore(spec.cache_limit_bytes // len(splits), spill, STATES_HOME)
             kwargs_by_bs.update(capture_layer_inputs(model, calib[s], spec.batch_size, stores[s]))
             t.advance()
     saved = StateCheckpoint(ledger, calib, splits, spec.batch_size, spec.resume_every_s)
-    resumed = saved.load(lambda: StateStore(spec.cache_limit_bytes // len(splits), spill), device)
+    resumed = saved.load(lambda: StateStore(spec.cache_limit_bytes // len(splits), spill, STATES_HOME), device)
     resumed_after = -1
     if resumed is not None:
         resumed_after, loaded = resumed
@@ -616,7 +723,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                 clock.mark("install")
             if resumed_after < li < last_moe:
                 for s in splits:
-                    new = StateStore(stores[s].limit, spill)
+                    new = StateStore(stores[s].limit, spill, STATES_HOME)
                     with torch.no_grad():  # an autograd graph kept across layers would grow with depth
                         for out in map_batches(lambda h: _layer_out(layer(h, **kwargs_by_bs[h.shape[0]])), stores[s],
                                                f"{spec.name}: propagating layer {li}"):
@@ -636,6 +743,10 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                 log.info("%s: layer %d phases (s): %s", spec.name, li,
                          {k: round(v - before.get(k, 0.0), 2) for k, v in clock.seconds.items()
                           if v > before.get(k, 0.0)})
+                peaks = clock.take_peaks()
+                if peaks:
+                    log.info("%s: layer %d peak GPU memory per phase (GiB allocated, reserved): %s", spec.name, li,
+                             peaks)
     for s in stores.values():
         s.close()
     summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2),
@@ -657,18 +768,32 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
 
 
 class PhaseClock:
-    """Seconds per phase of the block loop, summed over blocks. The device is synchronised at each mark, so GPU
-    work is charged to the phase that queued it (a few synchronisations per block)."""
+    """Seconds per phase of the block loop, summed over blocks, and on a GPU each phase's peak device memory
+    (torch's allocated and reserved bytes, the latest block's: `take_peaks`). The device is synchronised at each
+    mark, so GPU work is charged to the phase that queued it (a few synchronisations per block)."""
 
     def __init__(self, device: torch.device):
         self.device, self.seconds, self.t = torch.device(device), {}, time.perf_counter()
+        self.peaks: dict[str, tuple[int, int]] = {}
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def mark(self, phase: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            got = (torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device))
+            old = self.peaks.get(phase, (0, 0))
+            self.peaks[phase] = (max(old[0], got[0]), max(old[1], got[1]))
+            torch.cuda.reset_peak_memory_stats(self.device)
         now = time.perf_counter()
         self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self.t
         self.t = now
+
+    def take_peaks(self) -> dict[str, list[float]]:
+        """{phase: [peak allocated, peak reserved] GiB} since the last call (none off a GPU)."""
+        out = {k: [round(a / 2**30, 2), round(r / 2**30, 2)] for k, (a, r) in self.peaks.items()}
+        self.peaks = {}
+        return out
 
     def rounded(self) -> dict[str, float]:
         return {k: round(v, 2) for k, v in self.seconds.items()}
@@ -746,8 +871,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
             clock.mark("weights")
             results = method.compress_block(data, spec.fmt, report)
             clock.mark("compress")
-            amax_mine += [expert_activation_amax(spec.fmt, r, d.inputs(), spec.act_quant)
-                          for r, d in zip(results, data)]
+            amax_mine += [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant, dev) for r, d in zip(results, data)]
             for r in results:  # to the host chunk by chunk: a Kimi-K2 block's codes and masks alone are 34 GB
                 r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
                 _results_to_cpu(r)
@@ -787,7 +911,7 @@ def dense_weight_chunks(experts: list[int], inter: int, H: int, device: torch.de
     allocated; the method's working memory takes the rest), on the CPU as many as fit HOST_CHUNK_BYTES (the
     whole block's dense fp32 copy would be twice its checkpoint's bf16 experts); at least one expert a chunk."""
     need = [3 * inter * H * (4 + RESULT_BYTES_PER_WEIGHT)] * len(experts)
-    budget = torch.cuda.mem_get_info(device)[0] * WEIGHTS_GPU_FRACTION if device.type == "cuda" else HOST_CHUNK_BYTES
+    budget = device_free_bytes(device) * WEIGHTS_GPU_FRACTION if device.type == "cuda" else HOST_CHUNK_BYTES
     return consecutive_chunks(experts, need, budget)
 
 

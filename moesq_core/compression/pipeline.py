@@ -221,7 +221,7 @@ def init_stage_name(method: str) -> str:
 
 def init_stage(workdir: WorkDir, method: str | MethodConfig = "sgptq", options: dict | None = None, *,
              device: str | None = None, batch_size: int = 8, redo_from: int | None = None, progress=None,
-             cache_limit_gb: float = 4.0, disk_free_bytes: int | None = None) -> dict:
+             cache_limit_gb: float | None = None, disk_free_bytes: int | None = None) -> dict:
     """The one-shot stage `init-<method>` (sgptq, rtn, magnitude, wanda, jsq, obr, gptq). A finished stage
     with the same normalised config is only checked (checksums), not recomputed. Refuses (StatesDiskError) before
     any work when the work dir's disk cannot hold the calibration states (disk_free_bytes: its free bytes; None
@@ -242,13 +242,13 @@ def init_stage(workdir: WorkDir, method: str | MethodConfig = "sgptq", options: 
         model, adapter = _load_for_stage(identity, device)
         calib = load_calibration(workdir)
         from moesq_core.compression.preflight import check_stage_states
-        note(progress, check_stage_states(ledger, ["init"], calib, model, sized_split="init",
-                                          batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
-                                          disk_free_bytes=disk_free_bytes))
+        states = check_stage_states(ledger, ["init"], calib, model, sized_split="init", batch_size=batch_size,
+                                    cache_limit_bytes=_cache_bytes(cache_limit_gb), disk_free_bytes=disk_free_bytes)
+        note(progress, states.line)
         spec = StageSpec(
             name=name, fmt=fmt, method_for_block=lambda li: mcfg.build(), config=mcfg.to_dict(),
             compress_split="init", val_split=None, act_quant=identity.act_quant, batch_size=batch_size,
-            cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg))
+            cache_limit_bytes=states.cache_limit_bytes, memory_options=_memory_options(mcfg))
         return run_stage(model, adapter, calib, spec, ledger, progress, redo_from)
 
 
@@ -258,14 +258,19 @@ def _memory_options(init: MethodConfig, refine: bool = False) -> tuple[str, ...]
     return (("--micro-batch-rows", "--chunk-gb") if refine else ()) + chunk + ("--batch-size", "--cache-gb")
 
 
-def _check_run_args(device, batch_size: int, redo_from: int | None, cache_limit_gb: float) -> None:
+def _check_run_args(device, batch_size: int, redo_from: int | None, cache_limit_gb: float | None) -> None:
     _device(device)
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 sequence, got {batch_size}")
     if redo_from is not None and redo_from < 0:
         raise ValueError(f"redo_from must be a layer index >= 0, got {redo_from}")
-    if cache_limit_gb < 0:
-        raise ValueError(f"cache_limit_gb must be >= 0, got {cache_limit_gb}")
+    if cache_limit_gb is not None and not cache_limit_gb >= 0:
+        raise ValueError(f"cache_limit_gb must be >= 0 GiB (or None: sized from the free host memory), "
+                         f"got {cache_limit_gb}")
+
+
+def _cache_bytes(cache_limit_gb: float | None) -> int | None:
+    return None if cache_limit_gb is None else int(cache_limit_gb * 2**30)
 
 
 def _routing(identity: RunIdentity) -> tuple[int, int]:
@@ -290,7 +295,7 @@ def refine_schedule(workdir: WorkDir, identity: RunIdentity, rcfg) -> str:
 
 
 def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq", device: str | None = None,
-           batch_size: int = 8, redo_from: int | None = None, progress=None, cache_limit_gb: float = 4.0,
+           batch_size: int = 8, redo_from: int | None = None, progress=None, cache_limit_gb: float | None = None,
            stage: str = "refine", disk_free_bytes: int | None = None) -> dict:
     """The refinement stage (a RefineConfig, or a dict of its fields). As in Algorithm 1, each block's init is
     computed inside the block loop: the one-shot method `init` (a MethodConfig, or a method name with its
@@ -332,26 +337,47 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
             split = "train+init"
             calib = {**calib, split: torch.cat([calib["train"], calib["init"]])}
         from moesq_core.compression.preflight import check_stage_states
-        note(progress, check_stage_states(ledger, [split, "val"], calib, model, sized_split="train",
-                                          batch_size=batch_size, cache_limit_bytes=int(cache_limit_gb * 2**30),
-                                          disk_free_bytes=disk_free_bytes))
-        note(progress, f"{stage} memory: "
-                       f"{refine_memory(rcfg, fmt, model, adapter, _routing(run)[0], calib[split], calib['val'])}")
+        states = check_stage_states(ledger, [split, "val"], calib, model, sized_split="train", batch_size=batch_size,
+                                    cache_limit_bytes=_cache_bytes(cache_limit_gb), disk_free_bytes=disk_free_bytes)
+        note(progress, states.line)
+        plan = refine_memory(rcfg, fmt, model, adapter, _routing(run)[0], calib[split], calib["val"], batch_size)
+        note(progress, f"{stage} memory: {plan}")
         spec = StageSpec(
             name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=stage_config,
             compress_split=split, val_split="val", act_quant=run.act_quant, batch_size=batch_size,
-            cache_limit_bytes=int(cache_limit_gb * 2**30), memory_options=_memory_options(mcfg, refine=True),
+            cache_limit_bytes=states.cache_limit_bytes, memory_options=_memory_options(mcfg, refine=True),
             finalize=end_to_end if rcfg.e2e_steps else None)
         summary = run_stage(model, adapter, calib, spec, ledger, progress, redo_from)
         return {**summary, "improved_on_init": improved_on_init(ledger)}
 
 
-def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, held_out: torch.Tensor) -> str:
-    """What refining the model's largest block holds on its device, from the calibration token counts (the
-    sequences the block loop trains on and validates on), checked before the block loop: one line, or
-    RefineMemoryError naming the bytes and the options that lower them (methods/refine/trainer.py)."""
-    from moesq_core.compression.methods.refine.trainer import refine_memory_plan
-    from moesq_core.memory import device_available_bytes
+def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, held_out: torch.Tensor,
+                  batch_size: int = 8) -> str:
+    """What a block of the refine stage holds on the model's device at its peak, from the calibration token counts
+    (the sequences the block loop trains on and validates on), checked before the block loop: one line, or
+    RefineMemoryError naming the bytes and the options that lower them. Every device consumer of a block is
+    counted beside what stays resident (the model's weights on the device, the block's dense experts): the
+    refinement (methods/refine/trainer.py `refine_memory_plan`: the token matrix, the routed rows, one
+    micro-batch, the experts' state, chunked where they do not fit), the in-loop init (its experts chunked into
+    half the free memory, methods/batching.py), the activation-range pass (engine.amax_pass_bytes beside the
+    token matrix and the dense and compressed experts) and the propagation (engine.propagation_bytes, one batch of
+    `batch_size` sequences, beside the installed block); writing packs 64 MiB at a time. The end-to-end step
+    after the last block has its own plan (plan_end_to_end)."""
+    from moesq_core.compression.engine import (
+        PACK_CHUNK_BYTES,
+        RESULT_BYTES_PER_WEIGHT,
+        amax_pass_bytes,
+        installed_block_bytes,
+        propagation_bytes,
+    )
+    from moesq_core.compression.methods.refine.trainer import (
+        REFINE_GPU_FRACTION,
+        RefineMemoryError,
+        refine_bytes_per_expert,
+        refine_memory_plan,
+        refine_shared_bytes,
+    )
+    from moesq_core.memory import device_available_bytes, size
 
     device = next(model.parameters()).device
     blocks = adapter.blocks(model)
@@ -361,10 +387,42 @@ def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, 
     H = blocks[0].dense_experts.gate_up_proj.shape[-1]
     inter = max(b.dense_experts.down_proj.shape[-1] for b in blocks)
     tokens = trained.numel() + held_out.numel()
-    return refine_memory_plan(fmt, rcfg, experts=experts, H=H, inter=inter, tokens=tokens,
-                              token_bytes=_dtype(device).itemsize, routed_rows=tokens * top_k,
-                              available=device_available_bytes(device) if device.type == "cuda" else None,
-                              device=str(device), sequences=trained.shape[0] + held_out.shape[0])
+    token_bytes = _dtype(device).itemsize
+    available = device_available_bytes(device) if device.type == "cuda" else None
+    refinement = refine_memory_plan(fmt, rcfg, experts=experts, H=H, inter=inter, tokens=tokens,
+                                    token_bytes=token_bytes, routed_rows=tokens * top_k, available=available,
+                                    device=str(device), sequences=trained.shape[0] + held_out.shape[0])
+    if device.type != "cuda":
+        return refinement
+    weights = 3 * inter * H
+    resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device == device)
+    resident += experts * weights * token_bytes  # the block's dense experts, loaded while it is compressed
+    matrix = tokens * H * token_bytes  # the block's token matrix, held from routing to the activation ranges
+    dense_fp32 = experts * weights * 4  # the experts' fp32 copies the methods get (engine: dense_weight_chunks)
+    phases = {
+        "activation ranges": matrix + dense_fp32 + experts * weights * RESULT_BYTES_PER_WEIGHT
+        + amax_pass_bytes(H, inter),
+        "propagation": installed_block_bytes(experts, H, inter)
+        + propagation_bytes(batch_size * trained.shape[1], top_k, H, inter),
+        "writing": experts * weights * RESULT_BYTES_PER_WEIGHT + PACK_CHUNK_BYTES,
+    }
+    others = max(phases.values())
+    if available is not None and resident + others > available:
+        worst = max(phases, key=phases.get)
+        raise RefineMemoryError(
+            f"refine: a block's {worst} needs ~{size(phases[worst])} on {device} beside ~{size(resident)} of resident "
+            f"weights, and {size(available)} is available: lower --n-train/--n-init/--n-val, --seq-len or "
+            f"--batch-size")
+    refine_need = (refine_shared_bytes(H, inter, tokens, token_bytes, tokens * top_k, rcfg.micro_batch_rows)
+                   + experts * refine_bytes_per_expert(fmt, inter, H))
+    if available is not None and rcfg.chunk_gb is None:
+        refine_need = min(refine_need, int(available * REFINE_GPU_FRACTION))  # chunked into that (refine_chunks)
+    phases = {"refinement": refine_need, **phases}
+    peak = resident + max(phases.values())
+    where = f"{size(available)} available" if available is not None else "free memory unknown"
+    parts = ", ".join(f"{k} ~{size(v)}" for k, v in phases.items())
+    return (f"~{size(peak)} per block at peak on {device} of {where} (resident weights ~{size(resident)} + the "
+            f"largest phase: {parts}; in-loop init: chunked into half the free memory). Refinement: {refinement}")
 
 
 def improved_on_init(ledger: StageLedger) -> dict:
@@ -453,7 +511,7 @@ def run_calibrate(workdir: str | Path, model: str | Path | None = None, options:
 
 def run_init(workdir: str | Path, method: MethodConfig, model: str | Path | None = None,
              options: dict | None = None, *, device: str | None = None, batch_size: int = 8,
-             redo_from: int | None = None, cache_limit_gb: float = 4.0, progress=None) -> dict:
+             redo_from: int | None = None, cache_limit_gb: float | None = None, progress=None) -> dict:
     """`moesq init-sgptq`: calibrate if needed, then the one-shot stage of `method`."""
     _check_run_args(device, batch_size, redo_from, cache_limit_gb)
     wd = WorkDir(workdir)
@@ -472,7 +530,7 @@ def recorded_init(wd: WorkDir, init: str) -> MethodConfig:
 
 def run_refine(workdir: str | Path, config, model: str | Path | None = None, options: dict | None = None, *,
                init: str = "sgptq", stage: str = "refine", device: str | None = None, batch_size: int = 8,
-               redo_from: int | None = None, cache_limit_gb: float = 4.0, progress=None) -> dict:
+               redo_from: int | None = None, cache_limit_gb: float | None = None, progress=None) -> dict:
     """`moesq refine`: calibrate if needed, then refinement (its init computed per block, see `refine`)."""
     from moesq_core.compression.methods.refine import RefineConfig
 
@@ -564,7 +622,7 @@ def model_source(model) -> str | Path | None:
 
 def compress(model=None, config: CompressConfig | str | Path | None = None,
              workdir: str | Path = "moesq-work", *, device: str | None = None, batch_size: int = 8,
-             cache_limit_gb: float = 4.0, progress=None) -> CompressedModel:
+             cache_limit_gb: float | None = None, progress=None) -> CompressedModel:
     """Compress `model` (a local dir, a Hub id or a loaded transformers model: see `model_source`; default: the
     config's `model`, else the embedded micro model) as `config` says (a CompressConfig or a recipe file;
     default: `moesq run`'s). Resumable: finished stages are only checked, an interrupted one continues at its

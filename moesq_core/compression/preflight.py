@@ -13,7 +13,7 @@ import math
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 from moesq_core.memory import size
 
@@ -24,6 +24,8 @@ DISK_MARGIN_MIN_BYTES = 1 << 30
 # A larger --cache-gb is suggested only while its states take at most this much of the memory available where
 # they live: the model's weights and the methods' working memory need the rest.
 MEMORY_FRACTION = 0.5
+# The cache limit where the host does not say how much memory it has (auto_cache_limit_bytes).
+DEFAULT_CACHE_BYTES = 4 * GiB
 
 
 class StatesDiskError(ValueError):
@@ -247,14 +249,42 @@ def check_states_fit(states: CalibrationStates, cache_limit_bytes: int, cache_di
         f"{'; '.join(fixes)}; or {size(need.disk + margin)} free there, or a --workdir on a larger disk")
 
 
+def auto_cache_limit_bytes(states: CalibrationStates, memory_available_bytes: int | None,
+                           saved_bytes: int = 0) -> int:
+    """The default cache limit (--cache-gb), a whole number of GiB: every stage split in memory when their peak
+    (`states_footprint`'s memory, a propagation's old and new stores) takes at most MEMORY_FRACTION of the host
+    memory available, else the largest that does (0: everything spills); DEFAULT_CACHE_BYTES when the system does
+    not say how much memory it has."""
+    if memory_available_bytes is None:
+        return DEFAULT_CACHE_BYTES
+    room = MEMORY_FRACTION * memory_available_bytes / states.world_size  # the ranks share the host
+    everything = len(states.stage_splits) * max(sum(states.chunk_bytes(s)) for s in states.stage_splits)
+    if states_footprint(states, everything, saved_bytes).memory <= room:
+        return math.ceil(everything / GiB) * GiB  # a whole --cache-gb; more than the states changes nothing
+    lo, hi = 0, math.ceil(everything / GiB)  # whole GiB; the footprint grows with the limit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if states_footprint(states, mid * GiB, saved_bytes).memory <= room else (lo, mid)
+    return lo * GiB
+
+
+class StatesPlan(NamedTuple):
+    """What `check_stage_states` decided: its summary line and the cache limit the stage runs with."""
+
+    line: str
+    cache_limit_bytes: int
+
+
 def check_stage_states(ledger, splits: Sequence[str], calib: Mapping, model, *, batch_size: int,
-                       cache_limit_bytes: int, sized_split: str, disk_free_bytes: int | None = None) -> str:
+                       cache_limit_bytes: int | None, sized_split: str,
+                       disk_free_bytes: int | None = None) -> StatesPlan:
     """check_states_fit for a stage about to run engine.run_stage(model, ..., calib, spec, ledger) (the stage's
-    StageLedger) with its compress and validation splits `splits`, spec.batch_size and spec.cache_limit_bytes:
-    the states' width and dtype are the model's input embeddings' (what enters layer 0), their device the one
-    whose memory they take, the world size torch.distributed's. Returns the summary line; writes nothing."""
+    StageLedger) with its compress and validation splits `splits` and spec.batch_size: the states' width and dtype
+    are the model's input embeddings' (what enters layer 0), the world size torch.distributed's; their memory is
+    the host's (engine.STATES_HOME), whatever device the model runs on. `cache_limit_bytes` None: sized from the
+    host's available memory (`auto_cache_limit_bytes`). Returns the summary line and the limit; writes nothing."""
     from moesq_core.compression import distributed
-    from moesq_core.memory import device_available_bytes
+    from moesq_core.memory import available_memory_bytes
 
     embedding = model.get_input_embeddings().weight
     dist = distributed.active()
@@ -265,7 +295,15 @@ def check_stage_states(ledger, splits: Sequence[str], calib: Mapping, model, *, 
         world_size=dist.get_world_size() if dist else 1)
     # run_stage's spill dirs (cache/<stage>-rank<r>), StateCheckpoint's
     cache_dir, stage = ledger.cache_dir, ledger.name
-    return check_states_fit(states, cache_limit_bytes, cache_dir, stage=stage, sized_split=sized_split,
-                            saved_bytes=saved_states_bytes(cache_dir, stage), disk_free_bytes=disk_free_bytes,
-                            memory_available_bytes=device_available_bytes(embedding.device),
-                            memory_device=embedding.device.type)
+    saved = saved_states_bytes(cache_dir, stage)
+    available = available_memory_bytes()
+    auto = cache_limit_bytes is None
+    if auto:
+        cache_limit_bytes = auto_cache_limit_bytes(states, available, saved)
+    line = check_states_fit(states, cache_limit_bytes, cache_dir, stage=stage, sized_split=sized_split,
+                            saved_bytes=saved, disk_free_bytes=disk_free_bytes,
+                            memory_available_bytes=available, memory_device="cpu")
+    if auto:
+        line = line.replace(f"(--cache-gb {_gb_option(cache_limit_bytes)})",
+                            f"(--cache-gb auto: {_gb_option(cache_limit_bytes)})", 1)
+    return StatesPlan(line, cache_limit_bytes)

@@ -7,6 +7,7 @@ Results do not depend on the chunking: each expert's numbers only ever involve i
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -14,6 +15,9 @@ import torch
 from moesq_core.compression.methods.base import PROJECTIONS, CompressedExpert, ExpertData, ProgressFn
 from moesq_core.compression.methods.rtn import check_expert, fallback_no_tokens
 from moesq_core.formats import Format
+from moesq_core.memory import release_device_cache
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CPU_BUDGET = 4 << 30
 DEFAULT_GPU_FRACTION = 0.5  # of the device memory free when the block starts
@@ -27,8 +31,9 @@ def memory_budget(device: torch.device, chunk_gb: float | None) -> int:
             raise ValueError(f"chunk_gb must be > 0, got {chunk_gb}")
         return int(chunk_gb * (1 << 30))
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free * DEFAULT_GPU_FRACTION)
+        from moesq_core.memory import device_free_bytes
+
+        return int(device_free_bytes(device) * DEFAULT_GPU_FRACTION)
     return DEFAULT_CPU_BUDGET
 
 
@@ -69,17 +74,27 @@ def compress_batched(experts: list[ExpertData], fmt: Format, method_name: str,
         raise ValueError(f"the experts of one block must be on one device, got {sorted(map(str, devices))}")
     inter, H = first.gate.shape
     s = 0
+    cap = None  # experts per chunk after an out-of-memory retry
     while s < len(active):
         # sized before every chunk: the finished chunks' results hold device memory the next one cannot use
         budget = memory_budget(first.gate.device, chunk_gb)
-        idx = active[s:s + (experts_per_chunk or max(1, budget // solver_bytes_per_expert(inter, H)))]
-        s += len(idx)
+        per_chunk = experts_per_chunk or max(1, budget // solver_bytes_per_expert(inter, H))
+        idx = active[s:s + (per_chunk if cap is None else min(per_chunk, cap))]
+        chunk_out = None
         try:
             chunk_out = solve_chunk([experts[i] for i in idx], budget)
         except torch.OutOfMemoryError as exc:
-            raise torch.OutOfMemoryError(
-                f"{method_name}: out of memory solving {len(idx)} experts together with a {budget / 2**30:.1f} GiB "
-                f"budget; lower the method option chunk_gb (e.g. chunk_gb={max(budget / 2**31, 0.01):.2f})") from exc
+            if len(idx) == 1:
+                raise torch.OutOfMemoryError(
+                    f"{method_name}: out of memory solving one expert with a {budget / 2**30:.1f} GiB budget; lower "
+                    f"the method option chunk_gb (e.g. chunk_gb={max(budget / 2**31, 0.01):.2f})") from exc
+        if chunk_out is None:  # out of memory: the same experts in smaller chunks (the same results)
+            cap = max(1, len(idx) // 2)
+            release_device_cache()
+            log.warning("%s: out of device memory solving %d experts together; retrying %d at a time",
+                        method_name, len(idx), cap)
+            continue
+        s += len(idx)
         for i, r in zip(idx, chunk_out):
             out[i] = r
         if progress is not None:

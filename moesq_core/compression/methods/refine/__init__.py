@@ -7,6 +7,7 @@ quantized values of every expert of a block, starting from an init method's solu
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -19,9 +20,10 @@ from moesq_core.compression.methods.refine.trainer import (
     RefineConfig,
     RefineSchedule,
     refine_chunks,
+    with_block_rows,
 )
 from moesq_core.formats import Format
-from moesq_core.memory import release_freed_memory
+from moesq_core.memory import release_device_cache, release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -58,32 +60,62 @@ class RefineMethod:
         t_init = time.perf_counter() - t0
         init_of = {ex.index: ce for ex, ce in zip(experts, inits)}
         chunks = refine_chunks(experts, fmt, self.config)  # bounded memory; the same bytes as one chunk
-        out = []
+        out = {}
+        # (experts, its config, first step and share of the block's step tracker in units of a planned chunk's
+        # steps): a chunk that runs out of device memory is retried as two halves (the same bytes: see
+        # refine_chunks), one expert with half the micro-batch rows (the same sums in another order)
+        queue = [(chunk, self.config, float(i), 1.0) for i, chunk in enumerate(chunks)]
+        plan, retries = None, 0
         with contextlib.ExitStack() as stack:
             steps = None  # the block's step tracker, where the engine gives one (BlockProgress.steps)
-            for i, chunk in enumerate(chunks):
+            while queue:
+                chunk, cfg, start, share = queue.pop(0)
                 # experts by falling row count: a micro-batch's experts are then mostly the first k of the refiner's
                 # (selecting them is a view); each expert's result does not depend on its place
                 ordered = sorted(chunk, key=lambda ex: (-ex.n_rows, ex.index))
+                done = None
                 try:
-                    refiner = BlockRefiner(ordered, [init_of[ex.index] for ex in ordered], fmt, self.config)
+                    refiner = BlockRefiner(ordered, [init_of[ex.index] for ex in ordered], fmt, cfg)
                     if steps is None and hasattr(progress, "steps"):
                         steps = stack.enter_context(progress.steps(len(chunks) * refiner.total_steps))
-                    done = refiner.run(_StepReport(steps, i * refiner.total_steps, refiner.total_steps, refiner.device))
-                    by_index = {ex.index: r for ex, r in zip(ordered, done)}
-                    out += [by_index[ex.index] for ex in chunk]
+                    T = refiner.total_steps
+                    done = refiner.run(_StepReport(steps, round(start * T), T, refiner.device, share))
                     plan = refiner.plan
-                    del refiner, done, by_index
-                    release_freed_memory()  # the chunk's trainer state: the next chunk's starts from the system
                 except torch.OutOfMemoryError as exc:
-                    raise torch.OutOfMemoryError(
-                        f"refine: out of memory refining {len(chunk)} of the block's {len(experts)} experts together; "
-                        f"lower the refine option chunk_gb or micro_batch_rows") from exc
-        log.info("refine: %d experts in %d chunk(s), init %.1f s, refinement %.1f s (%s)", len(experts), len(chunks),
-                 t_init, time.perf_counter() - t0 - t_init, plan)
+                    if len(chunk) == 1 and cfg.micro_batch_rows <= MIN_RETRY_MICRO_BATCH_ROWS:
+                        raise torch.OutOfMemoryError(
+                            f"refine: out of memory refining one expert at --micro-batch-rows "
+                            f"{cfg.micro_batch_rows:,}; lower the refine option chunk_gb or micro_batch_rows, or "
+                            f"the calibration's tokens per block") from exc
+                refiner = None
+                if done is None:  # out of device memory: retry smaller, after the failed attempt's memory is back
+                    release_device_cache()
+                    retries += 1
+                    if len(chunk) > 1:
+                        chunk = with_block_rows(chunk)  # halves size their batches from the whole block's rows
+                        h = len(chunk) // 2
+                        queue[:0] = [(chunk[:h], cfg, start, share / 2), (chunk[h:], cfg, start + share / 2, share / 2)]
+                        log.warning("refine: out of device memory refining %d experts together; retrying them as "
+                                    "%d + %d", len(chunk), h, len(chunk) - h)
+                    else:
+                        half = dataclasses.replace(cfg, micro_batch_rows=max(1, cfg.micro_batch_rows // 2))
+                        queue.insert(0, (chunk, half, start, share))
+                        log.warning("refine: out of device memory refining expert %d; retrying it at "
+                                    "--micro-batch-rows %d", chunk[0].index, half.micro_batch_rows)
+                    continue
+                out.update({ex.index: r for ex, r in zip(ordered, done)})
+                del done
+                release_freed_memory()  # the chunk's trainer state: the next chunk's starts from the system
+        log.info("refine: %d experts in %d chunk(s)%s, init %.1f s, refinement %.1f s (%s)", len(experts), len(chunks),
+                 f" and {retries} out-of-memory retries" if retries else "", t_init,
+                 time.perf_counter() - t0 - t_init, plan)
         if progress is not None:
             progress(len(experts))
-        return out
+        return [out[ex.index] for ex in experts]
+
+
+# The smallest micro-batch an out-of-memory retry goes down to (routed rows over the block).
+MIN_RETRY_MICRO_BATCH_ROWS = 1024
 
 
 class _StepReport:
@@ -93,8 +125,9 @@ class _StepReport:
 
     EVERY_S = 1.0
 
-    def __init__(self, tracker, steps_before: int, steps: int, device: torch.device):
+    def __init__(self, tracker, steps_before: int, steps: int, device: torch.device, share: float = 1.0):
         self.tracker, self.before, self.steps, self.device = tracker, steps_before, steps, device
+        self.share = share  # of a planned chunk's steps this refiner's steps count for (an out-of-memory retry's part)
         self.rows_before = getattr(tracker, "rows", None) or 0
         self.told = None
 
@@ -106,5 +139,5 @@ class _StepReport:
             return
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.tracker.update(self.before + done, self.rows_before + rows)
+        self.tracker.update(self.before + round(self.share * done), self.rows_before + round(self.share * rows))
         self.told = time.monotonic()

@@ -46,7 +46,7 @@ from moesq_core.compression.methods.base import (
 )
 from moesq_core.compression.methods.refine import objective, relaxation
 from moesq_core.formats import P48, Format, PatternSet
-from moesq_core.memory import HOST_CHUNK_BYTES, consecutive_chunks, size
+from moesq_core.memory import HOST_CHUNK_BYTES, consecutive_chunks, device_free_bytes, size
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +181,8 @@ class RefineConfig:
     compute_dtype: str = "auto"  # matmul operands in training: "float32", "bfloat16", auto = bf16 on CUDA
     logits_dtype: str = "float32"  # dtype of the logits A ("bfloat16": the release's, where small steps vanish)
     ship: str = "best"  # "best": per expert the best-validating epoch (the init included); "last": the last epoch
+    validations: int | None = 10  # validations per block at most, evenly spaced over the epochs (the last always
+    # one of them): each costs a pass over the held-out rows; None: after every epoch
     shared_gate_up_global: bool = True  # False: gate and up train with separate global scales (the release)
     compile: bool | str = "auto"  # torch.compile the weight quantizer and the micro-batch forward+loss, and use
     # the fused Triton relaxation and Lion kernels (where Triton is installed); auto = on CUDA
@@ -248,6 +250,8 @@ class RefineConfig:
             raise ValueError(f"e2e_lr must be positive, got {self.e2e_lr}")
         if self.e2e_loss not in E2E_LOSSES:
             raise ValueError(f"e2e_loss must be one of {', '.join(E2E_LOSSES)}, got {self.e2e_loss!r}")
+        if self.validations is not None and (isinstance(self.validations, bool) or self.validations < 1):
+            raise ValueError(f"validations must be >= 1 (or None: after every epoch), got {self.validations!r}")
         if self.ship not in SHIP:
             raise ValueError(f"ship must be one of {SHIP}, got {self.ship!r}")
         if self.chunk_gb is not None and not self.chunk_gb > 0:
@@ -307,6 +311,14 @@ class RefineConfig:
                               lr_scale_logits=s_a, lr_scale_values=s_v, values_first_steps=T1 if learn else 0,
                               lr_values_rms=self.lr_budget_values_rms if s_v > 1 else None,
                               learns_support=learn, init_gap=gap, logit_closure=closure)
+
+
+def validated_epochs(epochs: int, validations: int | None) -> set[int]:
+    """The epochs after which refinement validates (and may keep the weights as the best so far): every epoch, or
+    `validations` of them evenly spaced, the last always among them."""
+    if validations is None or epochs <= validations:
+        return set(range(1, epochs + 1))
+    return {round(epochs * k / validations) for k in range(1, validations + 1)}
 
 
 def values_first_steps(fraction: float, total: int) -> int:
@@ -424,24 +436,29 @@ def refine_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -
         copied = sum(t.numel() * t.element_size() for t in matrices.values() if t.device != dev)
         copied += sum(row_count(x) for x in sources if not isinstance(x, TokenRows)) * H * 4
         shared = refine_shared_bytes(H, inter, 0, 0, rows, cfg.micro_batch_rows) + copied
-        budget = torch.cuda.mem_get_info(dev)[0] * REFINE_GPU_FRACTION - shared
+        budget = device_free_bytes(dev) * REFINE_GPU_FRACTION - shared
     else:
         budget = HOST_CHUNK_BYTES
     need = [refine_bytes_per_expert(fmt, inter, H)] * len(experts)
     if sum(need) <= budget:
         return [experts]
-    if experts[0].block is None:
-        # Without the block's row counts a chunk would size its batches from itself: give the experts the
-        # block they form (by expert index), which is what BlockRefiner assumes when none is given.
-        idx = sorted(ex.index for ex in experts)
-        if idx != list(range(len(experts))):
-            raise ValueError("refining a block in chunks needs ExpertData.block (or expert indices 0..E-1)")
-        rows = {ex.index: ex.n_rows for ex in experts}
-        has_val = experts[0].x_val is not None
-        val = {ex.index: row_count(ex.x_val) for ex in experts}
-        blk = BlockRows(0, tuple(rows[i] for i in idx), tuple(val[i] for i in idx) if has_val else None)
-        experts = [dataclasses.replace(ex, block=blk) for ex in experts]
-    return consecutive_chunks(experts, need, max(budget, 0))
+    return consecutive_chunks(with_block_rows(experts), need, max(budget, 0))
+
+
+def with_block_rows(experts: list[ExpertData]) -> list[ExpertData]:
+    """The experts with ExpertData.block set: without the block's row counts a chunk of them would size its batches
+    from itself, so experts given without one get the block they form (by expert index), which is what
+    BlockRefiner assumes when none is given; refining them in any chunks then gives the same bytes."""
+    if not experts or experts[0].block is not None:
+        return experts
+    idx = sorted(ex.index for ex in experts)
+    if idx != list(range(len(experts))):
+        raise ValueError("refining a block in chunks needs ExpertData.block (or expert indices 0..E-1)")
+    rows = {ex.index: ex.n_rows for ex in experts}
+    has_val = experts[0].x_val is not None
+    val = {ex.index: row_count(ex.x_val) for ex in experts}
+    blk = BlockRows(0, tuple(rows[i] for i in idx), tuple(val[i] for i in idx) if has_val else None)
+    return [dataclasses.replace(ex, block=blk) for ex in experts]
 
 
 def expert_seed(seed: int, layer: int, expert: int, stream: str = "") -> int:
@@ -1273,9 +1290,13 @@ class BlockRefiner:
         """Validate the init, train and validate each epoch, export the best epoch per expert (see the class);
         on_step(steps done, routed rows trained on so far) after every optimizer step."""
         t0 = time.perf_counter()
+        self.validated = validated_epochs(self.cfg.epochs, self.cfg.validations)
         for epoch in range(1, self.cfg.epochs + 1):
             te = time.perf_counter()
             tl = self.train_epoch(on_step=on_step)
+            if epoch not in self.validated:
+                self.history_train.append(tl)
+                continue
             v = self.end_epoch(epoch, tl)
             if log.isEnabledFor(logging.INFO):
                 fin = torch.isfinite(v)
@@ -1314,6 +1335,8 @@ class BlockRefiner:
                 "refine": {
                     "best_epoch": best_epoch[e],
                     "val_loss": [None if math.isnan(x) else x for x in val[:, e].tolist()],
+                    **({"val_epochs": [0, *sorted(self.validated)]}
+                       if len(getattr(self, "validated", ())) < self.cfg.epochs else {}),
                     "train_loss": train[:, e].tolist() if train is not None else [],
                     "n_train": int(self.n_train[e]), "n_val": int(self.n_val[e]),
                     "steps": self.step_count,

@@ -1,0 +1,200 @@
+"""A block's device memory: passes over an expert's rows go in pieces, a pass or chunk that runs out of device
+memory is retried smaller with the same results, and the calibration states' cache is sized from host memory."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from moesq_core.compression import engine
+from moesq_core.compression.engine import StateStore, expert_activation_amax
+from moesq_core.compression.methods import batching
+from moesq_core.compression.methods.base import TokenRows
+from moesq_core.compression.methods.refine import BlockRefiner, RefineConfig, RefineMethod
+from moesq_core.compression.methods.rtn import RTN
+from moesq_core.compression.preflight import (
+    DEFAULT_CACHE_BYTES,
+    CalibrationStates,
+    GiB,
+    auto_cache_limit_bytes,
+    states_footprint,
+)
+from moesq_core.formats import get_format
+
+from test_refine import FAST, assert_same_experts, make_block
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors, one intra-op thread
+
+
+def _oom(what: str = "injected") -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(f"CUDA out of memory ({what})")
+
+
+def test_pieces_cover_every_row_once_and_a_failing_piece_is_halved(caplog):
+    seen = []
+
+    def fn(a, b):
+        if b - a > 3:  # "too big for the device"
+            raise _oom()
+        seen.append((a, b))
+        return torch.tensor(float(b - a))
+
+    with caplog.at_level(logging.WARNING, logger="moesq.engine"):
+        out = list(engine._pieces(23, fn, rows=10))
+    assert sum(float(v) for _, _, v in out) == 23
+    covered = sorted(seen)
+    assert covered[0][0] == 0 and covered[-1][1] == 23
+    assert all(b0 == a1 for (_, b0), (a1, _) in zip(covered, covered[1:]))  # contiguous, no overlap
+    assert "retrying them in two halves" in caplog.text
+
+
+def test_a_single_row_that_does_not_fit_is_an_error():
+    with pytest.raises(torch.OutOfMemoryError):
+        list(engine._pieces(2, lambda a, b: (_ for _ in ()).throw(_oom()), rows=2))
+
+
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_activation_ranges_in_pieces_equal_one_pass(monkeypatch, act_quant):
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=1, H=64, inter=64, n=300, with_val=False)[0]
+    result = RTN(report_errors=False).compress_block([ex], fmt)[0]
+    tokens = torch.cat([torch.randn(50, 64), ex.x])  # the expert's rows inside a larger token matrix
+    rows = TokenRows(tokens, torch.arange(50, 350))
+    whole = expert_activation_amax(fmt, result, ex.x, act_quant)
+    monkeypatch.setattr(engine, "AMAX_ROWS", 7)  # 43 pieces, the last one short
+    pieces = expert_activation_amax(fmt, result, rows, act_quant)
+    assert torch.equal(pieces[0], whole[0])
+    torch.testing.assert_close(pieces[1], whole[1], rtol=1e-6, atol=0)
+    assert float(whole[1]) > 0
+    assert [float(v) for v in expert_activation_amax(fmt, result, TokenRows(tokens, torch.zeros(0, dtype=torch.int64)),
+                                                     act_quant)] == [0.0, 0.0]
+
+
+def test_activation_range_pass_is_counted_below_the_micro_batch():
+    from moesq_core.compression.methods.refine.trainer import micro_batch_bytes
+
+    # a Qwen3-30B-A3B block: the pass's piece stays far below refinement's own micro-batch working set
+    assert engine.amax_pass_bytes(2048, 768) < micro_batch_bytes(2048, 768, RefineConfig().micro_batch_rows) / 4
+
+
+def test_refine_chunk_out_of_memory_is_retried_smaller_with_the_same_bytes(monkeypatch, caplog):
+    """A refinement chunk that runs out of device memory is retried as two halves (down to one expert, then with
+    half the micro-batch rows) instead of losing the block; the halves give the bytes of the whole."""
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=5, H=64, inter=64, n=200, n_val=60)
+    cfg = RefineConfig(**{**FAST, "epochs": 2, "steps_per_epoch": 5, "micro_batch_rows": 4096})
+    whole = RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
+
+    run = BlockRefiner.run
+    calls = []
+
+    def run_failing_on_more_than_two(self, on_step=None):
+        calls.append((self.E, self.cfg.micro_batch_rows))
+        if self.E > 2 or (self.E == 1 and self.cfg.micro_batch_rows == cfg.micro_batch_rows):
+            self.train_epoch(max_steps=1)  # fail after some work, as a real step would
+            raise _oom()
+        return run(self, on_step)
+
+    monkeypatch.setattr(BlockRefiner, "run", run_failing_on_more_than_two)
+    with caplog.at_level(logging.WARNING):
+        retried = RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
+    assert calls[0] == (5, cfg.micro_batch_rows)
+    assert (2, cfg.micro_batch_rows) in calls and (1, cfg.micro_batch_rows // 2) in calls
+    assert "retrying them as 2 + 3" in caplog.text and "retrying it at --micro-batch-rows 2048" in caplog.text
+    # the chunks' bytes equal the whole's; a smaller micro-batch sums the same rows in another order
+    assert_same_experts([r for r, e in zip(retried, ex) if e.index < 2], [r for r, e in zip(whole, ex) if e.index < 2])
+    for a, b in zip(retried, whole):
+        for p, qa in a.weights().items():
+            qb = b.weights()[p]
+            assert (qa.mask == qb.mask).float().mean() > 0.99
+            tol = 0.05 * float(qb.dequantize().abs().max())
+            torch.testing.assert_close(qa.dequantize(), qb.dequantize(), rtol=0, atol=tol)
+
+
+def test_refine_gives_up_with_one_expert_at_the_smallest_micro_batch(monkeypatch):
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=2, H=64, inter=64, n=100, n_val=30)
+    cfg = RefineConfig(**{**FAST, "epochs": 1, "steps_per_epoch": 2, "micro_batch_rows": 1500})
+    monkeypatch.setattr(BlockRefiner, "run", lambda self, on_step=None: (_ for _ in ()).throw(_oom()))
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory refining one expert at --micro-batch-rows 750"):
+        RefineMethod(RTN(report_errors=False), cfg).compress_block(ex, fmt)
+
+
+def test_one_shot_chunk_out_of_memory_is_retried_smaller(caplog):
+    fmt = get_format("p48-nvfp4")
+    ex = make_block(E=5, H=64, inter=64, n=120, with_val=False)
+    sizes = []
+
+    def solve(chunk, budget):
+        sizes.append(len(chunk))
+        if len(chunk) > 2:
+            raise _oom()
+        return RTN(report_errors=False).compress_block(chunk, fmt)
+
+    with caplog.at_level(logging.WARNING):
+        out = batching.compress_batched(ex, fmt, "rtn", solve, experts_per_chunk=5)
+    assert sizes == [5, 2, 2, 1]
+    assert_same_experts(out, RTN(report_errors=False).compress_block(ex, fmt))
+    assert "retrying 2 at a time" in caplog.text
+    with pytest.raises(torch.OutOfMemoryError, match="solving one expert"):
+        batching.compress_batched(ex[:1], fmt, "rtn", lambda c, b: (_ for _ in ()).throw(_oom()))
+
+
+# -- calibration states in host memory --------------------------------------------------------------------------
+PAPER = CalibrationStates({"train": 960, "init": 64, "val": 128}, ("train+init", "val"), seq_len=4096,
+                          hidden_size=2048, dtype_bytes=2, batch_size=8)
+
+
+def test_default_cache_holds_every_state_where_the_host_has_room():
+    everything = 2 * sum(PAPER.chunk_bytes("train+init"))  # two stores of the largest split's size
+    assert auto_cache_limit_bytes(PAPER, 128 * GiB) == -(-everything // GiB) * GiB
+    assert states_footprint(PAPER, auto_cache_limit_bytes(PAPER, 128 * GiB)).spilled == 0
+    # 48 GiB available: half of it for the states, whole GiB
+    limit = auto_cache_limit_bytes(PAPER, 48 * GiB)
+    assert limit % GiB == 0 and 0 < limit < everything
+    assert states_footprint(PAPER, limit).memory <= 24 * GiB < states_footprint(PAPER, limit + GiB).memory
+    assert auto_cache_limit_bytes(PAPER, 0) == 0
+    assert auto_cache_limit_bytes(PAPER, None) == DEFAULT_CACHE_BYTES
+
+
+def test_states_kept_away_from_their_device_come_back_on_it(tmp_path):
+    store = StateStore(1 << 20, tmp_path, home="cpu")
+    chunks = [torch.randn(2, 3, 4) for _ in range(3)]
+    for c in chunks:
+        store.append(c)
+    assert all(torch.equal(a, b) and a.device == b.device for a, b in zip(store, chunks))
+    assert store.like(1).shape == (2, 3, 4)
+
+
+@pytest.mark.gpu
+def test_gpu_states_live_in_host_memory_and_come_back_on_the_gpu(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    store = StateStore(3 * 96, tmp_path, home="cpu")  # two chunks in host memory, the third spills
+    chunks = [torch.randn(2, 3, 4, device="cuda") for _ in range(3)]
+    before = torch.cuda.memory_allocated()
+    for c in chunks:
+        store.append(c)
+    assert torch.cuda.memory_allocated() == before  # nothing more on the device
+    assert store.spilled == 96 and store.in_memory == 192
+    for a, b in zip(store, chunks):
+        assert a.device == b.device and torch.equal(a, b)
+    assert store.like(2).device == chunks[2].device
+
+
+@pytest.mark.gpu
+def test_device_memory_reads_honour_the_process_cap():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from moesq_core.memory import device_available_bytes, device_free_bytes
+
+    dev = torch.device("cuda")
+    total = torch.cuda.get_device_properties(dev).total_memory
+    torch.cuda.set_per_process_memory_fraction(0.25, dev)
+    try:
+        assert device_free_bytes(dev) <= 0.25 * total - torch.cuda.memory_reserved(dev) + 1
+        assert device_available_bytes(dev) <= 0.25 * total - torch.cuda.memory_allocated(dev) + 1
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+    assert device_free_bytes(dev) > 0.25 * total
