@@ -436,6 +436,28 @@ def _moe_inputs(layer: nn.Module, mlp: nn.Module, hidden: torch.Tensor, kwargs: 
     return got["x"]
 
 
+def split_on_oom(fn: Callable[[torch.Tensor, dict], torch.Tensor], h: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """fn(h, kwargs) for a batch of sequences h [B, T, H] (a decoder-layer pass: sequences are independent); out of
+    device memory, the batch is freed and run as two halves (the kwargs' tensors of batch size B sliced alike) and
+    the results concatenated, down to one sequence (then the error stands)."""
+    try:
+        return fn(h, kwargs)
+    except torch.OutOfMemoryError:
+        if h.shape[0] <= 1:
+            raise
+    release_device_cache()
+    half = h.shape[0] // 2
+    log.warning("out of device memory running %d sequences through a layer; retrying them in two halves", h.shape[0])
+
+    def part(sl: slice) -> dict:
+        return {k: v[sl] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == h.shape[0] else
+                tuple(t[sl] if isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == h.shape[0] else t for t in v)
+                if isinstance(v, tuple) else v for k, v in kwargs.items()}
+
+    return torch.cat([split_on_oom(fn, h[:half], part(slice(None, half))),
+                      split_on_oom(fn, h[half:], part(slice(half, None)))])
+
+
 def _layer_out(out):
     return out[0] if isinstance(out, tuple) else out
 
@@ -481,7 +503,8 @@ def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
     ws: list[list[torch.Tensor]] = [[] for _ in range(E)]
     total = [0] * E
     offset, on_host, kept = 0, False, 0
-    moe_inputs = map_batches(lambda h: _moe_inputs(block.layer, block.mlp, h, kwargs_by_bs[h.shape[0]]), states,
+    moe_inputs = map_batches(lambda h: split_on_oom(lambda hs, kw: _moe_inputs(block.layer, block.mlp, hs, kw), h,
+                                                    kwargs_by_bs[h.shape[0]]), states,
                              f"{stage}: routing layer {block.layer_index}")
     for x in moe_inputs:
         x = x.reshape(-1, x.shape[-1])
@@ -725,7 +748,8 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                 for s in splits:
                     new = StateStore(stores[s].limit, spill, STATES_HOME)
                     with torch.no_grad():  # an autograd graph kept across layers would grow with depth
-                        for out in map_batches(lambda h: _layer_out(layer(h, **kwargs_by_bs[h.shape[0]])), stores[s],
+                        for out in map_batches(lambda h: split_on_oom(lambda hs, kw: _layer_out(layer(hs, **kw)), h,
+                                                                      kwargs_by_bs[h.shape[0]]), stores[s],
                                                f"{spec.name}: propagating layer {li}"):
                             new.append(out)
                     stores[s].close()

@@ -198,3 +198,31 @@ def test_device_memory_reads_honour_the_process_cap():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, dev)
     assert device_free_bytes(dev) > 0.25 * total
+
+
+def test_a_layer_pass_out_of_memory_is_retried_in_halves(micro_path, caplog):
+    """Routing and propagation run a batch of sequences through a decoder layer; out of device memory the batch is
+    split (its per-sequence keyword arguments with it) and the halves give the whole batch's states."""
+    from moesq_core.compression.engine import StateStore, _layer_out, capture_layer_inputs, split_on_oom
+    from moesq_core.models import load_model
+
+    model, _, _, _ = load_model(micro_path, dtype=torch.float32, device="cpu")
+    tokens = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    store = StateStore(1 << 30, None)
+    kwargs = capture_layer_inputs(model, tokens, 4, store)[4]
+    layer = model.model.layers[0]
+    with torch.no_grad():
+        whole = _layer_out(layer(store[0], **kwargs))
+        sizes = []
+
+        def fn(h, kw):
+            sizes.append(h.shape[0])
+            if h.shape[0] > 1:
+                raise _oom()
+            return _layer_out(layer(h, **kw))
+
+        with caplog.at_level(logging.WARNING, logger="moesq.engine"):
+            split = split_on_oom(fn, store[0], kwargs)
+    assert sizes == [4, 2, 1, 1, 2, 1, 1]
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
+    assert "retrying them in two halves" in caplog.text
