@@ -14,7 +14,8 @@ from conftest import benchmark_module, run_benchmark_script
 SMOKE = ["--small", "--device", "cpu", "--seq-len", "32", "--n-train", "8", "--n-init", "4", "--n-val", "4",
          "--batch-rows", "64", "--epochs", "1"]
 KEYS = {"gpu", "commit", "date", "command", "blocks_measured", "gpu_min_per_block", "per_block", "peak_gpu_gib", "oom",
-        "extrapolated_48_layer_hours", "extrapolation", "calibration", "schedule", "wall_s", "resource_options"}
+        "extrapolated_48_layer_hours", "extrapolation", "calibration", "schedule", "wall_s", "resource_options",
+        "plan_gib", "propagation_s_per_layer"}
 
 
 def run(*args, check=True, timeout=600):
@@ -71,6 +72,8 @@ def _recorded_work_dir(root: Path) -> Path:
         f"2026-12-05 10:00:30,000 {M}calibration: {cal}",
         f"2026-12-05 10:00:42,500 {M}{SCHEDULE}",
         f"2026-12-05 10:00:42,600 {M}calibration states: 17.2 GiB per copy; up to 4.0 GiB in cuda memory",
+        f"2026-12-05 10:00:42,700 {M}refine memory: ~70.5 GiB per block at peak on cuda:0 of 138.0 GiB available "
+        "(resident weights ~3.1 GiB + the largest phase: refinement ~67.4 GiB)",
         "2026-12-05 10:01:10,000 INFO moesq.progress: refine: layer 0 steps 1/1280 (0 %)",
         f"2026-12-05 10:06:00,000 {R}128 experts in 1 chunk(s), init 4.0 s, refinement 290.0 s (80 epochs × 16 steps)",
         "2026-12-05 10:06:05,000 INFO moesq.engine: refine: layer 0, 128 experts compressed in 300.0 s (rank 0 of 1)",
@@ -80,6 +83,8 @@ def _recorded_work_dir(root: Path) -> Path:
         f"2026-12-05 10:06:20,000 {E}layer 0 phases (s): {{'other': 0.0, 'write': 1.0, 'route': 2.0, 'weights': 1.0, "
         "'compress': 294.0, 'ranges': 2.0, 'gather': 0.0, 'wait': 0.0, 'install': 0.5, "
         "'propagate': 10.0, 'save states': 9.5}",
+        f"2026-12-05 10:06:20,001 {E}layer 0 peak GPU memory per phase (GiB allocated, reserved): "
+        "{'route': [22.0, 23.5], 'compress': [66.1, 68.0], 'propagate': [30.2, 31.0]}",
         f"2026-12-05 10:09:00,000 {R}64 experts in 1 chunk(s), init 2.0 s, refinement 100.0 s (block 1, stopped)",
         "Traceback (most recent call last):",
         f"2026-12-05 10:10:00,000 {start}",
@@ -135,7 +140,12 @@ def test_results_from_a_recorded_work_dir(tmp_path):
     assert rpc.extrapolate(doc["one_time_s"], 270.0, between) == pytest.approx(total)
     for number in ("60.0 s", "48 × 270.0 s", "47 × 20.00 s", f"{total:.0f} s", "300.0, 240.0"):
         assert number in doc["extrapolation"]
-    assert doc["peak_gpu_gib"] == 120.5 and doc["oom"] is False and doc["exit_status"] == 0
+    assert doc["peak_gpu_gib_nvidia_smi"] == 120.5 and doc["oom"] is False and doc["exit_status"] == 0
+    # torch's peak reserved memory over the blocks' phases, against the plan the refine memory line printed
+    assert doc["peak_gpu_gib"] == 68.0 and doc["plan_gib"] == 70.5 and doc["peak_within_plan"] is True
+    assert doc["plan_over_peak"] == round(70.5 / 68.0, 3)
+    assert b0["peak_gpu_gib"]["compress"] == [66.1, 68.0] and "peak_gpu_gib" not in b1
+    assert doc["propagation_s_per_layer"] == 10.0
     assert doc["wall_s"] == [540.0, 300.0] and doc["resource_options"] == {}
     assert doc["calibration"]["routed_rows_per_block"] == (960 + 64) * 4096 * 8 == 33554432
     assert doc["schedule"].startswith("80 epochs × 16 steps = 1280 Lion steps per block")
@@ -180,7 +190,8 @@ def test_smoke_run_stops_at_the_deadline_resumes_and_writes_results(tmp_path):
     assert doc["calibration"]["routed_rows_per_block"] == (8 + 4) * 32 * 4
     assert "Lion steps per block" in doc["schedule"]
     assert str(tmp_path) not in json.dumps(doc) + md and "/tmp" not in md
-    assert "| date | GPU | commit | GPU-min per block | peak GPU GiB (nvidia-smi) | OOM | 48-layer hours" in md
+    assert ("| date | GPU | commit | GPU-min per block | plan GiB | peak GiB (torch, reserved) | peak GiB (nvidia-smi) "
+            "| OOM | propagation s/layer | 48-layer hours") in md
     # a finished run is not redone; other options on the same root are refused
     again = run("--root", root, *SMOKE)
     assert "refine:" not in again.stdout.split("#")[0]

@@ -8,6 +8,7 @@ from moesq_core.compression.methods.refine import RefineConfig, RefineMethod
 from moesq_core.compression.methods.refine.trainer import validated_epochs
 from moesq_core.compression.methods.rtn import RTN
 from moesq_core.formats import get_format
+
 from test_refine import FAST, assert_same_experts, make_block
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: small tensors, one intra-op thread

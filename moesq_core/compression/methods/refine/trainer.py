@@ -704,6 +704,7 @@ class BlockRefiner:
         self._setup_params()
         self.step_count = 0
         self.rows_done = 0  # routed training rows the steps so far have trained on
+        self.validated = validated_epochs(config.epochs, config.validations)  # the epochs `run` validates after
 
     # --- setup -------------------------------------------------------------------------------------------
 
@@ -1290,7 +1291,6 @@ class BlockRefiner:
         """Validate the init, train and validate each epoch, export the best epoch per expert (see the class);
         on_step(steps done, routed rows trained on so far) after every optimizer step."""
         t0 = time.perf_counter()
-        self.validated = validated_epochs(self.cfg.epochs, self.cfg.validations)
         for epoch in range(1, self.cfg.epochs + 1):
             te = time.perf_counter()
             tl = self.train_epoch(on_step=on_step)
@@ -1335,8 +1335,7 @@ class BlockRefiner:
                 "refine": {
                     "best_epoch": best_epoch[e],
                     "val_loss": [None if math.isnan(x) else x for x in val[:, e].tolist()],
-                    **({"val_epochs": [0, *sorted(self.validated)]}
-                       if len(getattr(self, "validated", ())) < self.cfg.epochs else {}),
+                    **({"val_epochs": [0, *sorted(self.validated)]} if len(self.validated) < self.cfg.epochs else {}),
                     "train_loss": train[:, e].tolist() if train is not None else [],
                     "n_train": int(self.n_train[e]), "n_val": int(self.n_val[e]),
                     "steps": self.step_count,
