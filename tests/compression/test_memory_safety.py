@@ -226,3 +226,29 @@ def test_a_layer_pass_out_of_memory_is_retried_in_halves(micro_path, caplog):
     assert sizes == [4, 2, 1, 1, 2, 1, 1]
     torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-6)
     assert "retrying them in two halves" in caplog.text
+
+
+@pytest.mark.parametrize("weighting", ["none", "w2"])
+def test_hessians_over_row_pieces_equal_one_pass(monkeypatch, weighting):
+    """The one-shot methods' statistics go over an expert's rows piece by piece (a hot expert's SwiGLU intermediate
+    at the paper's calibration would be ~10 GB at once): the same sums in the same order."""
+    from moesq_core.compression.methods import base
+    from moesq_core.compression.methods.hessian import hessian, input_sq_norms
+    from moesq_core.compression.methods.rtn import check_expert
+
+    ex = make_block(E=1, H=64, inter=32, n=250, with_val=False)[0]
+    tokens = torch.cat([torch.randn(30, 64), ex.x])
+    shared = base.ExpertData(0, ex.gate, ex.up, ex.down, TokenRows(tokens, torch.arange(30, 280)), ex.w)
+    monkeypatch.setattr(base, "ROW_PIECE", 100)  # 3 pieces, the last one short
+    assert [a for a, _ in shared.input_pieces()] == [0, 100, 200]
+    for whole, pieces in ((ex.inputs(), shared.input_pieces()),
+                          (ex.dense_intermediate(), shared.intermediate_pieces())):
+        assert torch.equal(hessian(pieces, ex.w, weighting, chunk=50), hessian(whole, ex.w, weighting, chunk=50))
+        torch.testing.assert_close(input_sq_norms(pieces, ex.w, weighting), input_sq_norms(whole, ex.w, weighting))
+    empty = base.ExpertData(0, ex.gate, ex.up, ex.down, TokenRows(tokens, torch.zeros(0, dtype=torch.int64)),
+                            torch.zeros(0))
+    assert torch.equal(hessian(empty.input_pieces()), torch.zeros(64, 64))
+    check_expert(shared, get_format("p48-nvfp4"))
+    tokens[200, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite calibration inputs"):
+        check_expert(shared, get_format("p48-nvfp4"))

@@ -71,6 +71,30 @@ def as_tensor(x: Rows, device: torch.device | None = None) -> torch.Tensor:
     return x.float() if device is None else x.to(device, torch.float32)
 
 
+ROW_PIECE = 1 << 16  # rows per piece of a pass over one expert's rows (a multiple of hessian's fp64 chunk)
+
+
+def rows_slice(x: Rows, a: int, b: int) -> Rows:
+    """Rows a..b of x (shared token rows stay shared: only their indices are sliced)."""
+    return TokenRows(x.tokens, x.idx[a:b]) if isinstance(x, TokenRows) else x[a:b]
+
+
+@dataclass(frozen=True)
+class RowPieces:
+    """`n` rows of `width` values, made piece by piece (`piece(a, b)`: fp32 [b - a, width]) so that a pass over a
+    hot expert's rows (a million of them at the paper's calibration: 8 GB in fp32, more for the SwiGLU
+    intermediate) holds ROW_PIECE of them at a time. Iterating gives (first row, piece) pairs."""
+
+    n: int
+    width: int
+    piece: Callable[[int, int], torch.Tensor]
+    device: torch.device | None = None  # where the pieces are made
+
+    def __iter__(self):
+        for a in range(0, self.n, ROW_PIECE):
+            yield a, self.piece(a, min(a + ROW_PIECE, self.n))
+
+
 @dataclass
 class ExpertData:
     """One expert of one block. Weights are fp32 [out, in] (gate/up: [I, H], down: [H, I]).
@@ -100,6 +124,17 @@ class ExpertData:
     def inputs(self) -> torch.Tensor:
         """x as an fp32 tensor [n, H] on the weights' device (a gathered copy for shared token rows)."""
         return as_tensor(self.x, self.gate.device)
+
+    def input_pieces(self) -> RowPieces:
+        """`inputs()` piece by piece (RowPieces)."""
+        return RowPieces(self.n_rows, self.gate.shape[1],
+                         lambda a, b: as_tensor(rows_slice(self.x, a, b), self.gate.device), self.gate.device)
+
+    def intermediate_pieces(self) -> RowPieces:
+        """`dense_intermediate()` piece by piece (RowPieces)."""
+        return RowPieces(self.n_rows, self.gate.shape[0],
+                         lambda a, b: self.dense_intermediate(as_tensor(rows_slice(self.x, a, b), self.gate.device)),
+                         self.gate.device)
 
     def dense_intermediate(self, x: torch.Tensor | None = None) -> torch.Tensor:
         """SwiGLU intermediate of the uncompressed expert: the input of down_proj."""

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from moesq_core.compression.methods import spd
-from moesq_core.compression.methods.base import ExpertData
+from moesq_core.compression.methods.base import ExpertData, RowPieces
 
 log = logging.getLogger(__name__)
 
@@ -48,32 +48,58 @@ def token_coefficients(n: int, w: torch.Tensor | None, weighting: str, device) -
     return w if weighting == "w" else w * w
 
 
-def hessian(x: torch.Tensor, w: torch.Tensor | None = None, weighting: str = "none", chunk: int = 8192) -> torch.Tensor:
-    """H = 2/Σc Σ_t c_t x_t x_tᵀ (c_t = 1 gives GPTQ's 2/n XᵀX). x: [n, d]. fp64 accumulation, fp32 result.
+def _pieces(x) -> tuple[int, int, object]:
+    """(rows, width, (first row, piece) pairs) of a tensor [n, d] or RowPieces."""
+    if isinstance(x, RowPieces):
+        return x.n, x.width, iter(x)
+    if x.dim() != 2:
+        raise ValueError(f"calibration inputs must be [tokens, features], got shape {tuple(x.shape)}")
+    return x.shape[0], x.shape[1], iter([(0, x)])
+
+
+def hessian(x: torch.Tensor | RowPieces, w: torch.Tensor | None = None, weighting: str = "none",
+            chunk: int = 8192) -> torch.Tensor:
+    """H = 2/Σc Σ_t c_t x_t x_tᵀ (c_t = 1 gives GPTQ's 2/n XᵀX). x: [n, d], or RowPieces (made piece by piece, the
+    same sums in the same order). fp64 accumulation, fp32 result.
 
     n = 0 (or all-zero weights) gives the zero matrix: every column is then dead.
     """
-    if x.dim() != 2:
-        raise ValueError(f"calibration inputs must be [tokens, features], got shape {tuple(x.shape)}")
-    n, d = x.shape
-    c = token_coefficients(n, w, weighting, x.device)
-    H = torch.zeros(d, d, dtype=torch.float64, device=x.device)
-    for s in range(0, n, chunk):  # chunked so the fp64 copy of x never exceeds `chunk` rows
-        xs = x[s:s + chunk].to(torch.float64)
-        xw = xs if c is None else xs * c[s:s + chunk, None]
-        H += xw.T @ xs
+    n, d, pieces = _pieces(x)
+    device = x.device
+    c = H = None
+    for start, xp in pieces:
+        if H is None:
+            device = xp.device
+            c = token_coefficients(n, w, weighting, device)
+            H = torch.zeros(d, d, dtype=torch.float64, device=device)
+        for s in range(0, xp.shape[0], chunk):  # chunked so the fp64 copy of x never exceeds `chunk` rows
+            xs = xp[s:s + chunk].to(torch.float64)
+            o = start + s
+            xw = xs if c is None else xs * c[o:o + xs.shape[0], None]
+            H += xw.T @ xs
+    if H is None:  # no rows
+        token_coefficients(n, w, weighting, device)
+        return torch.zeros(d, d, device=device)
     total = float(n) if c is None else float(c.sum())
     if total > 0:
         H *= 2.0 / total
     return H.float()
 
 
-def input_sq_norms(x: torch.Tensor, w: torch.Tensor | None = None, weighting: str = "none") -> torch.Tensor:
-    """Σ_t c_t x_tj² per input column j (fp32): Wanda's ‖X_j‖₂², optionally router-weighted."""
-    c = token_coefficients(x.shape[0], w, weighting, x.device)
-    x64 = x.to(torch.float64)
-    sq = x64 * x64
-    return (sq.sum(0) if c is None else (sq * c[:, None]).sum(0)).float()
+def input_sq_norms(x: torch.Tensor | RowPieces, w: torch.Tensor | None = None, weighting: str = "none") -> torch.Tensor:
+    """Σ_t c_t x_tj² per input column j (fp32): Wanda's ‖X_j‖₂², optionally router-weighted. x: [n, d] or
+    RowPieces."""
+    n, d, pieces = _pieces(x)
+    out = None
+    for start, xp in pieces:
+        c = token_coefficients(n, w, weighting, xp.device)
+        x64 = xp.to(torch.float64)
+        sq = x64 * x64
+        part = sq.sum(0) if c is None else (sq * c[start:start + xp.shape[0], None]).sum(0)
+        out = part if out is None else out + part
+    if out is None:
+        return torch.zeros(d, device=x.device)
+    return out.float()
 
 
 def expert_hessians(ex: ExpertData, weighting: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,10 +246,11 @@ class BlockStatistics:
     sq_norms: torch.Tensor | None  # [E, d] Σ c_t x_tj² (Wanda's scores), when asked for
 
 
-def block_statistics(experts: list[ExpertData], inputs: Callable[[ExpertData], torch.Tensor], weighting: str = "none",
-                     sq_norms: bool = False) -> BlockStatistics:
+def block_statistics(experts: list[ExpertData], inputs: Callable[[ExpertData], torch.Tensor | RowPieces],
+                     weighting: str = "none", sq_norms: bool = False) -> BlockStatistics:
     """`hessian` (and `input_sq_norms`) of each expert's inputs(ex), one expert at a time: token counts differ,
-    and an input such as the SwiGLU intermediate is materialised for one expert only, never for the chunk."""
+    and an input such as the SwiGLU intermediate is made for one expert only, never for the chunk, and piece by
+    piece where inputs(ex) gives RowPieces (ExpertData.input_pieces, intermediate_pieces)."""
     hs, plain, norms = [], [], []
     for ex in experts:
         x = inputs(ex)

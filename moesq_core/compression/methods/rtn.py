@@ -31,7 +31,7 @@ def check_expert(ex: ExpertData, fmt: Format) -> None:
     shape = tuple(ex.x.shape)
     if len(shape) != 2 or shape[1] != H:
         raise ValueError(f"expert {ex.index}: calibration inputs have shape {shape}, expected [n, {H}]")
-    if ex.n_rows and not bool(torch.isfinite(ex.inputs()).all()):
+    if ex.n_rows and not all(bool(torch.isfinite(p).all()) for _, p in ex.input_pieces()):
         raise ValueError(f"expert {ex.index}: non-finite calibration inputs")
 
 

@@ -566,8 +566,8 @@ class SGPTQ:
         solver = self._solver(fmt)
         inter = experts[0].gate.shape[0]
         results: list[dict] = [dict(q={}, latent={}, pinned={}, rel_err={}, percdamp={}, damp={}) for _ in experts]
-        phases = (("gate_up", ("gate", "up"), lambda ex: ex.inputs(), lambda ex: torch.cat([ex.gate, ex.up])),
-                  ("down", ("down",), lambda ex: ex.dense_intermediate(), lambda ex: ex.down))
+        phases = (("gate_up", ("gate", "up"), lambda ex: ex.input_pieces(), lambda ex: torch.cat([ex.gate, ex.up])),
+                  ("down", ("down",), lambda ex: ex.intermediate_pieces(), lambda ex: ex.down))
         for phase, projs, inputs, weight in phases:
             stats = block_statistics(experts, inputs, self.hessian_weighting)
             H = stats.H
