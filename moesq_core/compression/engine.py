@@ -123,14 +123,22 @@ class StateStore:
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def _read(self, c: SpilledChunk) -> torch.Tensor:
+    def _read(self, c: SpilledChunk, device: torch.device | None = None) -> torch.Tensor:
         import numpy as np
 
+        device = c.device if device is None else device
         if c.nbytes == 0:
-            return torch.empty(c.shape, dtype=c.dtype, device=c.device)
+            return torch.empty(c.shape, dtype=c.dtype, device=device)
         # copy-on-write map: lazily paged in, never written back; back to the device the states came from
         mm = np.memmap(self.spill_path, dtype=np.uint8, mode="c", offset=c.offset, shape=(c.nbytes,))
-        return torch.from_numpy(mm).view(c.dtype).reshape(c.shape).to(c.device)
+        return torch.from_numpy(mm).view(c.dtype).reshape(c.shape).to(device)
+
+    def stored(self, i: int) -> torch.Tensor:
+        """Chunk i where the store keeps it (host memory for a spilled or held chunk), not moved to its device."""
+        c = self.chunks[i]
+        if isinstance(c, SpilledChunk):
+            return self._read(c, torch.device("cpu"))
+        return c.tensor if isinstance(c, HeldChunk) else c
 
     def __iter__(self):
         for i in range(len(self.chunks)):

@@ -27,6 +27,7 @@ from moesq_core.paths import inside
 log = logging.getLogger("moesq.engine")
 
 EVERY_S = 60.0  # at most one save a minute: a save is ~0.5 s per GB of states, a resume loses < a minute
+SAVE_COST_RATIO = 20  # and at most one per 20 × the last save's duration (StateCheckpoint.due)
 
 
 def _tokens_digest(calib: dict[str, torch.Tensor], splits: list[str]) -> str:
@@ -48,13 +49,18 @@ class StateCheckpoint:
         self.record_path = self.dir / f"{self.stage}-states.json"
         self.key = {"batch_size": batch_size, "splits": self.splits, "tokens": _tokens_digest(calib, splits)}
         self.last_save = time.monotonic()
+        self.last_seconds = 0.0  # how long the last save took
 
     def _blocks(self, upto: int) -> dict[str, str]:
         return {str(k): sha256 for k, sha256 in self.ledger.blocks().items() if k <= upto}
 
     # -- save ------------------------------------------------------------------------------------------------
     def due(self) -> bool:
-        return time.monotonic() - self.last_save >= self.every_s
+        """Whether a save is due: `every_s` since the last one, and at least SAVE_COST_RATIO × the last save's own
+        duration (every_s 0: after every block), so saving takes at most ~1/SAVE_COST_RATIO of the stage (a full-width model's 18 GiB of states at
+        the paper's calibration take ~40 s to write: after every 6-minute block that was a tenth of the run)."""
+        elapsed = time.monotonic() - self.last_save
+        return elapsed >= self.every_s and (self.every_s == 0 or elapsed >= SAVE_COST_RATIO * self.last_seconds)
 
     def save(self, layer: int, moe_layers: list[int], stores: dict) -> None:
         """The states entering layer `layer` + 1, after the finished MoE blocks up to `layer`."""
@@ -66,7 +72,8 @@ class StateCheckpoint:
         chunks, h, offset = [], hashlib.sha256(), 0
         with atomic_path(raw) as tmp, open(tmp, "wb") as f:
             for s in self.splits:
-                for t in stores[s]:
+                for i in range(len(stores[s])):
+                    t = stores[s].stored(i)  # as kept (host memory or the spill file), not via its device
                     b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
                     f.write(memoryview(b))
                     h.update(memoryview(b))
@@ -77,6 +84,7 @@ class StateCheckpoint:
                                              "sha256": h.hexdigest(), "bytes": offset, "chunks": chunks})
         self._remove_files(keep=raw.name)  # the previous save (and any a kill left unrecorded)
         self.last_save = time.monotonic()
+        self.last_seconds = time.perf_counter() - t0
         log.info("%s: calibration states after layer %d saved for resuming (%.2f GB in %.1f s)", self.stage, layer,
                  offset / 1e9, time.perf_counter() - t0)
 

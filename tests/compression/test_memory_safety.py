@@ -252,3 +252,25 @@ def test_hessians_over_row_pieces_equal_one_pass(monkeypatch, weighting):
     tokens[200, 3] = float("nan")
     with pytest.raises(ValueError, match="non-finite calibration inputs"):
         check_expert(shared, get_format("p48-nvfp4"))
+
+
+def test_states_are_saved_for_resuming_at_most_a_twentieth_of_the_time(tmp_path, monkeypatch):
+    from moesq_core.compression import state_checkpoint
+    from moesq_core.compression.workdir import WorkDir
+
+    clock = [1000.0]
+    monkeypatch.setattr(state_checkpoint.time, "monotonic", lambda: clock[0])
+    ledger = WorkDir(tmp_path / "wd").ledger("refine")
+    saved = state_checkpoint.StateCheckpoint(ledger, {"init": torch.zeros(2, 3, dtype=torch.int64)}, ["init"], 8,
+                                             every_s=60)
+    clock[0] += 61
+    assert saved.due()
+    saved.last_save, saved.last_seconds = clock[0], 40.0  # a full-width model's states took 40 s to write
+    clock[0] += 61
+    assert not saved.due()  # a minute later: saving would be 40 s of every 100
+    clock[0] += 740
+    assert saved.due()  # 800 s after: 1/20 of the time
+    every_block = state_checkpoint.StateCheckpoint(ledger, {"init": torch.zeros(2, 3, dtype=torch.int64)}, ["init"],
+                                                   8, every_s=0)
+    every_block.last_seconds = 40.0
+    assert every_block.due()
