@@ -56,9 +56,10 @@ class StateCheckpoint:
 
     # -- save ------------------------------------------------------------------------------------------------
     def due(self) -> bool:
-        """Whether a save is due: `every_s` since the last one, and at least SAVE_COST_RATIO × the last save's own
-        duration (every_s 0: after every block), so saving takes at most ~1/SAVE_COST_RATIO of the stage (a full-width model's 18 GiB of states at
-        the paper's calibration take ~40 s to write: after every 6-minute block that was a tenth of the run)."""
+        """Whether a save is due: `every_s` since the last one (0: after every block), and at least
+        SAVE_COST_RATIO × the last save's own duration, so saving takes at most ~1/SAVE_COST_RATIO of the stage (a
+        full-width model's 18 GiB of states at the paper's calibration take ~40 s to write: after every 6-minute
+        block that was a tenth of the run)."""
         elapsed = time.monotonic() - self.last_save
         return elapsed >= self.every_s and (self.every_s == 0 or elapsed >= SAVE_COST_RATIO * self.last_seconds)
 
