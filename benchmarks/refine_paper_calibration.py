@@ -238,10 +238,12 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
     compute_s = statistics.mean(secs) if secs else None
 
     # between two blocks: install, propagation of the states through the layer, saving them for a resume
-    between = [sum(b["phases"].get(p, 0.0) for p in ("install", "propagate", "save states"))
-               for b in per_block if "propagate" in b.get("phases", {})]
+    # every propagation the log shows, a resumed run's too (it propagates the loaded blocks without computing them)
+    propagated = [phases for line in (log.read_text(errors="replace").splitlines() if log.is_file() else [])
+                  if (got := block_phase_line(line)) and "propagate" in (phases := got[1])]
+    between = [sum(ph.get(p, 0.0) for p in ("install", "propagate", "save states")) for ph in propagated]
     between_s = statistics.mean(between) if between else None
-    propagate = [b["phases"]["propagate"] for b in per_block if "propagate" in b.get("phases", {})]
+    propagate = [ph["propagate"] for ph in propagated]
     peaks = peaks_from_log(log)
     for b in per_block:
         if b["layer"] in peaks:
@@ -277,7 +279,7 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
     if compute_s is not None and not missing:
         total = extrapolate(one_time, compute_s, between_s, L)
         hours = round(total / 3600, 2)
-        measured_on = ", ".join(str(b["layer"]) for b in per_block if "propagate" in b.get("phases", {})) or "none"
+        measured_on = f"{len(between)} measured" if between else "none"
         sentence = (
             f"{L}-layer time = one-time costs {sum(one_time.values()):.1f} s "
             f"(model load {one_time['model_load']:.1f} s "
@@ -290,7 +292,7 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
             f"activation ranges and the artifact write: its packing and the wait for the previous block's "
             f"background write) + {L - 1} × {between_s or 0.0:.2f} s (between two blocks: installing the block and "
             f"propagating the calibration states through its layer, with saving them for a resume; the engine's "
-            f"phase lines, block {measured_on}) = {total:.0f} s = {hours:.2f} h on one GPU. "
+            f"phase lines, {measured_on}) = {total:.0f} s = {hours:.2f} h on one GPU. "
             f"The first block's time includes the process's warm-up (compilation), so the mean of {len(secs)} "
             f"blocks overstates a {L}-layer run's steady state.")
     elif compute_s is None:
@@ -328,7 +330,7 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
         "propagation_s_per_layer": round(statistics.mean(propagate), 2) if propagate else None,
         "propagation_s_per_layer_source": "the engine's 'propagate' phase (running the calibration states through "
                                           "the layer with its compressed block, from and back to host memory), mean "
-                                          "over the layers measured",
+                                          "over every propagation in the log",
         "peak_host_gib": max((a.get("peak_host_gib", 0) for a in attempts), default=None),
         "oom": oom, "exit_status": final_rc,
         "wall_s": [a["wall_s"] for a in attempts],

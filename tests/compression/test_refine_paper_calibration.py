@@ -151,7 +151,7 @@ def test_results_from_a_recorded_work_dir(tmp_path):
     assert doc["schedule"].startswith("80 epochs × 16 steps = 1280 Lion steps per block")
     text = json.dumps(doc) + rpc.markdown(doc)
     assert str(tmp_path) not in text and "/data" not in text  # relative paths only
-    assert "| 2026-12-05 | NVIDIA H200 | abc1234 | 4.50 | 120.5 | no |" in rpc.markdown(doc)
+    assert "| 2026-12-05 | NVIDIA H200 | abc1234 | 4.50 | 70.5 | 68.0 | 120.5 | no | 10.0 |" in rpc.markdown(doc)
     # an out-of-memory error in the log is reported
     with open(work / "logs" / "moesq.log", "a") as f:
         f.write("2026-12-05 10:20:00,000 INFO moesq: traceback:\ntorch.OutOfMemoryError: CUDA out of memory.\n")
