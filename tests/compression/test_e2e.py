@@ -512,6 +512,10 @@ def test_auto_window_is_the_largest_that_fits(micro_path):
     three = e2e_window_plan(model, adapter, 4, 256, 3, None)
     assert three.windows == [[0, 1, 2], [3]] and three.describe() == "2 windows of 3 blocks: layers 0-2, 3"
     assert e2e_window_plan(model, adapter, 4, 256, 9, None).windows == [[0, 1, 2, 3]]
+    import dataclasses
+
+    many = dataclasses.replace(three, windows=[[i] for i in range(48)])
+    assert many.describe() == "48 windows of 1 block: layers 0, 1, …, 47"
 
 
 def test_auto_end_to_end_plans_windows_where_the_whole_model_does_not_fit_and_says_so(micro_path):

@@ -175,11 +175,13 @@ class WindowPlan:
         return len(self.windows) == 1
 
     def describe(self) -> str:
-        """The windows in words: "the whole model at once" or "2 windows of 2 blocks: layers 0-1, 2-3"."""
+        """The windows in words: "the whole model at once", "2 windows of 2 blocks: layers 0-1, 2-3" (more than
+        six: "48 windows of 1 block: layers 0, 1, …, 47")."""
         if self.whole:
             return "the whole model at once"
         size = len(self.windows[0])
-        spans = ", ".join(f"{w[0]}-{w[-1]}" if len(w) > 1 else f"{w[0]}" for w in self.windows)
+        spans = [f"{w[0]}-{w[-1]}" if len(w) > 1 else f"{w[0]}" for w in self.windows]
+        spans = ", ".join(spans if len(spans) <= 6 else [*spans[:2], "…", spans[-1]])
         return f"{len(self.windows)} windows of {size} block{'s' if size > 1 else ''}: layers {spans}"
 
 
