@@ -538,7 +538,7 @@ def refine(
     checks (before, and after each pass) ships. It rewrites the stage's blocks in one step (resumable) and
     holds every expert's values and Adam moments at once (~24 bytes per expert weight). Where that does not fit
     the device (or --e2e-memory-gb), it tunes windows of consecutive blocks one after the other, the other
-    blocks frozen as served (4 bytes per expert weight), against the same KL through the rest of the model:
+    blocks frozen in their compressed form, against the same KL through the rest of the model:
     --e2e-window N blocks per window, or auto (the default: the whole model where it fits, else the largest
     window that fits); each window runs the step's passes and is saved as it ends (resumable). By default (auto)
     it runs 2 passes over those sequences, at most 256 steps, when its windows fit, and says before the block

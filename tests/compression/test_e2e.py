@@ -76,6 +76,39 @@ def test_tunable_experts_compute_what_the_export_serves(act_quant):
         torch.testing.assert_close(m.V[p].grad, grads[p], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_frozen_experts_compute_what_serving_does_from_the_compressed_weights(act_quant):
+    """A block outside the tuned window: the served module's outputs and input gradients, holding the compressed
+    weights (under 0.6 of the dequantized copy's bytes) and no dequantized copy for the backward; its activation
+    quantizers straight-through, like the tuned blocks', so the gradient flows through it to the window."""
+    from moesq_core.compression.methods.refine.e2e import FrozenExperts
+
+    fmt = get_format("p48-nvfp4")
+    weights = _random_block(fmt)
+    amax_in, amax_mid = torch.tensor([3.0, 2.5, 4.0]), torch.tensor([1.0, 0.5, 2.0])
+    frozen = FrozenExperts(fmt, weights, act_quant, amax_in, amax_mid)
+    served = MoesqExperts.from_quantized(fmt, weights, act_quant, amax_in, amax_mid)
+    straight = MoesqExperts.from_quantized(fmt, weights, act_quant, amax_in, amax_mid)
+    straight.ste = True  # what TunableExperts computes from the same weights
+    g = torch.Generator().manual_seed(1)
+    idx = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(40)])
+    wts = torch.rand(40, 2, generator=g)
+    x = torch.randn(40, 96, generator=g)
+    gate_up, down = served.stacked_linears()
+    assert all(torch.equal(a, b) for a, b in zip(frozen.stacked_linears(), (gate_up, down)))
+    for batched in (False, True):
+        frozen.batched = served.batched = straight.batched = batched
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        ys = [m(xi, idx, wts) for m, xi in zip((frozen, straight), xs)]
+        assert torch.equal(ys[0].detach(), ys[1].detach())
+        torch.testing.assert_close(ys[0].detach(), served(x, idx, wts), rtol=0, atol=1e-6)
+        for y in ys:
+            y.square().sum().backward()
+        assert torch.equal(xs[0].grad, xs[1].grad) and xs[0].grad.abs().sum() > 0
+    held = sum(b.numel() * b.element_size() for n, b in frozen.named_buffers() if not n.startswith("act_"))
+    assert held < 0.6 * (gate_up.numel() + down.numel()) * 4 and frozen._w is None
+
+
 def _artifacts(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted((root / "stages").rglob("*.safetensors"))}

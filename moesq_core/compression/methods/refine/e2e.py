@@ -32,9 +32,12 @@ objective stays the true one (the next-token distribution, which is what the ste
 is what the block loop already fits), and nothing new is needed: the reference's final states are computed once
 for all windows (the states at each window's end would cost one stored set per window), the prefix before the
 window runs without autograd (no parameter there needs a gradient, so it keeps no activations), and a window of
-the whole model is exactly the whole-model step (the same code, the same bytes). Its cost is memory the frozen
-blocks hold (their served fp32 weights, 4 bytes per expert weight instead of the window's ~25) and time: each
-window runs the step's passes, so k windows cost about k whole-model steps. Windows are planned before the block
+the whole model is exactly the whole-model step (the same code, the same bytes). The frozen blocks hold their
+compressed weights (FrozenExperts: ~2.25 bytes per expert weight against the window's ~25), dequantized one block at
+a time, and their forward runs again in the backward (a checkpoint: the backward does not keep their dequantized
+weights); their activation quantizers are straight-through like the window's, so the gradient reaches the window
+through them. The cost is time: each window runs the step's passes, so k windows cost about k whole-model steps
+(plus one more forward of the blocks after the window, for the checkpoint). Windows are planned before the block
 loop (`e2e_window_plan`, from the device's memory: `auto` takes the whole model where it fits, else the largest
 window that fits), and each finished window is saved before the next starts (a killed run resumes at the window
 it was in; pipeline.tune_end_to_end).
@@ -117,6 +120,57 @@ class TunableExperts(MoesqExperts):
         return out
 
 
+class FrozenExperts(MoesqExperts):
+    """A block outside the window being tuned: MoesqExperts' arithmetic on the block's compressed weights, which it
+    holds as they are (codes, block scales, global scales, masks: ~2.25 bytes per weight instead of the 4 of the
+    dequantized fp32 copy). A forward dequantizes the block once; under autograd the forward is checkpointed (run
+    again in the backward), so the dequantized copy is not kept for the backward either: only the block being
+    computed holds one. Its activation quantizers are straight-through, as the tuned blocks' are (TunableExperts):
+    the gradient reaches the window through the blocks after it."""
+
+    ste = True
+
+    def __init__(self, fmt: Format, weights: list[dict[str, QuantizedWeight]], act_quant: bool,
+                 act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor, device=None):
+        E = len(weights)
+        super().__init__(fmt, torch.empty(E, 0, 0), torch.empty(E, 0, 0), act_quant,
+                         input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
+        for p in PROJECTIONS:
+            qws = [w[p] for w in weights]
+            self.register_buffer(f"codes_{p}", torch.stack([q.codes for q in qws]))
+            self.register_buffer(f"scales_{p}", torch.stack([q.scales.float() for q in qws]))
+            self.register_buffer(f"global_{p}", torch.stack([q.global_scale.float().reshape(1, 1) for q in qws]))
+            self.register_buffer(f"kept_{p}", torch.stack([q.mask.bool() for q in qws]))
+        self._w: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.to(device)
+
+    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) fp32: QuantizedWeight.dequantize of the stacked experts (the same
+        elementwise arithmetic as from_quantized's per expert)."""
+        w = {p: QuantizedWeight(self.fmt.name, getattr(self, f"codes_{p}"), getattr(self, f"scales_{p}"),
+                                getattr(self, f"global_{p}"), getattr(self, f"kept_{p}")).dequantize().float()
+             for p in PROJECTIONS}
+        return torch.cat([w["gate"], w["up"]], dim=1), w["down"]
+
+    def stacked_linears(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._w if self._w is not None else self._dequantized()
+
+    def _forward(self, hidden_states, top_k_index, top_k_weights):
+        self._w = self._dequantized()  # once per forward, for all experts
+        try:
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        finally:
+            self._w = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._forward, hidden_states, top_k_index, top_k_weights, use_reentrant=False)
+        return self._forward(hidden_states, top_k_index, top_k_weights)
+
+
 # Bytes the step holds per expert weight beyond the dense weights: latent V, its gradient and Adam's two
 # moments (fp32 each), the fake-quantized weights its forward keeps for the backward (fp32), the mask.
 STATE_BYTES_PER_WEIGHT = 4 * 4 + 4 + 1
@@ -125,8 +179,11 @@ STATE_BYTES_PER_WEIGHT = 4 * 4 + 4 + 1
 ACTIVATION_WIDTHS_PER_LAYER = 24
 
 
-# Bytes a frozen block holds per expert weight while another window tunes: its served weights, dequantized (fp32).
-FROZEN_BYTES_PER_WEIGHT = 4
+# Bytes a frozen block holds per expert weight while another window tunes (FrozenExperts: uint8 codes, a bool mask,
+# fp32 block scales of 16 weights), and those of the one frozen block being computed (its dequantized fp32 weights
+# and gate_up's concatenated copy)
+FROZEN_BYTES_PER_WEIGHT = 2.25
+FROZEN_TRANSIENT_BYTES_PER_WEIGHT = 8
 
 
 def _expert_weights(adapter, model) -> tuple[dict[int, int], int]:
@@ -151,7 +208,8 @@ def window_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int, 
     after = max(len(counts), cfg.num_hidden_layers) - (min(layers) if frozen else 0)  # layers the backward runs
     tokens = batch_size * seq_len
     acts = tokens * 4 * (cfg.hidden_size * ACTIVATION_WIDTHS_PER_LAYER * after + 3 * cfg.vocab_size)
-    return tuned * (itemsize + STATE_BYTES_PER_WEIGHT) + frozen * FROZEN_BYTES_PER_WEIGHT + acts
+    transient = FROZEN_TRANSIENT_BYTES_PER_WEIGHT * max((c for li, c in counts.items() if li not in layers), default=0)
+    return tuned * (itemsize + STATE_BYTES_PER_WEIGHT) + int(frozen * FROZEN_BYTES_PER_WEIGHT) + transient + acts
 
 
 def memory_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int) -> int:
@@ -331,8 +389,8 @@ class EndToEndTuner:
                                    self.device)
                 self.modules[li] = m
             else:
-                m = MoesqExperts.from_quantized(self.fmt, [r.weights() for r in results], self.act_quant, amax_in,
-                                                amax_mid).to(self.device)
+                m = FrozenExperts(self.fmt, [r.weights() for r in results], self.act_quant, amax_in, amax_mid,
+                                  self.device)
             b.mlp.experts = m  # every block at once (not set_experts: a lazily opened model would release them)
 
     def _train(self, train, val, ref_train, ref_val, progress, name: str = "") -> E2EResult:
