@@ -447,7 +447,7 @@ def tune_end_to_end(ledger: StageLedger, identity: RunIdentity, model, adapter, 
         packed = pack_block(result_blocks[li], *blocks[li][2:])
         return ledger.write_artifact(li, lambda tmp: write_block(tmp, *packed), variant="e2e")
 
-    finished = ledger.finished_windows(windows) if len(windows) > 1 else []
+    finished = ledger.finished_windows(windows)  # [] where none, or (their files removed) planned otherwise
     for summary, done in finished:  # a resumed run: the windows tuned before it was interrupted
         for li, path in done.items():
             blocks[li] = (blocks[li][0], *load_block(path))
