@@ -16,10 +16,10 @@ artifact checksums). The shared models are read from `../shared` next to the che
 packaged micro model with the packaged calibration and evaluation samples.
 
 Rows (`--rows`, comma-separated names or the groups `all`, `core`, `ablations`, `budget`, `paper-budget`,
-`fp8`, `e2e`, `gpu`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8 magnitude,
-Wanda, JSQ, OBR, SGPTQ (export-exact scales, fp32 scales, refit); refinement (default, other seeds, the paper's
-raw rates, values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps, with end-to-end tuning
-after the last block); the release-faithful
+`fp8`, `e2e`, `e2e-window`, `gpu`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8
+magnitude, Wanda, JSQ, OBR, SGPTQ (export-exact scales, fp32 scales, refit); refinement (default, other seeds, the
+paper's raw rates, values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps, with end-to-end
+tuning after the last block, of the whole model or in windows of blocks); the release-faithful
 configuration (recipes/release-faithful.yaml, minus the serving-time activation scale); s24-fp8 SGPTQ / refine.
 Every compressed row is run weights-only ("wo") and/or with the format's activation quantizer ("wa": W4A4 for
 NVFP4, W8A8 for FP8), each in its own work dir (a work dir holds one activation setting). Refinement rows
@@ -128,6 +128,9 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
     "refine-default": ("p48-nvfp4", "refine", "sgptq", DEFAULTS),
     "refine-default-seed1": ("p48-nvfp4", "refine", "sgptq", {**DEFAULTS, "seed": 1}),
+    "refine-default-w2": ("p48-nvfp4", "refine", "sgptq", {**DEFAULTS, "e2e_window": 2}),
+    "refine-default-w2-seed1": ("p48-nvfp4", "refine", "sgptq", {**DEFAULTS, "e2e_window": 2, "seed": 1}),
+    "refine-default-w1": ("p48-nvfp4", "refine", "sgptq", {**DEFAULTS, "e2e_window": 1}),
     "release-faithful": ("p48-nvfp4", "refine", "sgptq-fp32scales", RELEASE),
     "release-faithful-paper": ("p48-nvfp4", "refine", "sgptq-fp32scales", {**RELEASE, **PAPER}),
     "s24-sgptq": ("s24-fp8", "init", "sgptq", {}),
@@ -153,6 +156,9 @@ DESCRIPTION = {
                       "sequences, values' step ≤ 0.025 × weight RMS, end-to-end step auto: 2 passes of 4 sequences, "
                       "at most 256 steps)",
     "refine-default-seed1": "paired 4:8 NVFP4, refine-default with refine seed 1",
+    "refine-default-w2": "paired 4:8 NVFP4, refine-default with its end-to-end step in windows of 2 blocks",
+    "refine-default-w2-seed1": "paired 4:8 NVFP4, refine-default-w2 with refine seed 1",
+    "refine-default-w1": "paired 4:8 NVFP4, refine-default with its end-to-end step in windows of 1 block",
     "refine-paper-lr": "paired 4:8 NVFP4, refine with the paper's raw lrs (no budget rule)",
     "refine-values-first": "paired 4:8 NVFP4, refine, values only for the first half of the steps",
     "refine-logits-cap25": "paired 4:8 NVFP4, refine, budget rule with the logits' multiplier capped at 25 (not 10)",
@@ -204,8 +210,22 @@ GROUPS = {
             "refine", "refine-seed1", "refine-p0", "refine-values", "refine-support", "refine-e2e",
             "refine-e2e-seed1", "refine-e2e-128", "refine-e2e-128-seed1", "refine-quarter", "refine-paper"],
     "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
+    # the end-to-end step in windows against the whole-model step (and, in each row's e2e line, block-wise)
+    "e2e-window": ["reference", "sgptq", "refine-default", "refine-default-seed1", "refine-default-w2",
+                   "refine-default-w2-seed1", "refine-default-w1"],
 }
 ACT_NAMES = {"dense-nvfp4": "W4A4", "p48-nvfp4": "W4A4", "s24-fp8": "W8A8"}
+
+
+def e2e_kl(r: dict) -> str:
+    """An end-to-end record's validation KL before → shipped, in words (a windowed step: from the first window's
+    start to the last window's shipped pass)."""
+    if "windows" in r:
+        first, last = r["windows"][0], r["windows"][-1]
+        return (f"val KL {first['val_kl'][0]:.4f} → {last['val_kl'][last['best_pass']]:.4f} "
+                f"({len(r['windows'])} windows, {r['steps']} steps each)")
+    return (f"val KL {r['val_kl'][0]:.4f} → {r['val_kl'][r['best_pass']]:.4f} "
+            f"(pass {r['best_pass']} of {r['passes']}, {r['steps']} steps)")
 
 
 def stage_name(row: str) -> str:
@@ -398,12 +418,9 @@ def write_outputs(out_dir: Path, stem: str, meta: dict, rows: dict) -> None:
         lines += ["", "End-to-end tuning (rows `*-e2e`): the same run's block-wise result before it, and the KL to the "
                   "reference on the validation sequences before / after (the shipped pass):", ""]
         for name, act, c in e2e:
-            r = c["e2e"]
             bw = c.get("blockwise")
             lines.append(f"- {name} ({act}): ppl {fmt_ppl(bw)} → {fmt_ppl(c['ppl'])}"
-                         + (f" ({c['ppl'] / bw:.3f}×)" if bw else "")
-                         + f"; val KL {r['val_kl'][0]:.4f} → {r['val_kl'][r['best_pass']]:.4f} "
-                         f"(pass {r['best_pass']} of {r['passes']}, {r['steps']} steps)")
+                         + (f" ({c['ppl'] / bw:.3f}×)" if bw else "") + f"; {e2e_kl(c['e2e'])}")
     if meta.get("notes"):
         lines += ["", "Notes:", ""] + [f"- {n}" for n in meta["notes"]]
     (out_dir / f"{stem}.md").write_text("\n".join(lines) + "\n")

@@ -536,9 +536,13 @@ def refine(
     are tuned together against the reference model's next-token distribution (KL on the final logits) over
     the training and one-shot calibration sequences (--e2e-batch-size per step); the best of the validation
     checks (before, and after each pass) ships. It rewrites the stage's blocks in one step (resumable) and
-    holds every expert's values and Adam moments at once (~24 bytes per expert weight). By default (auto) it
-    runs 2 passes over those sequences, at most 256 steps, when that memory fits the device (or
-    --e2e-memory-gb), and says before the block loop whether it will run; --e2e-steps N sets the steps, 0 none.
+    holds every expert's values and Adam moments at once (~24 bytes per expert weight). Where that does not fit
+    the device (or --e2e-memory-gb), it tunes windows of consecutive blocks one after the other, the other
+    blocks frozen in their compressed form, against the same KL through the rest of the model:
+    --e2e-window N blocks per window, or auto (the default: the whole model where it fits, else the largest
+    window that fits); each window runs the step's passes and is saved as it ends (resumable). By default (auto)
+    it runs 2 passes over those sequences, at most 256 steps, when its windows fit, and says before the block
+    loop whether and how it will run; --e2e-steps N sets the steps, 0 none.
 
     [bold]Several GPUs[/]: --nproc N (or `torchrun --nproc-per-node N $(which moesq) refine ...`) shards each
     block's experts over N processes. Every expert draws its own random numbers (seeded by --refine-seed, the
@@ -552,6 +556,8 @@ def refine(
       moesq refine -w moesq-work --stage refine-short --epochs 2 --steps-per-epoch 4
 
       moesq refine -w moesq-work --stage refine-set --set refine.epochs=1 --set refine.steps_per_epoch=2
+
+      moesq refine -w moesq-work --stage refine-windows --epochs 1 --steps-per-epoch 2 --e2e-window 2 --e2e-steps 4
 
       moesq refine -w moesq-work --stage refine-2proc --epochs 2 --steps-per-epoch 4 --nproc 2 --device cpu
 

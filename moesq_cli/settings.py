@@ -266,7 +266,7 @@ FLAGS: dict[str, tuple] = {
     "--epochs": ("refine.epochs", (_R, _U)), "--steps-per-epoch": ("refine.steps_per_epoch", (_R, _U)),
     **{f"--{k.replace('_', '-')}": (f"refine.{k}", (_R,)) for k in (
         "batch_rows", "micro_batch_rows", "chunk_gb", "lr_logits", "lr_values", "loss_power", "e2e_steps", "e2e_lr",
-        "e2e_batch_size", "e2e_memory_gb", "e2e_loss")},
+        "e2e_batch_size", "e2e_memory_gb", "e2e_loss", "e2e_window")},
     "--values-only": ("refine.train_support", (_R,), False), "--support-only": ("refine.train_values", (_R,), False),
     "--refine-seed": ("refine.seed", (_R,)),
     "--init-split-rows/--no-init-split-rows": ("refine.init_split_rows", (_R,)),
@@ -302,7 +302,7 @@ def _kind(key: str) -> tuple[type, str | None, Any]:
     typ = all_settings()[key].type
     if key == "baselines":
         return str, "M1,M2", lambda v: [b.strip() for b in v.split(",") if b.strip()]
-    if typ == "int | str":  # a number or a word (e2e_steps: N or auto)
+    if typ == "int | str":  # a number or a word (e2e_steps, e2e_window: N or auto)
         return str, "N|auto", lambda v: int(v) if re.fullmatch(r"-?\d+", v) else v
     for t in (bool, int, float):
         if re.fullmatch(rf"{t.__name__}( \| None)?", typ):

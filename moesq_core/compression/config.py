@@ -156,6 +156,8 @@ def refine_identity(rcfg, init: MethodConfig) -> dict:
             del refine["e2e_loss"]
         if rcfg.e2e_memory_gb is None:  # likewise e2e_memory_gb: none meant the device's memory
             del refine["e2e_memory_gb"]
+        if rcfg.e2e_window == "auto":  # likewise e2e_window: the whole model where it fits
+            del refine["e2e_window"]
     if not rcfg.init_split_rows:
         del refine["init_split_rows"]
     return {"method": "refine", "init": init.to_dict(), "refine": refine}

@@ -626,6 +626,24 @@ def _pieces(n: int, fn: Callable[[int, int], torch.Tensor], rows: int | None = N
         yield a, b, out
 
 
+FEW_ROWS = 16  # routed calibration rows below which an expert's result rests on a handful of tokens (said in the log)
+# What the one-shot methods do with such experts (methods/rtn.py fallback_no_tokens; the Hessian methods' damping);
+# a method that does otherwise says so in its `few_rows_fallback`.
+ONE_SHOT_FEW_ROWS = ("those without get round-to-nearest on the magnitude pattern, the others the method on their "
+                     "few rows (damped)")
+
+
+def few_rows_line(layer: int, counts: tuple[int, ...], fallback: str = ONE_SHOT_FEW_ROWS) -> str | None:
+    """The log line about a block's experts the calibration routed no or few (< FEW_ROWS) training rows to, and
+    what they get instead (`fallback`); None when every expert got enough."""
+    none = sum(1 for c in counts if c == 0)
+    few = sum(1 for c in counts if 0 < c < FEW_ROWS)
+    if not none and not few:
+        return None
+    return (f"layer {layer}: {none} of {len(counts)} experts got no calibration tokens, {few} fewer than {FEW_ROWS}: "
+            f"{fallback}")
+
+
 def fill_missing_amax(amax_in: torch.Tensor, amax_mid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An expert no calibration token reached still needs a static range to serve with: borrow the block's
     largest (no saturation, at worst coarser steps for that expert)."""
@@ -872,6 +890,9 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     rows = BlockRows(block.layer_index, routed.counts, held.counts if held else None)
     clock.mark("route")
     method = spec.method_for_block(block.layer_index)
+    few = few_rows_line(block.layer_index, routed.counts, getattr(method, "few_rows_fallback", ONE_SHOT_FEW_ROWS))
+    if few is not None and rank == 0:
+        (log.warning if 0 in routed.counts else log.info)("%s: %s", spec.name, few)
     inter = block.dense_experts.down_proj.shape[-1]
     dev = next(block.mlp.gate.parameters()).device  # methods run where the model is
     results_mine, amax_mine = [], []

@@ -331,7 +331,7 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
             if not e2e["steps"]:
                 return {"skipped": e2e["line"]}
             return tune_end_to_end(ledger, run, model, adapter, calib,
-                                   dataclasses.replace(rcfg, e2e_steps=e2e["steps"]), progress)
+                                   dataclasses.replace(rcfg, e2e_steps=e2e["steps"]), progress, e2e["windows"])
         split = "train"
         if rcfg.init_split_rows:  # one split the block loop routes: the training and the one-shot sequences
             split = "train+init"
@@ -441,60 +441,93 @@ def improved_on_init(ledger: StageLedger) -> dict:
 
 
 def plan_end_to_end(rcfg, model, adapter, calib: dict[str, torch.Tensor]) -> dict:
-    """The end-to-end step's length on this model and calibration: {"steps", "need_bytes", "available_bytes",
-    "line"}. "auto" runs it only when its memory estimate (methods/refine/e2e.py) fits what the model's device
-    has available (or rcfg.e2e_memory_gb); a number of steps runs regardless, with a warning when it looks too big."""
-    from moesq_core.compression.methods.refine.e2e import memory_need_bytes
+    """The end-to-end step's length and windows on this model and calibration: {"steps", "windows", "need_bytes",
+    "available_bytes", "line"}. The windows (RefineConfig.e2e_window; methods/refine/e2e.py e2e_window_plan) come
+    from what the model's device has available (or rcfg.e2e_memory_gb): "auto" tunes the whole model at once where
+    it fits, else the largest window of consecutive blocks that fits. With e2e_steps "auto" the step runs only when
+    its windows fit; a number of steps runs regardless, with a warning when it looks too big."""
+    from moesq_core.compression.methods.refine.e2e import e2e_window_plan
     from moesq_core.memory import device_available_bytes
 
     sequences = len(calib["train"]) + len(calib["init"])
     steps = rcfg.e2e_steps_for(sequences)
     device = next(model.parameters()).device
-    need = memory_need_bytes(model, adapter, rcfg.e2e_batch_size, calib["train"].shape[1])
     gib = lambda b: f"{b / 2**30:.3g} GiB"  # noqa: E731
     if rcfg.e2e_memory_gb is not None:
         have, source = int(rcfg.e2e_memory_gb * 2**30), "allowed (e2e_memory_gb)"
     else:
         have, source = device_available_bytes(device), f"available on {device}"
+    plan = e2e_window_plan(model, adapter, rcfg.e2e_batch_size, calib["train"].shape[1], rcfg.e2e_window, have)
+    need = plan.need_bytes
     where = f"{gib(have)} {source}" if have is not None else f"{device}'s free memory unknown"
-    fits = have is None or need <= have
-    if rcfg.e2e_steps == "auto" and not fits:
-        line = (f"skipped: tuning every expert of the model at once needs ~{gib(need)}, {where} "
+    out = {"steps": steps, "windows": plan.windows, "need_bytes": need, "available_bytes": have}
+    if rcfg.e2e_steps == "auto" and not plan.fits:
+        what = ("tuning every expert of the model at once" if plan.whole
+                else "tuning even one block at a time" if plan.auto else f"tuning {plan.describe()}")
+        line = (f"skipped: {what} needs ~{gib(need)}, {where} "
                 "(--e2e-steps N runs it anyway; --e2e-steps 0 silences this)")
         log.warning("end-to-end step %s", line)
-        return {"steps": 0, "need_bytes": need, "available_bytes": have, "line": line}
-    line = (f"{steps} steps × {rcfg.e2e_batch_size} of {sequences} sequences after the last block "
-            f"({'auto: ' if rcfg.e2e_steps == 'auto' else ''}~{gib(need)} of {where})")
-    if not fits:
+        return {**out, "steps": 0, "line": line}
+    per = "" if plan.whole else " per window"
+    auto = "auto: " if rcfg.e2e_steps == "auto" else ""
+    if plan.auto and not plan.whole:
+        auto += "the largest window that fits: "
+    line = (f"{steps} steps × {rcfg.e2e_batch_size} of {sequences} sequences{per} after the last block, "
+            f"{plan.describe()} ({auto}~{gib(need)} of {where})")
+    if not plan.fits:
         log.warning("end-to-end step: ~%s needed, %s: it may run out of memory", gib(need), where)
         line += " — may not fit"
-    return {"steps": steps, "need_bytes": need, "available_bytes": have, "line": line}
+    return {**out, "line": line}
 
 
 def tune_end_to_end(ledger: StageLedger, identity: RunIdentity, model, adapter, calib: dict[str, torch.Tensor],
-                    rcfg, progress=None) -> dict:
+                    rcfg, progress=None, windows: list[list[int]] | None = None) -> dict:
     """Refinement's end-to-end step (RefineConfig.e2e_steps) on a stage whose blocks are all saved: tunes the
-    values of every block's experts together (methods/refine/e2e.py) on the training and one-shot splits,
+    values of the blocks' experts (methods/refine/e2e.py), every block together or window by window (`windows`:
+    lists of consecutive MoE layers; None: one window, the whole model), on the training and one-shot splits,
     validating on the validation split, then writes the tuned blocks next to the block-wise ones and switches
-    the stage to them in one manifest write (an interrupted run leaves the block-wise stage as it was and
-    tunes again on resume). Done once: a stage that records it returns its record."""
+    the stage to them in one manifest write. Each finished window's blocks are saved and recorded as it ends, so
+    an interrupted run resumes at the window it was in (the same bytes as one uninterrupted run); until the
+    switch the stage's blocks stay the block-wise ones. Done once: a stage that records it returns its record."""
     from moesq_core.compression.engine import load_block, pack_block, write_block
     from moesq_core.compression.methods.refine.e2e import EndToEndTuner
 
     st = ledger.record()
     if "e2e" in st:
         return st["e2e"]
-    device = next(model.parameters()).device
     blocks = {b.layer_index: (b, *load_block(ledger.verified_block(b.layer_index))) for b in adapter.blocks(model)}
+    windows = windows or [sorted(blocks)]
+    device = next(model.parameters()).device
     train = torch.cat([calib["train"], calib["init"]])
+    paths: dict[int, Path] = {}
+
+    def write(result_blocks, li) -> Path:
+        packed = pack_block(result_blocks[li], *blocks[li][2:])
+        return ledger.write_artifact(li, lambda tmp: write_block(tmp, *packed), variant="e2e")
+
+    finished = ledger.finished_windows(windows)  # [] where none, or (their files removed) planned otherwise
+    for summary, done in finished:  # a resumed run: the windows tuned before it was interrupted
+        for li, path in done.items():
+            blocks[li] = (blocks[li][0], *load_block(path))
+            paths[li] = path
+    if finished:
+        log.info("end-to-end step: resuming at window %d of %d (layers %s)", len(finished) + 1, len(windows),
+                 windows[len(finished)])
+
+    def on_window(layers, result) -> dict:
+        """Save a tuned window and record it; its blocks then serve from what was written (as on resume)."""
+        tuned = {}
+        if result.summary["best_pass"] > 0:
+            for li in layers:
+                paths[li] = tuned[li] = write(result.blocks, li)
+        ledger.record_window(windows, tuned, {"layers": layers, **result.summary})
+        return {li: load_block(path)[0] for li, path in tuned.items()}
+
     result = EndToEndTuner(model, blocks, identity.format, identity.act_quant, rcfg, device).run(
-        train, calib["val"], progress)
-    paths = {}
-    if result.summary["best_pass"] > 0:
-        for li, (_, _, amax_in, amax_mid) in blocks.items():
-            packed = pack_block(result.blocks[li], amax_in, amax_mid)
-            paths[li] = ledger.write_artifact(li, lambda tmp, packed=packed: write_block(tmp, *packed), variant="e2e")
-            del packed
+        train, calib["val"], progress, windows=windows, finished=[s for s, _ in finished], on_window=on_window)
+    if len(windows) == 1 and result.summary["best_pass"] > 0:
+        for li in blocks:
+            paths[li] = write(result.blocks, li)
     ledger.replace_blocks(paths, result.summary)
     return result.summary
 

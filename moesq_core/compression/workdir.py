@@ -654,7 +654,51 @@ class StageLedger:
         st["blockwise"] = dict(st["blocks"])
         st["blocks"] = {**st["blocks"], **new}
         st["e2e"] = record
+        st.pop("e2e_windows", None)
         self.workdir.save(m)
+
+    def record_window(self, windows: list[list[int]], paths: dict[int, Path], record: dict) -> None:
+        """Record a finished window of a windowed end-to-end step: its tuned blocks (`paths`, written already)
+        and its summary, under the stage's "e2e_windows" with the plan (`windows`) it belongs to. The stage's
+        blocks stay the block-wise ones until replace_blocks takes every window's at once."""
+        m = self.workdir.load()
+        st = m["stages"][self.name]
+        prog = st.get("e2e_windows")
+        if prog is None or prog.get("plan") != windows:
+            prog = {"plan": windows, "done": []}
+        prog["done"].append({"summary": record, "blocks": {
+            str(li): {"file": str(p.relative_to(self.root)), "sha256": sha256_file(p)} for li, p in paths.items()}})
+        st["e2e_windows"] = prog
+        self.workdir.save(m)
+
+    def finished_windows(self, windows: list[list[int]]) -> list[tuple[dict, dict[int, Path]]]:
+        """(summary, layer -> checked artifact) of each window an interrupted end-to-end step planned as `windows`
+        finished. Windows recorded under another plan (the device's memory changed) are forgotten and their
+        files removed: the step then starts again from its first window."""
+        m = self.workdir.load()
+        st = m["stages"].get(self.name) or {}
+        prog = st.get("e2e_windows")
+        if prog is None:
+            return []
+        if prog.get("plan") != windows:
+            for w in prog.get("done", []):
+                for k, rec in w["blocks"].items():
+                    self._file(rec, k).unlink(missing_ok=True)
+            del st["e2e_windows"]
+            self.workdir.save(m)
+            return []
+        out = []
+        for w in prog["done"]:
+            paths = {}
+            for k, rec in w["blocks"].items():
+                path = self._file(rec, k)
+                if not path.is_file() or sha256_file(path) != rec["sha256"]:
+                    raise WorkDirError(f"artifact {path} of stage {self.name!r} (an end-to-end window) is missing or "
+                                       f"corrupt (checksum mismatch); re-run that stage with --redo-from {k} to "
+                                       "recompute it")
+                paths[int(k)] = path
+            out.append((w["summary"], paths))
+        return out
 
     def drop_blocks_from(self, block: int) -> None:
         """Forget blocks >= block (their files are removed) so they are recomputed. A stage whose blocks
@@ -664,6 +708,8 @@ class StageLedger:
         if st is None:
             return
         doomed = []  # every file to remove is checked before any is removed
+        for w in st.pop("e2e_windows", {}).get("done", []):  # an interrupted end-to-end step's finished windows
+            doomed += [self._file(rec, k) for k, rec in w["blocks"].items()]
         if "e2e" in st:
             kept = st.pop("blockwise", st["blocks"])
             for k, rec in st["blocks"].items():

@@ -74,3 +74,15 @@ def test_a_rerun_of_the_same_protocol_keeps_the_notes(table, tmp_path):
     assert doc["notes"] == ["first run", "second run"]
     table.main(args[:-1] + ["--seq-len", "128", "--no-run", "--note", "another protocol"])
     assert json.loads((tmp_path / "accuracy_embedded.json").read_text())["notes"] == ["another protocol"]
+
+
+def test_window_rows_are_the_default_rows_with_the_window_and_their_kl_line_reads_windowed_records(table):
+    for row, window in (("refine-default-w2", 2), ("refine-default-w2-seed1", 2), ("refine-default-w1", 1)):
+        base = table.ROWS[row.replace(f"-w{window}", "")]
+        assert table.ROWS[row][:3] == base[:3] and table.ROWS[row][3] == {**base[3], "e2e_window": window}
+    assert {"refine-default", "refine-default-w2", "refine-default-w1"} <= set(table.expand_rows("e2e-window"))
+    whole = {"val_kl": [1.2, 1.0, 1.1], "best_pass": 1, "passes": 2, "steps": 8}
+    assert table.e2e_kl(whole) == "val KL 1.2000 → 1.0000 (pass 1 of 2, 8 steps)"
+    windowed = {"windows": [{**whole, "layers": [0, 1]}, {"val_kl": [1.0, 0.9, 0.95], "best_pass": 1, "passes": 2,
+                                                          "steps": 8, "layers": [2, 3]}], "steps": 8, "best_pass": 1}
+    assert table.e2e_kl(windowed) == "val KL 1.2000 → 0.9000 (2 windows, 8 steps each)"

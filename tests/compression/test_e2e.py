@@ -76,6 +76,39 @@ def test_tunable_experts_compute_what_the_export_serves(act_quant):
         torch.testing.assert_close(m.V[p].grad, grads[p], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("act_quant", [True, False])
+def test_frozen_experts_compute_what_serving_does_from_the_compressed_weights(act_quant):
+    """A block outside the tuned window: the served module's outputs and input gradients, holding the compressed
+    weights (under 0.6 of the dequantized copy's bytes) and no dequantized copy for the backward; its activation
+    quantizers straight-through, like the tuned blocks', so the gradient flows through it to the window."""
+    from moesq_core.compression.methods.refine.e2e import FrozenExperts
+
+    fmt = get_format("p48-nvfp4")
+    weights = _random_block(fmt)
+    amax_in, amax_mid = torch.tensor([3.0, 2.5, 4.0]), torch.tensor([1.0, 0.5, 2.0])
+    frozen = FrozenExperts(fmt, weights, act_quant, amax_in, amax_mid)
+    served = MoesqExperts.from_quantized(fmt, weights, act_quant, amax_in, amax_mid)
+    straight = MoesqExperts.from_quantized(fmt, weights, act_quant, amax_in, amax_mid)
+    straight.ste = True  # what TunableExperts computes from the same weights
+    g = torch.Generator().manual_seed(1)
+    idx = torch.stack([torch.randperm(3, generator=g)[:2] for _ in range(40)])
+    wts = torch.rand(40, 2, generator=g)
+    x = torch.randn(40, 96, generator=g)
+    gate_up, down = served.stacked_linears()
+    assert all(torch.equal(a, b) for a, b in zip(frozen.stacked_linears(), (gate_up, down)))
+    for batched in (False, True):
+        frozen.batched = served.batched = straight.batched = batched
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        ys = [m(xi, idx, wts) for m, xi in zip((frozen, straight), xs)]
+        assert torch.equal(ys[0].detach(), ys[1].detach())
+        torch.testing.assert_close(ys[0].detach(), served(x, idx, wts), rtol=0, atol=1e-6)
+        for y in ys:
+            y.square().sum().backward()
+        assert torch.equal(xs[0].grad, xs[1].grad) and xs[0].grad.abs().sum() > 0
+    held = sum(b.numel() * b.element_size() for n, b in frozen.named_buffers() if not n.startswith("act_"))
+    assert held < 0.6 * (gate_up.numel() + down.numel()) * 4 and frozen._w is None
+
+
 def _artifacts(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted((root / "stages").rglob("*.safetensors"))}
@@ -358,3 +391,223 @@ def test_auto_end_to_end_on_cuda_plans_from_the_gpu_memory_and_ships_the_best_va
     assert rec["val_kl"][rec["best_pass"]] == min(rec["val_kl"]) and len(rec["val_kl"]) == rec["passes"] + 1
     tuned = all(b["file"].endswith(".e2e.safetensors") for b in st["blocks"].values())
     assert tuned == (rec["best_pass"] > 0)
+
+
+# -- windows: the step where the whole model does not fit ---------------------------------------------------------
+# Most of these tune a copy of the `tuned` work dir's block-wise stage (its end-to-end step undone) directly: the
+# block loop is most of a run's time on the CPU, and the end-to-end step is what they are about.
+def _blockwise_copy(tuned: Path, dst: Path) -> Path:
+    """A copy of a work dir whose refine stage tuned end to end, set back to what its block loop left."""
+    import json
+    import shutil
+
+    shutil.copytree(tuned, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    st = m["stages"]["refine"]
+    st["blocks"], st["done"] = st.pop("blockwise"), False
+    del st["e2e"]
+    (dst / "manifest.json").write_text(json.dumps(m))
+    for f in (dst / "stages").rglob("*.e2e.safetensors"):
+        f.unlink()
+    return dst
+
+
+def _tune(wd: Path, windows, rcfg=RCFG) -> dict:
+    """The refine stage's end-to-end step in `windows`, as the stage's finalize runs it."""
+    from moesq_core.compression import pipeline
+    from moesq_core.compression.workdir import WorkDir
+
+    w = WorkDir(wd)
+    identity = w.identity()
+    model, adapter = pipeline._load_for_stage(identity, "cpu")
+    return pipeline.tune_end_to_end(w.ledger("refine"), identity, model, adapter, pipeline.load_calibration(w), rcfg,
+                                    windows=windows)
+
+
+@pytest.fixture(scope="module")
+def tuned_in_windows(tuned, tmp_path_factory):
+    """`tuned`'s block loop, then the end-to-end step in windows of 2 blocks, uninterrupted."""
+    wd = _blockwise_copy(tuned, tmp_path_factory.mktemp("e2e-w2") / "wd")
+    _tune(wd, [[0, 1], [2, 3]])
+    return wd
+
+
+def test_a_window_of_the_whole_model_is_the_whole_model_step(tuned, tmp_path):
+    from moesq_core.compression.workdir import WorkDir
+
+    wd = _blockwise_copy(tuned, tmp_path / "wd")
+    _tune(wd, [[0, 1, 2, 3]])
+    assert _artifacts(wd) == _artifacts(tuned)
+    ours, theirs = WorkDir(wd).stage("refine"), WorkDir(tuned).stage("refine")
+    assert ours["blocks"] == theirs["blocks"] and ours["e2e"] == theirs["e2e"]
+
+
+def test_windows_of_two_blocks_lower_the_validation_kl(tuned_in_windows):
+    from moesq_core.compression.workdir import WorkDir
+
+    st = WorkDir(tuned_in_windows).stage("refine")
+    rec = st["e2e"]
+    assert "e2e_windows" not in st
+    assert [w["layers"] for w in rec["windows"]] == [[0, 1], [2, 3]] and rec["steps"] == RCFG.e2e_steps
+    first, last = rec["windows"]
+    # the second window starts where the first ended, and the model ends closer to the reference than block-wise
+    assert last["val_kl"][0] == pytest.approx(min(first["val_kl"]), rel=1e-4)
+    assert min(last["val_kl"]) < first["val_kl"][0] and rec["best_pass"] > 0
+    assert any(b["file"].endswith(".e2e.safetensors") for b in st["blocks"].values())
+    assert all(not b["file"].endswith(".e2e.safetensors") for b in st["blockwise"].values())
+
+
+def test_windows_of_one_block_lower_the_validation_kl(tuned, tmp_path):
+    import dataclasses
+
+    from moesq_core.compression.workdir import WorkDir
+
+    wd = _blockwise_copy(tuned, tmp_path / "wd")
+    _tune(wd, [[0], [1], [2], [3]], dataclasses.replace(RCFG, e2e_steps=3))  # one pass each
+    rec = WorkDir(wd).stage("refine")["e2e"]
+    assert [w["layers"] for w in rec["windows"]] == [[0], [1], [2], [3]]
+    assert min(rec["windows"][-1]["val_kl"]) < rec["windows"][0]["val_kl"][0]
+
+
+def test_a_windowed_step_interrupted_mid_window_resumes_at_that_window_to_the_same_bytes(
+        tuned, tuned_in_windows, tmp_path, monkeypatch):
+    from moesq_core.compression.workdir import WorkDir
+
+    wd = _blockwise_copy(tuned, tmp_path / "wd")
+    real, calls = EndToEndTuner._train, []
+
+    def second_window_interrupted(self, *a, **k):
+        calls.append(sorted(self.modules))
+        if calls == [[0, 1], [2, 3]]:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(EndToEndTuner, "_train", second_window_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _tune(wd, [[0, 1], [2, 3]])
+    st = WorkDir(wd).stage("refine")
+    assert "e2e" not in st and [w["summary"]["layers"] for w in st["e2e_windows"]["done"]] == [[0, 1]]  # saved
+    assert st["blocks"] == WorkDir(tuned).stage("refine")["blockwise"]  # the stage's blocks are still block-wise
+    calls.clear()
+    _tune(wd, [[0, 1], [2, 3]])
+    assert calls == [[2, 3]]  # only the window it was in ran again
+    assert _artifacts(wd) == _artifacts(tuned_in_windows)
+    ours, theirs = WorkDir(wd).stage("refine"), WorkDir(tuned_in_windows).stage("refine")
+    assert ours["blocks"] == theirs["blocks"] and ours["e2e"] == theirs["e2e"]
+
+
+def test_redo_from_drops_an_interrupted_steps_windows_and_another_plan_on_resume_starts_again(
+        tuned, tmp_path, monkeypatch):
+    from moesq_core.compression.workdir import WorkDir
+
+    wd = _blockwise_copy(tuned, tmp_path / "wd")
+    real, calls = EndToEndTuner._train, []
+
+    def second_window_interrupted(self, *a, **k):
+        calls.append(sorted(self.modules))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(EndToEndTuner, "_train", second_window_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _tune(wd, [[0, 1], [2, 3]])
+    ledger = WorkDir(wd).ledger("refine")
+    saved = list((wd / "stages").rglob("*.e2e.safetensors"))
+    assert len(saved) == 2 and [s for s, _ in ledger.finished_windows([[0, 1], [2, 3]])][0]["layers"] == [0, 1]
+    ledger.drop_blocks_from(3)  # --redo-from 3: the tuned windows go with the blocks from 3 on
+    st = ledger.record()
+    assert "e2e_windows" not in st and not any(p.exists() for p in saved) and sorted(st["blocks"]) == ["0", "1", "2"]
+    # a window recorded under another plan (the device's memory changed between the runs) is forgotten
+    path = ledger.write_artifact(0, lambda tmp: tmp.write_bytes(b"x"), variant="e2e")
+    ledger.record_window([[0], [1], [2], [3]], {0: path}, {"layers": [0]})
+    assert len(ledger.finished_windows([[0], [1], [2], [3]])) == 1
+    assert ledger.finished_windows([[0, 1], [2, 3]]) == [] and not path.exists()
+    assert "e2e_windows" not in ledger.record()
+
+
+def test_auto_window_is_the_largest_that_fits(micro_path):
+    from moesq_core.compression.methods.refine.e2e import e2e_window_plan, memory_need_bytes, window_need_bytes
+    from moesq_core.models import load_model
+
+    model, _, adapter, _ = load_model(micro_path, lazy=True)
+    whole = e2e_window_plan(model, adapter, 4, 256, "auto", None)
+    assert whole.windows == [[0, 1, 2, 3]] and whole.fits and whole.describe() == "the whole model at once"
+    assert whole.need_bytes == memory_need_bytes(model, adapter, 4, 256)
+    need = {w: max(window_need_bytes(model, adapter, 4, 256, list(range(s, min(s + w, 4)))) for s in range(0, 4, w))
+            for w in (1, 2, 3, 4)}
+    assert need[1] < need[2] < need[3] < need[4]
+    for w in (1, 2, 3, 4):
+        plan = e2e_window_plan(model, adapter, 4, 256, "auto", need[w])
+        assert len(plan.windows[0]) == w and plan.fits and plan.need_bytes == need[w]
+    plan = e2e_window_plan(model, adapter, 4, 256, "auto", need[1] - 1)
+    assert not plan.fits and len(plan.windows) == 4
+    three = e2e_window_plan(model, adapter, 4, 256, 3, None)
+    assert three.windows == [[0, 1, 2], [3]] and three.describe() == "2 windows of 3 blocks: layers 0-2, 3"
+    assert e2e_window_plan(model, adapter, 4, 256, 9, None).windows == [[0, 1, 2, 3]]
+    import dataclasses
+
+    many = dataclasses.replace(three, windows=[[i] for i in range(48)])
+    assert many.describe() == "48 windows of 1 block: layers 0, 1, …, 47"
+
+
+def test_auto_end_to_end_plans_windows_where_the_whole_model_does_not_fit_and_says_so(micro_path):
+    """e2e_memory_gb between what windows of 2 blocks and of 3 need: auto plans windows of 2, and its line (the
+    one refinement prints before the block loop) names them."""
+    from moesq_core.compression.methods.refine.e2e import window_need_bytes
+    from moesq_core.compression.pipeline import plan_end_to_end
+    from moesq_core.models import load_model
+
+    model, _, adapter, _ = load_model(micro_path, lazy=True)
+    calib = {"train": torch.zeros(8, 32, dtype=torch.long), "init": torch.zeros(4, 32, dtype=torch.long)}
+    two = max(window_need_bytes(model, adapter, 4, 32, w) for w in ([0, 1], [2, 3]))
+    three = window_need_bytes(model, adapter, 4, 32, [0, 1, 2])
+    e2e = plan_end_to_end(RefineConfig(e2e_memory_gb=(two + three) / 2 / 2**30), model, adapter, calib)
+    assert e2e["windows"] == [[0, 1], [2, 3]] and e2e["steps"] == 6
+    assert ("6 steps × 4 of 12 sequences per window after the last block, 2 windows of 2 blocks: layers 0-1, 2-3 "
+            "(auto: the largest window that fits: ~") in e2e["line"]
+    e2e = plan_end_to_end(RefineConfig(e2e_window=1, e2e_steps=4), model, adapter, calib)
+    assert e2e["windows"] == [[0], [1], [2], [3]] and "4 windows of 1 block: layers 0, 1, 2, 3 (~" in e2e["line"]
+    e2e = plan_end_to_end(RefineConfig(), model, adapter, calib)
+    assert e2e["windows"] == [[0, 1, 2, 3]] and "after the last block, the whole model at once (auto: ~" in e2e["line"]
+
+
+@pytest.mark.slow
+def test_refine_with_e2e_window_runs_the_planned_windows_and_the_whole_model_window_is_the_default_step(
+        tuned, tuned_in_windows, micro_path, tmp_path):
+    """The option through refinement: windows of 2 give the bytes of the step tuned in those windows directly; a
+    window of the whole model those of the default run."""
+    import dataclasses
+
+    from moesq_core.compression.pipeline import run_refine
+    from moesq_core.compression.workdir import WorkDir
+
+    from test_block_loop import Recorder
+
+    for window, same_as, named in ((2, tuned_in_windows, "2 windows of 2 blocks: layers 0-1, 2-3"),
+                                   (4, tuned, "the whole model at once")):
+        notes = Recorder()
+        wd = tmp_path / f"w{window}"
+        run_refine(wd, dataclasses.replace(RCFG, e2e_window=window), micro_path, RUN_TUNED, device="cpu", batch_size=4,
+                   progress=notes)
+        assert _artifacts(wd) == _artifacts(same_as)
+        assert WorkDir(wd).stage("refine")["config"]["refine"]["e2e_window"] == window
+        assert any(line.startswith("refine end-to-end: ") and named in line for line in notes.notes), notes.notes
+
+
+def test_bad_e2e_window_exits_2_with_one_line(tmp_path):
+    from moesq_runner import moesq_here
+
+    for value in ("0", "-1", "many", "2.5"):
+        r = moesq_here("refine", "-w", tmp_path / "wd", "--e2e-window", value, check=False)
+        assert r.returncode == 2, r.stderr
+        errors = [line for line in r.stderr.splitlines() if "e2e_window" in line]
+        assert len(errors) == 1 and "refine.e2e_window: must be a number of blocks >= 1 or 'auto', got" in errors[0]
+        assert "Traceback" not in r.stderr and not (tmp_path / "wd").exists()
+
+
+def test_bad_e2e_window_is_refused_by_the_config():
+    for bad in (0, -1, "many", True, 2.5):
+        with pytest.raises(ValueError, match="e2e_window"):
+            RefineConfig(e2e_window=bad)
+    assert RefineConfig(e2e_window=3).e2e_window == 3

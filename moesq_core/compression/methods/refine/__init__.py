@@ -50,6 +50,17 @@ class RefineMethod:
         self.init = init
         self.config = config or RefineConfig()
 
+    @property
+    def few_rows_fallback(self) -> str:
+        """What an expert the calibration routed no or few rows to ships (engine.few_rows_line): an expert without
+        rows keeps its init; with ship "best" an epoch ships only where the expert's own held-out rows validated
+        it better than the init (trainer.py)."""
+        if self.config.ship == "last":
+            return ("those without keep their init (round-to-nearest on the magnitude pattern), the others ship their "
+                    "last epoch (ship: last)")
+        return ("they keep their init (round-to-nearest on the magnitude pattern for those without) unless their own "
+                "held-out rows validate a refined epoch better")
+
     def compress_block(self, experts: list[ExpertData], fmt: Format,
                        progress: ProgressFn | None = None) -> list[CompressedExpert]:
         if not experts:

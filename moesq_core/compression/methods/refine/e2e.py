@@ -22,6 +22,25 @@ Averaging F over the reference's calibration tokens gives one hidden × hidden m
 u = Wᵀ p_ref, computed once; a step's loss is then ½ mean dᵀ M d, with no vocabulary-sized logits (most of a
 step where the vocabulary outweighs the experts: half the step's time on the embedded model; at Qwen3-30B-A3B's
 scale the head is ~10 % of a step). Validation stays the exact KL.
+
+Windows (RefineConfig.e2e_window), for models whose every expert cannot be tuned at once: the MoE blocks are cut
+into windows of consecutive blocks, tuned one window after the other, first to last. While a window tunes, its
+blocks hold the tuning state and every other block serves its current compressed weights, frozen (the windows
+before it tuned, those after it block-wise); the loss is the same KL on the model's final logits, through the rest
+of the model. Why this design rather than fitting each window's output to the reference model's states there: the
+objective stays the true one (the next-token distribution, which is what the step is for; a window's output error
+is what the block loop already fits), and nothing new is needed: the reference's final states are computed once
+for all windows (the states at each window's end would cost one stored set per window), the prefix before the
+window runs without autograd (no parameter there needs a gradient, so it keeps no activations), and a window of
+the whole model is exactly the whole-model step (the same code, the same bytes). The frozen blocks hold their
+compressed weights (FrozenExperts: ~2.25 bytes per expert weight against the window's ~25), dequantized one block at
+a time, and their forward runs again in the backward (a checkpoint: the backward does not keep their dequantized
+weights); their activation quantizers are straight-through like the window's, so the gradient reaches the window
+through them. The cost is time: each window runs the step's passes, so k windows cost about k whole-model steps
+(plus one more forward of the blocks after the window, for the checkpoint). Windows are planned before the block
+loop (`e2e_window_plan`, from the device's memory: `auto` takes the whole model where it fits, else the largest
+window that fits), and each finished window is saved before the next starts (a killed run resumes at the window
+it was in; pipeline.tune_end_to_end).
 """
 from __future__ import annotations
 
@@ -101,6 +120,57 @@ class TunableExperts(MoesqExperts):
         return out
 
 
+class FrozenExperts(MoesqExperts):
+    """A block outside the window being tuned: MoesqExperts' arithmetic on the block's compressed weights, which it
+    holds as they are (codes, block scales, global scales, masks: ~2.25 bytes per weight instead of the 4 of the
+    dequantized fp32 copy). A forward dequantizes the block once; under autograd the forward is checkpointed (run
+    again in the backward), so the dequantized copy is not kept for the backward either: only the block being
+    computed holds one. Its activation quantizers are straight-through, as the tuned blocks' are (TunableExperts):
+    the gradient reaches the window through the blocks after it."""
+
+    ste = True
+
+    def __init__(self, fmt: Format, weights: list[dict[str, QuantizedWeight]], act_quant: bool,
+                 act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor, device=None):
+        E = len(weights)
+        super().__init__(fmt, torch.empty(E, 0, 0), torch.empty(E, 0, 0), act_quant,
+                         input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
+        for p in PROJECTIONS:
+            qws = [w[p] for w in weights]
+            self.register_buffer(f"codes_{p}", torch.stack([q.codes for q in qws]))
+            self.register_buffer(f"scales_{p}", torch.stack([q.scales.float() for q in qws]))
+            self.register_buffer(f"global_{p}", torch.stack([q.global_scale.float().reshape(1, 1) for q in qws]))
+            self.register_buffer(f"kept_{p}", torch.stack([q.mask.bool() for q in qws]))
+        self._w: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.to(device)
+
+    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E, 2I, H], down [E, H, I]) fp32: QuantizedWeight.dequantize of the stacked experts (the same
+        elementwise arithmetic as from_quantized's per expert)."""
+        w = {p: QuantizedWeight(self.fmt.name, getattr(self, f"codes_{p}"), getattr(self, f"scales_{p}"),
+                                getattr(self, f"global_{p}"), getattr(self, f"kept_{p}")).dequantize().float()
+             for p in PROJECTIONS}
+        return torch.cat([w["gate"], w["up"]], dim=1), w["down"]
+
+    def stacked_linears(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._w if self._w is not None else self._dequantized()
+
+    def _forward(self, hidden_states, top_k_index, top_k_weights):
+        self._w = self._dequantized()  # once per forward, for all experts
+        try:
+            return super().forward(hidden_states, top_k_index, top_k_weights)
+        finally:
+            self._w = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and hidden_states.requires_grad:
+            from torch.utils.checkpoint import checkpoint
+
+            return checkpoint(self._forward, hidden_states, top_k_index, top_k_weights, use_reentrant=False)
+        return self._forward(hidden_states, top_k_index, top_k_weights)
+
+
 # Bytes the step holds per expert weight beyond the dense weights: latent V, its gradient and Adam's two
 # moments (fp32 each), the fake-quantized weights its forward keeps for the backward (fp32), the mask.
 STATE_BYTES_PER_WEIGHT = 4 * 4 + 4 + 1
@@ -109,28 +179,96 @@ STATE_BYTES_PER_WEIGHT = 4 * 4 + 4 + 1
 ACTIVATION_WIDTHS_PER_LAYER = 24
 
 
-def memory_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int) -> int:
-    """Estimated peak memory of the end-to-end step on `model`: every block's dense expert weights (restored
-    for the reference pass), the tuning state of every expert weight, one batch's activations through all
-    layers and its vocabulary-sized logits (the model's other weights are resident already)."""
-    expert_weights = itemsize = 0
-    layers = 0
+# Bytes a frozen block holds per expert weight while another window tunes (FrozenExperts: uint8 codes, a bool mask,
+# fp32 block scales of 16 weights), and those of the one frozen block being computed (its dequantized fp32 weights
+# and gate_up's concatenated copy)
+FROZEN_BYTES_PER_WEIGHT = 2.25
+FROZEN_TRANSIENT_BYTES_PER_WEIGHT = 8
+
+
+def _expert_weights(adapter, model) -> tuple[dict[int, int], int]:
+    """(layer index -> the MoE block's expert weights, their dense itemsize)."""
+    counts, itemsize = {}, 0
     for b in adapter.blocks(model):
         ex = b.dense_experts
-        expert_weights += ex.gate_up_proj.numel() + ex.down_proj.numel()
+        counts[b.layer_index] = ex.gate_up_proj.numel() + ex.down_proj.numel()
         itemsize = ex.gate_up_proj.element_size()
-        layers += 1
+    return counts, itemsize
+
+
+def window_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int, layers: list[int]) -> int:
+    """Estimated peak memory of tuning the experts of the MoE layers `layers` (a window) end to end: their dense
+    weights (restored for the reference pass) and tuning state, the other blocks' served weights, one batch's
+    activations from the window's first layer to the last (the prefix runs without autograd) and its
+    vocabulary-sized logits (the model's other weights are resident already)."""
+    counts, itemsize = _expert_weights(adapter, model)
+    tuned = sum(counts[li] for li in layers)
+    frozen = sum(counts.values()) - tuned
     cfg = model.config
+    after = max(len(counts), cfg.num_hidden_layers) - (min(layers) if frozen else 0)  # layers the backward runs
     tokens = batch_size * seq_len
-    acts = tokens * 4 * (cfg.hidden_size * ACTIVATION_WIDTHS_PER_LAYER * max(layers, cfg.num_hidden_layers)
-                         + 3 * cfg.vocab_size)
-    return expert_weights * (itemsize + STATE_BYTES_PER_WEIGHT) + acts
+    acts = tokens * 4 * (cfg.hidden_size * ACTIVATION_WIDTHS_PER_LAYER * after + 3 * cfg.vocab_size)
+    transient = FROZEN_TRANSIENT_BYTES_PER_WEIGHT * max((c for li, c in counts.items() if li not in layers), default=0)
+    return tuned * (itemsize + STATE_BYTES_PER_WEIGHT) + int(frozen * FROZEN_BYTES_PER_WEIGHT) + transient + acts
+
+
+def memory_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int) -> int:
+    """Estimated peak memory of the end-to-end step on `model` in one window: every block's dense expert weights,
+    the tuning state of every expert weight, one batch's activations through all layers and its logits."""
+    return window_need_bytes(model, adapter, batch_size, seq_len, [b.layer_index for b in adapter.blocks(model)])
+
+
+@dataclass
+class WindowPlan:
+    """The end-to-end step's windows (lists of consecutive MoE layer indices, first to last), the largest
+    window's memory estimate and whether it fits the memory given."""
+
+    windows: list[list[int]]
+    need_bytes: int
+    fits: bool
+    auto: bool
+
+    @property
+    def whole(self) -> bool:
+        return len(self.windows) == 1
+
+    def describe(self) -> str:
+        """The windows in words: "the whole model at once", "2 windows of 2 blocks: layers 0-1, 2-3" (more than
+        six: "48 windows of 1 block: layers 0, 1, …, 47")."""
+        if self.whole:
+            return "the whole model at once"
+        size = len(self.windows[0])
+        spans = [f"{w[0]}-{w[-1]}" if len(w) > 1 else f"{w[0]}" for w in self.windows]
+        spans = ", ".join(spans if len(spans) <= 6 else [*spans[:2], "…", spans[-1]])
+        return f"{len(self.windows)} windows of {size} block{'s' if size > 1 else ''}: layers {spans}"
+
+
+def e2e_window_plan(model: nn.Module, adapter, batch_size: int, seq_len: int, window: int | str,
+                    available: int | None) -> WindowPlan:
+    """The windows of the end-to-end step (RefineConfig.e2e_window): `window` blocks each (the last may hold
+    fewer; more than the model has is the whole model), or "auto": the whole model where its estimate fits
+    `available` bytes (None: unknown, taken to fit), else the largest window that fits, else one block a window
+    (then `fits` is False and the caller decides)."""
+    layers = [b.layer_index for b in adapter.blocks(model)]
+
+    def plan(w: int) -> WindowPlan:
+        ws = [layers[i : i + w] for i in range(0, len(layers), w)]
+        need = max(window_need_bytes(model, adapter, batch_size, seq_len, x) for x in ws) if ws else 0
+        return WindowPlan(ws, need, available is None or need <= available, window == "auto")
+
+    if window != "auto":
+        return plan(max(1, min(int(window), len(layers))))
+    for w in range(len(layers), 0, -1):
+        p = plan(w)
+        if p.fits:
+            return p
+    return plan(1)
 
 
 @dataclass
 class E2EResult:
     blocks: dict[int, list[CompressedExpert]]  # layer index -> the experts to ship (the input where unchanged)
-    summary: dict  # JSON-ready: steps, validation KL per pass, the shipped pass
+    summary: dict  # JSON-ready: steps, validation KL per pass, the shipped pass (per window: "windows")
 
 
 def _batches(n: int, size: int):
@@ -145,6 +283,7 @@ class EndToEndTuner:
         self.model, self.blocks, self.fmt, self.cfg, self.device = model, blocks, fmt, cfg, device
         self.act_quant = act_quant
         self.modules: dict[int, TunableExperts] = {}
+        self._M: torch.Tensor | None = None
 
     @torch.no_grad()
     def _reference_states(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -200,8 +339,16 @@ class EndToEndTuner:
     def _snapshot(self) -> dict[int, dict[str, torch.Tensor]]:
         return {li: {p: m.V[p].detach().clone() for p in PROJECTIONS} for li, m in self.modules.items()}
 
-    def run(self, train: torch.Tensor, val: torch.Tensor, progress=None) -> E2EResult:
-        """Tune on the sequences `train` [n, seq], validate on `val`; the model's experts end up dense."""
+    def run(self, train: torch.Tensor, val: torch.Tensor, progress=None, windows: list[list[int]] | None = None,
+            finished: list[dict] | None = None, on_window=None) -> E2EResult:
+        """Tune on the sequences `train` [n, seq], validate on `val`; the model's experts end up dense.
+
+        `windows` (default: one, every block) are tuned in order, each with the others frozen at their current
+        results. `finished`: the summaries of the first windows, already tuned (a resumed run; their results
+        are in `blocks` already). `on_window(layers, result)`, called after each window tuned now, returns the
+        experts its blocks ship from then on (the caller saves them; None: result.blocks)."""
+        windows = windows or [sorted(self.blocks)]
+        finished = list(finished or [])
         for b, *_ in self.blocks.values():
             b.restore_dense()
         # a task for the whole step: its reference states, its Fisher matrix and its validations are long too
@@ -209,24 +356,53 @@ class EndToEndTuner:
             ref_train, ref_val = self._reference_states(train), self._reference_states(val)
             for p in self.model.parameters():
                 p.requires_grad_(False)
-            for li, (b, results, amax_in, amax_mid) in self.blocks.items():
-                m = TunableExperts(self.fmt, [r.weights() for r in results], self.act_quant, amax_in, amax_mid,
-                                   self.device)
-                self.modules[li] = m
-                b.mlp.experts = m  # every block at once (not set_experts: a lazily opened model would release them)
+            summaries = finished
             try:
-                return self._train(train, val, ref_train, ref_val, progress)
+                for layers in windows[len(finished):]:
+                    self._install(layers)
+                    name = "" if len(windows) == 1 else f", layers {layers[0]}-{layers[-1]}"
+                    result = self._train(train, val, ref_train, ref_val, progress, name)
+                    if len(windows) == 1:
+                        return result
+                    kept = on_window(layers, result) if on_window is not None else None
+                    for li, results in (kept or result.blocks).items():
+                        b, _, amax_in, amax_mid = self.blocks[li]
+                        self.blocks[li] = (b, results, amax_in, amax_mid)
+                    summaries.append({"layers": layers, **result.summary})
+                    self.modules = {}
+                    for b, *_ in self.blocks.values():
+                        b.restore_dense()
             finally:
                 for b, *_ in self.blocks.values():
                     b.restore_dense()
+        # steps: each window's (they all run the step's length); best_pass: > 0 where some window shipped tuned values
+        summary = {"windows": summaries, "steps": max((w["steps"] for w in summaries), default=0),
+                   "best_pass": max((w["best_pass"] for w in summaries), default=0)}
+        return E2EResult({li: results for li, (_, results, *_) in self.blocks.items()}, summary)
 
-    def _train(self, train, val, ref_train, ref_val, progress) -> E2EResult:
+    def _install(self, layers: list[int]) -> None:
+        """TunableExperts in the blocks of `layers`, every other block's current results frozen (as served)."""
+        self.modules = {}
+        for li, (b, results, amax_in, amax_mid) in self.blocks.items():
+            if li in layers:
+                m = TunableExperts(self.fmt, [r.weights() for r in results], self.act_quant, amax_in, amax_mid,
+                                   self.device)
+                self.modules[li] = m
+            else:
+                m = FrozenExperts(self.fmt, [r.weights() for r in results], self.act_quant, amax_in, amax_mid,
+                                  self.device)
+            b.mlp.experts = m  # every block at once (not set_experts: a lazily opened model would release them)
+
+    def _train(self, train, val, ref_train, ref_val, progress, name: str = "") -> E2EResult:
+        """Tune the installed TunableExperts (self.modules); the blocks of the others come back unchanged."""
         cfg = self.cfg
         params = [m.V[p] for m in self.modules.values() for p in PROJECTIONS]
         opt = torch.optim.Adam(params, lr=cfg.e2e_lr)
         batches = _batches(len(train), cfg.e2e_batch_size)
         if cfg.e2e_loss == "fisher":
-            M = self._fisher(ref_train)
+            if self._M is None:  # the reference's: once for every window
+                self._M = self._fisher(ref_train)
+            M = self._M
             loss_of = lambda tokens, ref_h: self._fisher_loss(tokens, ref_h, M)  # noqa: E731
         else:
             loss_of = self._kl
@@ -234,7 +410,7 @@ class EndToEndTuner:
         best, best_pass, best_state = val_kl[0], 0, None
         gen = torch.Generator().manual_seed(cfg.seed)
         step, pass_no, train_kl = 0, 0, []
-        with (progress or NullProgress()).task("refine: end-to-end tuning", cfg.e2e_steps) as t:
+        with (progress or NullProgress()).task(f"refine: end-to-end tuning{name}", cfg.e2e_steps) as t:
             while step < cfg.e2e_steps:
                 perm = torch.randperm(len(train), generator=gen)
                 pass_no += 1
@@ -255,14 +431,14 @@ class EndToEndTuner:
                 train_kl.append(acc / max(k, 1))
                 v = self._validate(val, ref_val)
                 val_kl.append(v)
-                log.info("refine end-to-end: pass %d, %d steps, train loss %.4g, val KL %.4g", pass_no, step,
+                log.info("refine end-to-end%s: pass %d, %d steps, train loss %.4g, val KL %.4g", name, pass_no, step,
                          train_kl[-1], v)
                 if v < best:
                     best, best_pass, best_state = v, pass_no, self._snapshot()
         summary = {"steps": step, "passes": pass_no, "val_kl": val_kl, "train_kl": train_kl, "best_pass": best_pass}
         out = {}
         for li, (b, results, amax_in, amax_mid) in self.blocks.items():
-            if best_state is None:
+            if best_state is None or li not in self.modules:
                 out[li] = results
                 continue
             m = self.modules[li]

@@ -143,7 +143,10 @@ class RefineConfig:
     of steps (0: none), or "auto": E2E_AUTO_PASSES passes over those sequences, at most E2E_AUTO_MAX_STEPS steps,
     when the step's memory fits what the device has available (`e2e_memory_gb` when given), else none, said
     before the block loop starts. `e2e_loss="fisher"` trains on the KL's second-order form on the final hidden
-    states instead (validation stays the exact KL): no vocabulary-sized logits per step.
+    states instead (validation stays the exact KL): no vocabulary-sized logits per step. `e2e_window`: where the
+    whole model does not fit, windows of that many consecutive blocks are tuned one after the other, the other
+    blocks frozen, against the same KL on the final logits ("auto": the whole model where it fits, else the largest
+    window that fits; each window runs the step's passes).
     """
 
     # config files and --set: an unknown key is an error, and so is a nan or infinite number
@@ -195,6 +198,8 @@ class RefineConfig:
     e2e_batch_size: int = 4  # calibration sequences per end-to-end step
     e2e_memory_gb: float | None = None  # memory the end-to-end step may use (None: what the device has available)
     e2e_loss: str = "kl"  # its training loss: "kl" on the final logits, or "fisher", its second-order form (e2e.py)
+    e2e_window: int | str = "auto"  # MoE blocks tuned together per window ("auto": the whole model where it fits,
+    # else the largest window that fits); e2e.py
 
     def __post_init__(self):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -248,6 +253,9 @@ class RefineConfig:
             raise ValueError(f"e2e_memory_gb must be > 0 GiB (or None: what the device has), got {self.e2e_memory_gb}")
         if not self.e2e_lr > 0:
             raise ValueError(f"e2e_lr must be positive, got {self.e2e_lr}")
+        if not (self.e2e_window == "auto" or (isinstance(self.e2e_window, int) and not isinstance(self.e2e_window, bool)
+                                               and self.e2e_window >= 1)):
+            raise ValueError(f"e2e_window must be a number of blocks >= 1 or 'auto', got {self.e2e_window!r}")
         if self.e2e_loss not in E2E_LOSSES:
             raise ValueError(f"e2e_loss must be one of {', '.join(E2E_LOSSES)}, got {self.e2e_loss!r}")
         if self.validations is not None and (isinstance(self.validations, bool) or self.validations < 1):
