@@ -340,7 +340,8 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
         states = check_stage_states(ledger, [split, "val"], calib, model, sized_split="train", batch_size=batch_size,
                                     cache_limit_bytes=_cache_bytes(cache_limit_gb), disk_free_bytes=disk_free_bytes)
         note(progress, states.line)
-        plan = refine_memory(rcfg, fmt, model, adapter, _routing(run)[0], calib[split], calib["val"], batch_size)
+        plan = refine_memory(rcfg, fmt, model, adapter, _routing(run)[0], calib[split], calib["val"], batch_size,
+                             e2e_bytes=e2e["need_bytes"] if e2e and e2e["steps"] else None)
         note(progress, f"{stage} memory: {plan}")
         spec = StageSpec(
             name=stage, fmt=fmt, method_for_block=lambda li: RefineMethod(mcfg.build(), rcfg), config=stage_config,
@@ -352,7 +353,7 @@ def refine(workdir: WorkDir, config=None, *, init: str | MethodConfig = "sgptq",
 
 
 def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, held_out: torch.Tensor,
-                  batch_size: int = 8) -> str:
+                  batch_size: int = 8, e2e_bytes: int | None = None) -> str:
     """What a block of the refine stage holds on the model's device at its peak, from the calibration token counts
     (the sequences the block loop trains on and validates on), checked before the block loop: one line, or
     RefineMemoryError naming the bytes and the options that lower them. Every device consumer of a block is
@@ -362,7 +363,7 @@ def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, 
     half the free memory, methods/batching.py), the activation-range pass (engine.amax_pass_bytes beside the
     token matrix and the dense and compressed experts) and the propagation (engine.propagation_bytes, one batch of
     `batch_size` sequences, beside the installed block); writing packs 64 MiB at a time. The end-to-end step
-    after the last block has its own plan (plan_end_to_end)."""
+    after the last block is planned by plan_end_to_end: `e2e_bytes`, its need where it runs, is named too."""
     from moesq_core.compression.engine import (
         PACK_CHUNK_BYTES,
         RESULT_BYTES_PER_WEIGHT,
@@ -392,8 +393,9 @@ def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, 
     refinement = refine_memory_plan(fmt, rcfg, experts=experts, H=H, inter=inter, tokens=tokens,
                                     token_bytes=token_bytes, routed_rows=tokens * top_k, available=available,
                                     device=str(device), sequences=trained.shape[0] + held_out.shape[0])
+    after = "" if e2e_bytes is None else f"; after the last block, the end-to-end step ~{size(e2e_bytes)}"
     if device.type != "cuda":
-        return refinement
+        return refinement + after
     weights = 3 * inter * H
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if p.device == device)
     resident += experts * weights * token_bytes  # the block's dense experts, loaded while it is compressed
@@ -422,7 +424,8 @@ def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, 
     where = f"{size(available)} available" if available is not None else "free memory unknown"
     parts = ", ".join(f"{k} ~{size(v)}" for k, v in phases.items())
     return (f"~{size(peak)} per block at peak on {device} of {where} (resident weights ~{size(resident)} + the "
-            f"largest phase: {parts}; in-loop init: chunked into half the free memory). Refinement: {refinement}")
+            f"largest phase: {parts}; in-loop init: chunked into half the free memory{after}). "
+            f"Refinement: {refinement}")
 
 
 def improved_on_init(ledger: StageLedger) -> dict:
