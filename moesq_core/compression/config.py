@@ -35,8 +35,8 @@ DEFAULT_MODEL = ASSETS / "micro-qwen3-moe"
 DEFAULT_CALIB = ASSETS / "calib-sample.txt.xz"
 DEFAULT_EVAL = ASSETS / "eval-sample.txt.xz"
 
-RUN_OPTIONS = ("format", "act_quant", "calib_source", "seq_len", "n_train", "n_val", "n_init", "seed")
-_CALIB_KEYS = ("seq_len", "n_train", "n_val", "n_init", "seed")
+RUN_OPTIONS = ("format", "act_quant", "calib_source", "seq_len", "n_train", "n_val", "n_init", "seed", "text_column")
+_CALIB_KEYS = ("seq_len", "n_train", "n_val", "n_init", "seed", "text_column")
 
 
 def jsonable(obj: Any) -> Any:
@@ -175,8 +175,9 @@ class CompressConfig:
     format: str = "p48-nvfp4"  # the experts' compressed format
     act_quant: bool = True  # quantize activations too (W4A4 / W8A8), or weights only
     calib: CalibConfig = field(default_factory=CalibConfig)
-    calib_source: str = str(DEFAULT_CALIB)  # calibration text: a .txt/.txt.xz/.jsonl file, a dir, or a Hub
-    # dataset name[:config][@split] (default: the embedded sample)
+    calib_source: str = str(DEFAULT_CALIB)  # calibration text: a .txt/.txt.xz/.jsonl file, a dir of them, a
+    # Hugging Face dataset dir (save_to_disk's, or parquet files) or a Hub dataset [org/]name[:config][@split]
+    # (default: the embedded sample)
     init: Annotated[MethodConfig, BeforeValidator(lambda v: {"method": v} if isinstance(v, str) else v)] = \
         field(default_factory=MethodConfig)
     refine: RefineConfig | None = None  # None: the init stage only
