@@ -51,46 +51,46 @@ RUN_FILE = "moesq_run_embedded.json"
 
 
 def render_run() -> str:
+    """The table `moesq run` prints (its rows and labels, as recorded by `moesq run --json`), then what the rows
+    are, the run's time and machine, and the paper's SGPTQ on the same calibration for comparison."""
     d = load(RUN_FILE)
-    ref = next(r["ppl"] for r in d["rows"] if r["kind"] == "reference")
+    rows = d["rows"]
+    ref = next(r["ppl"] for r in rows if r["kind"] == "reference")
+    out = table(["model", "perplexity", "× reference"],
+                [[r["label"], f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}"] for r in rows])
     refine = d["config"].get("refine") or {}
-    labels = {"reference": "reference", "packed": "packed (loaded back from disk)"}
-    rows = []
-    for r in d["rows"]:
-        if r["kind"] in labels:
-            label = labels[r["kind"]]
-        elif r["stage"] == "refine":
-            label = f"refine ({refine.get('epochs')} epochs × {refine.get('steps_per_epoch')} steps, init in the loop"
-            steps = refine.get("e2e_steps")
-            if steps == "auto":  # the step's automatic length on this calibration (RefineConfig.e2e_steps_for)
-                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-                from moesq_core.compression.methods.refine import RefineConfig
+    stage = next((r for r in rows if r["stage"] == "refine"), None)
+    baselines = [r["label"] for r in rows if r["kind"] == "stage" and r["stage"] != "refine"]
+    packed = next((r["label"] for r in rows if r["kind"] == "packed"), None)
+    parts = []
+    if baselines:
+        parts.append(f"{' and '.join(f'`{b}`' for b in baselines)}: one-shot baselines")
+    if stage:
+        what = f"`refine`: {refine.get('epochs')} epochs × {refine.get('steps_per_epoch')} steps per block"
+        steps = refine.get("e2e_steps")
+        if steps == "auto":  # the step's automatic length on this calibration (RefineConfig.e2e_steps_for)
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from moesq_core.compression.methods.refine import RefineConfig
 
-                cal = d["config"]["calib"]
-                steps = RefineConfig(e2e_batch_size=refine["e2e_batch_size"]).e2e_steps_for(
-                    cal["n_train"] + cal["n_init"])
-                label += f"; then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences (auto"
-                label += ", second-order KL)" if refine.get("e2e_loss") == "fisher" else ")"
-            elif steps:
-                label += f"; then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences"
-            label += ")"
-        else:
-            label = r["stage"].removeprefix("init-") + " (one-shot baseline)"
-        rows.append([label, f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}"])
-        if r["stage"] == "init-sgptq" and d.get("paper_sgptq"):
-            p = d["paper_sgptq"]["ppl"]
-            rows.append(["sgptq, the paper's (`--no-refit`; same calibration, its own work dir)", f"{p:.3f}",
-                         f"{p / ref:.3f}"])
-    refined = next((r["ppl"] for r in d["rows"] if r["stage"] == "refine"), None)
-    sgptq = next((r["ppl"] for r in d["rows"] if r["stage"] == "init-sgptq"), None)
-    ratios = ""
-    if refined and sgptq and d.get("paper_sgptq"):
-        ratios = (f" Refine is {refined / d['paper_sgptq']['ppl']:.3f}× the paper's SGPTQ and {refined / sgptq:.3f}× "
-                  f"moesq's default SGPTQ (with refit), its init.")
-    return table(["model", "perplexity", "× reference"], rows) + (
-        f"\n\nFrom {link(RUN_FILE)} (`moesq run --json`, commit {d['commit']}, {d['wall_seconds']:.0f} s on "
-        f"{d['machine'].split(',')[1].strip()}; the paper's SGPTQ row from the same script); "
-        f"`verify`: {d['bits_per_weight']:.3f} bits per expert weight.{ratios}")
+            cal = d["config"]["calib"]
+            steps = RefineConfig(e2e_batch_size=refine["e2e_batch_size"]).e2e_steps_for(cal["n_train"] + cal["n_init"])
+        if steps:
+            what += f", then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences"
+        parts.append(what)
+    if packed:
+        parts.append(f"`{packed}`: the packed model, loaded back from disk")
+    m = d["machine"]
+    text = (f"\n\n{'; '.join(parts)}. {d['wall_seconds']:.0f} s on {m['cpu_count']} cores ({m['cpu']}), "
+            f"{m['memory_gib']:.0f} GiB, torch {m['torch']} on {m['torch_threads']} threads (from "
+            f"{link(RUN_FILE)}: `moesq run --json` in a fresh temporary directory, commit {d['commit']}); "
+            f"`verify`: {d['bits_per_weight']:.3f} bits per expert weight.")
+    sgptq = next((r["ppl"] for r in rows if r["stage"] == "init-sgptq"), None)
+    if stage and sgptq and d.get("paper_sgptq"):
+        p = d["paper_sgptq"]["ppl"]
+        text += (f" For comparison, the paper's SGPTQ (`moesq init-sgptq --no-refit` on the same calibration) gives "
+                 f"{p:.3f} ({p / ref:.3f}× the reference): refine is {stage['ppl'] / p:.3f}× it and "
+                 f"{stage['ppl'] / sgptq:.3f}× moesq's default SGPTQ (with refit), its init.")
+    return out + text
 
 
 # -- accuracy ----------------------------------------------------------------------------------------------
