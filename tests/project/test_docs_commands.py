@@ -116,6 +116,40 @@ def test_docs_have_commands():
     assert {"calibrate", "init-sgptq", "refine", "run"} <= with_examples
 
 
+def _helps() -> dict[str, str]:
+    from typer.main import get_command
+
+    from moesq_cli.app import app
+
+    return {name: cmd.help or "" for name, cmd in get_command(app).commands.items()}
+
+
+def test_every_command_shows_examples_of_itself():
+    """Each command's --help has an Examples block with a command line of its own (which the test above runs)."""
+    for name, text in _helps().items():
+        _, found, examples = text.partition("Examples")
+        lines = [line.strip() for line in examples.splitlines()]
+        assert found and any(line.startswith(f"moesq {name} ") or line == f"moesq {name}" for line in lines), name
+
+
+def test_init_and_init_sgptq_say_what_tells_them_apart():
+    helps = _helps()
+    first = {name: helps[name].split("\n\n")[0] for name in ("init", "init-sgptq")}
+    assert first["init"] != first["init-sgptq"] and "--method" in first["init"] and "SGPTQ" in first["init-sgptq"]
+    for name in ("init", "init-sgptq"):
+        assert "`moesq init-sgptq` and `moesq init` are the same command" in helps[name]
+
+
+def test_json_help_points_at_the_schema():
+    from typer.main import get_command
+
+    from moesq_cli.app import app
+
+    assert "\n## JSON output\n" in (REPO / "docs" / "workdir.md").read_text()  # the anchor's heading
+    with_json = [p for cmd in get_command(app).commands.values() for p in cmd.params if p.name == "json_out"]
+    assert len(with_json) >= 8 and all("docs/workdir.md#json-output" in p.help for p in with_json)
+
+
 _STAGE_COMMANDS = ("calibrate", "init-sgptq", "init", "refine", "run")
 
 
