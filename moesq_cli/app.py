@@ -807,9 +807,7 @@ def generate(
 
     [bold]Examples[/]
 
-      moesq generate packed-model --prompt "The capital of France is" --max-new-tokens 16
-
-      moesq generate packed-model --prompt "Hello" --prompt "Once upon a time" --max-new-tokens 8 --json out.json
+      moesq generate packed-model --prompt "The capital of France is" --prompt "Once upon a time" --max-new-tokens 8
     """
     _setup(None, quiet)
     from moesq_core.serving.generate import DTYPE_CHOICES, generate_text, read_prompts
