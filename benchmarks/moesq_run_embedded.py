@@ -1,16 +1,19 @@
-"""`moesq run` on the embedded model, recorded: the README's "What a run looks like" table comes from this file.
+"""`moesq run` on the embedded model, recorded: the README's `moesq run` table (its rows as `moesq run` prints them)
+and the run's time come from this file.
 
     python benchmarks/moesq_run_embedded.py     # writes benchmarks/results/moesq_run_embedded.json
 
 Runs the console script exactly as a user does (defaults, a fresh temporary work dir, CPU), and adds the commit,
-date and machine to its `--json` report. Then, for the comparison with the paper's method, the paper's SGPTQ
-(`--no-refit`) in a second work dir on the very same calibration (`moesq calibrate` with `moesq run`'s settings; the
-manifests' calibration entries are checked equal), evaluated on the same text: recorded as `paper_sgptq`.
+date and machine (CPU, cores, memory, torch threads, the load average before the run) to its `--json` report.
+Then, for the comparison with the paper's method, the paper's SGPTQ (`--no-refit`) in a second work dir on the
+very same calibration (`moesq calibrate` with `moesq run`'s settings; the manifests' calibration entries are checked
+equal), evaluated on the same text: recorded as `paper_sgptq`.
 """
 from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -51,8 +54,23 @@ def paper_sgptq(moesq: str, tmp: Path, report: dict) -> dict:
             "ppl": row["ppl"], "tokens": row["tokens"], "window": row["window"]}
 
 
+def machine(load_before: float) -> dict:
+    """What the run's time was measured on: the CPU, its cores, the memory, torch, and the load average (1 min)
+    just before the run (anything else running skews the time)."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor() or platform.machine()) \
+        if Path("/proc/cpuinfo").is_file() else platform.processor() or platform.machine()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "memory_gib": round(memory, 1), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "load_before": load_before}
+
+
 def main() -> int:
     moesq = shutil.which("moesq") or str(Path(sys.executable).with_name("moesq"))
+    load_before = round(os.getloadavg()[0], 2)
+    if load_before > 0.5:
+        print(f"warning: load average {load_before} before the run: its time will be longer than on an idle machine",
+              file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         proc = subprocess.run([moesq, "run", "--workdir", "moesq-work", "--device", "cpu", "--json", "-"], cwd=tmp,
@@ -65,9 +83,7 @@ def main() -> int:
         report["paper_sgptq"] = paper_sgptq(moesq, Path(tmp), report)
     report.update({"command": "moesq run --json -", "commit": git_commit(),
                    "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                   "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, "
-                              f"torch {torch.__version__}",
-                   "wall_seconds": round(wall, 1)})
+                   "machine": machine(load_before), "wall_seconds": round(wall, 1)})
     # results keep paths relative to the repository (the embedded model and texts live in it)
     OUT.write_text(json.dumps(report, indent=2, sort_keys=True).replace(str(REPO) + "/", "") + "\n")
     print(f"wrote {OUT.relative_to(REPO)}")

@@ -51,133 +51,52 @@ RUN_FILE = "moesq_run_embedded.json"
 
 
 def render_run() -> str:
+    """The table `moesq run` prints (its rows and labels, as recorded by `moesq run --json`), then what the rows
+    are, the run's time and machine, and the paper's SGPTQ on the same calibration for comparison."""
     d = load(RUN_FILE)
-    ref = next(r["ppl"] for r in d["rows"] if r["kind"] == "reference")
+    rows = d["rows"]
+    ref = next(r["ppl"] for r in rows if r["kind"] == "reference")
+    out = table(["model", "perplexity", "× reference"],
+                [[r["label"], f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}"] for r in rows])
     refine = d["config"].get("refine") or {}
-    labels = {"reference": "reference", "packed": "packed (loaded back from disk)"}
-    rows = []
-    for r in d["rows"]:
-        if r["kind"] in labels:
-            label = labels[r["kind"]]
-        elif r["stage"] == "refine":
-            label = f"refine ({refine.get('epochs')} epochs × {refine.get('steps_per_epoch')} steps, init in the loop"
-            steps = refine.get("e2e_steps")
-            if steps == "auto":  # the step's automatic length on this calibration (RefineConfig.e2e_steps_for)
-                sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-                from moesq_core.compression.methods.refine import RefineConfig
+    stage = next((r for r in rows if r["stage"] == "refine"), None)
+    baselines = [r["label"] for r in rows if r["kind"] == "stage" and r["stage"] != "refine"]
+    packed = next((r["label"] for r in rows if r["kind"] == "packed"), None)
+    parts = []
+    if baselines:
+        parts.append(f"{' and '.join(f'`{b}`' for b in baselines)}: one-shot baselines")
+    if stage:
+        what = f"`refine`: {refine.get('epochs')} epochs × {refine.get('steps_per_epoch')} steps per block"
+        steps = refine.get("e2e_steps")
+        if steps == "auto":  # the step's automatic length on this calibration (RefineConfig.e2e_steps_for)
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+            from moesq_core.compression.methods.refine import RefineConfig
 
-                cal = d["config"]["calib"]
-                steps = RefineConfig(e2e_batch_size=refine["e2e_batch_size"]).e2e_steps_for(
-                    cal["n_train"] + cal["n_init"])
-                label += f"; then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences (auto"
-                label += ", second-order KL)" if refine.get("e2e_loss") == "fisher" else ")"
-            elif steps:
-                label += f"; then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences"
-            label += ")"
-        else:
-            label = r["stage"].removeprefix("init-") + " (one-shot baseline)"
-        rows.append([label, f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}"])
-        if r["stage"] == "init-sgptq" and d.get("paper_sgptq"):
-            p = d["paper_sgptq"]["ppl"]
-            rows.append(["sgptq, the paper's (`--no-refit`; same calibration, its own work dir)", f"{p:.3f}",
-                         f"{p / ref:.3f}"])
-    refined = next((r["ppl"] for r in d["rows"] if r["stage"] == "refine"), None)
-    sgptq = next((r["ppl"] for r in d["rows"] if r["stage"] == "init-sgptq"), None)
-    ratios = ""
-    if refined and sgptq and d.get("paper_sgptq"):
-        ratios = (f" Refine is {refined / d['paper_sgptq']['ppl']:.3f}× the paper's SGPTQ and {refined / sgptq:.3f}× "
-                  f"moesq's default SGPTQ (with refit), its init.")
-    return table(["model", "perplexity", "× reference"], rows) + (
-        f"\n\nFrom {link(RUN_FILE)} (`moesq run --json`, commit {d['commit']}, {d['wall_seconds']:.0f} s on "
-        f"{d['machine'].split(',')[1].strip()}; the paper's SGPTQ row from the same script); "
-        f"`verify`: {d['bits_per_weight']:.3f} bits per expert weight.{ratios}")
+            cal = d["config"]["calib"]
+            steps = RefineConfig(e2e_batch_size=refine["e2e_batch_size"]).e2e_steps_for(cal["n_train"] + cal["n_init"])
+        if steps:
+            what += f", then {steps} end-to-end steps × {refine.get('e2e_batch_size')} sequences"
+        parts.append(what)
+    if packed:
+        parts.append(f"`{packed}`: the packed model, loaded back from disk")
+    m = d["machine"]
+    text = (f"\n\n{'; '.join(parts)}. {d['wall_seconds']:.0f} s on {m['cpu_count']} cores ({m['cpu']}), "
+            f"{m['memory_gib']:.0f} GiB, torch {m['torch']} on {m['torch_threads']} threads (from "
+            f"{link(RUN_FILE)}: `moesq run --json` in a fresh temporary directory, commit {d['commit']}); "
+            f"`verify`: {d['bits_per_weight']:.3f} bits per expert weight.")
+    sgptq = next((r["ppl"] for r in rows if r["stage"] == "init-sgptq"), None)
+    if stage and sgptq and d.get("paper_sgptq"):
+        p = d["paper_sgptq"]["ppl"]
+        text += (f" For comparison, the paper's SGPTQ (`moesq init-sgptq --no-refit` on the same calibration) gives "
+                 f"{p:.3f} ({p / ref:.3f}× the reference): refine is {stage['ppl'] / p:.3f}× it and "
+                 f"{stage['ppl'] / sgptq:.3f}× moesq's default SGPTQ (with refit), its init.")
+    return out + text
 
 
 # -- accuracy ----------------------------------------------------------------------------------------------
 def _acc_row(d: dict, row: str, acts: str = "wa") -> dict:
     r = d["rows"][row]
     return r if "ppl" in r else r[acts]
-
-
-BUDGET_EMBEDDED = [  # (file, row, label, steps per block)
-    ("accuracy_embedded_run-budget.json", "sgptq", "SGPTQ (`--no-refit`, the paper's)", "—"),
-    ("accuracy_embedded_run-budget.json", "refine-paper-lr", "refine from SGPTQ, the paper's rates as given", "16"),
-    ("accuracy_embedded_run-budget.json", "refine", "refine from SGPTQ, budget rule", "16"),
-    ("accuracy_embedded_run-budget.json", "refine-seed1", "&nbsp;&nbsp;seed 1", "16"),
-    ("accuracy_embedded_run-budget.json", "refine-values", "&nbsp;&nbsp;values only", "16"),
-    ("accuracy_embedded_run-budget.json", "refine-values-first", "&nbsp;&nbsp;values only for the first half", "16"),
-    ("accuracy_embedded_run-budget.json", "sgptq-refit", "SGPTQ-refit (one-shot, the default init)", "—"),
-    ("accuracy_embedded_run-budget.json", "refine-refit", "refine from SGPTQ-refit, training sequences only", "16"),
-    ("accuracy_embedded_run-budget.json", "refine-refit-seed1", "&nbsp;&nbsp;seed 1", "16"),
-    ("accuracy_embedded_run-budget.json", "refine-split",
-     "**refine from SGPTQ-refit on the training + one-shot sequences (the default block loop)**", "16"),
-    ("accuracy_embedded_run-budget.json", "release-faithful",
-     "release-faithful (recipes/release-faithful.yaml, without its serving-time activation scale)", "16"),
-    ("accuracy_embedded_run-budget.json", "refine-quarter", "refine from SGPTQ, budget rule", "320 (¼ paper)"),
-    ("accuracy_embedded_run-budget.json", "refine-quarter-paper-lr", "refine from SGPTQ, the paper's rates",
-     "320 (¼ paper)"),
-    ("accuracy_embedded_run-budget.json", "refine-refit-quarter", "refine from SGPTQ-refit, budget rule",
-     "320 (¼ paper)"),
-    ("accuracy_embedded_run-budget-h200.json", "refine-paper", "refine from SGPTQ (H200, fp32)", "1,280 (paper)"),
-    ("accuracy_embedded_run-budget-h200.json", "release-faithful-paper", "release-faithful (H200, fp32)",
-     "1,280 (paper)"),
-]
-
-
-def render_budget_embedded() -> str:
-    rows, files = [], []
-    for f, row, label, steps in BUDGET_EMBEDDED:
-        d = load(f)
-        files.append(f) if f not in files else None
-        sg = _acc_row(d, "sgptq")["ppl"]
-        r = _acc_row(d, row)
-        rows.append([label, steps, f"{r['ppl']:.2f}", f"{r['ppl'] / sg:.3f}", pct(r.get("patterns_changed"))])
-    ref = load(BUDGET_EMBEDDED[0][0])["rows"]["reference"]["ppl"]
-    return table(["configuration", "steps per block", "perplexity", "× SGPTQ of its file", "patterns changed"],
-                 rows) + (
-        f"\n\nReference {ref:.2f}. From " + " and ".join(link(f.replace(".json", ".md")) for f in files) + ".")
-
-
-BUDGET_TINY = [
-    ("sgptq", "SGPTQ"), ("sgptq-refit", "SGPTQ-refit"), ("refine-paper-lr", "refine, the paper's rates as given"),
-    ("refine", "refine from SGPTQ, budget rule"), ("refine-refit", "refine from SGPTQ-refit, training sequences only"),
-    ("refine-refit-e2e", "&nbsp;&nbsp;+ end-to-end step (`--e2e-steps 64 --e2e-batch-size 4`)"),
-    ("refine-e2e", "**refine (the default block loop: training + one-shot sequences)** + end-to-end step (64 × 4)"),
-    ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
-]
-BUDGET_MICRO = [
-    ("sgptq-refit", "SGPTQ-refit (the default SGPTQ)"),
-    ("release-faithful", "release-faithful (recipes/release-faithful.yaml)"),
-    ("refine-refit-e2e",
-     "refine from SGPTQ-refit, training sequences only + end-to-end step (`--e2e-steps 64 --e2e-batch-size 4`)"),
-    ("refine-e2e", "**refine (the default block loop: training + one-shot sequences)** + end-to-end step (64 × 4)"),
-    ("refine-e2e-128", "&nbsp;&nbsp;end-to-end 128 × 4"),
-    ("refine-e2e-256", "&nbsp;&nbsp;end-to-end 256 × 4"),
-]
-
-
-def _render_budget(f: str, spec: list[tuple[str, str]]) -> str:
-    """Rows of a budget table; an end-to-end row also shows its block-wise result from the same run."""
-    d = load(f)
-    ref = d["rows"]["reference"]["ppl"]
-    rows, shown = [], None
-    for row, label in spec:
-        r = _acc_row(d, row)
-        rows.append([label, f"{r['ppl']:.2f}", f"{r['ppl'] / ref:.3f}", pct(r.get("patterns_changed"))])
-        if "blockwise" in r and r["blockwise"] != shown:  # once for rows that share their block-wise run
-            shown = r["blockwise"]
-            rows.append(["&nbsp;&nbsp;the same run before its end-to-end step", f"{r['blockwise']:.2f}",
-                         f"{r['blockwise'] / ref:.3f}", ""])
-    return table(["configuration", "perplexity", "× reference", "patterns changed"], rows) + (
-        f"\n\nReference {ref:.2f}. From {link(f.replace('.json', '.md'))}.")
-
-
-def render_budget_tiny() -> str:
-    return _render_budget("accuracy_tiny_budget.json", BUDGET_TINY)
-
-
-def render_budget_micro() -> str:
-    return _render_budget("accuracy_micro_budget.json", BUDGET_MICRO)
 
 
 METHODS = [
@@ -435,17 +354,17 @@ WORKDIR_FILE = "workdir_bytes.json"
 
 
 def render_workdir() -> str:
+    """The current layout's rows (older layouts' are history, in the results file)."""
     d = load(WORKDIR_FILE)
-    rows = [[r["label"], str(layout_), stage, f"{st['bytes']:,}", f"{st['bytes_per_weight']:.3f}",
+    layout = max(st["layout"] for r in d["rows"] for st in r["stages"].values())
+    rows = [[r["label"].removesuffix(", after"), stage, f"{st['bytes']:,}", f"{st['bytes_per_weight']:.3f}",
              f"{st['x_packed_experts']:.2f}×"]
-            for r in d["rows"] for stage, st in r["stages"].items() for layout_ in [st["layout"]]]
-    return table(["work dir", "layout", "stage", "bytes", "bytes / expert weight", "× packed experts"], rows) + (
+            for r in d["rows"] for stage, st in r["stages"].items() if st["layout"] == layout]
+    return table(["work dir", "stage", "bytes", "bytes / expert weight", "× packed experts"], rows) + (
         f"\n\nFrom {link(WORKDIR_FILE.replace('.json', '.md'))} (commit {d['commit']}; the runs' settings are there).")
 
 
-TABLES = {"run": render_run, "workdir": render_workdir, "accuracy-budget-embedded": render_budget_embedded,
-          "accuracy-budget-tiny": render_budget_tiny, "accuracy-budget-micro": render_budget_micro,
-          "accuracy-methods": render_methods,
+TABLES = {"run": render_run, "workdir": render_workdir, "accuracy-methods": render_methods,
           "accuracy-gpu": render_accuracy_gpu, "accuracy-summary": render_accuracy_summary,
           "decode": render_decode, "kernels": render_kernels, "compression": render_compression}
 

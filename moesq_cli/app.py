@@ -134,7 +134,7 @@ NprocOpt = Annotated[int, typer.Option(
                            "processes with --device cpu; started under torchrun.")]
 JsonOpt = Annotated[Optional[Path], typer.Option(
     "--json", help="Also write the result as JSON to this file ('-' = stdout, tables then go to stderr); "
-                   "schema in the README (JSON output).")]
+                   "its schema (keys per command): docs/workdir.md#json-output.")]
 
 
 def _produced() -> dict:
@@ -465,12 +465,12 @@ def init_sgptq(
     device: DeviceOpt = "auto", nproc: NprocOpt = 1, quiet: QuietOpt = False, json_out: JsonOpt = None,
     batch_size: BatchOpt = None, redo_from: RedoOpt = None, cache_gb: CacheOpt = None, settings: list = (),
 ):
-    """One-shot compression of every routed expert, block by block (SparseGPT+GPTQ by default).
+    """One-shot compression of every routed expert, block by block, with SGPTQ (SparseGPT+GPTQ) unless --method says.
 
-    Writes stage [bold]init-<method>[/]; calibrates first if the work dir has no calibration yet. The stage's
-    identity is its method with every option filled in, so defaults typed or not are the same stage. The
-    method's options are init.options.* (--set init.options.percdamp=0.02); `moesq init --method M` is the
-    same command.
+    `moesq init-sgptq` and `moesq init` are the same command: init-sgptq is named for its default method, init is
+    the general name to use with --method. Writes stage [bold]init-<method>[/]; calibrates first if the work dir
+    has no calibration yet. The stage's identity is its method with every option filled in, so defaults typed or
+    not are the same stage. The method's options are init.options.* (--set init.options.percdamp=0.02).
 
     [bold]Examples[/]
 
@@ -606,10 +606,17 @@ def pack(
     quiet: QuietOpt = False,
 ):
     """Write a Hugging Face–style model dir: compressed-tensors config, packed experts, untouched other weights,
-    tokenizer, model card and a checksum manifest (moesq_pack.json); optionally push it to the Hub.
+    tokenizer, model card, the recipe that made it (recipe.yaml) and a checksum manifest (moesq_pack.json);
+    optionally push it to the Hub.
 
-    Example: [bold]moesq pack moesq-work --out packed-model --overwrite[/]; [bold]moesq pack --push-to-hub[/] packs
-    ./moesq-work into moesq-work/packed and uploads it to <your user>/<model>-moesq-<format>.
+    `moesq pack --push-to-hub` packs ./moesq-work into moesq-work/packed and uploads it to
+    <your user>/<model>-moesq-<format>.
+
+    [bold]Examples[/]
+
+      moesq pack moesq-work --out packed-model --overwrite
+
+      moesq pack --push-to-hub
     """
     _setup(workdir, quiet)
     from moesq_core.compression.export import check_output_dir, export_packed, parse_size
@@ -676,7 +683,11 @@ def verify(
     scales (input global scales included), gate/up sharing one global scale, shapes, bits per weight, config
     markers. Exits 1 naming the first bad tensor.
 
-    Example: [bold]moesq verify moesq-work/packed[/]
+    [bold]Examples[/]
+
+      moesq verify packed-model
+
+      moesq verify packed-model --checksums-only --json verify.json
     """
     from moesq_core.checkpoint.verify import verify_packed_dir
 
@@ -742,7 +753,17 @@ def bench_kernel(
     json_out: JsonOpt = None,
 ):
     """Time the grouped sparse GEMMs against torch's bf16/fp8 grouped GEMMs and cuSPARSELt (same process,
-    CUDA-graph replay). Default shapes: the paper's Table 8 (Qwen3-30B-A3B and Kimi-K2.5 experts)."""
+    CUDA-graph replay). Default shapes: the paper's Table 8 (Qwen3-30B-A3B and Kimi-K2.5 experts). Needs a CUDA
+    GPU (Hopper, sm_90, for the native kernels).
+
+    [bold]Examples[/]
+
+      moesq bench-kernel --G 384 --N 128
+
+      moesq bench-kernel --format p48-nvfp4 --out p48-bench
+
+      moesq bench-kernel --format p48-nvfp4 --e2e
+    """
     import torch
 
     if not torch.cuda.is_available():
@@ -790,7 +811,9 @@ def generate(
 
     The prompts run as one left-padded batch with a static KV cache; on a GPU each decode step replays a CUDA graph.
 
-    Example: [bold]moesq generate moesq-work/packed --prompt "The capital of France is" --max-new-tokens 16[/]
+    [bold]Examples[/]
+
+      moesq generate packed-model --prompt "The capital of France is" --prompt "Once upon a time" --max-new-tokens 8
     """
     _setup(None, quiet)
     from moesq_core.serving.generate import DTYPE_CHOICES, generate_text, read_prompts
@@ -831,7 +854,7 @@ def eval_cmd(
         "--stage", help="Only these stages of a work dir (repeatable).")] = None,
     tasks: Annotated[Optional[str], typer.Option(
         "--tasks", help="lm-eval tasks, comma-separated, or a preset (openllm-v1); moesq_cloze is the shipped "
-                        "offline task.")] = None,
+                        "offline task. Needs the eval extra.")] = None,
     tasks_dir: Annotated[Optional[Path], typer.Option(help="Directory of extra task YAMLs with local data.")] = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="lm-eval: examples per task.")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="lm-eval: override the shots.")] = None,
@@ -842,7 +865,17 @@ def eval_cmd(
     device: DeviceOpt = "cpu", quiet: QuietOpt = False,
 ):
     """Perplexity and/or lm-eval task accuracy for reference, fake-quantized (work dir stages) and packed models,
-    side by side in one table. Results are cached in the first work dir, so re-runs and resumes are instant."""
+    side by side in one table. Results are cached in the first work dir, so re-runs and resumes are instant.
+
+    Without --ppl and --tasks: perplexity on the embedded evaluation text. --tasks needs the eval extra
+    (pip install -e ".\\[eval]"); moesq_cloze is the shipped offline task, other tasks download their data.
+
+    [bold]Examples[/]
+
+      moesq eval moesq-work packed-model --stage refine --ppl-tokens 2048
+
+      moesq eval moesq-work --stage refine --tasks moesq_cloze --limit 8
+    """
     _setup(None, quiet)
     from moesq_core.compression.pipeline import DEFAULT_EVAL
     from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
@@ -968,7 +1001,6 @@ def run(
       moesq run -w run-rtn --method rtn --baselines '' --no-refine --seq-len 64 --n-train 8 --n-val 4 --n-init 8 --ppl-tokens 4096
     """  # noqa: E501  (an example command line, shown and run as written: one line)
     from moesq_core.compression.pipeline import default_run_config, run_all, run_config_of
-    from moesq_core.formats import get_format
 
     _setup(workdir, quiet)
     if ppl is not None and not ppl.is_file():
@@ -983,6 +1015,14 @@ def run(
         _write_json(json_out, {"schema": "moesq.run/1", "workdir": str(workdir), **res})
         if str(json_out) == "-":
             return
+    console.print(run_table(res))
+    console.print(f"verify: ok ({res['bits_per_weight']:.3f} bits/weight); packed model in {res['packed']}")
+
+
+def run_table(res: dict) -> Table:
+    """The perplexity table `moesq run` prints, from its result (`moesq run --json`'s document)."""
+    from moesq_core.formats import get_format
+
     rows = res["rows"]
     ref = next(r["ppl"] for r in rows if r["kind"] == "reference")
     fmt, aq = get_format(res["config"]["format"]), res["config"]["act_quant"]
@@ -992,8 +1032,7 @@ def run(
         table.add_column(c, justify="left" if c == "model" else "right")
     for r in rows:
         table.add_row(r["label"], f"{r['ppl']:.3f}", f"{r['ppl'] / ref:.3f}")
-    console.print(table)
-    console.print(f"verify: ok ({res['bits_per_weight']:.3f} bits/weight); packed model in {res['packed']}")
+    return table
 
 
 def _reflow_help() -> None:
@@ -1007,6 +1046,9 @@ def _reflow_help() -> None:
             lines = para.split("\n")
             indented = any(line.startswith(" ") for line in lines)
             paragraphs.append(para if indented else " ".join(line.strip() for line in lines))
+        if info.name == "init":  # init-sgptq's general name: its own first line, the rest init-sgptq's
+            paragraphs[0] = ("One-shot compression of every routed expert, block by block, with the method --method "
+                             "names (default: sgptq).")
         info.help = "\n\n".join(paragraphs)
 
 

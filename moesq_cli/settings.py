@@ -258,6 +258,7 @@ FLAGS: dict[str, tuple] = {
     "--calib": ("calib_source", _STAGES), "--seq-len": ("calib.seq_len", _STAGES),
     "--n-train": ("calib.n_train", _STAGES), "--n-val": ("calib.n_val", _STAGES),
     "--n-init": ("calib.n_init", _STAGES), "--seed": ("calib.seed", _STAGES),
+    "--text-column": ("calib.text_column", _STAGES),
     "--method": ("init.method", (_I, _U)), "--init": ("init.method", (_R,)),
     "--percdamp": ("init.options.percdamp", (_I,)), "--hessian-weighting": ("init.options.hessian_weighting", (_I,)),
     "--exact-scales/--fp32-scales": ("init.options.exact_scales", (_I,)),
@@ -329,9 +330,10 @@ def _check(command: str, key: str, const=None, convert=None):
 
 
 def check_calib_source(value: str) -> None:
-    hub_name = re.fullmatch(r"[\w.-]+/[\w.-]+(:[\w.-]+)?(@[\w.:%\[\]-]+)?", value)
-    if not Path(value).expanduser().exists() and not hub_name:
-        raise ValueError(f"{value}: no such file or directory (or a Hub dataset 'org/name[:config][@split]')")
+    from moesq_core.compression.calibration import is_hub_dataset_name
+
+    if not Path(value).expanduser().exists() and not is_hub_dataset_name(value):
+        raise ValueError(f"{value}: no such file or directory (or a Hub dataset '[org/]name[:config][@split]')")
 
 
 def with_config_options(command: str):

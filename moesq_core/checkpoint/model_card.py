@@ -1,6 +1,8 @@
 """The model card (README.md) `moesq pack` writes: Hub front matter (base model, `base_model_relation: quantized`,
-`library_name: moesq`, tags), what the checkpoint is, how it was made (its recipe, its calibration in sequences ×
-tokens), the evaluation results the work dir holds for its stage, and how to load and serve it.
+`library_name: moesq`, tags, the calibration's Hub dataset), what the checkpoint is, how it was made (its recipe,
+its calibration in sequences × tokens and documents), the evaluation results the work dir holds for its stage, and
+how to load and serve it; and the pack's `recipe.yaml` (`recipe_yaml`): the configuration that made it, which
+`CompressConfig.from_file` loads.
 
 Filled from the run's identity (the work dir's RunIdentity: model, format, activations, calibration, which the
 caller reads and validates), the manifest's calibration and stage records, and the work dir's eval results
@@ -27,9 +29,12 @@ _EMBEDDED_CALIB = "calib-sample.txt.xz"  # moesq_core/assets: the default calibr
 _PRIMARY_METRICS = ("acc_norm,none", "acc,none", "exact_match,strict-match", "exact_match,none")
 
 
-TRANSFORMERS_LOADER = ("`pip install moesq`, then `import moesq_core` and `transformers.AutoModelForCausalLM."
+RECIPE_FILE = "recipe.yaml"
+INSTALL = "moesq installed from its source (`pip install -e .` in a clone of its repository)"
+TRANSFORMERS_LOADER = (f"with {INSTALL}, `import moesq_core`, then `transformers.AutoModelForCausalLM."
                        "from_pretrained(DIR)`: the same model as `load_packed` (moesq routes its packs through "
                        "transformers' loader):")
+_HUB_DATASET = re.compile(r"([\w.-]+(?:/[\w.-]+)?)(?::[\w.-]+)?(?:@[\w.:%\[\]-]+)?")
 
 
 def hub_id_of(source: str) -> str | None:
@@ -60,6 +65,15 @@ def calib_source_label(source: str) -> str:
         return f"moesq's embedded calibration sample ({_EMBEDDED_CALIB})"
     p = Path(source)
     return p.name if p.is_absolute() or p.exists() else source
+
+
+def hub_dataset_of(source: str | None) -> str | None:
+    """The Hub dataset id a calibration came from (`[org/]name[:config][@split]` as recorded), else None (a local
+    file or dir is recorded by its absolute path, a `datasets.Dataset` by its fingerprint)."""
+    if not source or Path(source).is_absolute() or Path(source).exists():
+        return None
+    m = _HUB_DATASET.fullmatch(source)
+    return m.group(1) if m else None
 
 
 def stage_recipe(identity: RunIdentity, stage: str, st: dict) -> dict:
@@ -123,8 +137,8 @@ def _calibration_lines(identity: RunIdentity, cal: dict) -> list[str]:
     if not seq_len or not all(seqs.values()):
         return []
     n = sum(seqs.values())
-    docs = f", {cal['documents']:,} documents" if cal.get("documents") else ""
-    return [f"- Calibration: {n:,} sequences × {seq_len:,} tokens ({n * seq_len:,} tokens{docs}) from "
+    docs = f" cut from {cal['documents']:,} documents" if cal.get("documents") else ""
+    return [f"- Calibration: {n:,} sequences × {seq_len:,} tokens ({n * seq_len:,} tokens{docs}) of "
             f"{calib_source_label(identity.calib_source or _EMBEDDED_CALIB)}: {seqs['train']:,} for refinement, "
             f"{seqs['val']:,} held out for its validation, {seqs['init']:,} for the one-shot init."]
 
@@ -154,6 +168,19 @@ def _eval_lines(evals: dict, stage: str) -> list[str]:
             "was packed from (the stage's fake-quantized model computes exactly what this checkpoint serves)."] + lines
 
 
+def recipe_yaml(identity: RunIdentity, manifest: dict, stage: str) -> str | None:
+    """The pack's recipe.yaml: the stage's configuration as a recipe (stage_recipe; CompressConfig.from_file
+    loads it), None when the manifest records no configuration for the stage."""
+    stage_config = manifest.get("stages", {}).get(stage, {}).get("config")
+    if not stage_config:
+        return None
+    body = yaml.safe_dump(stage_recipe(identity, stage, stage_config), sort_keys=False, default_flow_style=None,
+                          width=100)
+    return (f"# The moesq configuration that made this checkpoint (stage {stage}): a recipe, loaded by\n"
+            "# moesq_core.CompressConfig.from_file; `moesq run --recipe recipe.yaml --model BASE_MODEL` runs it.\n"
+            + body)
+
+
 def model_card(identity: RunIdentity, manifest: dict, summary: dict, evals: dict | None = None) -> str:
     """README.md with Hub front matter (huggingface_hub.ModelCardData); reproducible (no dates). `identity` is
     the work dir's run (its base model's license is read from `identity.model_path`), `manifest` the work dir's
@@ -165,8 +192,10 @@ def model_card(identity: RunIdentity, manifest: dict, summary: dict, evals: dict
     hub_id = hub_id_of(source) or hub_id_of(str(src))
     fmt = identity.format
     stage = summary["stage"]
+    calib_dataset = hub_dataset_of(identity.calib_source)
     data = ModelCardData(license=_base_license(src), pipeline_tag="text-generation", library_name="moesq",
                          base_model=hub_id, base_model_relation="quantized" if hub_id else None,
+                         datasets=[calib_dataset] if calib_dataset else None,
                          tags=["moesq", "moe", "quantized", *fmt.card_tags])
     name = hub_id or Path(source).name
     activations = f"quantized ({fmt.act_label})" if summary["act_quant"] else "not quantized (weights only)"
@@ -185,20 +214,20 @@ def model_card(identity: RunIdentity, manifest: dict, summary: dict, evals: dict
         f"- moesq {__version__}, stage `{stage}` of its work dir, packed by `moesq pack`.",
         *_calibration_lines(identity, manifest.get("calibration") or {}),
     ]
-    stage_config = manifest.get("stages", {}).get(stage, {}).get("config")
-    if stage_config:
-        recipe = yaml.safe_dump(stage_recipe(identity, stage, stage_config), sort_keys=False, default_flow_style=None,
-                                width=100)
-        lines += ["- The configuration, as a recipe (`moesq run --recipe recipe.yaml --model BASE_MODEL`):", "",
+    recipe = recipe_yaml(identity, manifest, stage)
+    if recipe:
+        lines += [f"- The configuration, as a recipe ([`{RECIPE_FILE}`]({RECIPE_FILE}) in this repository; "
+                  f"`moesq run --recipe {RECIPE_FILE} --model BASE_MODEL` runs it):", "",
                   "```yaml", recipe.rstrip(), "```"]
     lines += _eval_lines(evals or {}, stage)
     lines += ["", "## Loading and serving", "",
-              "With moesq installed, in Python (`DIR`: a local copy of this repository, e.g. from "
+              f"With {INSTALL}, in Python (`DIR`: a local copy of this repository, e.g. from "
               "`huggingface_hub.snapshot_download`):", "",
-              "```python", "from moesq_core import load_packed", "", 'model, tokenizer = load_packed("DIR")', "```",
-              "", f"or {TRANSFORMERS_LOADER}", "", "```python", "import moesq_core  # routes moesq packs through "
+              "```python", "from moesq_core import load_packed", "",
+              'model, tokenizer = load_packed("DIR")  # device="cuda": on the GPU', "```",
+              "", f"or, {TRANSFORMERS_LOADER}", "", "```python", "import moesq_core  # routes moesq packs through "
               "transformers' compressed-tensors entries", "from transformers import AutoModelForCausalLM", "",
-              'model = AutoModelForCausalLM.from_pretrained("DIR", device_map="auto")', "```",
+              'model = AutoModelForCausalLM.from_pretrained("DIR")', "```",
               "", "or from the command line:", "",
               "```bash", 'moesq generate DIR --prompt "The capital of France is"', "moesq verify DIR", "```", "",
               *[f"- {x}" for x in fmt.card_loaders], "",

@@ -4,12 +4,14 @@ A stage's identity in the work dir's manifest is the normalised dict of its conf
 command line or left at their defaults give the same stage (`init-sgptq` then `refine` on one work dir, or
 `--redo-from` on a stage another command started).
 
-Config files (recipes) are validated by pydantic over these dataclasses (unknown keys refused, numbers finite), and
-every error names its key path: `refine.epochs: expected an integer, got 'two'`, `refine.epoch: unknown key (did
-you mean epochs?)`. A setting `KEY=VALUE` (the command line's `--set`) uses a recipe's key paths: `apply_settings`.
+Recipes and configs built in Python (`CompressConfig(refine={...})`) are validated alike, by pydantic over these
+dataclasses (unknown keys refused, numbers finite), and every error names its key path: `refine.epochs: expected an
+integer, got 'two'`, `refine.epoch: unknown key (did you mean epochs?)`. A setting `KEY=VALUE` (the command line's
+`--set`) uses a recipe's key paths: `apply_settings`.
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import difflib
@@ -33,8 +35,8 @@ DEFAULT_MODEL = ASSETS / "micro-qwen3-moe"
 DEFAULT_CALIB = ASSETS / "calib-sample.txt.xz"
 DEFAULT_EVAL = ASSETS / "eval-sample.txt.xz"
 
-RUN_OPTIONS = ("format", "act_quant", "calib_source", "seq_len", "n_train", "n_val", "n_init", "seed")
-_CALIB_KEYS = ("seq_len", "n_train", "n_val", "n_init", "seed")
+RUN_OPTIONS = ("format", "act_quant", "calib_source", "seq_len", "n_train", "n_val", "n_init", "seed", "text_column")
+_CALIB_KEYS = ("seq_len", "n_train", "n_val", "n_init", "seed", "text_column")
 
 
 def jsonable(obj: Any) -> Any:
@@ -175,8 +177,9 @@ class CompressConfig:
     format: str = "p48-nvfp4"  # the experts' compressed format
     act_quant: bool = True  # quantize activations too (W4A4 / W8A8), or weights only
     calib: CalibConfig = field(default_factory=CalibConfig)
-    calib_source: str = str(DEFAULT_CALIB)  # calibration text: a .txt/.txt.xz/.jsonl file, a dir, or a Hub
-    # dataset name[:config][@split] (default: the embedded sample)
+    calib_source: str = str(DEFAULT_CALIB)  # calibration text: a .txt/.txt.xz/.jsonl file, a dir of them, a
+    # Hugging Face dataset dir (save_to_disk's, or parquet files) or a Hub dataset [org/]name[:config][@split]
+    # (default: the embedded sample)
     init: Annotated[MethodConfig, BeforeValidator(lambda v: {"method": v} if isinstance(v, str) else v)] = \
         field(default_factory=MethodConfig)
     refine: RefineConfig | None = None  # None: the init stage only
@@ -187,6 +190,16 @@ class CompressConfig:
         from moesq_core.compression.methods.refine import RefineConfig
         from moesq_core.formats import get_format
 
+        if not _validating.get():  # built in Python: validated as a recipe is (from_dict), errors naming keys
+            given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+            if given["calib_source"] is None:
+                del given["calib_source"]
+            elif isinstance(given["calib_source"], Path):
+                given["calib_source"] = str(given["calib_source"])
+            valid = _validate(given)
+            for f in dataclasses.fields(self):
+                setattr(self, f.name, getattr(valid, f.name))
+            return
         if isinstance(self.calib, dict):
             self.calib = CalibConfig(**self.calib)
         if isinstance(self.init, dict):
@@ -222,10 +235,7 @@ class CompressConfig:
         d = dict(d)
         if d.get("calib_source") is None:
             d.pop("calib_source", None)
-        try:
-            return _config_adapter().validate_python(d)
-        except ValidationError as e:
-            raise ValueError(_error_lines(e.errors(include_url=False))) from None
+        return _validate(d)
 
     @classmethod
     def from_file(cls, path: str | Path) -> "CompressConfig":
@@ -322,6 +332,22 @@ def _config_adapter() -> TypeAdapter:
     from moesq_core.compression.methods.refine import RefineConfig  # noqa: F401  (resolves CompressConfig.refine's annotation here)
 
     return TypeAdapter(CompressConfig)
+
+
+# set while pydantic builds a CompressConfig: its __post_init__ then only normalises (the fields are validated)
+_validating: contextvars.ContextVar[bool] = contextvars.ContextVar("moesq_config_validating", default=False)
+
+
+def _validate(d: dict) -> CompressConfig:
+    """A CompressConfig from a mapping of its fields, validated by pydantic: a ValueError naming the key path of
+    every wrong or unknown key."""
+    token = _validating.set(True)
+    try:
+        return _config_adapter().validate_python(d)
+    except ValidationError as e:
+        raise ValueError(_error_lines(e.errors(include_url=False))) from None
+    finally:
+        _validating.reset(token)
 
 
 def _section_keys(loc: tuple) -> list[str]:

@@ -32,7 +32,7 @@ import torch
 from safetensors import safe_open
 
 from moesq_core.checkpoint.checksums import PACK_MANIFEST, is_moesq_pack, write_manifest
-from moesq_core.checkpoint.model_card import model_card, work_dir_evals
+from moesq_core.checkpoint.model_card import RECIPE_FILE, model_card, recipe_yaml, work_dir_evals
 from moesq_core.compression.engine import load_block
 from moesq_core.compression.workdir import (
     LockHeld,
@@ -380,6 +380,9 @@ def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, o
                    "expert_weights": n_weights, "expert_bytes": packed_bytes,
                    "input_scale_fallbacks": fallbacks, "moesq_version": __version__, **shards}
         (tmp / "README.md").write_text(model_card(identity, manifest, summary, work_dir_evals(root, stage)))
+        recipe = recipe_yaml(identity, manifest, stage)
+        if recipe:
+            (tmp / RECIPE_FILE).write_text(recipe)
         _fix_modes(tmp)
         manifest = write_manifest(tmp, summary)
         os.chmod(tmp / PACK_MANIFEST, 0o644)

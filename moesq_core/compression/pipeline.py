@@ -28,7 +28,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moesq_core.compression import distributed
-from moesq_core.compression.calibration import CalibConfig, build_calibration, read_documents
+from moesq_core.compression.calibration import (
+    CalibConfig,
+    build_calibration,
+    dataset_label,
+    is_dataset,
+    read_documents,
+)
 from moesq_core.compression.config import (  # noqa: F401
     ASSETS,
     DEFAULT_CALIB,
@@ -116,8 +122,9 @@ def _check_calibration(workdir: WorkDir, m: dict) -> dict | None:
     return info
 
 
-def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progress=None) -> dict:
-    """Create (or check) the work dir for this model + config and write the calibration token splits.
+def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progress=None, dataset=None) -> dict:
+    """Create (or check) the work dir for this model + config and write the calibration token splits (from
+    `dataset`, a `datasets.Dataset` whose label is cfg.calib_source, when given; else from cfg.calib_source).
 
     Everything that can fail (model, format, calibration text, too few sequences) is checked before the work
     dir is written; a work dir whose calibration was interrupted or failed is calibrated again."""
@@ -136,8 +143,9 @@ def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progre
             return info
     tok = AutoTokenizer.from_pretrained(path)
     with progress.task("calibrate: reading and tokenizing", None) as t:
-        docs = read_documents(cfg.calib_source)
-        splits = build_calibration(tok, docs, cfg.calib)
+        docs = read_documents(cfg.calib_source if dataset is None else dataset, text_column=cfg.calib.text_column)
+        counts: dict = {}
+        splits = build_calibration(tok, docs, cfg.calib, counts)
         t.advance()
     with _locked(workdir):
         m = workdir.init(model_info, cfg.to_dict())
@@ -150,7 +158,7 @@ def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progre
         info = {"file": CALIB_FILE, "sha256": sha256_file(calib_path),
                 "sequences": {k: int(v.shape[0]) for k, v in splits.items()}, "seq_len": cfg.calib.seq_len,
                 "tokens": int(sum(v.numel() for v in splits.values())),
-                "documents": len(docs) if isinstance(docs, list) else docs.read}
+                "documents": counts["documents"]}
         m = workdir.load()
         m["calibration"] = info
         workdir.save(m)
@@ -159,10 +167,11 @@ def calibrate(workdir: WorkDir, model_source: str | Path, cfg: RunConfig, progre
 
 
 def open_workdir(workdir: WorkDir | str | Path, model: str | Path | None = None, options: dict | None = None,
-                 defaults: dict | None = None, progress=None) -> WorkDir:
+                 defaults: dict | None = None, progress=None, dataset=None) -> WorkDir:
     """The work dir for a stage command, calibrated: created when new, calibrated when its calibration never
-    finished. Run options given (RUN_OPTIONS; None = not given) must match those an existing work dir was made
-    with; they are refused otherwise, naming the differences, and nothing is written."""
+    finished (`dataset`: a `datasets.Dataset` to calibrate on, options' calib_source its label). Run options
+    given (RUN_OPTIONS; None = not given) must match those an existing work dir was made with; they are refused
+    otherwise, naming the differences, and nothing is written."""
     wd = workdir if isinstance(workdir, WorkDir) else WorkDir(workdir)
     options = {k: v for k, v in (options or {}).items() if v is not None}
     wd.check_usable()
@@ -186,7 +195,7 @@ def open_workdir(workdir: WorkDir | str | Path, model: str | Path | None = None,
     else:
         cfg = RunConfig.from_options(options, defaults)
         source = model or DEFAULT_MODEL
-    calibrate(wd, source, cfg, progress)
+    calibrate(wd, source, cfg, progress, dataset)
     return wd
 
 
@@ -658,11 +667,13 @@ def model_source(model) -> str | Path | None:
 
 def compress(model=None, config: CompressConfig | str | Path | None = None,
              workdir: str | Path = "moesq-work", *, device: str | None = None, batch_size: int = 8,
-             cache_limit_gb: float | None = None, progress=None) -> CompressedModel:
+             cache_limit_gb: float | None = None, progress=None, calib=None) -> CompressedModel:
     """Compress `model` (a local dir, a Hub id or a loaded transformers model: see `model_source`; default: the
     config's `model`, else the embedded micro model) as `config` says (a CompressConfig or a recipe file;
-    default: `moesq run`'s). Resumable: finished stages are only checked, an interrupted one continues at its
-    first unfinished block. A work dir made for another model or run config is refused."""
+    default: `moesq run`'s). `calib`, a `datasets.Dataset`, is the calibration text instead of the config's
+    calib_source (its column `calib.text_column`, else "text", else its first text column). Resumable: finished
+    stages are only checked, an interrupted one continues at its first unfinished block. A work dir made for
+    another model or run config is refused."""
 
     model = model_source(model)
     if config is None:
@@ -670,11 +681,17 @@ def compress(model=None, config: CompressConfig | str | Path | None = None,
     elif not isinstance(config, CompressConfig):
         config = CompressConfig.from_file(config)
     _check_run_args(device, batch_size, None, cache_limit_gb)
+    options = config.run_config().flat()
+    if calib is not None:
+        if not is_dataset(calib):
+            raise ValueError(f"calib must be a datasets.Dataset, got {type(calib).__name__} (a file, dir or Hub "
+                             "dataset name goes in the config's calib_source)")
+        options["calib_source"] = dataset_label(calib)
     wd = WorkDir(workdir)
     summaries = {}
     with _command_lock(wd):
-        distributed.main_first(open_workdir, wd, model or config.model, config.run_config().flat(),
-                               progress=progress)
+        distributed.main_first(open_workdir, wd, model or config.model, options, progress=progress,
+                               dataset=calib)
         # One-shot stages: the baselines (the init method among them as configured), and the init itself when
         # there is no refinement (refinement computes its init inside its own block loop).
         one_shot = [config.init if b == config.init.name else MethodConfig(b) for b in config.baselines]

@@ -1,5 +1,5 @@
 """`p48-nvfp4`: paired 4:8 sparse NVFP4, 32-column UE4M3 scales, W4A4 (Blackwell sparse tensor cores; on
-Hopper the packed Triton experts). Two layouts on disk.
+Hopper moesq's sparse-tensor-core kernel, moesq_core.serving.p48_hopper). Two layouts on disk.
 
 The public release's pair-bitmask layout (`p48-nvfp4`, the default), per linear with logical weight [out, in]
 (in a multiple of 32; leading expert dims allowed):
@@ -235,8 +235,8 @@ FORMAT = P48Format(
     scheme="W4A4", act_label="NVFP4",
     card_tags=("nvfp4", "sparse", "paired-4-8-sparsity", "compressed-tensors"),
     card_loaders=(
-        "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)` (CPU reference; on a "
-        "Hopper GPU the packed Triton experts).",
+        "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)` (the CPU reference; on a Hopper GPU "
+        "moesq's sparse-tensor-core kernel).",
         "vLLM with the public MoESQ release's paired 4:8 patch on Blackwell GPUs (it reads the `paired48_sparse` "
         "marker).",
         "Without `import moesq_core`, transformers cannot load this layout (it raises while converting the expert "

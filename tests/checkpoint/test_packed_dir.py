@@ -188,6 +188,34 @@ def test_model_card_front_matter(packs, tmp_path):
     card = ModelCard(model_card(identity, wd.load(), summary))
     assert card.data.license == "apache-2.0" and card.data.base_model == "Qwen/Qwen3-30B-A3B"
     assert card.data.base_model_relation == "quantized" and card.data.library_name == "moesq"
+    assert card.data.datasets is None  # calibrated on a local file
+    # calibrated on a Hub dataset: the card names it in its front matter, as the Hub links datasets
+    for source, dataset in (("allenai/c4:en@train", "allenai/c4"), ("wikitext:wikitext-2-raw-v1@test", "wikitext")):
+        card = ModelCard(model_card(dataclasses.replace(identity, calib_source=source), wd.load(), summary))
+        assert card.data.datasets == [dataset] and f"of {source}:" in card.text
+
+
+def test_the_cards_python_runs_as_written_and_the_pack_carries_its_recipe(packs, tmp_path, monkeypatch):
+    """The card's Python snippets run as written on the pack (with what the README installs: no accelerate),
+    the loaders it names are the current ones, and recipe.yaml loads back to the configuration that made it."""
+    import re
+
+    from moesq_core import CompressConfig
+
+    wd, out, _ = packs["p48-nvfp4"]
+    text = (out / "README.md").read_text()
+    assert "device_map" not in text and "accelerate" not in text  # not a moesq dependency
+    assert "Triton" not in text and "pip install moesq" not in text
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        scope: dict = {}
+        exec(block.replace('"DIR"', repr(str(out))), scope)
+        assert type(scope["model"]).__name__.endswith("ForCausalLM")
+    recipe = CompressConfig.from_file(out / "recipe.yaml")
+    assert (recipe.init.name, recipe.refine, recipe.format) == ("rtn", None, "p48-nvfp4")
+    assert recipe.calib == wd.identity().calib
+    assert "recipe.yaml" in json.loads((out / PACK_MANIFEST).read_text())["files"]  # checksummed with the rest
 
 
 def test_model_card_says_how_it_was_made_how_it_evaluated_and_how_to_load_it(micro_path, tmp_path):
@@ -226,12 +254,15 @@ def test_model_card_says_how_it_was_made_how_it_evaluated_and_how_to_load_it(mic
     assert (d.library_name, d.pipeline_tag, d.base_model) == ("moesq", "text-generation", None)  # a local source
     assert {"moesq", "moe", "quantized", "nvfp4", "sparse"} <= set(d.tags)
     text = card.text
-    assert "- Calibration: 10 sequences × 32 tokens (320 tokens, " in text
+    assert "- Calibration: 10 sequences × 32 tokens (320 tokens cut from " in text
+    used = int(re.search(r"cut from ([\d,]+) documents", text).group(1).replace(",", ""))
+    assert used == WorkDir(wd).load()["calibration"]["documents"] and 0 < used < 100  # not the file's 11,644
     assert "4 for refinement, 2 held out for its validation, 4 for the one-shot init" in text
     assert "calib-sample.txt.xz" in text and str(tmp_path) not in text and "/work" not in text  # no machine paths
     recipe = yaml.safe_load(re.search(r"```yaml\n(.*?)```", text, re.S).group(1))
     assert recipe["calib_source"] is None  # the embedded sample, as a recipe names it
     assert CompressConfig.from_dict(recipe).to_dict() == cfg.to_dict()  # the same configuration
+    assert CompressConfig.from_file(tmp_path / "packed" / "recipe.yaml").to_dict() == cfg.to_dict()  # and its file
     ref, refined = (next(r["ppl"] for r in rows if r["kind"] == k) for k in ("reference", "stage"))
     assert f"| reference (base model) | {ref:.3f} |  | {EVAL.name} | 1,024 (256) |" in text
     assert f"| this model (refine) | {refined:.3f} | {refined / ref:.3f} | {EVAL.name} | 1,024 (256) |" in text

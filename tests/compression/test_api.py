@@ -21,6 +21,29 @@ refine: {epochs: 1, steps_per_epoch: 2}
 """
 
 
+# (a recipe, the error naming its key path): a recipe file and a CompressConfig built in Python give the same
+RECIPE_ERRORS = (
+    ("formt: p48-nvfp4", "formt: unknown key (did you mean format?)"),
+    ("serving: {act_global_scale: 1.0}", "serving: unknown key (valid: format, act_quant,"),
+    ("calib: {seq_len: 0}", "calib.seq_len: must be a positive"),
+    ("calib: {seq_lem: 64}", "calib.seq_lem: unknown key (did you mean seq_len?)"),
+    ("init: {method: nope}", "init: unknown method"),
+    ("init: {method: rtn, option: {}}", "init.option: unknown key (did you mean options?)"),
+    ("refine: {epochs: -1}", "refine.epochs: must be >= 0"),
+    ("refine: {lr_logits: .inf}", "refine.lr_logits: expected a finite number, got inf"),
+    ("init: {method: sgptq, options: {percdamp: x}}",
+     "init.options.percdamp: expected a number, got 'x'"),
+    ("init: {method: obr, options: {alpha: 2}}", "init.options.alpha: must be in [0, 1], got 2"),
+    ("refine: {epochs: two}", "refine.epochs: expected an integer, got 'two'"),
+    ("refine: {epoch: 2}", "refine.epoch: unknown key (did you mean epochs?)"),
+    ("refine: {tau: [2.0, x]}", "refine.tau.1: expected a number, got 'x'"),
+    ("refine: {e2e_steps: [1]}", "refine.e2e_steps: expected an integer or a string, got [1]"),
+    ("act_quant: maybe", "act_quant: expected true or false, got 'maybe'"),
+    ("format: p49", "format: unknown format 'p49'"),
+    ("- a list", "expected a mapping"), ("baselines: [nope]", "baselines: unknown method"),
+)
+
+
 def _artifacts(wd: Path) -> dict[str, str]:
     return {str(p.relative_to(wd)): hashlib.sha256(p.read_bytes()).hexdigest()
             for d in ("calib", "stages") for p in sorted((wd / d).rglob("*")) if p.is_file()}
@@ -53,24 +76,7 @@ def test_config_errors_name_the_key(tmp_path):
     from moesq_core import CompressConfig
 
     bad = tmp_path / "bad.yaml"
-    for text, msg in (("formt: p48-nvfp4", "formt: unknown key (did you mean format?)"),
-                      ("serving: {act_global_scale: 1.0}", "serving: unknown key (valid: format, act_quant,"),
-                      ("calib: {seq_len: 0}", "calib.seq_len: must be a positive"),
-                      ("calib: {seq_lem: 64}", "calib.seq_lem: unknown key (did you mean seq_len?)"),
-                      ("init: {method: nope}", "init: unknown method"),
-                      ("init: {method: rtn, option: {}}", "init.option: unknown key (did you mean options?)"),
-                      ("refine: {epochs: -1}", "refine.epochs: must be >= 0"),
-                      ("refine: {lr_logits: .inf}", "refine.lr_logits: expected a finite number, got inf"),
-                      ("init: {method: sgptq, options: {percdamp: x}}",
-                       "init.options.percdamp: expected a number, got 'x'"),
-                      ("init: {method: obr, options: {alpha: 2}}", "init.options.alpha: must be in [0, 1], got 2"),
-                      ("refine: {epochs: two}", "refine.epochs: expected an integer, got 'two'"),
-                      ("refine: {epoch: 2}", "refine.epoch: unknown key (did you mean epochs?)"),
-                      ("refine: {tau: [2.0, x]}", "refine.tau.1: expected a number, got 'x'"),
-                      ("refine: {e2e_steps: [1]}", "refine.e2e_steps: expected an integer or a string, got [1]"),
-                      ("act_quant: maybe", "act_quant: expected true or false, got 'maybe'"),
-                      ("format: p49", "format: unknown format 'p49'"),
-                      ("- a list", "expected a mapping"), ("baselines: [nope]", "baselines: unknown method")):
+    for text, msg in RECIPE_ERRORS:
         bad.write_text(text)
         with pytest.raises(ValueError, match=re.escape(f"recipe {bad}: {msg}")):
             CompressConfig.from_file(bad)
@@ -82,6 +88,30 @@ def test_config_errors_name_the_key(tmp_path):
     assert not (tmp_path / "w").exists()  # refused before the work dir is made
     with pytest.raises(ValueError, match="steps_per_epoch is a refinement option"):
         CompressConfig(refine=None).with_overrides(steps_per_epoch=3)
+
+
+def test_a_config_built_in_python_is_validated_like_a_recipe():
+    import dataclasses
+
+    import yaml
+
+    from moesq_core import CompressConfig
+    from moesq_core.compression.methods.refine import RefineConfig
+
+    names = {f.name for f in dataclasses.fields(CompressConfig)}
+    for text, msg in RECIPE_ERRORS:
+        fields = yaml.safe_load(text)
+        if isinstance(fields, dict) and set(fields) <= names:  # an unknown keyword: Python's own TypeError
+            with pytest.raises(ValueError, match="^" + re.escape(msg)):
+                CompressConfig(**fields)
+    with pytest.raises(ValueError, match=re.escape("calib_source: expected a string, got 3")):
+        CompressConfig(calib_source=3)
+    # what a recipe may give, objects too, builds the same config as the recipe's mapping
+    cfg = CompressConfig(init="rtn", refine=RefineConfig(epochs=3), calib={"seq_len": 32}, baselines=["magnitude"],
+                         calib_source=REPO / "recipes")
+    assert cfg.to_dict() == CompressConfig.from_dict(cfg.to_dict()).to_dict()
+    assert (cfg.init.name, cfg.refine.epochs, cfg.calib.seq_len, cfg.calib_source) == \
+        ("rtn", 3, 32, str(REPO / "recipes"))
 
 
 def test_compress_api_and_cli_recipe_give_identical_artifacts(micro_path, tmp_path):

@@ -116,6 +116,88 @@ def test_docs_have_commands():
     assert {"calibrate", "init-sgptq", "refine", "run"} <= with_examples
 
 
+def _helps() -> dict[str, str]:
+    from typer.main import get_command
+
+    from moesq_cli.app import app
+
+    return {name: cmd.help or "" for name, cmd in get_command(app).commands.items()}
+
+
+def test_every_command_shows_examples_of_itself():
+    """Each command's --help has an Examples block with a command line of its own (which the test above runs)."""
+    for name, text in _helps().items():
+        _, found, examples = text.partition("Examples")
+        lines = [line.strip() for line in examples.splitlines()]
+        assert found and any(line.startswith(f"moesq {name} ") or line == f"moesq {name}" for line in lines), name
+
+
+def test_init_and_init_sgptq_say_what_tells_them_apart():
+    helps = _helps()
+    first = {name: helps[name].split("\n\n")[0] for name in ("init", "init-sgptq")}
+    assert first["init"] != first["init-sgptq"] and "--method" in first["init"] and "SGPTQ" in first["init-sgptq"]
+    for name in ("init", "init-sgptq"):
+        assert "`moesq init-sgptq` and `moesq init` are the same command" in helps[name]
+
+
+def test_json_help_points_at_the_schema():
+    from typer.main import get_command
+
+    from moesq_cli.app import app
+
+    assert "\n## JSON output\n" in (REPO / "docs" / "workdir.md").read_text()  # the anchor's heading
+    with_json = [p for cmd in get_command(app).commands.values() for p in cmd.params if p.name == "json_out"]
+    assert len(with_json) >= 8 and all("docs/workdir.md#json-output" in p.help for p in with_json)
+
+
+_STAGE_COMMANDS = ("calibrate", "init-sgptq", "init", "refine", "run")
+
+
+def doc_writes(page: str) -> list[tuple[str, str, str, bool]]:
+    """What a page's commands and Python write, in order: ("workdir", dir, model) for a work dir a command makes or
+    uses, ("pack", dir, "", overwrite) for a packed model dir (`moesq run` packs into WORKDIR/packed itself)."""
+    text = (REPO / page).read_text()
+    out: list[tuple[str, str, str, bool]] = []
+    for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, flags=re.S):
+        if lang == "python":
+            for wd in re.findall(r"workdir=\"([^\"]+)\"", body):
+                out.append(("workdir", wd, "embedded", False))
+            for d, rest in re.findall(r"save_pretrained\(\"([^\"]+)\"([^)]*)\)", body):
+                out.append(("pack", d, "", "overwrite=True" in rest))
+    for cmd in readme_commands(page):
+        argv = shlex.split(cmd)
+        opts = {a: argv[i + 1] if i + 1 < len(argv) else "" for i, a in enumerate(argv)}
+        positional = [a for i, a in enumerate(argv[2:], 2) if not a.startswith("-") and not argv[i - 1].startswith("-")]
+        if argv[1] in _STAGE_COMMANDS:
+            wd = opts.get("-w") or opts.get("--workdir") or "moesq-work"
+            out.append(("workdir", wd, opts.get("--model") or opts.get("-m") or "embedded", False))
+            if argv[1] == "run":
+                out.append(("pack", f"{wd}/packed", "", True))
+        elif argv[1] == "pack":
+            wd = positional[0] if positional else "moesq-work"
+            out.append(("pack", opts.get("--out") or opts.get("-o") or f"{wd}/packed", "", "--overwrite" in argv))
+    return out
+
+
+def test_following_the_docs_in_order_writes_no_dir_twice():
+    """README.md then each docs page, as one reader in one directory: no command or Python block is refused for
+    what an earlier page left there (a work dir made for another model, a pack dir written without --overwrite).
+    The Python blocks are not run here (README's runs in a slow test), so their writes are read from the code."""
+    made: dict[str, str] = {}  # work dir -> its model
+    packed: set[str] = set()
+    clashes = []
+    for page in DOC_PAGES:
+        for kind, d, model, overwrite in doc_writes(page):
+            if kind == "workdir":
+                if made.setdefault(d, model) != model:
+                    clashes.append(f"{page}: work dir {d} for {model}, made earlier for {made[d]}")
+            elif d in packed and not overwrite:
+                clashes.append(f"{page}: pack into {d}, written earlier, without --overwrite")
+            elif kind == "pack":
+                packed.add(d)
+    assert not clashes, clashes
+
+
 def test_blocks_fenced_as_text_are_not_run(tmp_path):
     page = tmp_path / "page.md"
     page.write_text("```bash\nmoesq run --help   # runs\n```\n\n```text\nmoesq pack   # a listing\n```\n")

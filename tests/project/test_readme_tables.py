@@ -61,3 +61,23 @@ def test_results_keep_relative_paths():
         text = f.read_text(errors="replace") if f.suffix in (".json", ".md", ".txt") else ""
         for bad in ("/work/", "/home/", "/root/", "/tmp/"):
             assert bad not in text, f"{f.name} holds a machine path ({bad})"
+
+
+def test_the_run_table_has_the_rows_moesq_run_prints():
+    """README's `moesq run` table is the table the command prints for the recorded run: its rows, labels and
+    numbers (the run's recorded report, rendered by the CLI's own table code)."""
+    import json
+
+    from moesq_cli.app import run_table
+
+    mod = _renderer()
+    report = json.loads((ROOT / "benchmarks" / "results" / mod.RUN_FILE).read_text())
+    printed = run_table(report)
+    cli_rows = [list(cells) for cells in zip(*(c._cells for c in printed.columns))]
+    text = (ROOT / "README.md").read_text()
+    block = text[text.index("<!-- results:run -->"):text.index("<!-- /results:run -->")]
+    readme_rows = [[c.strip() for c in line.strip("|").split("|")] for line in block.splitlines()
+                   if line.startswith("| ") and not line.startswith("| model ")]
+    assert readme_rows == cli_rows and len(cli_rows) >= 4
+    machine = report["machine"]
+    assert f"{report['wall_seconds']:.0f} s on {machine['cpu_count']} cores" in block  # the time says on what
