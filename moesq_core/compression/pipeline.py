@@ -94,10 +94,12 @@ def _command_lock(workdir: WorkDir) -> contextlib.ExitStack:
 def _model_info(model_source: str | Path) -> tuple[Path, dict]:
     from transformers import AutoConfig
 
-    from moesq_core.models.adapter import adapter_for, read_config, resolve_model_path
+    from moesq_core.models.adapter import adapter_for, check_unquantized, read_config, resolve_model_path
 
     path = resolve_model_path(str(model_source))
-    adapter = adapter_for(AutoConfig.from_pretrained(path))  # refuse non-MoE before any work
+    config = AutoConfig.from_pretrained(path)
+    check_unquantized(config, model_source)  # refuse quantized and non-MoE models before any work
+    adapter = adapter_for(config)
     return path, {"source": str(model_source), "path": str(path.resolve()), "fingerprint": model_fingerprint(path),
                   "family": adapter.family, "model_type": read_config(path).get("model_type")}
 

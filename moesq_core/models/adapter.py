@@ -123,6 +123,26 @@ def adapter_for(config_or_model) -> MoEAdapter:
     )
 
 
+def check_unquantized(config_or_model, source: str | Path) -> None:
+    """Refuse a checkpoint that is already quantized (its config has a `quantization_config`): moesq would read
+    its stored codes as if they were weights (an fp8 pack's codes without their scales, a packed NVFP4 pack not
+    at all). Raises UnsupportedModelError naming the quantization."""
+    config = getattr(config_or_model, "config", config_or_model)
+    qc = getattr(config, "quantization_config", None)
+    if not qc:
+        return
+    qc = qc if isinstance(qc, dict) else qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    what = f"quant_method {qc.get('quant_method', '?')!r}"
+    if qc.get("format"):
+        what += f", format {qc['format']!r}"
+    moesq = qc.get("moesq")
+    if isinstance(moesq, dict):
+        what = f"a moesq {moesq.get('format', '?')} pack; {what}"
+    raise UnsupportedModelError(
+        f"model {source} is already quantized (quantization_config: {what}); moesq compresses an unquantized "
+        "(bf16/fp16/fp32) checkpoint: pass the model it was made from")
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
