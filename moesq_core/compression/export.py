@@ -375,9 +375,10 @@ def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, o
                          | {p.name for pat in CARRIED_PATTERNS for p in src.glob(pat) if p.is_file()})
         for f in carried:
             shutil.copyfile(src / f, tmp / f)
-        summary = {"format": identity.format_name, "stage": stage, "method": st["config"].get("method", stage),
-                   "act_quant": act_quant, "bits_per_weight": 8 * packed_bytes / max(1, n_weights),
-                   "expert_weights": n_weights, "expert_bytes": packed_bytes,
+        summary = {"format": identity.format_name, "layout": layout.name, "stage": stage,
+                   "method": st["config"].get("method", stage), "act_quant": act_quant,
+                   "bits_per_weight": 8 * packed_bytes / max(1, n_weights), "expert_weights": n_weights,
+                   "expert_bytes": packed_bytes,
                    "input_scale_fallbacks": fallbacks, "moesq_version": __version__, **shards}
         (tmp / "README.md").write_text(model_card(identity, manifest, summary, work_dir_evals(root, stage)))
         _fix_modes(tmp)
