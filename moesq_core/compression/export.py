@@ -372,8 +372,10 @@ def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, o
                                                             sparse_layout)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         carried = sorted({f for f in CARRIED_FILES if (src / f).is_file()}
-                         | {p.name for pat in CARRIED_PATTERNS for p in src.glob(pat) if p.is_file()})
+                         | {p.relative_to(src).as_posix() for pat in CARRIED_PATTERNS for p in src.glob(pat)
+                            if p.is_file()})
         for f in carried:
+            (tmp / f).parent.mkdir(exist_ok=True)
             shutil.copyfile(src / f, tmp / f)
         summary = {"format": identity.format_name, "layout": layout.name, "stage": stage,
                    "method": st["config"].get("method", stage), "act_quant": act_quant,

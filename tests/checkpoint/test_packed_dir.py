@@ -241,6 +241,30 @@ def test_model_card_says_how_it_was_made_how_it_evaluated_and_how_to_load_it(mic
         assert how in text
 
 
+def test_additional_chat_templates_are_carried(stages, micro_path, tmp_path):
+    """The source's named chat templates (additional_chat_templates/*.jinja, which transformers' tokenizers read)
+    go into the pack and its checksum manifest, and the pack's tokenizer has them."""
+    from moesq_core.compression.workdir import WorkDir
+
+    src = tmp_path / "model"
+    shutil.copytree(micro_path, src)
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0]['content'] }}")
+    wd = WorkDir(tmp_path / "wd")
+    shutil.copytree(stages["p48-nvfp4"].root, wd.root)
+    m = wd.load()
+    m["model"]["path"] = str(src)
+    wd.save(m)
+    out = tmp_path / "pack"
+    summary = export_packed(wd, "init-rtn", out)
+    assert "additional_chat_templates/tool_use.jinja" in summary["files"]
+    assert verify_packed_dir(out, checksums_only=True).ok
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)  # what load_packed returns (it checks the files as above)
+    assert tok.chat_template["tool_use"] == "{{ messages[0]['content'] }}"
+
+
 # ---- checksums -------------------------------------------------------------------------------------------------
 def test_every_single_byte_flip_is_detected(packs, tmp_path):
     """200 seeded single-byte flips spread over every file of a packed dir: verify catches all of them and,
