@@ -549,8 +549,10 @@ class CompressedModel:
 def model_source(model) -> str | Path | None:
     """What `compress` reads the model from: a local dir or Hub id as given; a loaded transformers model
     (PreTrainedModel) as the checkpoint it was loaded from (its `name_or_path`), since moesq reads the weights
-    shard by shard and needs the tokenizer files beside them. In-memory changes to a loaded model are not seen:
-    save it (with its tokenizer) and pass the directory."""
+    shard by shard (and again in every stage and on resume) and needs the tokenizer files beside them. So the
+    model must hold exactly that checkpoint's weights: one changed in memory, or built with random weights
+    (`from_config`), is refused naming the first tensor that differs (models.lazy.checkpoint_difference; it reads
+    the checkpoint once). Save such a model with its tokenizer (save_pretrained(DIR)) and pass DIR."""
     if model is None or isinstance(model, (str, Path)):
         return model
     config = getattr(model, "config", None)
@@ -561,6 +563,20 @@ def model_source(model) -> str | Path | None:
     if not source:
         raise ValueError("the loaded model has no source checkpoint (its name_or_path is empty), and moesq needs "
                          "its files and tokenizer: save both with save_pretrained(DIR) and pass DIR")
+    from transformers import AutoConfig
+
+    from moesq_core.models.adapter import check_unquantized, resolve_model_path
+    from moesq_core.models.lazy import checkpoint_difference
+
+    check_unquantized(model, source)
+    path = resolve_model_path(str(source))
+    check_unquantized(AutoConfig.from_pretrained(path), source)
+    changed = checkpoint_difference(model, path)
+    if changed is not None:
+        raise ValueError(f"the loaded model differs from the checkpoint it names ({source}): {changed} is not the "
+                         "checkpoint's (changed in memory, or a model built with random weights); moesq compresses "
+                         "from files, which it reads block by block and resumes from: save the model and its "
+                         "tokenizer with save_pretrained(DIR) and pass DIR")
     return source
 
 

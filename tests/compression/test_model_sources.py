@@ -38,3 +38,30 @@ def test_a_quantized_source_is_refused_before_the_work_dir(micro_path, tmp_path)
     r = moesq_here("calibrate", "--model", fp8, "-w", tmp_path / "wd2", "--quiet", check=False)
     assert r.returncode == 1 and "already quantized (quantization_config: quant_method 'fp8')" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "wd2").exists()
+
+
+def test_a_loaded_model_must_hold_its_checkpoints_weights(micro_path, tmp_path):
+    """compress(model_obj) reads the files model_obj was loaded from: weights changed in memory, or a model built
+    with random weights from the checkpoint's config, are refused naming the tensor (they were ignored before);
+    the model as loaded (here in another dtype) is the checkpoint and is accepted."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moesq_core import CompressConfig, compress
+    from moesq_core.compression.pipeline import model_source
+
+    loaded = AutoModelForCausalLM.from_pretrained(micro_path, dtype=torch.bfloat16)
+    assert model_source(loaded) == str(micro_path)
+    with torch.no_grad():
+        loaded.model.layers[2].mlp.experts.down_proj[5, 3, 1] += 1
+    with pytest.raises(ValueError, match=r"differs from the checkpoint it names .*: model\.layers\.2\.mlp\.experts\."
+                                         r"down_proj is not the checkpoint's .*save_pretrained\(DIR\)"):
+        compress(loaded, CompressConfig.from_dict(TINY), workdir=tmp_path / "wd", device="cpu")
+    with torch.no_grad():
+        loaded.model.norm.weight.mul_(2)
+    with pytest.raises(ValueError, match=r"model\.norm\.weight is not the checkpoint's"):
+        model_source(loaded)
+    random = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(micro_path))  # names micro_path
+    with pytest.raises(ValueError, match="differs from the checkpoint it names"):
+        compress(random, CompressConfig.from_dict(TINY), workdir=tmp_path / "wd", device="cpu")
+    assert not (tmp_path / "wd").exists()
