@@ -551,7 +551,7 @@ def model_source(model) -> str | Path | None:
     (PreTrainedModel) as the checkpoint it was loaded from (its `name_or_path`), since moesq reads the weights
     shard by shard (and again in every stage and on resume) and needs the tokenizer files beside them. So the
     model must hold exactly that checkpoint's weights: one changed in memory, or built with random weights
-    (`from_config`), is refused naming the first tensor that differs (models.lazy.checkpoint_difference; it reads
+    (`from_config`), is refused naming the first tensor that differs (models.adapter.checkpoint_difference; it reads
     the checkpoint once). Save such a model with its tokenizer (save_pretrained(DIR)) and pass DIR."""
     if model is None or isinstance(model, (str, Path)):
         return model
@@ -565,8 +565,7 @@ def model_source(model) -> str | Path | None:
                          "its files and tokenizer: save both with save_pretrained(DIR) and pass DIR")
     from transformers import AutoConfig
 
-    from moesq_core.models.adapter import check_unquantized, resolve_model_path
-    from moesq_core.models.lazy import checkpoint_difference
+    from moesq_core.models.adapter import check_unquantized, checkpoint_difference, resolve_model_path
 
     check_unquantized(model, source)
     path = resolve_model_path(str(source))

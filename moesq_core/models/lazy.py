@@ -318,42 +318,6 @@ def load_lazy(path: Path, config, adapter: MoEAdapter, dtype: torch.dtype, devic
     return model
 
 
-@torch.no_grad()
-def checkpoint_difference(model: nn.Module, path: Path) -> str | None:
-    """The name of the first parameter or buffer of a loaded transformers MoE model whose value differs from the
-    checkpoint at `path` as transformers loads it (in the model's dtype), or that the checkpoint lacks; None when
-    the model holds exactly the checkpoint's weights. Reads the checkpoint once, one block's experts at a time.
-    Tensors the model keeps on the meta device (offloaded by a device_map) are not compared."""
-    from transformers import AutoConfig
-
-    from moesq_core.models.adapter import adapter_for
-
-    config = AutoConfig.from_pretrained(path)
-    adapter = adapter_for(config)
-    reference = load_lazy(Path(path), config, adapter, model.dtype, "cpu")
-    mine = model.state_dict()
-
-    def differs(have: torch.Tensor | None, want: torch.Tensor) -> bool:
-        if have is None:
-            return True
-        if have.device.type == "meta":
-            return False
-        return tuple(have.shape) != tuple(want.shape) or not torch.equal(have.detach().cpu(), want.to(have.dtype))
-
-    wanted = reference.state_dict()
-    for name, want in wanted.items():
-        if differs(mine.get(name), want):
-            return name
-    blocks = adapter.blocks(model)
-    for block, ref_block in zip(blocks, adapter.blocks(reference), strict=True):
-        gate_up, down = ref_block.dense_experts.load_dense()
-        for proj, want in (("gate_up_proj", gate_up), ("down_proj", down)):
-            if differs(getattr(block.dense_experts, proj, None), want):
-                return f"{block.prefix}.{proj}"
-    experts = tuple(block.prefix + "." for block in blocks)
-    return next((name for name in mine if name not in wanted and not name.startswith(experts)), None)
-
-
 def release_installed(mlps: list[nn.Module], keep: nn.Module) -> None:
     """Release the experts installed in place of the lazy placeholders of every block but `keep`."""
     for mlp in mlps:
