@@ -1,6 +1,6 @@
 """What `compress` and `--model` accept as the model to compress: an unquantized checkpoint. A checkpoint that
-is already quantized (a moesq pack, an fp8 release) is refused, naming its quantization, before a work dir is
-made."""
+is already quantized (a moesq pack, an fp8 release) is refused, naming its quantization, and so is a loaded model
+that no longer holds the weights of the checkpoint it names, before a work dir is made."""
 from __future__ import annotations
 
 import json
