@@ -71,7 +71,6 @@ def test_a_cached_perplexity_is_for_the_packs_content(packs, tmp_path):
     _edit_pack_config(pack, lambda c: c["quantization_config"]["moesq"].update(act_quant=False))
     weights_only = ppl()
     assert weights_only != w4a4
-    assert weights_only == ppl_for_targets(resolve_targets([str(pack)]), EVAL, max_tokens=256, window=128)[0]["ppl"]
     (pack / "config.json").write_bytes(packed_config)  # the first result's content, but not what the manifest says
     with pytest.raises(ValueError, match=r"config\.json: .*run `moesq verify"):
         ppl()
