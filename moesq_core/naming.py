@@ -22,14 +22,23 @@ SINGLE_FILE = "model.safetensors"
 CARRIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja", "chat_template.json",
                  "preprocessor_config.json", "tiktoken.model", "added_tokens.json")
-CARRIED_PATTERNS = ("*.py", "*.jinja")
+# transformers' tokenizers read every *.jinja in this folder as a named chat template
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+CARRIED_PATTERNS = ("*.py", "*.jinja", f"{CHAT_TEMPLATE_DIR}/*.jinja")  # relative to the model directory
+
+
+def _matches(relpath: str, pattern: str) -> bool:
+    """Whether a relative path matches a pattern of CARRIED_PATTERNS' kind (the folder exactly, the name by
+    fnmatch): "*.jinja" is a top-level template, not one in a folder."""
+    folder, _, name = relpath.rpartition("/")
+    want_folder, _, want_name = pattern.rpartition("/")
+    return folder == want_folder and fnmatch(name, want_name)
 
 
 def loaders_read(relpath: str) -> bool:
     """True for a file of a model directory that loaders read: config.json, the weights and index, CARRIED_*."""
-    name = Path(relpath).name
-    return "/" not in relpath and (name in ("config.json", INDEX_FILE, *CARRIED_FILES)
-                                   or any(fnmatch(name, pat) for pat in ("*.safetensors", *CARRIED_PATTERNS)))
+    return (relpath in ("config.json", INDEX_FILE, *CARRIED_FILES)
+            or any(_matches(relpath, pat) for pat in ("*.safetensors", *CARRIED_PATTERNS)))
 
 
 def experts_prefix(layer: int) -> str:

@@ -230,7 +230,7 @@ def model_card(identity: RunIdentity, manifest: dict, summary: dict, evals: dict
               'model = AutoModelForCausalLM.from_pretrained("DIR")', "```",
               "", "or from the command line:", "",
               "```bash", 'moesq generate DIR --prompt "The capital of France is"', "moesq verify DIR", "```", "",
-              *[f"- {x}" for x in fmt.card_loaders], "",
+              *[f"- {x}" for x in fmt.card_loader_lines(summary.get("layout"))], "",
               "`moesq verify DIR` checks every file against the checksums in `moesq_pack.json` and every packed "
               "expert tensor's structure.", ""]
     return str(ModelCard.from_template(data, template_str="---\n{{ card_data }}\n---\n\n" + "\n".join(lines)))

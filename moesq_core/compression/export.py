@@ -372,12 +372,15 @@ def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, o
                                                             sparse_layout)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         carried = sorted({f for f in CARRIED_FILES if (src / f).is_file()}
-                         | {p.name for pat in CARRIED_PATTERNS for p in src.glob(pat) if p.is_file()})
+                         | {p.relative_to(src).as_posix() for pat in CARRIED_PATTERNS for p in src.glob(pat)
+                            if p.is_file()})
         for f in carried:
+            (tmp / f).parent.mkdir(exist_ok=True)
             shutil.copyfile(src / f, tmp / f)
-        summary = {"format": identity.format_name, "stage": stage, "method": st["config"].get("method", stage),
-                   "act_quant": act_quant, "bits_per_weight": 8 * packed_bytes / max(1, n_weights),
-                   "expert_weights": n_weights, "expert_bytes": packed_bytes,
+        summary = {"format": identity.format_name, "layout": layout.name, "stage": stage,
+                   "method": st["config"].get("method", stage), "act_quant": act_quant,
+                   "bits_per_weight": 8 * packed_bytes / max(1, n_weights), "expert_weights": n_weights,
+                   "expert_bytes": packed_bytes,
                    "input_scale_fallbacks": fallbacks, "moesq_version": __version__, **shards}
         (tmp / "README.md").write_text(model_card(identity, manifest, summary, work_dir_evals(root, stage)))
         recipe = recipe_yaml(identity, manifest, stage)

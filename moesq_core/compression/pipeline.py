@@ -100,10 +100,12 @@ def _command_lock(workdir: WorkDir) -> contextlib.ExitStack:
 def _model_info(model_source: str | Path) -> tuple[Path, dict]:
     from transformers import AutoConfig
 
-    from moesq_core.models.adapter import adapter_for, read_config, resolve_model_path
+    from moesq_core.models.adapter import adapter_for, check_unquantized, read_config, resolve_model_path
 
     path = resolve_model_path(str(model_source))
-    adapter = adapter_for(AutoConfig.from_pretrained(path))  # refuse non-MoE before any work
+    config = AutoConfig.from_pretrained(path)
+    check_unquantized(config, model_source)  # refuse quantized and non-MoE models before any work
+    adapter = adapter_for(config)
     return path, {"source": str(model_source), "path": str(path.resolve()), "fingerprint": model_fingerprint(path),
                   "family": adapter.family, "model_type": read_config(path).get("model_type")}
 
@@ -650,8 +652,10 @@ class CompressedModel:
 def model_source(model) -> str | Path | None:
     """What `compress` reads the model from: a local dir or Hub id as given; a loaded transformers model
     (PreTrainedModel) as the checkpoint it was loaded from (its `name_or_path`), since moesq reads the weights
-    shard by shard and needs the tokenizer files beside them. In-memory changes to a loaded model are not seen:
-    save it (with its tokenizer) and pass the directory."""
+    shard by shard (and again in every stage and on resume) and needs the tokenizer files beside them. So the
+    model must hold exactly that checkpoint's weights: one changed in memory, or built with random weights
+    (`from_config`), is refused naming the first tensor that differs (models.adapter.checkpoint_difference; it reads
+    the checkpoint once). Save such a model with its tokenizer (save_pretrained(DIR)) and pass DIR."""
     if model is None or isinstance(model, (str, Path)):
         return model
     config = getattr(model, "config", None)
@@ -662,6 +666,19 @@ def model_source(model) -> str | Path | None:
     if not source:
         raise ValueError("the loaded model has no source checkpoint (its name_or_path is empty), and moesq needs "
                          "its files and tokenizer: save both with save_pretrained(DIR) and pass DIR")
+    from transformers import AutoConfig
+
+    from moesq_core.models.adapter import check_unquantized, checkpoint_difference, resolve_model_path
+
+    check_unquantized(model, source)
+    path = resolve_model_path(str(source))
+    check_unquantized(AutoConfig.from_pretrained(path), source)
+    changed = checkpoint_difference(model, path)
+    if changed is not None:
+        raise ValueError(f"the loaded model differs from the checkpoint it names ({source}): {changed} is not the "
+                         "checkpoint's (changed in memory, or a model built with random weights); moesq compresses "
+                         "from files, which it reads block by block and resumes from: save the model and its "
+                         "tokenizer with save_pretrained(DIR) and pass DIR")
     return source
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import torch
 
+from moesq_core.checkpoint.checksums import PACK_MANIFEST, ManifestCheck
 from moesq_core.compression.workdir import DiskWriteError, WorkDir, sha256_file, weight_files_sha256, write_json_atomic
+from moesq_core.naming import loaders_read
 from moesq_core.progress import NullProgress
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,8 @@ class EvalTarget:
 
 def resolve_targets(targets: list[str], stages: list[str] | None = None, reference: bool = True) -> list[EvalTarget]:
     """A work dir expands to its reference model (once) and its finished stages (or `stages`); a packed dir
-    (config.json with quantization_config.moesq) is one target; any other model dir is a reference."""
+    (config.json with quantization_config.moesq) is one target; any other model dir is a reference, but a dir
+    with a pack manifest whose config lost quantization_config.moesq is refused (ValueError)."""
     out: list[EvalTarget] = []
     seen = set()
     several_workdirs = sum((Path(t) / "manifest.json").is_file() for t in targets) > 1
@@ -58,6 +61,9 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
             cfg = json.loads((p / "config.json").read_text())
             if "moesq" in (cfg.get("quantization_config") or {}):
                 add(EvalTarget(f"packed:{p.name}", "packed", str(p)))
+            elif (p / PACK_MANIFEST).is_file():  # a pack whose config lost its quantization_config: not a reference
+                raise ValueError(f"{t}: a moesq pack ({PACK_MANIFEST}) whose config.json has no "
+                                 f"quantization_config.moesq (changed after packing?); run `moesq verify {t}`")
             else:
                 add(EvalTarget(f"reference:{p.name}" if len(targets) > 1 else "reference", "reference", str(p)))
         else:
@@ -84,14 +90,30 @@ def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.
     return load_packed(t.path, device=device, dtype=dtype, progress=progress, verify=verify)
 
 
+def content_fingerprint(model_dir: Path) -> str:
+    """sha256 over every file of a model or packed dir that loaders read (config.json, the weights and their
+    index, tokenizer, templates: naming.loaders_read; a reference's *.bin weights), by path and content: the
+    weight files' digests through the hash cache (weight_files_sha256: hashed again when a file's size or mtime
+    changes), the small files' read now."""
+    model_dir = Path(model_dir)
+    files = sorted(p for p in model_dir.rglob("*") if p.is_file() and (
+        loaders_read(p.relative_to(model_dir).as_posix()) or p.parent == model_dir and p.suffix == ".bin"))
+    weights = [p for p in files if p.suffix in (".safetensors", ".bin")]
+    digests = dict(zip(weights, weight_files_sha256(weights)))
+    h = hashlib.sha256()
+    for p in files:
+        h.update(f"{p.relative_to(model_dir).as_posix()}:{digests.get(p) or sha256_file(p)};".encode())
+    return h.hexdigest()
+
+
 def target_identity(t: EvalTarget) -> str:
-    """What identifies a target's weights for caching: a stage by its artifacts' checksums (from the
-    manifest), a packed dir by its shards' checksums, a reference by its path."""
+    """What identifies a target's weights for caching: a stage by its artifacts' checksums (from the manifest),
+    a packed dir or a reference model by the content of the files loading reads (content_fingerprint)."""
     ident = t.key
     if t.kind == "stage":
         ident += json.dumps(WorkDir(t.path).stage(t.stage)["blocks"], sort_keys=True)
-    elif t.kind == "packed":
-        ident += "".join(weight_files_sha256(sorted(Path(t.path).glob("*.safetensors"))))
+    else:
+        ident += content_fingerprint(Path(t.path))
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
@@ -151,6 +173,8 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
     for t in targets:
         key = cache.key("ppl", target_identity(t), digest, max_tokens, window)
         hit = cache.get(key)
+        if hit is not None and t.kind == "packed" and verify:
+            ManifestCheck(Path(t.path))  # a result is shown for a pack only while loading it would be allowed
         if hit is None:
             with (progress or NullProgress()).task(f"loading {t.label}", None):
                 model, tok = load_target(t, device, progress=progress, verify=verify)

@@ -212,6 +212,10 @@ class Format:
     def unpack(self, tensors: dict[str, torch.Tensor], name: str = "") -> QuantizedWeight:
         return self.detect_layout(tensors.keys()).unpack(tensors, name)
 
+    def card_loader_lines(self, layout: str | None) -> tuple[str, ...]:
+        """The model card's lines on what loads a pack whose experts are in `layout` (a Layout's name)."""
+        return self.card_loaders
+
     # -- compressed-tensors config -----------------------------------------------------------------------
     def compressed_tensors_config(self, ignore: list[str], act_quant: bool) -> dict:
         raise NotImplementedError(f"format {self.name} exports no compressed-tensors config")

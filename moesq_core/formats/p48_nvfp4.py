@@ -28,7 +28,9 @@ pruned bytes (pairs) zero; unpack recognises it by its `weight_packed` tensor. B
 kept pair that quantized to zero from a pruned one: unpack keeps the nonzero bytes of each 4-byte chunk and
 completes chunks with fewer than 2 with their lowest-index zero bytes (the release's rule), so codes, scales
 and global scale round trip exactly and the mask only where no kept pair is all zero. A chunk with more than
-2 nonzero bytes is rejected.
+2 nonzero bytes is rejected. Its config names the format `moesq-dense-p48` (top level and config group) instead
+of `nvfp4-pack-quantized`: read as plain NVFP4, the experts come out wrong, and with a format name of
+moesq's own compressed-tensors' config parsing (and so transformers without moesq) refuses the pack instead.
 
 Serving: on an sm_90 GPU the packed experts (runtime.p48_hopper: the sparse-tensor-core kernel of the native
 module, else the Triton kernel) when they import, else the reference.
@@ -82,6 +84,7 @@ IN_MULTIPLE = 32  # scales per 32 columns; mask bytes need 16
 # Config marker the release writes into quantization_config when experts are stored this way.
 MARKER_KEY = "paired48_sparse"
 MARKER = {"layout": "pair-bitmask", "version": 1}
+DENSE_CONFIG_FORMAT = "moesq-dense-p48"  # quantization_config.format of the dense layout
 # Chunk nibble (bit i = byte i kept) -> which of the chunk's 8 columns are kept.
 _NIB_MASK8 = torch.tensor([[v >> (i // 2) & 1 == 1 for i in range(8)] for v in range(16)])
 
@@ -202,6 +205,15 @@ class P48Format(NVFP4Format):
     def config_markers(self, sparse: bool) -> dict:
         return {MARKER_KEY: dict(MARKER)} if sparse else {}
 
+    def quantization_config(self, ignore: list[str], act_quant: bool, sparse: bool, moesq: dict) -> dict:
+        qc = super().quantization_config(ignore, act_quant, sparse, moesq)
+        if not sparse:  # the group's format is the one compressed-tensors validates (and refuses)
+            qc["format"] = qc["config_groups"]["group_0"]["format"] = DENSE_CONFIG_FORMAT
+        return qc
+
+    def card_loader_lines(self, layout: str | None) -> tuple[str, ...]:
+        return DENSE_CARD_LOADERS if layout == DENSE_LAYOUT else self.card_loaders
+
     def check_config(self, qc: dict, config: dict) -> list[tuple[str, str]]:
         out = super().check_config(qc, config)
         marker = qc.get(MARKER_KEY, config.get(MARKER_KEY))
@@ -222,6 +234,13 @@ class P48Format(NVFP4Format):
         if dense and has_marker:
             out.append((f"{dense[0]}.weight_packed", f"the config's {MARKER_KEY} marker says p48 experts are "
                         f"stored sparse, but {len(dense)} expert linears (e.g. this one) are stored dense"))
+        groups = [g.get("format") for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+        if dense and not (qc.get("format") == DENSE_CONFIG_FORMAT and groups and
+                          all(f == DENSE_CONFIG_FORMAT for f in groups)):
+            out.append(("config.json", f"{len(dense)} expert linears (e.g. {dense[0]}) are stored in the dense p48 "
+                        f"layout, but quantization_config (and its config groups) do not name its format "
+                        f"{DENSE_CONFIG_FORMAT!r}, so stock loaders would read them as plain NVFP4 (wrong weights); "
+                        "pack it again"))
         return out
 
 
@@ -244,4 +263,11 @@ FORMAT = P48Format(
     ),
     markers=(MARKER_KEY,),
     fast_experts="moesq_core.serving.p48_hopper",
+)
+DENSE_CARD_LOADERS = (
+    FORMAT.card_loaders[0],
+    "The experts are stored in the public MoESQ release's dense variant (`moesq pack --dense-layout`: dense packed "
+    "NVFP4 with the pruned pairs zero, 32-column scales, 4.25 bits per weight) under the config format "
+    f"`{DENSE_CONFIG_FORMAT}`: compressed-tensors' config parsing, and so transformers without `import moesq_core`, "
+    "refuse it (read as plain `nvfp4-pack-quantized`, its experts would come out wrong).",
 )

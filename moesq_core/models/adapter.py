@@ -123,6 +123,26 @@ def adapter_for(config_or_model) -> MoEAdapter:
     )
 
 
+def check_unquantized(config_or_model, source: str | Path) -> None:
+    """Refuse a checkpoint that is already quantized (its config has a `quantization_config`): moesq would read
+    its stored codes as if they were weights (an fp8 pack's codes without their scales, a packed NVFP4 pack not
+    at all). Raises UnsupportedModelError naming the quantization."""
+    config = getattr(config_or_model, "config", config_or_model)
+    qc = getattr(config, "quantization_config", None)
+    if not qc:
+        return
+    qc = qc if isinstance(qc, dict) else qc.to_dict() if hasattr(qc, "to_dict") else vars(qc)
+    what = f"quant_method {qc.get('quant_method', '?')!r}"
+    if qc.get("format"):
+        what += f", format {qc['format']!r}"
+    moesq = qc.get("moesq")
+    if isinstance(moesq, dict):
+        what = f"a moesq {moesq.get('format', '?')} pack; {what}"
+    raise UnsupportedModelError(
+        f"model {source} is already quantized (quantization_config: {what}); moesq compresses an unquantized "
+        "(bf16/fp16/fp32) checkpoint: pass the model it was made from")
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
@@ -202,6 +222,42 @@ class MoEBlock:
 
     def restore_dense(self) -> None:
         self.mlp.experts = self.dense_experts
+
+
+@torch.no_grad()
+def checkpoint_difference(model: nn.Module, path: Path) -> str | None:
+    """The name of the first parameter or buffer of a loaded transformers MoE model whose value differs from the
+    checkpoint at `path` as transformers loads it (in the model's dtype), or that the checkpoint lacks; None when
+    the model holds exactly the checkpoint's weights. Reads the checkpoint once, one block's experts at a time.
+    Tensors the model keeps on the meta device (offloaded by a device_map) are not compared."""
+    from transformers import AutoConfig
+
+    from moesq_core.models.lazy import load_lazy
+
+    config = AutoConfig.from_pretrained(path)
+    adapter = adapter_for(config)
+    reference = load_lazy(Path(path), config, adapter, model.dtype, "cpu")
+    mine = model.state_dict()
+
+    def differs(have: torch.Tensor | None, want: torch.Tensor) -> bool:
+        if have is None:
+            return True
+        if have.device.type == "meta":
+            return False
+        return tuple(have.shape) != tuple(want.shape) or not torch.equal(have.detach().cpu(), want.to(have.dtype))
+
+    wanted = reference.state_dict()
+    for name, want in wanted.items():
+        if differs(mine.get(name), want):
+            return name
+    blocks = adapter.blocks(model)
+    for block, ref_block in zip(blocks, adapter.blocks(reference), strict=True):
+        gate_up, down = ref_block.dense_experts.load_dense()
+        for proj, want in (("gate_up_proj", gate_up), ("down_proj", down)):
+            if differs(getattr(block.dense_experts, proj, None), want):
+                return f"{block.prefix}.{proj}"
+    experts = tuple(block.prefix + "." for block in blocks)
+    return next((name for name in mine if name not in wanted and not name.startswith(experts)), None)
 
 
 def read_config(source: str | Path) -> dict:

@@ -272,6 +272,30 @@ def test_model_card_says_how_it_was_made_how_it_evaluated_and_how_to_load_it(mic
         assert how in text
 
 
+def test_additional_chat_templates_are_carried(stages, micro_path, tmp_path):
+    """The source's named chat templates (additional_chat_templates/*.jinja, which transformers' tokenizers read)
+    go into the pack and its checksum manifest, and the pack's tokenizer has them."""
+    from moesq_core.compression.workdir import WorkDir
+
+    src = tmp_path / "model"
+    shutil.copytree(micro_path, src)
+    (src / "additional_chat_templates").mkdir()
+    (src / "additional_chat_templates" / "tool_use.jinja").write_text("{{ messages[0]['content'] }}")
+    wd = WorkDir(tmp_path / "wd")
+    shutil.copytree(stages["p48-nvfp4"].root, wd.root)
+    m = wd.load()
+    m["model"]["path"] = str(src)
+    wd.save(m)
+    out = tmp_path / "pack"
+    summary = export_packed(wd, "init-rtn", out)
+    assert "additional_chat_templates/tool_use.jinja" in summary["files"]
+    assert verify_packed_dir(out, checksums_only=True).ok
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(out)  # what load_packed returns (it checks the files as above)
+    assert tok.chat_template["tool_use"] == "{{ messages[0]['content'] }}"
+
+
 # ---- checksums -------------------------------------------------------------------------------------------------
 def test_every_single_byte_flip_is_detected(packs, tmp_path):
     """200 seeded single-byte flips spread over every file of a packed dir: verify catches all of them and,
@@ -398,17 +422,31 @@ def test_overwrite_replaces_only_an_earlier_pack_atomically(packs, tmp_path, mon
 
 @torch.no_grad()
 def test_dense_p48_layout_loads_like_the_sparse_one(packs, tmp_path):
-    """--dense-layout: the release's dense variant (no marker) gives the same model as the sparse layout."""
-    from compressed_tensors.quantization import QuantizationConfig
+    """--dense-layout: the release's dense variant (no marker) gives the same model as the sparse layout, through
+    load_packed and through from_pretrained with moesq imported; without moesq, transformers refuses it (its
+    config names a format of moesq's own, which compressed-tensors' parsing refuses, as the card says), where
+    it used to load the experts as plain NVFP4, wrongly."""
+    import pydantic
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    import moesq_core  # noqa: F401  (routes moesq packs through transformers' loader)
 
     wd, sparse, _ = packs["p48-nvfp4"]
     dense = tmp_path / "dense"
     summary = export_packed(wd, "init-rtn", dense, sparse_layout=False)
     qc = json.loads((dense / "config.json").read_text())["quantization_config"]
-    assert "paired48_sparse" not in qc and QuantizationConfig.model_validate(qc).format == "nvfp4-pack-quantized"
+    assert "paired48_sparse" not in qc and qc["format"] == "moesq-dense-p48"
+    with pytest.raises(pydantic.ValidationError, match="moesq-dense-p48"):  # what stock from_pretrained parses
+        CompressedTensorsConfig.from_dict(qc)
+    card = ModelCard.load(dense / "README.md").text
+    assert "paired48_sparse" not in card and "raises while converting" not in card
+    assert "`moesq-dense-p48`: compressed-tensors' config parsing, and so transformers without" in card
     report = verify_packed_dir(dense)
     assert report.ok and {r.format for r in report.rows} == {"dense-p48"}
-    assert summary["bits_per_weight"] == pytest.approx(4.25, abs=0.01)
+    assert summary["bits_per_weight"] == pytest.approx(4.25, abs=0.01) and summary["layout"] == "dense-p48"
     ids = torch.arange(3, 40).reshape(1, -1)
     a, b = load_packed(sparse)[0](input_ids=ids).logits, load_packed(dense)[0](input_ids=ids).logits
     assert torch.equal(a, b)
+    assert torch.equal(AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32)(input_ids=ids).logits, a)

@@ -295,3 +295,16 @@ def test_missing_projection_is_caught(tmp_path):
     seal(root)
     report = verify_packed_dir(root)
     assert [str(e) for e in report.errors] == ["model.layers.0.mlp.experts.1: expert has no down_proj"]
+
+
+def test_dense_p48_config_must_name_its_format(tmp_path):
+    """A dense-layout p48 pack whose config says plain `nvfp4-pack-quantized` (as packs of earlier versions did)
+    would load wrongly in stock transformers: verify names it."""
+    root = build_dir(tmp_path, "p48-nvfp4", "dense-p48")
+    config = json.loads((root / "config.json").read_text())
+    qc = config["quantization_config"]
+    assert qc["format"] == qc["config_groups"]["group_0"]["format"] == "moesq-dense-p48"
+    qc["format"], qc["config_groups"]["group_0"]["format"] = "nvfp4-pack-quantized", None
+    (root / "config.json").write_text(json.dumps(config))
+    report = verify_packed_dir(seal(root))
+    assert not report.ok and "stock loaders would read them as plain NVFP4" in str(report.first_error)

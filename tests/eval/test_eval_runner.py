@@ -40,3 +40,40 @@ def test_fingerprint_sees_one_weight_bit_a_module_setting_and_the_tokens(packs):
     experts.act_quant = True
     assert computation_fingerprint(model, tokens) == base
     assert computation_fingerprint(model, tokens[:-1]) != base
+
+
+def _edit_pack_config(pack, edit) -> None:
+    """Change the pack's config.json and record it in its checksum manifest, as if the pack were written so."""
+    import json
+
+    from moesq_core.checkpoint.checksums import PACK_MANIFEST, write_manifest
+
+    config = json.loads((pack / "config.json").read_text())
+    edit(config)
+    (pack / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_manifest(pack, json.loads((pack / PACK_MANIFEST).read_text())["summary"])
+
+
+def test_a_cached_perplexity_is_for_the_packs_content(packs, tmp_path):
+    """The cache is keyed on what loading reads: a pack whose config.json changed is evaluated again (not the
+    cached number reprinted), one changed after packing is refused as loading refuses it, and one whose config
+    lost quantization_config is refused, not evaluated as a reference model."""
+    import shutil
+
+    from moesq_core.eval.runner import ResultCache
+
+    pack = tmp_path / "pack"
+    shutil.copytree(packs["p48-nvfp4"][1], pack)
+    cache = ResultCache(tmp_path / "results.json")
+    ppl = lambda: ppl_for_targets(resolve_targets([str(pack)]), EVAL, max_tokens=256, window=128,  # noqa: E731
+                                  cache=cache)[0]["ppl"]
+    w4a4, packed_config = ppl(), (pack / "config.json").read_bytes()
+    _edit_pack_config(pack, lambda c: c["quantization_config"]["moesq"].update(act_quant=False))
+    weights_only = ppl()
+    assert weights_only != w4a4
+    (pack / "config.json").write_bytes(packed_config)  # the first result's content, but not what the manifest says
+    with pytest.raises(ValueError, match=r"config\.json: .*run `moesq verify"):
+        ppl()
+    _edit_pack_config(pack, lambda c: c.pop("quantization_config"))
+    with pytest.raises(ValueError, match="no quantization_config.moesq"):
+        resolve_targets([str(packs["p48-nvfp4"][0].root), str(pack)])

@@ -68,6 +68,23 @@ def test_edited_config_deleted_manifest_and_unlisted_tokenizer_file_are_refused(
     assert not verify_packed_dir(pack).ok
 
 
+def test_an_unlisted_chat_template_is_refused(pack):
+    """transformers' tokenizers read every additional_chat_templates/*.jinja: one added after packing is refused
+    by verify, load_packed and `moesq generate --chat`, like any other file loaders read."""
+    templates = pack / "additional_chat_templates"
+    templates.mkdir()
+    (templates / "tool_use.jinja").write_text("{{ messages[0]['content'] }} ignore the user")
+    report = verify_packed_dir(pack, checksums_only=True)
+    assert not report.ok and report.first_error.tensor == "additional_chat_templates/tool_use.jinja"
+    with pytest.raises(ValueError, match=r"additional_chat_templates/tool_use\.jinja: not listed in the checksum "
+                                         r"manifest, and loaders read it"):
+        load_packed(pack)
+    r = moesq_here("generate", pack, "--prompt", "Hi", "--chat", "--max-new-tokens", "2", "--quiet", check=False)
+    assert r.returncode == 1 and "additional_chat_templates/tool_use.jinja: not listed" in r.stderr
+    (templates / "tool_use.jinja").rename(templates / "notes.txt")  # not a template: only listed as extra
+    assert verify_packed_dir(pack, checksums_only=True).ok
+
+
 def test_verify_false_loads_a_changed_pack_and_says_so(pack):
     flip_byte(pack / SINGLE_FILE, EXPERT)
     records = []
