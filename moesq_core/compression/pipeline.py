@@ -601,7 +601,8 @@ def compress(model=None, config: CompressConfig | str | Path | None = None,
 def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *, device: str | None = None,
             ppl: str | Path | None = None, ppl_tokens: int = 65536, progress=None) -> dict:
     """`moesq run`: compress (calibrate → baselines → init → refine, as the CompressConfig says; default: the
-    micro-quick recipe) → pack → verify → perplexity of the reference, every stage and the packed model.
+    micro-quick recipe) → pack → verify → perplexity of the reference, the stages this config makes (other
+    stages of the work dir are left out) and the packed model.
     Returns {stage, config, packed, rows, bits_per_weight} (None on the ranks other than 0 under torchrun)."""
     from moesq_core.checkpoint.verify import verify_packed_dir
     from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
@@ -619,7 +620,7 @@ def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *
         report = verify_packed_dir(out, progress=progress)
         if not report.ok:
             raise RuntimeError(f"verify failed on the packed model: {report.first_error}")
-        targets = resolve_targets([str(wd.root), str(out)])
+        targets = resolve_targets([str(wd.root), str(out)], stages=list(handle.summaries))  # this run's, not others'
         rows = ppl_for_targets(targets, ppl or DEFAULT_EVAL, max_tokens=ppl_tokens, device="cpu",
                                cache=ResultCache(wd.root / "eval" / "results.json"), progress=progress)
         (wd.root / "eval").mkdir(exist_ok=True)

@@ -802,7 +802,7 @@ class BlockRefiner:
         self.plan = self.cfg.schedule(int(ntr_t.sum()), int(ntr_t.numel()), self.ps)
         if self.plan.warning and self.plan.warning not in _WARNED:
             _WARNED.add(self.plan.warning)  # once per process, not once per block
-            log.warning(self.plan.warning)
+            log.info(self.plan.warning)  # the schedule printed before training says it too (patterns CANNOT change)
         self.steps_per_epoch = S = self.plan.steps_per_epoch
         s = torch.arange(S + 1, dtype=torch.int64)[:, None]
         bounds = (s * self.blk_ntr[None, :]) // S  # [S+1, block] each expert's rows split into S near-equal chunks
