@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from moesq_core.compression.pack_swap import restore_interrupted_swap
 from moesq_core.compression.workdir import DiskWriteError, WorkDir, sha256_file, weight_files_sha256, write_json_atomic
 from moesq_core.progress import NullProgress
 
@@ -42,6 +43,7 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
 
     for t in targets:
         p = Path(t)
+        restore_interrupted_swap(p)  # a packed dir that a killed pack left aside
         if (p / "manifest.json").is_file():
             wd = WorkDir(p)
             if reference:
