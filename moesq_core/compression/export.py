@@ -59,7 +59,10 @@ def parse_size(text: str) -> int:
         raise ValueError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
     unit = m.group(2).upper()
     power = "KMGT".find(unit) + 1 if unit else 0
-    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+    size = int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+    if size < 1:
+        raise ValueError(f"--max-shard-size {text!r}: less than one byte; expected a size such as 5GB, 500MB or 2GiB")
+    return size
 
 
 def quantization_config(fmt_name: str, ignore: list[str], act_quant: bool, sparse_layout: bool) -> dict:

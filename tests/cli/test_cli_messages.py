@@ -65,7 +65,7 @@ ZERO_OK = {("refine", "epochs"), ("run", "epochs"), ("refine", "loss_power"), ("
            *{(c, n) for c in ("calibrate", "init-sgptq", "init", "refine", "run", "generate") for n in ("seed",)},
            *{(c, n) for c in ("init-sgptq", "init", "refine") for n in ("redo_from", "cache_gb")},
            *{(c, "percdamp") for c in ("init-sgptq", "init")}, ("eval", "eval_seed")}
-REQUIRED = {"verify": ["x"], "generate": ["x", "--prompt", "p"]}
+REQUIRED = {"verify": [str(ROOT)], "generate": [str(ROOT), "--prompt", "p"]}  # an existing dir: only the value is wrong
 
 
 def numeric_options():
@@ -108,11 +108,59 @@ def test_every_numeric_option_refuses_nan_inf_negative_and_zero():
 def test_bad_numbers_exit_2_with_one_line_before_any_work(tmp_path):
     wd = tmp_path / "wd"
     for args in (["refine", "-w", wd, "--lr-logits", "inf"], ["eval", wd, "--window", "0"],
-                 ["init-sgptq", "-w", wd, "--cache-gb", "nan"], ["generate", wd, "-p", "x", "--temperature", "inf"]):
+                 ["init-sgptq", "-w", wd, "--cache-gb", "nan"],
+                 ["generate", tmp_path, "-p", "x", "--temperature", "inf"]):
         r = moesq_here(*args, check=False)
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr and "Invalid value" in r.stderr, r.stderr
         assert not wd.exists()
+
+
+def test_seeds_beyond_torchs_range_are_refused_as_usage_errors(tmp_path):
+    """A seed torch cannot take (>= 2**64; lm-eval's: >= 2**32, numpy's range) exits 2 naming the option, before any
+    work, whichever way it is given."""
+    huge = str(10**23)
+    for args in (["calibrate", "-w", tmp_path / "wd", "--seed", huge], ["run", "-w", tmp_path / "wd", "--set",
+                 f"calib.seed={huge}"], ["refine", "-w", tmp_path / "wd", "--refine-seed", huge],
+                 ["generate", tmp_path, "-p", "x", "--seed", huge], ["eval", tmp_path, "--eval-seed", str(2**32)]):
+        r = moesq_here(*args, check=False)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "seed" in r.stderr, (args, r.stderr)
+        assert not (tmp_path / "wd").exists()
+    for cls in ("moesq_core.compression.calibration.CalibConfig", "moesq_core.compression.methods.refine.RefineConfig"):
+        module, name = cls.rsplit(".", 1)
+        config = getattr(__import__(module, fromlist=[name]), name)
+        config(seed=2**64 - 1)
+        with pytest.raises(ValueError, match="2\\*\\*64"):
+            config(seed=2**64)
+
+
+def test_bad_inputs_to_generate_verify_and_pack_exit_with_one_line(micro_path, tmp_path):
+    """--max-new-tokens beyond the model's context, an empty --device and a missing packed dir are usage errors
+    (exit 2), said before anything loads; a shard size under one byte too."""
+    from moesq_core.compression.export import parse_size
+
+    for args, said in ((["generate", micro_path, "-p", "x", "--max-new-tokens", "99999999999999999999"],
+                        "the model's context is 2048 tokens"),
+                       (["generate", micro_path, "-p", "x", "--device", ""], "'' is not one of auto, cpu"),
+                       (["generate", tmp_path / "nope", "-p", "x"], "does not exist"),
+                       (["verify", tmp_path / "nope"], "does not exist")):
+        r = moesq_here(*args, check=False)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and said in r.stderr, (args, r.stderr)
+    with pytest.raises(ValueError, match="less than one byte"):
+        parse_size("0.0000001")
+    assert parse_size("1") == 1 and parse_size("2GiB") == 2 * 1024**3
+
+
+def test_eval_tasks_without_lm_eval_is_one_line_before_any_model_loads(micro_path, monkeypatch):
+    from moesq_core.eval import runner
+
+    loaded = []
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as where lm-eval is not installed
+    monkeypatch.setattr(runner, "load_target", lambda *a, **k: loaded.append(a) or pytest.fail("a model was loaded"))
+    r = moesq_here("eval", micro_path, "--tasks", "moesq_cloze", check=False)
+    errors = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1 and len(errors) == 1 and "eval` extra" in errors[0], r.stderr
+    assert not loaded
 
 
 def test_json_writers_refuse_non_finite_and_json_output_writes_null(tmp_path):

@@ -195,8 +195,8 @@ class RefineConfig:
     e2e_loss: str = "kl"  # its training loss: "kl" on the final logits, or "fisher", its second-order form (e2e.py)
 
     def __post_init__(self):
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1 (torch's seeds), got {self.seed!r}")
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
         for name in ("micro_batch_rows", "steps_per_epoch", "min_steps_per_epoch", "min_rows_per_step",
