@@ -857,6 +857,10 @@ def eval_cmd(
 ):
     """Perplexity and/or lm-eval task accuracy for reference, fake-quantized (work dir stages) and packed models,
     side by side in one table. Results are cached in the first work dir, so re-runs and resumes are instant."""
+    from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
+
+    targets = targets or ["moesq-work"]
+    resolved = resolve_targets(targets, stages)  # a missing or empty dir is said at once, before torch is imported
     _setup(None, quiet)
     if tasks is not None:  # before any model is loaded
         from moesq_core.eval.lm_eval_tasks import require_lm_eval
@@ -866,12 +870,9 @@ def eval_cmd(
         except ImportError as e:
             _fail(str(e))
     from moesq_core.compression.pipeline import DEFAULT_EVAL
-    from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
 
-    targets = targets or ["moesq-work"]
     if ppl is None and tasks is None:
         ppl = DEFAULT_EVAL
-    resolved = resolve_targets(targets, stages)
     wd = next((Path(t) for t in targets if (Path(t) / "manifest.json").is_file()), None)
     cache = ResultCache(wd / "eval" / "results.json" if wd else None)
     out = {"schema": "moesq.eval/1", "ppl": None, "tasks": None}

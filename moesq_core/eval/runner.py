@@ -7,12 +7,14 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from moesq_core.compression.pack_swap import restore_interrupted_swap
 from moesq_core.compression.workdir import DiskWriteError, WorkDir, sha256_file, weight_files_sha256, write_json_atomic
 from moesq_core.progress import NullProgress
+
+if TYPE_CHECKING:  # torch is imported where a model is: resolving targets answers a bad path at once
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +72,17 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
     return out
 
 
-def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress=None,
+def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, progress=None,
                 verify: bool = True):
-    """(model, tokenizer); a packed dir of any moesq format goes through load_packed (fast path on sm_90;
-    checked against its checksum manifest unless verify=False)."""
+    """(model, tokenizer) in `dtype` (default float32); a packed dir of any moesq format goes through load_packed
+    (fast path on sm_90; checked against its checksum manifest unless verify=False)."""
+    import torch
+
     from moesq_core.compression.engine import load_workdir_model
     from moesq_core.models import load_model
     from moesq_core.serving.loader import load_packed
 
+    dtype = torch.float32 if dtype is None else dtype
     if t.kind == "reference":
         model, tok, _, _ = load_model(t.path, dtype=dtype, device=device)
         return model, tok
@@ -127,6 +132,8 @@ def computation_fingerprint(model: torch.nn.Module, tokens: torch.Tensor) -> str
     """What decides a perplexity on the CPU: the config, every module's class and settings (extra_repr, train
     mode), every parameter and buffer bit for bit, and the tokens. Two loaded targets with the same fingerprint
     compute the same numbers (a packed dir and the stage it was packed from, on the CPU)."""
+    import torch
+
     h = hashlib.sha256(json.dumps([model.config.to_diff_dict(), model.config._attn_implementation],
                                   sort_keys=True, default=str).encode())
     for name, mod in model.named_modules():
@@ -143,6 +150,8 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
     """Perplexity rows of `targets`, in order. A target that computes exactly what one evaluated before it in
     this call does (computation_fingerprint; e.g. a packed dir and its stage on the CPU) takes that target's
     perplexity instead of evaluating again; its row names it in `same_as`."""
+    import torch
+
     from moesq_core.eval.perplexity import load_eval_tokens, perplexity
 
     if window < 1 or max_tokens < 1:

@@ -41,6 +41,37 @@ def test_version_and_help_do_not_import_torch(args):
     assert r.stdout.strip()
 
 
+_ANSWER = """
+import resource, sys
+sys.argv = ["moesq", *sys.argv[1:]]
+from moesq_cli.app import main
+try:
+    main()
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+use = resource.getrusage(resource.RUSAGE_SELF)
+print("ANSWER", heavy, code, use.ru_utime + use.ru_stime, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args, code", [(["pack", "{empty}"], 1), (["eval", "{empty}"], 1),
+                                        (["run", "--model", "{missing}", "-w", "{missing}"], 2),
+                                        (["verify", "{missing}"], 2)],
+                         ids=["pack-empty-workdir", "eval-empty-dir", "run-missing-model", "verify-missing-dir"])
+def test_a_missing_model_or_empty_work_dir_is_answered_before_torch_is_imported(args, code, tmp_path):
+    """A start-up subject, so a process: the answer comes without importing torch or transformers, in well under a
+    second of CPU on an idle machine (torch's import alone takes seconds; the bound leaves room for a busy one)."""
+    (tmp_path / "empty").mkdir()
+    args = [a.format(empty=tmp_path / "empty", missing=tmp_path / "missing") for a in args]
+    r = subprocess.run([sys.executable, "-c", _ANSWER, *args], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                       timeout=120)
+    heavy, exit_code, cpu = r.stderr.split("ANSWER", 1)[1].rsplit(" ", 2)
+    assert heavy.strip() == "[]" and int(exit_code) == code and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert float(cpu) < 1.5, r.stderr
+    assert not (tmp_path / "missing").exists()
+
+
 def test_help_defaults_read_from_source_match_the_objects():
     """--help reads config defaults from moesq_core's source (no torch); they must be the imported ones."""
     from moesq_cli import app as cli_app
