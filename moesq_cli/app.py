@@ -94,6 +94,17 @@ def _check_model(value: str | None) -> str | None:
     return value
 
 
+def _packed_dir(value: Path) -> Path:
+    """A packed dir argument: an earlier pack that a pack killed mid-swap left aside is put back first; a path
+    that is no directory is refused before torch is imported."""
+    from moesq_core.compression.pack_swap import restore_interrupted_swap
+
+    restore_interrupted_swap(value)
+    if not value.is_dir():
+        raise typer.BadParameter(f"{value}: no such directory")
+    return value
+
+
 def _check_device(value: str) -> str:
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
         raise typer.BadParameter(f"{value!r} is not one of auto, cpu, cuda, cuda:N")
@@ -619,18 +630,18 @@ def pack(
     ./moesq-work into moesq-work/packed and uploads it to <your user>/<model>-moesq-<format>.
     """
     from moesq_core.compression.workdir import WorkDir
-
-    wd = WorkDir(workdir)
-    wd.load()  # not a work dir (missing, empty): said at once, before torch is imported
-    _setup(workdir, quiet)
-    from moesq_core.compression.export import check_output_dir, export_packed, parse_size
-    from moesq_core.compression.export import push_to_hub as core_push
-    from moesq_core.compression.pipeline import default_stage
+    from moesq_core.memory import parse_size
 
     try:
         max_bytes = parse_size(max_shard_size)
     except ValueError as e:
         _fail(str(e), 2)
+    wd = WorkDir(workdir)
+    wd.load()  # not a work dir (missing, empty): said at once, before torch is imported
+    _setup(workdir, quiet)
+    from moesq_core.compression.export import check_output_dir, export_packed
+    from moesq_core.compression.export import push_to_hub as core_push
+    from moesq_core.compression.pipeline import default_stage
     if push_to_hub is not None and push_to_hub != _DEFAULT_REPO:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -670,7 +681,7 @@ def pack(
 @app.command(cls=_Command)
 @_guard
 def verify(
-    path: Annotated[Path, typer.Argument(exists=True, file_okay=False,
+    path: Annotated[Path, typer.Argument(callback=_packed_dir,
                                          help="Packed model dir written by `moesq pack`.")],
     kernel: Annotated[bool, typer.Option(help="Also run every packed expert through its GPU kernel against the CPU "
                                               "reference: s24-fp8 (CUTLASS sparse FP8, Hopper) and p48-nvfp4 (the "
@@ -776,7 +787,7 @@ def bench_kernel(
 @app.command(cls=_Command)
 @_guard
 def generate(
-    path: Annotated[Path, typer.Argument(exists=True, file_okay=False,
+    path: Annotated[Path, typer.Argument(callback=_packed_dir,
                                          help="Packed model dir written by `moesq pack` (any format).")],
     prompt: Annotated[Optional[list[str]], typer.Option(
         "--prompt", "-p", help="Text to continue (or the user message with --chat); repeatable: the prompts run as "

@@ -52,19 +52,6 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hub's customary 5 GB shards
 LARGE_UPLOAD_BYTES = 20 * 10**9  # above this, push with upload_large_folder (resumable, chunked commits)
 
 
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
-    unit = m.group(2).upper()
-    power = "KMGT".find(unit) + 1 if unit else 0
-    size = int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
-    if size < 1:
-        raise ValueError(f"--max-shard-size {text!r}: less than one byte; expected a size such as 5GB, 500MB or 2GiB")
-    return size
-
-
 def quantization_config(fmt_name: str, ignore: list[str], act_quant: bool, sparse_layout: bool) -> dict:
     """The config.json `quantization_config` of a pack in format `fmt_name` (see Format.quantization_config)."""
     moesq = {"format": fmt_name, "version": 1, "act_quant": act_quant, "moesq_version": __version__}

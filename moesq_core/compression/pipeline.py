@@ -82,11 +82,15 @@ def _locked(workdir: WorkDir):
 
 
 def _command_lock(workdir: WorkDir) -> contextlib.ExitStack:
-    """Hold the lock for a whole command when the work dir exists (a new one is locked once created)."""
+    """Hold the lock for a whole command when the work dir exists (a new one is locked once created), and put
+    back the earlier pack of WORKDIR/packed that a pack killed mid-swap left aside."""
+    from moesq_core.compression.pack_swap import PACKED_SLOT, restore_interrupted_swap
+
     stack = contextlib.ExitStack()
     workdir.check_usable()
     if workdir.root.is_dir():
         stack.enter_context(_locked(workdir))
+        restore_interrupted_swap(workdir.root / PACKED_SLOT)
     return stack
 
 

@@ -344,8 +344,7 @@ class WorkDir:
     def locked(self):
         """Hold the work dir's exclusive lock (re-entrant within a process). A second process is refused at
         once with WorkDirLocked naming the holder's pid; the lock goes with the process, even on SIGKILL.
-        On taking it, temp files left by an interrupted run are removed (no other process can own them), and
-        the earlier pack of WORKDIR/packed that a pack killed mid-swap left aside is put back."""
+        On taking it, temp files left by an interrupted run are removed (no other process can own them)."""
         key = os.path.realpath(self.root)
         if key in _HELD:
             _HELD[key][1] += 1
@@ -363,10 +362,7 @@ class WorkDir:
                                 "finish, or use another --workdir") from None
         _HELD[key] = [fd, 1]
         try:
-            from moesq_core.compression.pack_swap import PACKED_SLOT, restore_interrupted_swap
-
             self.remove_stale_temp_files()
-            restore_interrupted_swap(self.root / PACKED_SLOT)
             yield self
         finally:
             _HELD[key][1] -= 1

@@ -11,7 +11,6 @@ from pathlib import Path
 import torch
 
 from moesq_core.checkpoint.checksums import PACK_MANIFEST, ManifestCheck
-from moesq_core.compression.pack_swap import restore_interrupted_swap
 from moesq_core.formats import get_format
 from moesq_core.models import adapter_for
 from moesq_core.naming import INDEX_FILE, PROJECTIONS, SINGLE_FILE, expert_linear, parse_expert_tensor, weight_files
@@ -120,7 +119,6 @@ def load_packed(path: str | Path, device: str | torch.device = "cpu", dtype: tor
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = Path(path)
-    restore_interrupted_swap(path)
     cfg_path = path / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{path}: no config.json; is this a directory written by `moesq pack`?")

@@ -161,15 +161,18 @@ def _left_aside(first, out):
 
 
 def test_the_next_command_puts_back_a_pack_a_killed_swap_left_aside(packs, tmp_path):
-    """Not only the next pack: verify, load_packed and eval on --out, and any command on the work dir for its
-    WORKDIR/packed, put the earlier pack back first."""
+    """Not only the next pack: `moesq verify` / `generate` / `eval` on --out (and verify_packed_dir), and any
+    command on the work dir for its WORKDIR/packed, put the earlier pack back first."""
     from moesq_core.checkpoint.verify import verify_packed_dir
+    from moesq_core.compression.pipeline import _command_lock
     from moesq_core.eval.runner import resolve_targets
-    from moesq_core.serving.loader import load_packed
+
+    from moesq_runner import moesq_here
 
     wd, first, _ = packs["p48-nvfp4"]
     out = tmp_path / "model"
-    for command in (verify_packed_dir, load_packed, lambda p: resolve_targets([str(p)])):
+    for command in (verify_packed_dir, lambda p: resolve_targets([str(p)]),
+                    lambda p: moesq_here("verify", p, "--checksums-only", "--quiet")):
         _left_aside(first, out)
         command(out)
         assert _digests(out) == _digests(first) and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
@@ -177,7 +180,7 @@ def test_the_next_command_puts_back_a_pack_a_killed_swap_left_aside(packs, tmp_p
     root = tmp_path / "wd"
     shutil.copytree(wd.root, root, ignore=shutil.ignore_patterns("packed", ".packed.*"))
     _left_aside(first, root / "packed")
-    with WorkDir(root).locked():  # what every command that writes the work dir takes first
+    with _command_lock(WorkDir(root)):  # what every command on a work dir takes first
         assert _digests(root / "packed") == _digests(first)
     assert not [p for p in root.iterdir() if p.name.startswith(".packed.")]
 
