@@ -82,6 +82,29 @@ def _check_workdir(value: Path | None) -> Path | None:
     return value
 
 
+def _check_model(value: str | None) -> str | None:
+    """A --model that is neither a local model dir nor a Hub id is refused before torch is imported."""
+    from moesq_core.paths import model_dir_or_hub_id
+
+    if value is not None:
+        try:
+            model_dir_or_hub_id(value)
+        except FileNotFoundError as e:
+            raise typer.BadParameter(str(e)) from None
+    return value
+
+
+def _packed_dir(value: Path) -> Path:
+    """A packed dir argument: an earlier pack that a pack killed mid-swap left aside is put back first; a path
+    that is no directory is refused before torch is imported."""
+    from moesq_core.compression.pack_swap import restore_interrupted_swap
+
+    restore_interrupted_swap(value)
+    if not value.is_dir():
+        raise typer.BadParameter(f"{value}: no such directory")
+    return value
+
+
 def _check_device(value: str) -> str:
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", value):
         raise typer.BadParameter(f"{value!r} is not one of auto, cpu, cuda, cuda:N")
@@ -111,7 +134,8 @@ def _stage_name(value: str) -> str:
 WorkdirOpt = Annotated[Path, typer.Option("--workdir", "-w", callback=_check_workdir,
                                           help="Work directory holding this run's artifacts.")]
 ModelOpt = Annotated[Optional[str], typer.Option(
-    "--model", "-m", help="Local model dir or Hugging Face id (default: the embedded micro-qwen3-moe).")]
+    "--model", "-m", callback=_check_model, is_eager=True,
+    help="Local model dir or Hugging Face id (default: the embedded micro-qwen3-moe).")]
 DeviceOpt = Annotated[str, typer.Option("--device", callback=_check_device, help="auto | cpu | cuda | cuda:N.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars; only results and errors.")]
 HiddenNoVerifyOpt = Annotated[bool, typer.Option("--no-verify", hidden=True, help="Load a packed dir without checking "
@@ -618,16 +642,19 @@ def pack(
 
       moesq pack --push-to-hub
     """
-    _setup(workdir, quiet)
-    from moesq_core.compression.export import check_output_dir, export_packed, parse_size
-    from moesq_core.compression.export import push_to_hub as core_push
-    from moesq_core.compression.pipeline import default_stage
     from moesq_core.compression.workdir import WorkDir
+    from moesq_core.memory import parse_size
 
     try:
         max_bytes = parse_size(max_shard_size)
     except ValueError as e:
         _fail(str(e), 2)
+    wd = WorkDir(workdir)
+    wd.load()  # not a work dir (missing, empty): said at once, before torch is imported
+    _setup(workdir, quiet)
+    from moesq_core.compression.export import check_output_dir, export_packed
+    from moesq_core.compression.export import push_to_hub as core_push
+    from moesq_core.compression.pipeline import default_stage
     if push_to_hub is not None and push_to_hub != _DEFAULT_REPO:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -635,7 +662,6 @@ def pack(
             validate_repo_id(push_to_hub)
         except HFValidationError as e:
             _fail(f"--push-to-hub {push_to_hub!r}: not a Hub repo id ({e})", 2)
-    wd = WorkDir(workdir)
     stage = stage or default_stage(wd)
     out = out or workdir / "packed"
     check_output_dir(out, workdir, Path(wd.load()["model"]["path"]), overwrite)  # before any progress is shown
@@ -668,7 +694,8 @@ def pack(
 @app.command(cls=_Command)
 @_guard
 def verify(
-    path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack`.")],
+    path: Annotated[Path, typer.Argument(callback=_packed_dir,
+                                         help="Packed model dir written by `moesq pack`.")],
     kernel: Annotated[bool, typer.Option(help="Also run every packed expert through its GPU kernel against the CPU "
                                               "reference: s24-fp8 (CUTLASS sparse FP8, Hopper) and p48-nvfp4 (the "
                                               "sparse-tensor-core kernel on Hopper, else Triton; W4A16, and W4A4 "
@@ -681,7 +708,7 @@ def verify(
     """Check a packed dir: first every file against the sha256 checksums in moesq_pack.json (naming the file and
     the tensor whose bytes changed), then every packed expert tensor: admissible sparsity, finite positive
     scales (input global scales included), gate/up sharing one global scale, shapes, bits per weight, config
-    markers. Exits 1 naming the first bad tensor.
+    markers. Exits 1 naming the first problem (the file or tensor, and the position).
 
     [bold]Examples[/]
 
@@ -715,7 +742,7 @@ def verify(
                   f"{'' if bpw is None else f'{bpw:.3f} bits/weight, '}{len(report.errors)} error(s)")
     if not report.ok:
         _write_json(json_out, doc)
-        _fail(f"first bad tensor: {report.first_error}")
+        _fail(f"verify failed: {report.first_error}")
     if kernel:
         try:
             from moesq_core.serving.kernels.verify_kernel import kernel_check_packed_dir
@@ -787,7 +814,8 @@ def bench_kernel(
 @app.command(cls=_Command)
 @_guard
 def generate(
-    path: Annotated[Path, typer.Argument(help="Packed model dir written by `moesq pack` (any format).")],
+    path: Annotated[Path, typer.Argument(callback=_packed_dir,
+                                         help="Packed model dir written by `moesq pack` (any format).")],
     prompt: Annotated[Optional[list[str]], typer.Option(
         "--prompt", "-p", help="Text to continue (or the user message with --chat); repeatable: the prompts run as "
                                "one batch.")] = None,
@@ -797,12 +825,13 @@ def generate(
     chat: Annotated[bool, typer.Option(help="Wrap each prompt in the model's chat template.")] = False,
     temperature: Annotated[float, typer.Option(callback=_non_negative_float,
                                                help="0 = greedy; > 0 samples (seeded by --seed).")] = 0.0,
-    seed: Annotated[int, typer.Option(min=0, help="Sampling seed.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="Sampling seed.")] = 0,
     dtype: Annotated[str, typer.Option(help="auto | bf16 | fp16 | fp32 (or bfloat16 | float16 | float32) for the "
                                             "non-expert weights; auto: bf16 on a GPU, fp32 on the CPU.")] = "auto",
-    device: Annotated[str, typer.Option(help="auto | cpu | cuda | cuda:N (auto: the GPU when there is one; on "
-                                              "sm_90 packed p48 experts run through the fast Hopper "
-                                              "module).")] = "auto",
+    device: Annotated[str, typer.Option(callback=_check_device,
+                                        help="auto | cpu | cuda | cuda:N (auto: the GPU when there is one; on "
+                                             "sm_90 packed p48 experts run through the fast Hopper "
+                                             "module).")] = "auto",
     no_verify: HiddenNoVerifyOpt = False,
     json_out: JsonOpt = None,
     quiet: QuietOpt = False,
@@ -816,12 +845,13 @@ def generate(
       moesq generate packed-model --prompt "The capital of France is" --prompt "Once upon a time" --max-new-tokens 8
     """
     _setup(None, quiet)
-    from moesq_core.serving.generate import DTYPE_CHOICES, generate_text, read_prompts
+    from moesq_core.serving.generate import DTYPE_CHOICES, check_max_new_tokens, generate_text, read_prompts
 
     if dtype not in DTYPE_CHOICES:
         _fail(f"--dtype {dtype!r}: choose one of {', '.join(DTYPE_CHOICES)}", 2)
     try:
         prompts = read_prompts(prompt or [], prompts_file)
+        check_max_new_tokens(path, max_new_tokens)
     except ValueError as e:
         _fail(str(e), 2)
 
@@ -859,7 +889,8 @@ def eval_cmd(
     limit: Annotated[Optional[int], typer.Option(min=1, help="lm-eval: examples per task.")] = None,
     num_fewshot: Annotated[Optional[int], typer.Option(min=0, hidden=True, help="lm-eval: override the shots.")] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="lm-eval batch size.")] = 8,
-    eval_seed: Annotated[int, typer.Option("--eval-seed", min=0, hidden=True, help="lm-eval seed.")] = 1234,
+    eval_seed: Annotated[int, typer.Option("--eval-seed", min=0, max=2**32 - 1, hidden=True,
+                                           help="lm-eval seed (numpy's range).")] = 1234,
     no_verify: HiddenNoVerifyOpt = False,
     json_out: JsonOpt = None,
     device: DeviceOpt = "cpu", quiet: QuietOpt = False,
@@ -876,14 +907,22 @@ def eval_cmd(
 
       moesq eval moesq-work --stage refine --tasks moesq_cloze --limit 8
     """
-    _setup(None, quiet)
-    from moesq_core.compression.pipeline import DEFAULT_EVAL
     from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
 
     targets = targets or ["moesq-work"]
+    resolved = resolve_targets(targets, stages)  # a missing or empty dir is said at once, before torch is imported
+    _setup(None, quiet)
+    if tasks is not None:  # before any model is loaded
+        from moesq_core.eval.lm_eval_tasks import require_lm_eval
+
+        try:
+            require_lm_eval()
+        except ImportError as e:
+            _fail(str(e))
+    from moesq_core.compression.pipeline import DEFAULT_EVAL
+
     if ppl is None and tasks is None:
         ppl = DEFAULT_EVAL
-    resolved = resolve_targets(targets, stages)
     wd = next((Path(t) for t in targets if (Path(t) / "manifest.json").is_file()), None)
     cache = ResultCache(wd / "eval" / "results.json" if wd else None)
     out = {"schema": "moesq.eval/1", "ppl": None, "tasks": None}
@@ -913,7 +952,7 @@ def _run_tasks(resolved, tasks, tasks_dir, limit, num_fewshot, batch_size, seed,
         from moesq_core.eval.lm_eval_tasks import evaluate_tasks
         from moesq_core.eval.recovery import recovery_table
     except ImportError as e:
-        _fail(f"lm-eval support needs the 'eval' extra: pip install 'moesq[eval]' ({e})")
+        _fail(f"lm-eval support needs the 'eval' extra: pip install -e '.[eval]' in a checkout ({e})")
     from moesq_core.eval.runner import load_target, target_identity
 
     results = []

@@ -206,8 +206,8 @@ class _ProgressLinesToStderr(logging.Handler):
 class RichProgress:
     """Use as a context manager around a command's work; pass it to core functions as `progress`.
 
-    While it is entered and its bar is not visible (--quiet, or stderr not a terminal: redirected to a file,
-    where rich draws the bar only once, at the end), stderr gets one progress line every `every_s` seconds
+    While it is entered and its bar is not visible (--quiet, or stderr not a terminal: a file or a pipe, where
+    no bar is drawn at all), stderr gets one progress line every `every_s` seconds
     (PROGRESS_EVERY_S, 30 s), at most and, while the command runs, at least: the core's progress lines (the
     "moesq.progress" logger, e.g. a long block's steps with its rates and ETAs), else the innermost open
     task's count, elapsed time and ETA, so a run without a terminal shows it is working in every phase.
@@ -233,6 +233,9 @@ class RichProgress:
         return not self.quiet and (c.is_jupyter or (c.is_terminal and not c.is_dumb_terminal))
 
     def __enter__(self):
+        # a bar that is not drawn as it goes is not drawn at all: rich would print it once, at the end, cut to
+        # 80 columns where stderr is a file or a pipe
+        self.bar.disable = not self.visible
         self.bar.__enter__()
         # one echo however many RichProgress are entered at once (a command may nest them): the outermost's
         self.echo = next((h for h in progress_log.handlers if isinstance(h, _ProgressLinesToStderr)), None)

@@ -3,6 +3,7 @@ torch's caching allocator holds unused). Used to size work before it starts rath
 from __future__ import annotations
 
 import os
+import re
 from typing import Sequence, TypeVar
 
 T = TypeVar("T")
@@ -84,6 +85,19 @@ def size(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{int(nbytes)} B"
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1000000' -> bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not m or float(m.group(1)) <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
+    unit = m.group(2).upper()
+    power = "KMGT".find(unit) + 1 if unit else 0
+    size = int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+    if size < 1:
+        raise ValueError(f"--max-shard-size {text!r}: less than one byte; expected a size such as 5GB, 500MB or 2GiB")
+    return size
 
 
 def consecutive_chunks(items: Sequence[T], sizes: Sequence[float], budget: float) -> list[list[T]]:

@@ -1,6 +1,7 @@
 """Paths read from files moesq did not necessarily write (a work dir's manifest, a pack's checksum manifest and
 index, a saved-states record) are joined to their directory only through `inside`: a crafted entry must not
-make moesq read, hash or delete anything outside that directory."""
+make moesq read, hash or delete anything outside that directory. Also what a model source names
+(`model_dir_or_hub_id`), checked before torch is imported."""
 from __future__ import annotations
 
 import os
@@ -41,3 +42,16 @@ def _containing(real_root: str) -> str:
     if root.parent.name == "snapshots" and re.fullmatch(r"[0-9a-f]{40}", root.name):
         return str(root.parent.parent)
     return real_root
+
+
+def model_dir_or_hub_id(source: str) -> Path | None:
+    """The local model directory `source` names, or None for a Hub id (org/name) that is not a local path.
+    FileNotFoundError, saying what to pass, when it is neither (a missing path, a directory without config.json)."""
+    p = Path(source).expanduser()
+    if p.exists():
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(f"{source} exists but has no config.json; pass a model directory or a Hub id")
+        return p
+    if source.count("/") != 1 or source.startswith((".", "/")):
+        raise FileNotFoundError(f"model {source!r}: no such directory, and it is not a Hub id of the form org/name")
+    return None

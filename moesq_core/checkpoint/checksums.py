@@ -123,7 +123,29 @@ def read_manifest(root: Path) -> dict:
     body["manifest_sha256"] = recorded
     if canonical(body) != raw:
         raise ValueError("its bytes differ from the canonical form moesq writes (edited or corrupted)")
+    _check_entry_types(body)
     return body
+
+
+def _check_entry_types(body: dict) -> None:
+    """Each entry of the JSON type moesq writes (a manifest that checksums itself may still have been written
+    by hand): ValueError naming the first that is not."""
+    def expect(value, kind: type, where: str, what: str) -> None:
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise ValueError(f"{where} is {json.dumps(value)[:40]}, expected {what}")
+
+    if "summary" in body:
+        expect(body["summary"], dict, "summary", "an object")
+    for rel, want in body["files"].items():
+        where = f"files[{rel!r}]"
+        expect(want, dict, where, "an object")
+        expect(want.get("sha256"), str, f"{where}.sha256", "a hex digest")
+        expect(want.get("bytes"), int, f"{where}.bytes", "a byte count")
+        if "header" in want or "tensors" in want:
+            expect(want.get("header"), str, f"{where}.header", "a hex digest")
+            expect(want.get("tensors"), dict, f"{where}.tensors", "an object")
+            for name, digest in want["tensors"].items():
+                expect(digest, str, f"{where}.tensors[{name!r}]", "a hex digest")
 
 
 def is_moesq_pack(root: Path) -> bool:

@@ -40,6 +40,7 @@ import torch
 from safetensors import safe_open
 
 from moesq_core.checkpoint.checksums import PACK_MANIFEST, check_manifest
+from moesq_core.compression.pack_swap import restore_interrupted_swap
 from moesq_core.formats import FORMATS, get_format
 from moesq_core.formats.packing import ACTIVATION_SUFFIXES, PackingError, bits_per_weight
 from moesq_core.naming import EXPERT_RE, INDEX_FILE, PROJ_NAMES, PROJECTIONS, SINGLE_FILE, read_index
@@ -287,6 +288,7 @@ def verify_packed_dir(path, progress=None, checksums_only: bool = False) -> Veri
     without a manifest is then an error).
     """
     root = Path(path)
+    restore_interrupted_swap(root)
     report = VerifyReport(str(root))
     if not root.is_dir():
         report._error(str(root), "not a directory")

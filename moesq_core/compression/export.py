@@ -11,7 +11,7 @@ Safety: the output is validated before anything is written (never the work dir o
 directory holding anything but an earlier moesq pack); the pack is built in a temp dir beside the output and
 renamed into place, an earlier pack being removed only after the new one is complete. The work dir's lock and
 a lock on the output are held throughout; temp dirs a killed pack left are removed only when their marker
-proves moesq made them and their process has ended. Every file is listed
+proves moesq made them and their process has ended (compression/pack_swap.py). Every file is listed
 with its sha256 (and each tensor's) in `moesq_pack.json`, which `moesq verify` checks. The output is
 byte-deterministic: the same stage gives the same bytes (no timestamps, fixed ordering).
 """
@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import re
-import secrets
 import shutil
 import struct
 from pathlib import Path
@@ -34,15 +33,13 @@ from safetensors import safe_open
 from moesq_core.checkpoint.checksums import PACK_MANIFEST, is_moesq_pack, write_manifest
 from moesq_core.checkpoint.model_card import RECIPE_FILE, model_card, recipe_yaml, work_dir_evals
 from moesq_core.compression.engine import load_block
+from moesq_core.compression.pack_swap import PACKED_SLOT, out_locked, owned_dir, real_out, remove_stale
 from moesq_core.compression.workdir import (
-    LockHeld,
     RunIdentity,
     StageLedger,
     WorkDir,
     WorkDirError,
     disk_errors,
-    pid_alive,
-    take_lock,
 )
 from moesq_core.formats import get_format
 from moesq_core.formats.quantizers import input_global_scales
@@ -53,17 +50,6 @@ from moesq_core.version import __version__
 log = logging.getLogger(__name__)
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # the Hub's customary 5 GB shards
 LARGE_UPLOAD_BYTES = 20 * 10**9  # above this, push with upload_large_folder (resumable, chunked commits)
-PACKED_SLOT = "packed"  # the work dir's own pack location (WORKDIR/packed), the default --out
-
-
-def parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1000000' -> bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"--max-shard-size {text!r}: expected a size such as 5GB, 500MB or 2GiB")
-    unit = m.group(2).upper()
-    power = "KMGT".find(unit) + 1 if unit else 0
-    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
 
 
 def quantization_config(fmt_name: str, ignore: list[str], act_quant: bool, sparse_layout: bool) -> dict:
@@ -223,87 +209,6 @@ def _add_packed_block(writer: _ShardWriter, path: Path, li: int, fmt, layout) ->
     return packed_bytes, n_weights, n_in + n_mid
 
 
-class OutputLocked(FileExistsError):
-    """Another moesq process is writing the same --out."""
-
-
-@contextlib.contextmanager
-def _out_locked(out_dir: Path):
-    """Hold --out's lock: a file beside it (`.<name>.moesq-lock`, removed on release) locked like the work dir's
-    (workdir.take_lock). A second pack into the same --out is refused at once, naming the holder's pid."""
-    path = out_dir.parent / f".{out_dir.name}.moesq-lock"
-    try:  # a file of that name that is not moesq's (it holds a pid or nothing) is neither written nor removed
-        foreign = path.is_symlink() or not re.fullmatch(r"\d*\s*", path.read_text(errors="replace")[:64])
-    except FileNotFoundError:
-        foreign = False
-    except OSError:
-        foreign = True
-    if foreign:
-        raise FileExistsError(f"{path} is in the way of --out {out_dir}'s lock file and is not moesq's; move it "
-                              "away or choose another --out")
-    while True:
-        try:
-            fd = take_lock(path)
-        except LockHeld as e:
-            raise OutputLocked(f"--out {out_dir} is being written by another moesq process (pid {e.pid}); wait for "
-                               "it to finish, or choose another --out") from None
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # the holder removed the file as this process opened it: lock the new one
-    try:
-        yield
-    finally:
-        os.unlink(path)  # before releasing: a process that opened this file sees it is gone and retries
-        os.close(fd)
-
-
-# A pack's temp dirs beside --out (`.<name>.tmp-<token>` while building, `.<name>.old-<token>` holding the pack
-# it replaces during the swap) carry this marker, "moesq <pid> <token>": a later pack removes such a dir only
-# when the marker proves moesq made it (its token is the dir's) and its process has ended. Other dirs, a user's
-# of the same name among them, are never touched.
-OWNER_MARKER = ".moesq-owner"
-
-
-def _owned_dir(parent: Path, prefix: str) -> Path:
-    """A new dir `<prefix><token>` in parent, marked as this process's."""
-    token = secrets.token_hex(8)
-    d = parent / f"{prefix}{token}"
-    d.mkdir(mode=0o700)
-    (d / OWNER_MARKER).write_text(f"moesq {os.getpid()} {token}\n")
-    return d
-
-
-def _stale(d: Path, prefix: str) -> bool:
-    """d was made by _owned_dir(parent, prefix) of a process that has ended (or of this one)."""
-    try:
-        tag, pid, token = (d / OWNER_MARKER).read_text().split()
-    except (OSError, ValueError):
-        return False
-    if tag != "moesq" or d.name != prefix + token or not pid.isdigit():
-        return False
-    return int(pid) == os.getpid() or not pid_alive(int(pid))
-
-
-def _remove_stale(out_dir: Path) -> None:
-    """Remove what killed packs into out_dir left beside it (call with --out's lock held). A pack killed between
-    the swap's two renames left no out_dir and the earlier pack in its `.old-` dir: that pack is put back."""
-    for kind in ("tmp", "old"):
-        prefix = f".{out_dir.name}.{kind}-"
-        for d in sorted(out_dir.parent.glob(prefix + "*")):
-            if not d.is_dir() or d.is_symlink() or not _stale(d, prefix):
-                continue
-            if kind == "old" and (d / "pack").is_dir() and not out_dir.exists():
-                (d / "pack").rename(out_dir)
-                log.warning("put back the earlier pack %s that an interrupted `moesq pack --overwrite` had moved "
-                            "aside", out_dir)
-            shutil.rmtree(d, ignore_errors=True)
-            log.info("removed %s, left by an interrupted pack", d)
-
-
 def export_packed(workdir: WorkDir, stage: str, out_dir: Path, *, overwrite: bool = False, sparse_layout: bool = True,
                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, progress=None) -> dict:
     """Write the packed model directory; returns a summary (bits/weight, sizes, files). Its model card
@@ -336,13 +241,14 @@ def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, o
     if max_shard_bytes <= 0:
         raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes} bytes")
     fmt, act_quant, src = identity.format, identity.act_quant, identity.model_path
-    out_dir, root, stage = Path(out_dir), ledger.root, ledger.name
-    check_output_dir(out_dir, root, src, overwrite)
+    given, root, stage = Path(out_dir), ledger.root, ledger.name
+    check_output_dir(given, root, src, overwrite)
+    out_dir = real_out(given)  # a symlink's target: locked and replaced, the link stays
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    held.enter_context(_out_locked(out_dir))
-    _remove_stale(out_dir)
-    check_output_dir(out_dir, root, src, overwrite)  # an earlier pack may have been put back
-    work = _owned_dir(out_dir.parent, f".{out_dir.name}.tmp-")
+    held.enter_context(out_locked(out_dir))
+    remove_stale(out_dir)
+    check_output_dir(given, root, src, overwrite)  # an earlier pack may have been put back
+    work = owned_dir(out_dir.parent, f".{out_dir.name}.tmp-")
     tmp = work / "pack"  # built here, then renamed to out_dir
     tmp.mkdir()
     old = None
@@ -392,8 +298,8 @@ def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, o
         summary["files"] = sorted([*manifest["files"], PACK_MANIFEST])
         if out_dir.exists():
             # keep the earlier pack until the new one is in place; re-check it is still only a moesq pack
-            check_output_dir(out_dir, root, src, overwrite)
-            old = _owned_dir(out_dir.parent, f".{out_dir.name}.old-")
+            check_output_dir(given, root, src, overwrite)
+            old = owned_dir(out_dir.parent, f".{out_dir.name}.old-")
             out_dir.rename(old / "pack")
         tmp.rename(out_dir)
         if old is not None:
@@ -405,7 +311,7 @@ def _export_packed(ledger: StageLedger, identity: RunIdentity, manifest: dict, o
         if old is not None and (old / "pack").exists() and not out_dir.exists():
             (old / "pack").rename(out_dir)  # the swap failed half-way: put the earlier pack back
             shutil.rmtree(old, ignore_errors=True)
-    summary["path"] = str(out_dir)
+    summary["path"] = str(given)
     return summary
 
 

@@ -88,11 +88,15 @@ def _locked(workdir: WorkDir):
 
 
 def _command_lock(workdir: WorkDir) -> contextlib.ExitStack:
-    """Hold the lock for a whole command when the work dir exists (a new one is locked once created)."""
+    """Hold the lock for a whole command when the work dir exists (a new one is locked once created), and put
+    back the earlier pack of WORKDIR/packed that a pack killed mid-swap left aside."""
+    from moesq_core.compression.pack_swap import PACKED_SLOT, restore_interrupted_swap
+
     stack = contextlib.ExitStack()
     workdir.check_usable()
     if workdir.root.is_dir():
         stack.enter_context(_locked(workdir))
+        restore_interrupted_swap(workdir.root / PACKED_SLOT)
     return stack
 
 
@@ -729,7 +733,8 @@ def compress(model=None, config: CompressConfig | str | Path | None = None,
 def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *, device: str | None = None,
             ppl: str | Path | None = None, ppl_tokens: int = 65536, progress=None) -> dict:
     """`moesq run`: compress (calibrate → baselines → init → refine, as the CompressConfig says; default: the
-    micro-quick recipe) → pack → verify → perplexity of the reference, every stage and the packed model.
+    micro-quick recipe) → pack → verify → perplexity of the reference, the stages this config makes (other
+    stages of the work dir are left out) and the packed model.
     Returns {stage, config, packed, rows, bits_per_weight} (None on the ranks other than 0 under torchrun)."""
     from moesq_core.checkpoint.verify import verify_packed_dir
     from moesq_core.eval.runner import ResultCache, ppl_for_targets, resolve_targets
@@ -747,7 +752,7 @@ def run_all(workdir: str | Path, config=None, model: str | Path | None = None, *
         report = verify_packed_dir(out, progress=progress)
         if not report.ok:
             raise RuntimeError(f"verify failed on the packed model: {report.first_error}")
-        targets = resolve_targets([str(wd.root), str(out)])
+        targets = resolve_targets([str(wd.root), str(out)], stages=list(handle.summaries))  # this run's, not others'
         rows = ppl_for_targets(targets, ppl or DEFAULT_EVAL, max_tokens=ppl_tokens, device="cpu",
                                cache=ResultCache(wd.root / "eval" / "results.json"), progress=progress)
         (wd.root / "eval").mkdir(exist_ok=True)

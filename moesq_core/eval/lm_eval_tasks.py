@@ -191,6 +191,16 @@ def check_tasks_dir(tasks_dir: str | os.PathLike) -> Path:
 _TM_CACHE: dict[tuple, Any] = {}
 
 
+def require_lm_eval() -> None:
+    """ImportError saying how to get lm-eval when it cannot be imported: a command checks this before it loads
+    any model."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        raise ImportError("lm-eval tasks need lm-eval, which is not installed: install moesq's `eval` extra "
+                          f"(pip install -e '.[eval]' in a checkout) ({e})") from None
+
+
 def _task_manager(dirs: tuple[Path, ...], with_defaults: bool):
     """lm-eval's TaskManager; indexing its ~15k built-in tasks takes seconds, so only when needed, once."""
     key = (dirs, with_defaults)

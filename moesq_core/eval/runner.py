@@ -7,13 +7,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from moesq_core.checkpoint.checksums import PACK_MANIFEST, ManifestCheck
+from moesq_core.compression.pack_swap import restore_interrupted_swap
 from moesq_core.compression.workdir import DiskWriteError, WorkDir, sha256_file, weight_files_sha256, write_json_atomic
 from moesq_core.naming import loaders_read
 from moesq_core.progress import NullProgress
+
+if TYPE_CHECKING:  # torch is imported where a model is: resolving targets answers a bad path at once
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,7 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
 
     for t in targets:
         p = Path(t)
+        restore_interrupted_swap(p)  # a packed dir that a killed pack left aside
         if (p / "manifest.json").is_file():
             wd = WorkDir(p)
             if reference:
@@ -61,8 +64,9 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
             cfg = json.loads((p / "config.json").read_text())
             if "moesq" in (cfg.get("quantization_config") or {}):
                 add(EvalTarget(f"packed:{p.name}", "packed", str(p)))
-            elif (p / PACK_MANIFEST).is_file():  # a pack whose config lost its quantization_config: not a reference
-                raise ValueError(f"{t}: a moesq pack ({PACK_MANIFEST}) whose config.json has no "
+            elif (p / "moesq_pack.json").is_file():  # checksums.PACK_MANIFEST: a pack that lost its config's
+                # quantization_config, not a reference (the constant is not imported: checksums imports torch)
+                raise ValueError(f"{t}: a moesq pack (moesq_pack.json) whose config.json has no "
                                  f"quantization_config.moesq (changed after packing?); run `moesq verify {t}`")
             else:
                 add(EvalTarget(f"reference:{p.name}" if len(targets) > 1 else "reference", "reference", str(p)))
@@ -74,14 +78,17 @@ def resolve_targets(targets: list[str], stages: list[str] | None = None, referen
     return out
 
 
-def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32, progress=None,
+def load_target(t: EvalTarget, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, progress=None,
                 verify: bool = True):
-    """(model, tokenizer); a packed dir of any moesq format goes through load_packed (fast path on sm_90;
-    checked against its checksum manifest unless verify=False)."""
+    """(model, tokenizer) in `dtype` (default float32); a packed dir of any moesq format goes through load_packed
+    (fast path on sm_90; checked against its checksum manifest unless verify=False)."""
+    import torch
+
     from moesq_core.compression.engine import load_workdir_model
     from moesq_core.models import load_model
     from moesq_core.serving.loader import load_packed
 
+    dtype = torch.float32 if dtype is None else dtype
     if t.kind == "reference":
         model, tok, _, _ = load_model(t.path, dtype=dtype, device=device)
         return model, tok
@@ -147,6 +154,8 @@ def computation_fingerprint(model: torch.nn.Module, tokens: torch.Tensor) -> str
     """What decides a perplexity on the CPU: the config, every module's class and settings (extra_repr, train
     mode), every parameter and buffer bit for bit, and the tokens. Two loaded targets with the same fingerprint
     compute the same numbers (a packed dir and the stage it was packed from, on the CPU)."""
+    import torch
+
     h = hashlib.sha256(json.dumps([model.config.to_diff_dict(), model.config._attn_implementation],
                                   sort_keys=True, default=str).encode())
     for name, mod in model.named_modules():
@@ -163,6 +172,8 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
     """Perplexity rows of `targets`, in order. A target that computes exactly what one evaluated before it in
     this call does (computation_fingerprint; e.g. a packed dir and its stage on the CPU) takes that target's
     perplexity instead of evaluating again; its row names it in `same_as`."""
+    import torch
+
     from moesq_core.eval.perplexity import load_eval_tokens, perplexity
 
     if window < 1 or max_tokens < 1:
@@ -174,6 +185,8 @@ def ppl_for_targets(targets: list[EvalTarget], text_file: Path, *, max_tokens: i
         key = cache.key("ppl", target_identity(t), digest, max_tokens, window)
         hit = cache.get(key)
         if hit is not None and t.kind == "packed" and verify:
+            from moesq_core.checkpoint.checksums import ManifestCheck
+
             ManifestCheck(Path(t.path))  # a result is shown for a pack only while loading it would be allowed
         if hit is None:
             with (progress or NullProgress()).task(f"loading {t.label}", None):

@@ -18,6 +18,7 @@ from torch import nn
 
 from moesq_core.models.errors import CheckpointError, UnsupportedModelError
 from moesq_core.naming import experts_prefix
+from moesq_core.paths import model_dir_or_hub_id
 
 # bytes per element of the safetensors dtypes; others (sub-byte formats) are only checked to lie in the file
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
@@ -272,15 +273,11 @@ def resolve_model_path(source: str) -> Path:
 
     Errors say what to do: a wrong id or no network gives a message naming the id.
     """
-    p = Path(source).expanduser()
-    if p.exists():
-        if not (p / "config.json").is_file():
-            raise FileNotFoundError(f"{source} exists but has no config.json; pass a model directory or a Hub id")
+    p = model_dir_or_hub_id(source)
+    if p is not None:
         for f in sorted(p.glob("*.safetensors")):
             check_safetensors(f)
         return p
-    if source.count("/") != 1 or source.startswith((".", "/")):
-        raise FileNotFoundError(f"model {source!r}: no such directory, and it is not a Hub id of the form org/name")
     try:
         from huggingface_hub import snapshot_download
 

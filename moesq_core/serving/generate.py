@@ -58,6 +58,22 @@ def read_prompts(prompts: list[str] | tuple[str, ...] = (), prompts_file: str | 
     return out
 
 
+def check_max_new_tokens(path: str | Path, max_new_tokens: int) -> None:
+    """Refuse (ValueError naming --max-new-tokens) a count below 1 or beyond the context of the model at `path`
+    (its config.json's max_position_embeddings), before anything is loaded: the KV cache is sized from it."""
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the load says what is wrong with the dir
+    context = (config.get("text_config") or config).get("max_position_embeddings") if isinstance(config, dict) \
+        else None
+    if isinstance(context, int) and max_new_tokens >= context:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} tokens "
+                         "(max_position_embeddings), prompt included")
+
+
 @dataclass
 class LoadedPack:
     """A packed model loaded for generation."""
@@ -167,8 +183,7 @@ def generate_text(path: str | Path, prompts: list[str], *, max_new_tokens: int =
     `moesq generate --json` document (schema "moesq.generate/2"). verify: see load_packed."""
     if not prompts:
         raise ValueError("give a prompt: --prompt TEXT (repeatable) or --prompts FILE")
-    if max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    check_max_new_tokens(path, max_new_tokens)
     if temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {temperature}")
     if any(not p for p in prompts):

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from moesq_core.compression import export
+from moesq_core.compression import pack_swap
 from moesq_core.compression.export import export_packed
 from moesq_core.compression.workdir import WorkDir, WorkDirLocked
 
@@ -32,11 +32,11 @@ def _dead_pid() -> int:
 
 def _marked(parent, prefix, pid):
     """A dir made the way pack makes its temp dirs, recorded as process pid's."""
-    d = export._owned_dir(parent, prefix)
+    d = pack_swap.owned_dir(parent, prefix)
     (d / "pack").mkdir()
     (d / "pack" / "model.safetensors").write_bytes(b"half a pack")
     token = d.name.removeprefix(prefix)
-    (d / export.OWNER_MARKER).write_text(f"moesq {pid} {token}\n")
+    (d / pack_swap.OWNER_MARKER).write_text(f"moesq {pid} {token}\n")
     return d
 
 
@@ -68,7 +68,7 @@ def test_only_provably_stale_temp_dirs_are_removed(packs, tmp_path):
 def test_a_second_pack_into_the_same_out_is_refused_naming_the_holder(packs, tmp_path):
     wd = packs["p48-nvfp4"][0].root
     out = tmp_path / "model"
-    with export._out_locked(out):  # this test process packs into --out
+    with pack_swap.out_locked(out):  # this test process packs into --out
         r = moesq("pack", wd, "--out", out, "--quiet", check=False)
         err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
         assert r.returncode == 1 and len(err) == 1 and f"pid {os.getpid()}" in err[0] and "--out" in err[0]
@@ -149,3 +149,53 @@ def test_a_kill_during_the_overwrite_swap_loses_nothing_and_leaves_nothing(packs
     export_packed(wd, "init-rtn", out, overwrite=True)
     assert _digests(out) == _digests(first)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def _left_aside(first, out):
+    """The state a pack killed between the swap's two renames leaves: no `out`, the earlier pack in a marked
+    `.old-` dir of a process that has ended."""
+    aside = pack_swap.owned_dir(out.parent, f".{out.name}.old-")
+    shutil.copytree(first, aside / "pack")
+    (aside / pack_swap.OWNER_MARKER).write_text(f"moesq {_dead_pid()} {aside.name.split('.old-')[1]}\n")
+    return aside
+
+
+def test_the_next_command_puts_back_a_pack_a_killed_swap_left_aside(packs, tmp_path):
+    """Not only the next pack: `moesq verify` / `generate` / `eval` on --out (and verify_packed_dir), and any
+    command on the work dir for its WORKDIR/packed, put the earlier pack back first."""
+    from moesq_core.checkpoint.verify import verify_packed_dir
+    from moesq_core.compression.pipeline import _command_lock
+    from moesq_core.eval.runner import resolve_targets
+
+    from moesq_runner import moesq_here
+
+    wd, first, _ = packs["p48-nvfp4"]
+    out = tmp_path / "model"
+    for command in (verify_packed_dir, lambda p: resolve_targets([str(p)]),
+                    lambda p: moesq_here("verify", p, "--checksums-only", "--quiet")):
+        _left_aside(first, out)
+        command(out)
+        assert _digests(out) == _digests(first) and sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+        shutil.rmtree(out)
+    root = tmp_path / "wd"
+    shutil.copytree(wd.root, root, ignore=shutil.ignore_patterns("packed", ".packed.*"))
+    _left_aside(first, root / "packed")
+    with _command_lock(WorkDir(root)):  # what every command on a work dir takes first
+        assert _digests(root / "packed") == _digests(first)
+    assert not [p for p in root.iterdir() if p.name.startswith(".packed.")]
+
+
+def test_out_through_a_symlink_locks_and_fills_its_target(packs, tmp_path):
+    """--out given as a link: the lock is the target's (a pack into the target directly is refused while it is
+    held), and the pack goes into the target; the link stays a link."""
+    wd, first, _ = packs["dense-nvfp4"]
+    target, link = tmp_path / "real" / "model", tmp_path / "link"
+    shutil.copytree(first, target)
+    link.symlink_to(target, target_is_directory=True)
+    with pack_swap.out_locked(target):  # another pack writing the target
+        with pytest.raises(pack_swap.OutputLocked, match="another moesq process"):
+            export_packed(wd, "init-rtn", link, overwrite=True)
+    summary = export_packed(wd, "init-rtn", link, overwrite=True, sparse_layout=False)
+    assert link.is_symlink() and link.resolve() == target.resolve() and summary["path"] == str(link)
+    assert (target / "moesq_pack.json").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]
+    assert sorted(p.name for p in target.parent.iterdir()) == ["model"]

@@ -308,3 +308,34 @@ def test_dense_p48_config_must_name_its_format(tmp_path):
     (root / "config.json").write_text(json.dumps(config))
     report = verify_packed_dir(seal(root))
     assert not report.ok and "stock loaders would read them as plain NVFP4" in str(report.first_error)
+
+
+@pytest.mark.parametrize("entry", ["file", "bytes", "tensors", "tensor digest", "summary"])
+def test_a_manifest_entry_of_the_wrong_json_type_is_refused_by_verify_and_the_loaders(tmp_path, entry):
+    """A manifest whose own checksum holds (re-signed by hand) but with an entry of another JSON type: verify
+    and the loaders' check say which entry, one line, instead of crashing or passing."""
+    import hashlib
+
+    from moesq_core.checkpoint.checksums import ManifestCheck, canonical
+
+    root = build_dir(tmp_path)
+    body = json.loads((root / "moesq_pack.json").read_text())
+    body.pop("manifest_sha256")
+    weights = body["files"]["model.safetensors"]
+    if entry == "file":
+        body["files"]["config.json"] = "x"
+    elif entry == "bytes":
+        weights["bytes"] = str(weights["bytes"])
+    elif entry == "tensors":
+        weights["tensors"] = list(weights["tensors"].values())
+    elif entry == "tensor digest":
+        weights["tensors"] = {name: 5 for name in weights["tensors"]}
+    else:
+        body["summary"] = "x"
+    body["manifest_sha256"] = hashlib.sha256(canonical(body)).hexdigest()
+    (root / "moesq_pack.json").write_bytes(canonical(body))
+    report = verify_packed_dir(root)
+    assert not report.ok and "checksum manifest is damaged" in str(report.first_error), report.first_error
+    assert "expected" in str(report.first_error)
+    with pytest.raises(ValueError, match="checksum manifest is damaged: .* expected"):
+        ManifestCheck(root)

@@ -80,7 +80,7 @@ def test_killed_stage_resumes_to_identical_artifacts(micro_path, tmp_path):
 def test_bad_inputs_get_clear_errors(micro_path, tmp_path):
     # a wrong model id / path
     r = moesq_here("calibrate", "--model", tmp_path / "nope", "-w", tmp_path / "a", check=False)
-    assert r.returncode == 1 and "no such directory" in r.stdout + r.stderr
+    assert r.returncode == 2 and "no such directory" in r.stdout + r.stderr  # a bad --model, before any work
     # a non-MoE model
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,37 @@ def test_version_and_help_do_not_import_torch(args):
     assert r.stdout.strip()
 
 
+_ANSWER = """
+import resource, sys
+sys.argv = ["moesq", *sys.argv[1:]]
+from moesq_cli.app import main
+try:
+    main()
+except SystemExit as e:
+    code = e.code
+heavy = sorted(m for m in ("torch", "transformers") if m in sys.modules)
+use = resource.getrusage(resource.RUSAGE_SELF)
+print("ANSWER", heavy, code, use.ru_utime + use.ru_stime, file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("args, code", [(["pack", "{empty}"], 1), (["eval", "{empty}"], 1),
+                                        (["run", "--model", "{missing}", "-w", "{missing}"], 2),
+                                        (["verify", "{missing}"], 2)],
+                         ids=["pack-empty-workdir", "eval-empty-dir", "run-missing-model", "verify-missing-dir"])
+def test_a_missing_model_or_empty_work_dir_is_answered_before_torch_is_imported(args, code, tmp_path):
+    """A start-up subject, so a process: the answer comes without importing torch or transformers, in well under a
+    second of CPU on an idle machine (torch's import alone takes seconds; the bound leaves room for a busy one)."""
+    (tmp_path / "empty").mkdir()
+    args = [a.format(empty=tmp_path / "empty", missing=tmp_path / "missing") for a in args]
+    r = subprocess.run([sys.executable, "-c", _ANSWER, *args], capture_output=True, text=True, env=ENV, cwd=ROOT,
+                       timeout=120)
+    heavy, exit_code, cpu = r.stderr.split("ANSWER", 1)[1].rsplit(" ", 2)
+    assert heavy.strip() == "[]" and int(exit_code) == code and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert float(cpu) < 1.5, r.stderr
+    assert not (tmp_path / "missing").exists()
+
+
 def test_help_defaults_read_from_source_match_the_objects():
     """--help reads config defaults from moesq_core's source (no torch); they must be the imported ones."""
     from moesq_cli import app as cli_app
@@ -65,7 +97,7 @@ ZERO_OK = {("refine", "epochs"), ("run", "epochs"), ("refine", "loss_power"), ("
            *{(c, n) for c in ("calibrate", "init-sgptq", "init", "refine", "run", "generate") for n in ("seed",)},
            *{(c, n) for c in ("init-sgptq", "init", "refine") for n in ("redo_from", "cache_gb")},
            *{(c, "percdamp") for c in ("init-sgptq", "init")}, ("eval", "eval_seed")}
-REQUIRED = {"verify": ["x"], "generate": ["x", "--prompt", "p"]}
+REQUIRED = {"verify": [str(ROOT)], "generate": [str(ROOT), "--prompt", "p"]}  # an existing dir: only the value is wrong
 
 
 def numeric_options():
@@ -108,11 +140,60 @@ def test_every_numeric_option_refuses_nan_inf_negative_and_zero():
 def test_bad_numbers_exit_2_with_one_line_before_any_work(tmp_path):
     wd = tmp_path / "wd"
     for args in (["refine", "-w", wd, "--lr-logits", "inf"], ["eval", wd, "--window", "0"],
-                 ["init-sgptq", "-w", wd, "--cache-gb", "nan"], ["generate", wd, "-p", "x", "--temperature", "inf"]):
+                 ["init-sgptq", "-w", wd, "--cache-gb", "nan"],
+                 ["generate", tmp_path, "-p", "x", "--temperature", "inf"]):
         r = moesq_here(*args, check=False)
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr and "Invalid value" in r.stderr, r.stderr
         assert not wd.exists()
+
+
+def test_seeds_beyond_torchs_range_are_refused_as_usage_errors(tmp_path):
+    """A seed torch cannot take (>= 2**64; lm-eval's: >= 2**32, numpy's range) exits 2 naming the option, before any
+    work, whichever way it is given."""
+    huge = str(10**23)
+    for args in (["calibrate", "-w", tmp_path / "wd", "--seed", huge], ["run", "-w", tmp_path / "wd", "--set",
+                 f"calib.seed={huge}"], ["refine", "-w", tmp_path / "wd", "--refine-seed", huge],
+                 ["generate", tmp_path, "-p", "x", "--seed", huge], ["eval", tmp_path, "--eval-seed", str(2**32)]):
+        r = moesq_here(*args, check=False)
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "seed" in r.stderr, (args, r.stderr)
+        assert not (tmp_path / "wd").exists()
+    for cls in ("moesq_core.compression.calibration.CalibConfig", "moesq_core.compression.methods.refine.RefineConfig"):
+        module, name = cls.rsplit(".", 1)
+        config = getattr(__import__(module, fromlist=[name]), name)
+        config(seed=2**64 - 1)
+        with pytest.raises(ValueError, match="2\\*\\*64"):
+            config(seed=2**64)
+
+
+def test_bad_inputs_to_generate_verify_and_pack_exit_with_one_line(micro_path, tmp_path):
+    """--max-new-tokens beyond the model's context, an empty --device and a missing packed dir are usage errors
+    (exit 2), said before anything loads; a shard size under one byte too."""
+    from moesq_core.memory import parse_size
+
+    for args, said in ((["generate", micro_path, "-p", "x", "--max-new-tokens", "99999999999999999999"],
+                        "the model's context is 2048 tokens"),
+                       (["generate", micro_path, "-p", "x", "--device", ""], "'' is not one of auto, cpu"),
+                       (["generate", tmp_path / "nope", "-p", "x"], "nope: no such directory"),
+                       (["verify", tmp_path / "nope"], "nope: no such directory")):
+        r = moesq_here(*args, check=False)
+        text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", r.stderr).split())  # the usage error's box, unwrapped
+        assert r.returncode == 2 and "Traceback" not in r.stderr and said in text, (args, r.stderr)
+    with pytest.raises(ValueError, match="less than one byte"):
+        parse_size("0.0000001")
+    assert parse_size("1") == 1 and parse_size("2GiB") == 2 * 1024**3
+
+
+def test_eval_tasks_without_lm_eval_is_one_line_before_any_model_loads(micro_path, monkeypatch):
+    from moesq_core.eval import runner
+
+    loaded = []
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as where lm-eval is not installed
+    monkeypatch.setattr(runner, "load_target", lambda *a, **k: loaded.append(a) or pytest.fail("a model was loaded"))
+    r = moesq_here("eval", micro_path, "--tasks", "moesq_cloze", check=False)
+    errors = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 1 and len(errors) == 1 and "eval` extra" in errors[0], r.stderr
+    assert not loaded
 
 
 def test_json_writers_refuse_non_finite_and_json_output_writes_null(tmp_path):

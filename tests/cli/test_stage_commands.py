@@ -97,6 +97,15 @@ def test_refine_says_how_many_experts_improved_on_their_init(wd):
                          "refinement to pay; raise --epochs / --steps-per-epoch)")
 
 
+def test_run_evaluates_the_stages_it_made_only(wd):
+    """`moesq run` on a work dir holding another finished stage (init-sgptq): its table has the reference, the
+    stages of this run's config and the pack, not the other stage."""
+    r = moesq_here("run", "-w", wd, "--method", "rtn", "--baselines", "", "--no-refine", "--ppl-tokens", "512",
+                   *FAST, "--json", "-")
+    rows = [row["label"] for row in json.loads(r.stdout)["rows"]]
+    assert rows == ["reference", "rtn", "packed:packed"], rows
+
+
 def test_refine_then_init(uninterrupted, tmp_path):
     """The reverse order: refine from nothing calibrates and refines (its init runs inside its block loop, no
     init stage is written: `uninterrupted` ran that command); init-sgptq afterwards is a baseline stage of its

@@ -640,9 +640,11 @@ def test_no_pattern_moves_when_the_schedule_says_it_cannot(caplog):
     from moesq_core.compression.methods.refine import trainer
 
     trainer._WARNED.clear()
-    with caplog.at_level("WARNING"):
+    with caplog.at_level("INFO"):
         r = BlockRefiner(ex, inits, fmt, cfg)
-    assert not r.plan.can_change_patterns and "cannot change" in caplog.text
+    # an expected outcome of a small budget (`moesq run`'s default): an info line, not a warning
+    said = [rec for rec in caplog.records if "cannot change the sparsity patterns" in rec.getMessage()]
+    assert not r.plan.can_change_patterns and [rec.levelname for rec in said] == ["INFO"]
     for epoch in (1, 2):
         r.end_epoch(epoch, r.train_epoch())
     _, masks = r.hard_state()

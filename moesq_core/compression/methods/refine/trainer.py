@@ -202,8 +202,8 @@ class RefineConfig:
     # else the largest window that fits); e2e.py
 
     def __post_init__(self):
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer from 0 to 2**64 - 1 (torch's seeds), got {self.seed!r}")
         if self.epochs < 0:
             raise ValueError(f"epochs must be >= 0, got {self.epochs}")
         for name in ("micro_batch_rows", "steps_per_epoch", "min_steps_per_epoch", "min_rows_per_step",
@@ -828,7 +828,7 @@ class BlockRefiner:
         self.plan = self.cfg.schedule(int(ntr_t.sum()), int(ntr_t.numel()), self.ps)
         if self.plan.warning and self.plan.warning not in _WARNED:
             _WARNED.add(self.plan.warning)  # once per process, not once per block
-            log.warning(self.plan.warning)
+            log.info(self.plan.warning)  # the schedule printed before training says it too (patterns CANNOT change)
         self.steps_per_epoch = S = self.plan.steps_per_epoch
         s = torch.arange(S + 1, dtype=torch.int64)[:, None]
         bounds = (s * self.blk_ntr[None, :]) // S  # [S+1, block] each expert's rows split into S near-equal chunks
