@@ -146,7 +146,7 @@ assert isinstance(model.model.layers[0].mlp.experts, MoesqExperts)
 def test_the_model_card_says_how_transformers_loads_the_pack(route_packs, fmt):
     card = (route_packs[fmt] / "README.md").read_text()
     loading = card[card.index("## Loading"):]
-    assert "`import moesq_core` and `transformers.AutoModelForCausalLM.from_pretrained(DIR)`" in loading
+    assert "`import moesq_core`, then `transformers.AutoModelForCausalLM.from_pretrained(DIR)`" in loading
 
 
 def test_install_wraps_only_transformers_own_entries_once():
