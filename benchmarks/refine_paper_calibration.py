@@ -182,12 +182,13 @@ PLAN_LINE = re.compile(r"refine memory: ~(?P<gib>[\d.]+) (?P<unit>GiB|MiB) per b
 
 
 def peaks_from_log(log: Path) -> dict[int, dict]:
-    """Per computed block (its last computation), the engine's peak device memory per phase: {phase: [allocated,
-    reserved] GiB} (torch's caching allocator, this process alone)."""
+    """Per block, the engine's peak device memory per phase: {phase: [allocated, reserved] GiB} (torch's caching
+    allocator, this process alone), from its lines (one after the block's work, one after its propagation; a later
+    computation of a phase replaces an earlier one)."""
     out: dict[int, dict] = {}
     for line in log.read_text(errors="replace").splitlines() if log.is_file() else []:
         if m := PEAKS_LINE.search(line):
-            out[int(m["layer"])] = ast.literal_eval(m["peaks"])
+            out.setdefault(int(m["layer"]), {}).update(ast.literal_eval(m["peaks"]))
     return out
 
 

@@ -770,6 +770,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                 install_block(block, spec.fmt, results, amax_in, amax_mid, spec.act_quant, device)
                 del results  # the block's artifact is packed and its experts installed
                 clock.mark("install")
+                _log_peaks(clock, spec.name, li)  # before the propagation: a run stopped there keeps them
             if resumed_after < li < last_moe:
                 for s in splits:
                     new = StateStore(stores[s].limit, spill, STATES_HOME)
@@ -793,10 +794,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                 log.info("%s: layer %d phases (s): %s", spec.name, li,
                          {k: round(v - before.get(k, 0.0), 2) for k, v in clock.seconds.items()
                           if v > before.get(k, 0.0)})
-                peaks = clock.take_peaks()
-                if peaks:
-                    log.info("%s: layer %d peak GPU memory per phase (GiB allocated, reserved): %s", spec.name, li,
-                             peaks)
+                _log_peaks(clock, spec.name, li)
     for s in stores.values():
         s.close()
     summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2),
@@ -815,6 +813,13 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
         saved.remove()
     distributed.barrier(f"{spec.name}: finishing")
     return summary
+
+
+def _log_peaks(clock: "PhaseClock", stage: str, layer: int) -> None:
+    """The peak GPU memory of the phases since the last such line (a block's work, then its propagation)."""
+    peaks = clock.take_peaks()
+    if peaks:
+        log.info("%s: layer %d peak GPU memory per phase (GiB allocated, reserved): %s", stage, layer, peaks)
 
 
 class PhaseClock:
