@@ -71,27 +71,27 @@ def _main(debug: Annotated[bool, typer.Option("--debug", help="Print the traceba
 
 
 # -- option validation (usage errors exit 2, naming the option) ------------------------------------------------
+def _usage_error_on(value, check, errors):
+    """value, once check(value) passed (None is not checked); an error of the types `errors` is a usage error."""
+    if value is not None:
+        try:
+            check(value)
+        except errors as e:
+            raise typer.BadParameter(str(e)) from None
+    return value
+
+
 def _check_workdir(value: Path | None) -> Path | None:
     from moesq_core.compression.workdir import WorkDirError, check_location
 
-    if value is not None:
-        try:
-            check_location(value)
-        except WorkDirError as e:
-            raise typer.BadParameter(str(e)) from None
-    return value
+    return _usage_error_on(value, check_location, WorkDirError)
 
 
 def _check_model(value: str | None) -> str | None:
     """A --model that is neither a local model dir nor a Hub id is refused before torch is imported."""
     from moesq_core.paths import model_dir_or_hub_id
 
-    if value is not None:
-        try:
-            model_dir_or_hub_id(value)
-        except FileNotFoundError as e:
-            raise typer.BadParameter(str(e)) from None
-    return value
+    return _usage_error_on(value, model_dir_or_hub_id, FileNotFoundError)
 
 
 def _packed_dir(value: Path) -> Path:

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moesq_core.compression import distributed
+from moesq_core.compression.methods import base as methods_base
 from moesq_core.compression.methods.base import (
     PROJECTIONS,
     BlockRows,
@@ -34,7 +35,9 @@ from moesq_core.compression.methods.base import (
     ExpertData,
     Method,
     TokenRows,
+    as_tensor,
     row_count,
+    rows_slice,
 )
 from moesq_core.compression.state_checkpoint import EVERY_S, StateCheckpoint
 from moesq_core.compression.workdir import (
@@ -541,14 +544,11 @@ def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
                       [torch.cat(w) if w else torch.zeros(0) for w in ws], tuple(total))
 
 
-AMAX_ROWS = 1 << 16  # routed rows per piece of the activation-range pass (a fixed size: the same numbers anywhere)
-
-
-def amax_pass_bytes(H: int, inter: int, rows: int = AMAX_ROWS) -> int:
+def amax_pass_bytes(H: int, inter: int, rows: int | None = None) -> int:
     """Peak transient bytes of one piece of `expert_activation_amax` over `rows` rows: the gathered fp32 rows, their
     quantized copy (4 + 4 bytes per row and hidden unit), the gate/up output, the SwiGLU output and its
-    magnitudes (16 bytes per row and intermediate unit)."""
-    return rows * (8 * H + 16 * inter)
+    magnitudes (16 bytes per row and intermediate unit); default: a piece of methods.base.ROW_PIECE rows."""
+    return (methods_base.ROW_PIECE if rows is None else rows) * (8 * H + 16 * inter)
 
 
 def installed_block_bytes(experts: int, H: int, inter: int) -> int:
@@ -572,18 +572,16 @@ def expert_activation_amax(fmt: Format, result: CompressedExpert, x, act_quant: 
     """Static activation ranges of one expert (for the calibrated activation global scales): amax of its routed
     inputs x (TokenRows of the block's token matrix, or a tensor [n, H]) and of its SwiGLU output with the
     compressed gate/up weights, computed on `device` (default where x is); zeros when no calibration token
-    reached it. The rows go AMAX_ROWS at a time (every operation is row-wise and amax is exact, so the pieces give
-    the numbers of one pass over all rows); a piece that runs out of device memory is retried in halves."""
+    reached it. The rows go methods.base.ROW_PIECE at a time (every operation is row-wise and amax is exact, so
+    the pieces give the numbers of one pass over all rows); a piece that runs out of device memory is retried in
+    halves."""
     n = row_count(x)
     if n == 0:
         return torch.zeros(()), torch.zeros(())
-    tokens = x.tokens if isinstance(x, TokenRows) else x
-    device = tokens.device if device is None else torch.device(device)
+    device = (x.tokens if isinstance(x, TokenRows) else x).device if device is None else torch.device(device)
 
     def piece(a: int, b: int) -> torch.Tensor:
-        if isinstance(x, TokenRows):
-            return x.tokens.index_select(0, x.idx[a:b].to(x.tokens.device)).to(device, torch.float32)
-        return x[a:b].to(device, torch.float32)
+        return as_tensor(rows_slice(x, a, b), device)
 
     amax_in = torch.zeros((), device=device)
     for a, b, rows in _pieces(n, lambda a, b: piece(a, b).abs().amax()):
@@ -609,7 +607,7 @@ def expert_activation_amax(fmt: Format, result: CompressedExpert, x, act_quant: 
 def _pieces(n: int, fn: Callable[[int, int], torch.Tensor], rows: int | None = None):
     """(a, b, fn(a, b)) over rows [0, n) in pieces of `rows`; a piece that runs out of device memory is freed and
     retried in halves (down to one row, then the error stands), with a warning."""
-    rows = AMAX_ROWS if rows is None else rows
+    rows = methods_base.ROW_PIECE if rows is None else rows
     todo = [(a, min(a + rows, n)) for a in range(0, n, rows)]
     while todo:
         a, b = todo.pop(0)

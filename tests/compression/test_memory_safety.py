@@ -62,7 +62,9 @@ def test_activation_ranges_in_pieces_equal_one_pass(monkeypatch, act_quant):
     tokens = torch.cat([torch.randn(50, 64), ex.x])  # the expert's rows inside a larger token matrix
     rows = TokenRows(tokens, torch.arange(50, 350))
     whole = expert_activation_amax(fmt, result, ex.x, act_quant)
-    monkeypatch.setattr(engine, "AMAX_ROWS", 7)  # 43 pieces, the last one short
+    from moesq_core.compression.methods import base
+
+    monkeypatch.setattr(base, "ROW_PIECE", 7)  # 43 pieces, the last one short
     pieces = expert_activation_amax(fmt, result, rows, act_quant)
     assert torch.equal(pieces[0], whole[0])
     torch.testing.assert_close(pieces[1], whole[1], rtol=1e-6, atol=0)

@@ -61,19 +61,26 @@ from moesq_core.serving.experts import MoesqExperts
 log = logging.getLogger(__name__)
 
 
-class TunableExperts(MoesqExperts):
+class _ExpertsWithoutDenseCopy(MoesqExperts):
+    """MoesqExperts with the stage's static activation scales and straight-through quantizers, holding no
+    dequantized weight copy: a subclass makes the weights at every forward (expert_linears)."""
+
+    ste = True
+
+    def __init__(self, fmt: Format, experts: int, act_quant: bool, act_amax_in: torch.Tensor,
+                 act_amax_mid: torch.Tensor):
+        super().__init__(fmt, torch.empty(experts, 0, 0), torch.empty(experts, 0, 0), act_quant,
+                         input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
+
+
+class TunableExperts(_ExpertsWithoutDenseCopy):
     """MoesqExperts (what serving computes for the same QuantizedWeights, activation quantizers with the
     stage's static scales) whose weights are fake-quantized latent values V under fixed masks, differentiable
     in V (straight-through, weights and activations)."""
 
-    ste = True
-
     def __init__(self, fmt: Format, weights: list[dict[str, QuantizedWeight]], act_quant: bool,
                  act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor, device=None):
-        E = len(weights)
-        # no dequantized copies: the weights come from V at every forward (expert_linears)
-        super().__init__(fmt, torch.empty(E, 0, 0), torch.empty(E, 0, 0), act_quant,
-                         input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
+        super().__init__(fmt, len(weights), act_quant, act_amax_in, act_amax_mid)
         self.V = nn.ParameterDict()
         for p in PROJECTIONS:
             qws = [w[p] for w in weights]
@@ -120,7 +127,7 @@ class TunableExperts(MoesqExperts):
         return out
 
 
-class FrozenExperts(MoesqExperts):
+class FrozenExperts(_ExpertsWithoutDenseCopy):
     """A block outside the window being tuned: MoesqExperts' arithmetic on the block's compressed weights, which it
     holds as they are (codes, block scales, global scales, masks: ~2.25 bytes per weight instead of the 4 of the
     dequantized fp32 copy). A forward dequantizes the block once; under autograd the forward is checkpointed (run
@@ -128,13 +135,9 @@ class FrozenExperts(MoesqExperts):
     computed holds one. Its activation quantizers are straight-through, as the tuned blocks' are (TunableExperts):
     the gradient reaches the window through the blocks after it."""
 
-    ste = True
-
     def __init__(self, fmt: Format, weights: list[dict[str, QuantizedWeight]], act_quant: bool,
                  act_amax_in: torch.Tensor, act_amax_mid: torch.Tensor, device=None):
-        E = len(weights)
-        super().__init__(fmt, torch.empty(E, 0, 0), torch.empty(E, 0, 0), act_quant,
-                         input_global_scales(act_amax_in)[0], input_global_scales(act_amax_mid)[0])
+        super().__init__(fmt, len(weights), act_quant, act_amax_in, act_amax_mid)
         for p in PROJECTIONS:
             qws = [w[p] for w in weights]
             self.register_buffer(f"codes_{p}", torch.stack([q.codes for q in qws]))
