@@ -552,9 +552,9 @@ def amax_pass_bytes(H: int, inter: int, rows: int | None = None) -> int:
 
 
 def installed_block_bytes(experts: int, H: int, inter: int) -> int:
-    """Device bytes of a compressed block installed for propagation (MoesqExperts: dequantized fp32 gate/up and
-    down weights, 12 bytes per weight)."""
-    return experts * 3 * inter * H * 4
+    """Device bytes of a compressed block installed for propagation (MoesqExperts on a GPU: dequantized fp32 gate/up
+    and down weights and their bf16 factored values, 6 bytes per weight, and fp32 row factors)."""
+    return experts * 3 * inter * H * 6 + experts * (2 * inter + H) * 4
 
 
 def propagation_bytes(tokens: int, top_k: int, H: int, inter: int) -> int:

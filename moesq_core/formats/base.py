@@ -42,6 +42,13 @@ class QuantizedWeight:
         w = self.fmt.weight.decode(self.codes, self.scales, self.global_scale)
         return w * self.mask
 
+    def factored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [out, in], row factors [out]), fp32: the weight is values x the row factor (up to the rounding
+        of that product), with values the format's codes times their block scales, which bf16 holds exactly in
+        the four formats (a matmul can then run on bf16 tensor cores with fp32 accumulation, as exactly as in fp32)."""
+        values, rows = self.fmt.weight.decode_factored(self.codes, self.scales, self.global_scale)
+        return values * self.mask, rows
+
     def to(self, device) -> "QuantizedWeight":
         return QuantizedWeight(
             self.format, *(t.to(device) for t in (self.codes, self.scales, self.global_scale, self.mask))

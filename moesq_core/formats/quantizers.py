@@ -130,6 +130,13 @@ class NVFP4Quantizer:
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         return e2m1_decode(codes) * self.expand(scales) / g
 
+    def decode_factored(self, codes: torch.Tensor, scales: torch.Tensor,
+                        g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values [..., out, in], row factors [..., out]) with decode = values x the row factor: E2M1 values times
+        their UE4M3 block scale (at most 6 significant bits: exact in bf16) and 1/g."""
+        values = e2m1_decode(codes) * self.expand(scales)
+        return values, (1.0 / torch.as_tensor(g, dtype=torch.float32, device=values.device)).expand(values.shape[:-1])
+
     def fake_quant(self, w: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
         """Quantize-dequantize with scales computed from w itself (detached)."""
         wf = w.float()
@@ -162,6 +169,13 @@ class NVFP4ActQuantizer:
         if g is None:
             g = nvfp4_global_scale(x.detach().abs().amax(dim=(1, 2))).reshape(-1, 1, 1)
         return self(x, g, ste=ste)
+
+    def batched_factored(self, x: torch.Tensor, g: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batched(x, g)` as (values, factors) with batched = values x factors: the E2M1 values times their UE4M3
+        block scale (exact in bf16) and 1/g [E, 1, 1] (no gradient)."""
+        if g is None:
+            g = nvfp4_global_scale(x.detach().abs().amax(dim=(1, 2))).reshape(-1, 1, 1)
+        return nvfp4_quantize_unscaled(x, self.block, g), 1.0 / g
 
     @property
     def fused_swiglu_block(self) -> int:
@@ -221,6 +235,12 @@ class FP8ChannelQuantizer:
     def decode(self, codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor | None = None) -> torch.Tensor:
         return codes.view(torch.float8_e4m3fn).float() * scales
 
+    def decode_factored(self, codes: torch.Tensor, scales: torch.Tensor,
+                        g: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, row factors) with decode = values x the row factor: the e4m3 values (exact in bf16) and the
+        per-channel scales."""
+        return codes.view(torch.float8_e4m3fn).float(), scales.float().reshape(scales.shape[:-1])
+
     def fake_quant(self, w: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
         wf = w.float()
         s = self.block_scales(wf)
@@ -242,6 +262,12 @@ class FP8TokenActQuantizer:
 
     def batched(self, x: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False) -> torch.Tensor:
         return self(x, ste=ste)
+
+    def batched_factored(self, x: torch.Tensor, g: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`batched(x)` as (values, factors): the e4m3 values (exact in bf16) and each token's scale [.., C, 1]."""
+        xf = x.detach().float()
+        s = FP8ChannelQuantizer().block_scales(xf)
+        return round_e4m3(xf / s), s
 
     def swiglu_quant(self, gate: torch.Tensor, up: torch.Tensor, g: torch.Tensor | None = None, ste: bool = False,
                      out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -80,8 +80,34 @@ class MoesqExperts(nn.Module):
                 down = torch.empty((len(weights), *d.shape), device=d.device)
             gate_up[e, : g.shape[0]], gate_up[e, g.shape[0] :], down[e] = g, u, d
             del g, u, d
-        return cls(fmt, gate_up, down, act_quant, input_global_scales(act_amax_in)[0],
-                   input_global_scales(act_amax_mid)[0])
+        module = cls(fmt, gate_up, down, act_quant, input_global_scales(act_amax_in)[0],
+                     input_global_scales(act_amax_mid)[0])
+        if gate_up is not None and gate_up.is_cuda:
+            module.set_factored(weights)
+        return module
+
+    def set_factored(self, weights: list[dict[str, QuantizedWeight]]) -> None:
+        """Hold the weights also as bf16 values and fp32 row factors (QuantizedWeight.factored) for the batched
+        path's bf16 matmuls; kept only where bf16 holds every value exactly (else that path computes in fp32)."""
+        E = len(weights)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        gu_v = torch.empty(gate_up.shape, dtype=torch.bfloat16, device=gate_up.device)
+        dn_v = torch.empty(down.shape, dtype=torch.bfloat16, device=down.device)
+        gu_r = torch.empty(gate_up.shape[:2], device=gate_up.device)
+        dn_r = torch.empty(down.shape[:2], device=down.device)
+        inter = gate_up.shape[1] // 2
+        for e, w in enumerate(weights):
+            for p, (vals, rows, sl) in (("gate", (gu_v, gu_r, slice(None, inter))),
+                                        ("up", (gu_v, gu_r, slice(inter, None))), ("down", (dn_v, dn_r, slice(None)))):
+                v, r = w[p].factored()
+                vals[e, sl] = v
+                if not torch.equal(vals[e, sl].float(), v.to(vals.device)):
+                    return
+                rows[e, sl] = r
+        if E:
+            for name, t in (("gate_up_values", gu_v), ("gate_up_rows", gu_r), ("down_values", dn_v),
+                            ("down_rows", dn_r)):
+                self.register_buffer(name, t, persistent=False)
 
     @classmethod
     def from_packed(cls, fmt: Format, packed: list[dict[str, dict[str, torch.Tensor]]], act_quant: bool,
@@ -149,6 +175,28 @@ class MoesqExperts(nn.Module):
     # from the loop's). None (the default): batched on CUDA, the CPU keeping the loop (exact reference).
     batched: bool | None = None
     BATCH_BYTES = 1 << 30  # padded fp32 rows per expert chunk of the batched path
+    # On the factored weights (set_factored) an expert chunk holds experts of similar row counts (sorted, each at
+    # least this fraction of the chunk's largest): routing is uneven (a full-width random block's hottest expert
+    # gets 4x the mean), and padding every expert to the hottest one's rows made most of the work padding.
+    CHUNK_FILL = 0.75
+
+    @staticmethod
+    def expert_chunks(counts: list[int], width: int, budget: int, fill: float,
+                      weight_bytes: int = 0) -> list[list[int]]:
+        """The experts with rows, by decreasing row count (ties: by index), in chunks whose padded fp32 rows
+        (len x the first's count x width x 4 bytes) and weights (`weight_bytes` per expert) fit `budget` (one expert
+        at least) and whose experts have at least `fill` x the first's count."""
+        order = sorted((e for e, n in enumerate(counts) if n), key=lambda e: (-counts[e], e))
+        chunks: list[list[int]] = []
+        for e in order:
+            if chunks:
+                top = counts[chunks[-1][0]]
+                if ((len(chunks[-1]) + 1) * (top * width * 4 + weight_bytes) <= budget
+                        and counts[e] >= fill * top):
+                    chunks[-1].append(e)
+                    continue
+            chunks.append([e])
+        return chunks
 
     def _batched_globals(self, g_static: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """[k, 1, 1] global scales for x [k, C, D]: the calibrated one where the expert has it, else x's own range
@@ -158,8 +206,35 @@ class MoesqExperts(nn.Module):
         dynamic = self.fmt.act.global_from_amax(x.detach().abs().amax(dim=(1, 2)))
         return torch.where(g_static <= 0, dynamic, g_static).reshape(-1, 1, 1)
 
-    def _forward_batched(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
-        T, H = hidden_states.shape
+    def _factored(self) -> bool:
+        return not self.ste and getattr(self, "gate_up_values", None) is not None
+
+    @staticmethod
+    def _bmm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a @ b of bf16 operands with fp32 accumulation and output (bf16 tensor cores on a GPU)."""
+        if a.is_cuda:
+            try:
+                return torch.bmm(a, b, out_dtype=torch.float32)
+            except (RuntimeError, TypeError):  # a torch without bmm's out_dtype: the same products in fp32
+                pass
+        return torch.bmm(a.float(), b.float())
+
+    def _factored_linear(self, x: torch.Tensor, g_static: torch.Tensor, ex: torch.Tensor, proj: str) -> torch.Tensor:
+        """x [k, C, D] (fp32, padding rows zero) through experts ex's `proj` ("gate_up" or "down"), the activation
+        quantizer first where act_quant: the quantized operands are exact in bf16 (values x factors), so their
+        bf16 product with fp32 accumulation is the fp32 one up to summation order."""
+        values, rows = getattr(self, f"{proj}_values")[ex], getattr(self, f"{proj}_rows")[ex][:, None, :]
+        if self.act_quant:
+            xv, x_f = self.fmt.act.batched_factored(x, self._batched_globals(g_static, x))
+            return self._bmm_fp32(xv.to(torch.bfloat16), values.transpose(1, 2)).mul_(x_f).mul_(rows)
+        xb = x.to(torch.bfloat16)
+        if torch.equal(xb.float(), x):  # e.g. a bf16 model's states
+            return self._bmm_fp32(xb, values.transpose(1, 2)).mul_(rows)
+        return torch.bmm(x, getattr(self, f"{proj}_proj")[ex].transpose(1, 2))
+
+    def _routing(self, top_k_index, top_k_weights):
+        """(order, expert, position within the expert's rows, token, router weight) of the routed slots sorted by
+        expert (token order within one), and every expert's row count on the device."""
         k = top_k_index.shape[1]
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -167,6 +242,40 @@ class MoesqExperts(nn.Module):
         wts = top_k_weights.reshape(-1)[order].float()
         counts = torch.bincount(flat, minlength=self.num_experts)
         pos = torch.arange(len(flat), device=flat.device) - (torch.cumsum(counts, 0) - counts)[e_sorted]
+        return order, e_sorted, pos, tok, wts, counts
+
+    def _forward_factored(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        """The batched path on the factored weights: experts in chunks of similar row counts (expert_chunks),
+        bf16 matmuls of exact operands."""
+        T, H = hidden_states.shape
+        k = top_k_index.shape[1]
+        order, e_sorted, pos, tok, wts, counts_d = self._routing(top_k_index, top_k_weights)
+        counts = counts_d.tolist()  # the one host read
+        width = max(H, self.gate_up_values.shape[1])
+        per_expert = (self.gate_up_values[0].numel() + self.down_values[0].numel()) * 2  # the chunk's weight copies
+        rows = torch.zeros((T * k, H), dtype=torch.float32, device=hidden_states.device)
+        slot_of = torch.full((self.num_experts,), -1, dtype=torch.long, device=e_sorted.device)
+        for chunk in self.expert_chunks(counts, width, self.BATCH_BYTES, self.CHUNK_FILL, per_expert):
+            ex = torch.tensor(chunk, device=e_sorted.device)
+            slot_of.fill_(-1)
+            slot_of[ex] = torch.arange(len(chunk), device=e_sorted.device)
+            e = slot_of[e_sorted]
+            sel = e >= 0
+            e, p, t = e[sel], pos[sel], tok[sel]
+            x = torch.zeros((len(chunk), counts[chunk[0]], H), dtype=torch.float32, device=hidden_states.device)
+            x[e, p] = hidden_states[t].float()
+            gate, up = self._factored_linear(x, self.act_global_in[ex], ex, "gate_up").chunk(2, dim=-1)
+            del x
+            y = self._factored_linear(F.silu(gate) * up, self.act_global_mid[ex], ex, "down")
+            rows[order[sel]] = y[e, p] * wts[sel, None]
+        return rows.view(T, k, H).sum(dim=1).to(hidden_states.dtype)
+
+    def _forward_batched(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+        if self._factored():
+            return self._forward_factored(hidden_states, top_k_index, top_k_weights)
+        T, H = hidden_states.shape
+        k = top_k_index.shape[1]
+        order, e_sorted, pos, tok, wts, counts = self._routing(top_k_index, top_k_weights)
         C = max(int(counts.max()), 1)  # the one host read
         gate_up_w, down_w = self.stacked_linears()
         width = max(H, gate_up_w.shape[1])
