@@ -473,6 +473,16 @@ def _layer_out(out):
     return out[0] if isinstance(out, tuple) else out
 
 
+@torch.no_grad()  # an autograd graph kept across layers would grow with depth
+def propagate(layer: nn.Module, store: StateStore, kwargs_by_bs: dict, spill: Path | None, what: str) -> StateStore:
+    """The states after decoder layer `layer` for every batch of `store`, in a new store of the same limit."""
+    new = StateStore(store.limit, spill, STATES_HOME)
+    for out in map_batches(lambda h: split_on_oom(lambda hs, kw: _layer_out(layer(hs, **kw)), h,
+                                                  kwargs_by_bs[h.shape[0]]), store, what):
+        new.append(out)
+    return new
+
+
 @dataclass
 class RoutedRows:
     """A block's routed calibration rows, each token's MoE-block input held once (not once per expert it
@@ -771,12 +781,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                 _log_peaks(clock, spec.name, li)  # before the propagation: a run stopped there keeps them
             if resumed_after < li < last_moe:
                 for s in splits:
-                    new = StateStore(stores[s].limit, spill, STATES_HOME)
-                    with torch.no_grad():  # an autograd graph kept across layers would grow with depth
-                        for out in map_batches(lambda h: split_on_oom(lambda hs, kw: _layer_out(layer(hs, **kw)), h,
-                                                                      kwargs_by_bs[h.shape[0]]), stores[s],
-                                               f"{spec.name}: propagating layer {li}"):
-                            new.append(out)
+                    new = propagate(layer, stores[s], kwargs_by_bs, spill, f"{spec.name}: propagating layer {li}")
                     stores[s].close()
                     stores[s] = new
                 clock.mark("propagate")
