@@ -10,7 +10,9 @@ the engine installs a block (`MoesqExperts.from_quantized` on the device, static
 --batches batches of --batch-size random sequences of --seq-len tokens held in host memory as a GPU stage holds
 them. In one process, for each variant:
 - `factored` (the default on a GPU): the experts' bf16 matmuls on the factored weights, experts chunked by row count;
-- `fp32-padded` (what ran before it): fp32 matmuls, every expert of a chunk padded to the chunk's hottest one;
+- `factored-pageable`: the same, the states in pageable host memory (engine.PIN_HELD_STATES off, as before);
+- `fp32-padded-pageable` (what ran before): fp32 matmuls, every expert of a chunk padded to the chunk's hottest
+  one, the states in pageable host memory;
 the seconds per batch of `engine.propagate` (reading each batch from host memory, the layer, writing it back), of
 the layer alone on a batch already on the device, and of the experts module alone; and the two variants' outputs
 compared. `s_per_layer_paper` = seconds per batch x the batches of the paper's calibration (1,152 sequences of
@@ -74,7 +76,7 @@ def build_layer(args, device: torch.device):
 
 def set_variant(module: MoesqExperts, factored: dict, name: str) -> None:
     for n, t in factored.items():
-        if name == "factored":
+        if name == "factored":  # else the fp32 path
             module.register_buffer(n, t, persistent=False)
         elif hasattr(module, n):
             delattr(module, n)
@@ -108,31 +110,41 @@ def measure(args) -> dict:
         return (time.perf_counter() - t0) / reps
 
     variants, outputs = {}, {}
-    for name in ("factored", "fp32-padded"):
-        set_variant(module, factored, name)
+    for name in ("factored", "factored-pageable", "fp32-padded-pageable"):
+        set_variant(module, factored, name.removesuffix("-pageable"))
         with torch.no_grad():
             outputs[name] = module(x, idx, wts).float()
             experts_s = timed(lambda: module(x, idx, wts), args.reps)
             layer_s = timed(lambda: layer(h, **kw), args.reps)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
+        engine.PIN_HELD_STATES = not name.endswith("-pageable")
+        source = store
+        if not engine.PIN_HELD_STATES:  # the states as pageable host memory, read and written so
+            source = engine.StateStore(1 << 50, None, engine.STATES_HOME)
+            for i in range(len(store)):
+                source.append(store[i])
+        sync()
         t0 = time.perf_counter()
-        engine.propagate(layer, store, kwargs_by_bs, None, f"propagating ({name})").close()
+        engine.propagate(layer, source, kwargs_by_bs, None, f"propagating ({name})").close()
         sync()
         per_batch = (time.perf_counter() - t0) / args.batches
+        engine.PIN_HELD_STATES = True
         variants[name] = {"s_per_batch": round(per_batch, 4), "layer_s_per_batch": round(layer_s, 4),
                           "experts_s_per_batch": round(experts_s, 4),
                           "s_per_layer_paper": round(per_batch * PAPER_BATCHES, 1),
                           "peak_gpu_gib": (round(torch.cuda.max_memory_allocated() / 2**30, 2)
                                            if device.type == "cuda" else None)}
     set_variant(module, factored, "factored")
-    ref = outputs["fp32-padded"]
+    ref = outputs["fp32-padded-pageable"]
+    del outputs["factored-pageable"]
     read_s = sum(timed(lambda i=i: store[i], 1) for i in range(min(len(store), 4))) / min(len(store), 4)
     write_s = timed(lambda: h.to("cpu"), 2)
     return {
         "variants": variants,
-        "speedup_propagation": round(variants["fp32-padded"]["s_per_batch"] / variants["factored"]["s_per_batch"], 2),
-        "speedup_experts": round(variants["fp32-padded"]["experts_s_per_batch"]
+        "speedup_propagation": round(variants["fp32-padded-pageable"]["s_per_batch"]
+                                     / variants["factored"]["s_per_batch"], 2),
+        "speedup_experts": round(variants["fp32-padded-pageable"]["experts_s_per_batch"]
                                  / variants["factored"]["experts_s_per_batch"], 2),
         "experts_rel_diff": float((outputs["factored"] - ref).norm() / ref.norm()),
         "read_batch_s": round(read_s, 4), "write_batch_s": round(write_s, 4),
@@ -153,7 +165,7 @@ def markdown(doc: dict) -> str:
         lines.append(f"| {name} | {v['s_per_batch']} | {v['layer_s_per_batch']} | {v['experts_s_per_batch']} | "
                      f"{v['s_per_layer_paper']} | {v['peak_gpu_gib']} |")
     r = doc["rows_per_expert"]
-    lines += ["", f"Speedup (factored over fp32-padded): propagation {doc['speedup_propagation']}x, experts "
+    lines += ["", f"Speedup (factored over fp32-padded-pageable): propagation {doc['speedup_propagation']}x, experts "
               f"{doc['speedup_experts']}x; experts' outputs differ by {doc['experts_rel_diff']:.2e} (relative norm). "
               f"Routed rows per expert in a batch: max {r['max']}, mean {r['mean']}, min {r['min']}. Reading one "
               f"batch from host memory {doc['read_batch_s']} s, writing one back {doc['write_batch_s']} s.", ""]

@@ -82,10 +82,39 @@ class SpilledChunk:
 
 @dataclass(frozen=True)
 class HeldChunk:
-    """A chunk of hidden states kept in memory away from the device it was computed on (`device`)."""
+    """A chunk of hidden states kept in memory away from the device it was computed on (`device`); `copied`: the
+    event after which an asynchronous copy into it has landed (None: it is there)."""
 
     tensor: torch.Tensor
     device: torch.device
+    copied: torch.cuda.Event | None = None
+
+    def host(self) -> torch.Tensor:
+        """The tensor, once its copy has landed (host code may read it)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.tensor
+
+
+# GPU states held in host memory go to page-locked (pinned) memory, copied asynchronously both ways: pageable copies
+# are slower and stop the host until they end. Off, or where pinning fails: pageable copies.
+PIN_HELD_STATES = True
+
+
+def _held(t: torch.Tensor, home: torch.device) -> HeldChunk:
+    """t copied to `home` as a HeldChunk: from a GPU to pinned host memory asynchronously where it can."""
+    t = t.detach()
+    if PIN_HELD_STATES and t.is_cuda and home.type == "cpu":
+        try:
+            dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        except RuntimeError:  # no page-locked memory to be had: a pageable copy
+            pass
+        else:
+            dst.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            return HeldChunk(dst, t.device, event)
+    return HeldChunk(t.to(home), t.device)
 
 
 class StateStore:
@@ -107,8 +136,7 @@ class StateStore:
     def append(self, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
         if self.in_memory + nbytes <= self.limit or self.spill_dir is None:
-            self.chunks.append(t if self.home is None or t.device == self.home
-                               else HeldChunk(t.detach().to(self.home), t.device))
+            self.chunks.append(t if self.home is None or t.device == self.home else _held(t, self.home))
             self.in_memory += nbytes
             return
         raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -141,7 +169,7 @@ class StateStore:
         c = self.chunks[i]
         if isinstance(c, SpilledChunk):
             return self._read(c, torch.device("cpu"))
-        return c.tensor if isinstance(c, HeldChunk) else c
+        return c.host() if isinstance(c, HeldChunk) else c
 
     def __iter__(self):
         for i in range(len(self.chunks)):
@@ -151,7 +179,11 @@ class StateStore:
         c = self.chunks[i]
         if isinstance(c, SpilledChunk):
             return self._read(c)
-        return c.tensor.to(c.device) if isinstance(c, HeldChunk) else c
+        if isinstance(c, HeldChunk):
+            if c.copied is not None:  # the copy back starts after the copy in, whichever stream is current
+                torch.cuda.current_stream(c.device).wait_event(c.copied)
+            return c.tensor.to(c.device, non_blocking=c.copied is not None)
+        return c
 
     def like(self, i: int) -> torch.Tensor:
         """An uninitialised tensor of chunk i's shape, dtype and device (without reading a spilled chunk)."""

@@ -14,7 +14,7 @@ def test_smoke_command_runs_and_compares_the_two_paths(tmp_path):
            "--seq-len", "64", "--out", str(out)]
     subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True, timeout=600)
     doc = json.loads((out / "propagation_speed.json").read_text())
-    assert set(doc["variants"]) == {"factored", "fp32-padded"}
+    assert set(doc["variants"]) == {"factored", "factored-pageable", "fp32-padded-pageable"}
     assert doc["experts_rel_diff"] < 1e-4  # the same experts, two matmul paths
     for v in doc["variants"].values():
         assert v["s_per_batch"] > 0 and abs(v["s_per_layer_paper"] - v["s_per_batch"] * 144) <= 0.1

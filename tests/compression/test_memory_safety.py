@@ -183,6 +183,26 @@ def test_gpu_states_live_in_host_memory_and_come_back_on_the_gpu(tmp_path):
     for a, b in zip(store, chunks):
         assert a.device == b.device and torch.equal(a, b)
     assert store.like(2).device == chunks[2].device
+    # held in pinned host memory, copied asynchronously: host reads wait for the copy, device reads are ordered
+    assert all(c.tensor.is_pinned() and c.copied is not None for c in store.chunks[:2])
+    big = torch.randn(64, 1024, 1024, device="cuda")  # 256 MiB: a copy still running when it is read
+    pinned = StateStore(1 << 40, None, home="cpu")
+    pinned.append(big)
+    assert torch.equal(pinned.stored(0), big.cpu())
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # read from another stream: still after the copy in
+        back = pinned[0]
+    side.synchronize()
+    assert torch.equal(back, big)
+    from moesq_core.compression import engine
+
+    engine.PIN_HELD_STATES = False
+    try:
+        pageable = StateStore(1 << 40, None, home="cpu")
+        pageable.append(big)
+        assert not pageable.chunks[0].tensor.is_pinned() and torch.equal(pageable[0], big)
+    finally:
+        engine.PIN_HELD_STATES = True
 
 
 @pytest.mark.gpu
