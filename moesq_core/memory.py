@@ -41,23 +41,12 @@ def _cuda_cap_bytes(device) -> int | None:
     return int(fraction * torch.cuda.get_device_properties(device).total_memory)
 
 
-def device_free_bytes(device) -> int | None:
-    """Bytes the device can still hand out to new allocations beyond what torch's caching allocator holds: a CUDA
-    device's free memory, never more than the process's own cap (set_per_process_memory_fraction) leaves to
-    reserve; the host's available memory for the CPU. What sizes work chunks before they start."""
-    if device.type == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(device)
-        cap = _cuda_cap_bytes(device)
-        return free if cap is None else max(0, min(free, cap - torch.cuda.memory_reserved(device)))
-    return available_memory_bytes()
-
-
 def device_available_bytes(device) -> int | None:
     """Bytes a new allocation on `device` can still get: a CUDA device's free memory plus its cached, unused
-    blocks, never more than the process's own cap leaves; the host's available memory for the CPU (None when
-    the system does not say)."""
+    blocks (torch's allocator hands those out again, and frees them to the driver before it gives up), never more
+    than the process's own cap leaves; the host's available memory for the CPU (None when the system does not
+    say). What sizes work chunks before they start: the driver's free memory alone shrank by the ~50 GiB a
+    block's work left cached, and later blocks then sized for a fraction of the card."""
     if device.type == "cuda":
         import torch
 

@@ -53,7 +53,7 @@ from moesq_core.formats import Format, QuantizedWeight, packing
 from moesq_core.memory import (
     HOST_CHUNK_BYTES,
     consecutive_chunks,
-    device_free_bytes,
+    device_available_bytes,
     release_device_cache,
     release_freed_memory,
 )
@@ -577,7 +577,7 @@ def gather_experts(block: MoEBlock, states: StateStore, kwargs_by_bs: dict,
         offset += x.shape[0]
         if not on_host and x.is_cuda:
             kept += x.numel() * x.element_size()
-            if kept > device_free_bytes(x.device) * ROWS_GPU_FRACTION:
+            if kept > device_available_bytes(x.device) * ROWS_GPU_FRACTION:
                 parts, on_host = [p.cpu() for p in parts], True
         parts.append(x.cpu() if on_host else x)
     empty = torch.zeros(0, dtype=torch.int64)
@@ -1004,7 +1004,7 @@ def dense_weight_chunks(experts: list[int], inter: int, H: int, device: torch.de
     allocated; the method's working memory takes the rest), on the CPU as many as fit HOST_CHUNK_BYTES (the
     whole block's dense fp32 copy would be twice its checkpoint's bf16 experts); at least one expert a chunk."""
     need = [3 * inter * H * (4 + RESULT_BYTES_PER_WEIGHT)] * len(experts)
-    budget = device_free_bytes(device) * WEIGHTS_GPU_FRACTION if device.type == "cuda" else HOST_CHUNK_BYTES
+    budget = device_available_bytes(device) * WEIGHTS_GPU_FRACTION if device.type == "cuda" else HOST_CHUNK_BYTES
     return consecutive_chunks(experts, need, budget)
 
 

@@ -61,14 +61,16 @@ def test_expert_chunks_group_similar_row_counts_within_the_budget():
     assert len(MoesqExperts.expert_chunks([10, 10, 10], 4, 2 * (10 * 16 + 1000), 0.5, 1000)[0]) == 2
 
 
+AMAX_IN = torch.tensor([4.0, 0.0, 6.0, 0.0, 3.0, 5.0, 2.0])  # 0: no range, dynamic
+AMAX_MID = torch.tensor([0.0, 0.5, 0.4, 0.0, 0.7, 0.0, 0.3])
+
+
 def _module(name: str, act_quant: bool, E=7, H=64, inter=32, seed=3):
     fmt = get_format(name)
     torch.manual_seed(seed)
     weights = [{p: fmt.quantize(torch.randn(*((inter, H) if p != "down" else (H, inter))) * 0.1 * (1 + e))
                 for p in PROJECTIONS} for e in range(E)]
-    amax_in = torch.tensor([4.0, 0.0, 6.0, 0.0, 3.0, 5.0, 2.0])[:E]  # 0: no range, dynamic
-    amax_mid = torch.tensor([0.0, 0.5, 0.4, 0.0, 0.7, 0.0, 0.3])[:E]
-    module = MoesqExperts.from_quantized(fmt, weights, act_quant, amax_in, amax_mid)
+    module = MoesqExperts.from_quantized(fmt, weights, act_quant, AMAX_IN[:E], AMAX_MID[:E])
     return module, weights
 
 
@@ -112,15 +114,25 @@ def test_straight_through_modules_do_not_take_the_factored_path():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", FORMAT_NAMES)
-def test_factored_path_on_cuda_matches_the_cpu_loop(name):
+def test_factored_path_on_cuda_matches_the_loop(name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
     module, weights = _module(name, True, E=7, H=256, inter=128)
-    cpu_ref_idx, w = _routing(T=700)
-    x = torch.randn(700, 256).bfloat16()
-    want = module(x.float(), cpu_ref_idx, w)
+    idx, w = _routing(T=700)
+    x = torch.randn(700, 256).bfloat16().float()  # a bf16 model's states, in fp32: outputs without bf16 rounding
+    cpu = module(x, idx, w)
     gpu = MoesqExperts.from_quantized(get_format(name), [{p: q.to("cuda") for p, q in e.items()} for e in weights],
-                                      True, torch.tensor([4.0, 0.0, 6.0, 0.0, 3.0, 5.0, 2.0]).cuda(),
-                                      torch.tensor([0.0, 0.5, 0.4, 0.0, 0.7, 0.0, 0.3]).cuda())
+                                      True, AMAX_IN.cuda(), AMAX_MID.cuda())
     assert gpu._factored()  # built on the GPU
-    got = gpu(x.cuda(), cpu_ref_idx.cuda(), w.cuda()).float().cpu()
-    assert torch.equal(gpu(x.cuda(), cpu_ref_idx.cuda(), w.cuda()).float().cpu(), got)  # deterministic
-    assert ((got - want).norm() / want.norm()).item() < 5e-3  # the bf16 output's rounding (the states' dtype)
+    args = (x.cuda(), idx.cuda(), w.cuda())
+    got = gpu(*args)
+    assert torch.equal(gpu(*args), got)  # deterministic
+    assert gpu(x.bfloat16().cuda(), *args[1:]).dtype == torch.bfloat16
+    gpu.batched = False
+    loop = gpu(*args)  # the per-expert fp32 loop, on the same device
+    assert ((got - loop).norm() / loop.norm()).item() < 3e-4
+    # against the CPU: the FP8 formats' per-token scale (amax / 448) rounds differently on CUDA, which divides by a
+    # scalar through its reciprocal, and ties of bf16-valued inputs then round to other codes (~1e-2 here, the GPU
+    # loop as much as this path); NVFP4's static global scales do not
+    tol = 2e-2 if name.endswith("fp8") else 3e-4
+    assert ((got.cpu() - cpu).norm() / cpu.norm()).item() < tol

@@ -31,9 +31,9 @@ def memory_budget(device: torch.device, chunk_gb: float | None) -> int:
             raise ValueError(f"chunk_gb must be > 0, got {chunk_gb}")
         return int(chunk_gb * (1 << 30))
     if device.type == "cuda":
-        from moesq_core.memory import device_free_bytes
+        from moesq_core.memory import device_available_bytes
 
-        return int(device_free_bytes(device) * DEFAULT_GPU_FRACTION)
+        return int(device_available_bytes(device) * DEFAULT_GPU_FRACTION)
     return DEFAULT_CPU_BUDGET
 
 

@@ -46,7 +46,7 @@ from moesq_core.compression.methods.base import (
 )
 from moesq_core.compression.methods.refine import objective, relaxation
 from moesq_core.formats import P48, Format, PatternSet
-from moesq_core.memory import HOST_CHUNK_BYTES, consecutive_chunks, device_free_bytes, size
+from moesq_core.memory import HOST_CHUNK_BYTES, consecutive_chunks, device_available_bytes, size
 
 log = logging.getLogger(__name__)
 
@@ -444,7 +444,7 @@ def refine_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -
         copied = sum(t.numel() * t.element_size() for t in matrices.values() if t.device != dev)
         copied += sum(row_count(x) for x in sources if not isinstance(x, TokenRows)) * H * 4
         shared = refine_shared_bytes(H, inter, 0, 0, rows, cfg.micro_batch_rows) + copied
-        budget = device_free_bytes(dev) * REFINE_GPU_FRACTION - shared
+        budget = device_available_bytes(dev) * REFINE_GPU_FRACTION - shared
     else:
         budget = HOST_CHUNK_BYTES
     need = [refine_bytes_per_expert(fmt, inter, H)] * len(experts)
