@@ -138,6 +138,17 @@ def compressed_tensors_config(preset: str, ct_format: str, ignore: list[str], ac
     return qc
 
 
+# The model card line of packs that moesq's vLLM plugin serves (formats that are not `stock_serving`).
+VLLM_PLUGIN_CARD_LINE = (
+    "vLLM: install moesq with its `vllm` extra (`pip install \".[vllm]\"` in a clone of moesq), then "
+    "`vllm serve DIR`: moesq's vLLM plugin claims this pack (vLLM reports the quantization `moesq`) and runs its "
+    "routed experts with moesq's modules, one custom op per MoE layer. Verified against vLLM 0.34.0's Python layers "
+    "on a CPU: the claim, the loading of every expert tensor through vLLM's weight loader (tensor parallel 2 and 4 "
+    "included) and the op against moesq's reference; not verified: a run of vLLM itself on a GPU, and expert "
+    "parallelism (refused)."
+)
+
+
 @dataclass(frozen=True)
 class Format:
     """A named format. Subclasses (one per format module) override the hooks that differ."""

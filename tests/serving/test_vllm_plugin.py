@@ -96,7 +96,7 @@ def test_requirements_admit_the_installed_vllms_pins():
             assert any(SpecifierSet(str(pin.specifier)).contains(v) and req.specifier.contains(v)
                        for v in _candidate_versions(pin.specifier)), (req, pin)
         checked += 1
-    assert checked >= 2  # torch is the CPU build's business; compressed-tensors and transformers are checked
+    assert checked >= 3  # torch, compressed-tensors and transformers
 
 
 def _candidate_versions(spec) -> list[str]:
@@ -293,3 +293,10 @@ def test_apply_is_one_op_equal_to_the_reference_experts(vllm, vllm_packs, name):
     x = torch.randn(5, H).to(torch.bfloat16)
     ids, w = routing(5, E, k, seed=3)
     torch.library.opcheck(real.default, (x, ids.to(torch.int32), w, layer.layer_name))
+
+
+@pytest.mark.parametrize("name", list(PACKS))
+def test_model_card_says_how_vllm_serves_the_pack(vllm_packs, name):
+    card = (vllm_packs[name] / "README.md").read_text()
+    assert ("`vllm serve DIR`: moesq's vLLM plugin claims this pack" in card) == (name in CLAIMED)
+    assert ("not verified: a run of vLLM itself on a GPU" in card) == (name in CLAIMED)

@@ -9,8 +9,6 @@ that stock vLLM serves (Format.stock_serving) are left to it.
 """
 from __future__ import annotations
 
-NAME = "moesq"  # the quantization method vLLM reports for a claimed pack
-
 
 def register() -> None:
     """Add the `moesq` quantization method to vLLM (idempotent: a second call changes nothing)."""
@@ -20,7 +18,7 @@ def register() -> None:
         register_quantization_config,
     )
 
-    from moesq_core.serving.vllm_plugin.config import MoesqConfig
+    from moesq_core.serving.vllm_plugin.config import NAME, MoesqConfig
 
     if NAME in QUANTIZATION_METHODS and get_quantization_config(NAME) is MoesqConfig:
         return

@@ -20,8 +20,8 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from moesq_core.checkpoint.verify import MOESQ_VERSION
 from moesq_core.formats import Format, get_format
 from moesq_core.formats.base import Layout
-from moesq_core.serving.vllm_plugin import NAME
 
+NAME = "moesq"  # the quantization method vLLM reports for a claimed pack
 PACK_METHOD = "compressed-tensors"  # the quant_method a moesq pack's config.json states
 MOESQ_KEY = "moesq"
 
@@ -39,11 +39,11 @@ def pack_format(qc: dict[str, Any]) -> tuple[Format, Layout, bool] | None:
     version = entry.get("version")
     if version != MOESQ_VERSION:
         raise PackConfigError(f"moesq: this checkpoint is a moesq pack of version {version!r}, but the installed moesq "
-                              f"reads version {MOESQ_VERSION}; upgrade moesq (pip install -U \"moesq[vllm]\")")
+                              f"reads version {MOESQ_VERSION}; upgrade moesq")
     try:
         fmt = get_format(entry.get("format"))
     except ValueError as e:
-        raise PackConfigError(f"moesq: this checkpoint's {e}; upgrade moesq (pip install -U \"moesq[vllm]\")") from None
+        raise PackConfigError(f"moesq: this checkpoint's {e}; upgrade moesq") from None
     return fmt, fmt.config_layout(qc), bool(entry.get("act_quant", True))
 
 

@@ -41,3 +41,18 @@ def routed_experts(hidden_states: torch.Tensor, topk_ids: torch.Tensor, topk_wei
 @routed_experts.register_fake
 def _routed_experts_fake(hidden_states, topk_ids, topk_weights, layer):
     return torch.empty_like(hidden_states)
+
+
+class OpExperts(nn.Module):
+    """An experts module (transformers' `forward(hidden, top_k_index, top_k_weights)`) whose forward is the op over
+    `experts`: how a model outside vLLM runs its experts through the same op (the decode benchmark compares it with
+    calling `experts` directly)."""
+
+    def __init__(self, experts: nn.Module, name: str):
+        super().__init__()
+        self.experts, self.name = experts, name
+        register_experts(name, experts)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return torch.ops.moesq.routed_experts(hidden_states, top_k_index, top_k_weights, self.name)
