@@ -178,7 +178,7 @@ def _vllm_context():
     return set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")))
 
 
-def _moe_layer(pack: Path, block: int, tp: int, rank: int):
+def _moe_layer(pack: Path, block: int, tp: int, rank: int, **factory_args):
     """(vLLM's RoutedExperts of MoE block `block` of the pack, built by FusedMoEFactory for tensor-parallel rank
     `rank` of `tp` under the pack's MoesqConfig, the runner that loads it)."""
     import vllm.model_executor.layers.fused_moe.config as moe_config
@@ -194,7 +194,7 @@ def _moe_layer(pack: Path, block: int, tp: int, rank: int):
             runner = FusedMoEFactory(
                 num_experts=cfg["num_local_experts"], top_k=cfg["num_experts_per_tok"], hidden_size=cfg["hidden_size"],
                 intermediate_size=cfg["moe_intermediate_size"], params_dtype=torch.bfloat16, quant_config=quant,
-                tp_size=tp, dp_size=1, pcp_size=1, prefix=f"model.layers.{block}.mlp.experts")
+                tp_size=tp, dp_size=1, pcp_size=1, prefix=f"model.layers.{block}.mlp.experts", **factory_args)
     finally:
         moe_config.get_tensor_model_parallel_rank = real_rank
     return runner.routed_experts, runner
@@ -264,6 +264,14 @@ def test_tensor_parallel_shards_reassemble_to_the_packs_tensors(vllm, vllm_packs
                     assert all(torch.equal(_bits(q), _bits(t)) for q in parts), (e, p, s)
                 else:
                     assert torch.equal(_bits(torch.cat(parts, dim)), _bits(t)), (e, p, s)
+
+
+def test_layers_moesq_cannot_serve_are_refused_with_the_reason(vllm, vllm_packs):
+    with pytest.raises(ValueError, match=r"p48-nvfp4 cannot hold this layer's experts split for tensor parallelism "
+                                         r"\(intermediate size 16 per partition\)"):
+        _moe_layer(vllm_packs["p48-nvfp4"], 0, 8, 0)  # 128 / 8 columns: less than one 32-column scale block
+    with pytest.raises(NotImplementedError, match=r"the gelu activation \(moesq experts compute SwiGLU\)"):
+        _moe_layer(vllm_packs["s24-fp8"], 0, 1, 0, activation="gelu")
 
 
 # -- the op --------------------------------------------------------------------------------------------------------

@@ -32,7 +32,9 @@ from moesq_core.serving.vllm_plugin.op import register_experts
 def stored_tensors(fmt: Format, layout: str, out: int, inn: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{suffix: (shape, dtype)} of what a pack stores for one expert linear [out, in] in `layout` (the format's
     packer run on a stand-in weight); ValueError where the format cannot store that shape."""
-    qw = fmt.quantize(torch.ones(out, inn, device="cpu"))  # on the CPU whatever device vLLM builds on
+    w = torch.ones(out, inn, device="cpu")  # on the CPU whatever device vLLM builds on
+    fmt.check_weight(w, f"an expert linear [{out}, {inn}]")
+    qw = fmt.quantize(w)
     tensors = {**fmt.pack(qw, layout), **fmt.act.packed_tensors(None)}
     return {s: (tuple(t.shape), t.dtype) for s, t in tensors.items()}
 
