@@ -47,7 +47,7 @@ def vllm_packs(packs, micro_path, tmp_path_factory):
 @pytest.fixture(scope="module")
 def vllm():
     """vLLM with moesq's plugin loaded the way vLLM loads it (its `vllm.general_plugins` entry points)."""
-    vllm = pytest.importorskip("vllm", reason="vLLM is not installed (pip install 'moesq[vllm]')")
+    vllm = pytest.importorskip("vllm", reason='vLLM is not installed (pip install ".[vllm]")')
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
