@@ -94,24 +94,59 @@ def group_size(qc: dict[str, Any]) -> Any:
     return None
 
 
+# compressed-tensors' preset schemes that packs state (weights, input activations), written out rather than taken
+# from its `preset_name_to_scheme`: its presets' defaults and its serialisation change between releases (0.17 writes
+# a dozen more fields than 0.20), and the same stage must give the same bytes on every release moesq admits. Field
+# order and omissions are those compressed-tensors 0.20 writes; its own classes validate the result.
+_PRESETS = {
+    "NVFP4": (
+        {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+         "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"},
+        {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 16, "strategy": "tensor_group",
+         "dynamic": "local", "scale_dtype": "torch.float8_e4m3fn", "observer": "static_minmax"},
+    ),
+    "FP8_DYNAMIC": (
+        {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "channel",
+         "dynamic": False},
+        {"num_bits": 8, "type": "float", "symmetric": True, "group_size": None, "strategy": "token", "dynamic": True},
+    ),
+}
+
+
 def compressed_tensors_config(preset: str, ct_format: str, ignore: list[str], act_quant: bool,
                               weights: dict | None = None, acts: dict | None = None) -> dict:
-    """A compressed-tensors quantization_config (compressed) from one of its presets, built with its own classes
-    (field names and defaults are theirs); `weights`/`acts` override fields of the preset's arguments."""
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme, preset_name_to_scheme
+    """A compressed-tensors quantization_config (compressed) of one of its presets (`_PRESETS`); `weights`/`acts`
+    override fields of the preset's arguments. Validated by the installed compressed-tensors' own classes (a field
+    it does not know raises), so stock consumers parse it."""
+    from compressed_tensors.quantization import QuantizationConfig
 
-    scheme = preset_name_to_scheme(preset, ["Linear"])
-    w = scheme.weights.model_copy(update=weights) if weights else scheme.weights
-    a = None
-    if act_quant:
-        a = scheme.input_activations.model_copy(update=acts) if acts else scheme.input_activations
-    qc = QuantizationConfig(
-        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=w, input_activations=a)},
-        format=ct_format,
-        quantization_status="compressed",
-        ignore=list(ignore),
-    ).model_dump(mode="json")
-    return {k: v for k, v in qc.items() if v is not None}
+    w, a = _PRESETS[preset]
+    qc = {
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {**w, **(weights or {})},
+            "input_activations": {**a, **(acts or {})} if act_quant else None,
+            "output_activations": None,
+            "format": None,
+        }},
+        "quant_method": "compressed-tensors",
+        "format": ct_format,
+        "quantization_status": "compressed",
+        "ignore": list(ignore),
+    }
+    QuantizationConfig.model_validate(qc)
+    return qc
+
+
+# The model card line of packs that moesq's vLLM plugin serves (formats that are not `stock_serving`).
+VLLM_PLUGIN_CARD_LINE = (
+    "vLLM: install moesq with its `vllm` extra (`pip install \".[vllm]\"` in a clone of moesq), then "
+    "`vllm serve DIR`: moesq's vLLM plugin claims this pack (vLLM reports the quantization `moesq`) and runs its "
+    "routed experts with moesq's modules, one custom op per MoE layer. Verified against vLLM 0.34.0's Python layers "
+    "on a CPU: the claim, the loading of every expert tensor through vLLM's weight loader (tensor parallel 2 and 4 "
+    "included) and the op against moesq's reference; not verified: a run of vLLM itself on a GPU, and expert "
+    "parallelism (refused)."
+)
 
 
 @dataclass(frozen=True)
@@ -134,6 +169,9 @@ class Format:
     # formats import nothing that runs them): it defines serves(device, act_quant, fast) and from_packed(packed,
     # act_quant, device). None: the reference module serves everywhere.
     fast_experts: str | None = None
+    # Stock compressed-tensors engines (vLLM) serve this format's packs as they are, so moesq's vLLM plugin leaves
+    # them to the engine; False: only moesq (its loader, its vLLM plugin) serves them.
+    stock_serving: bool = False
 
     # -- numerics ----------------------------------------------------------------------------------------
     @property
@@ -201,6 +239,12 @@ class Format:
     def export_layout(self, sparse: bool = True) -> Layout:
         """The layout `moesq pack` writes (sparse=False: `--dense-layout`, where the format has a dense variant)."""
         return self.layouts[0]
+
+    def config_layout(self, qc: dict) -> Layout:
+        """The layout a pack with this quantization_config stores its experts in (before any tensor is read): the
+        sparse one where the config carries every marker of the format, else the dense variant (`moesq verify`
+        checks that the two agree)."""
+        return self.export_layout(sparse=all(k in qc for k in self.markers))
 
     def detect_layout(self, suffixes) -> Layout:
         """The layout tensors with these suffixes are in: the default unless its primary tensor is absent and

@@ -71,6 +71,7 @@ FORMAT = FP8Format(
     DENSE, FP8ChannelQuantizer(), FP8TokenActQuantizer(), 8.0,
     layouts=(Layout(NAME, NAME, SUFFIXES, pack, unpack, logical_shape, ROW_SCALE, "weight"),),
     scheme="W8A8", act_label="FP8",
+    stock_serving=True,
     card_tags=("fp8", "compressed-tensors"),
     card_loaders=(
         "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)`.",

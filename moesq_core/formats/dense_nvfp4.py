@@ -67,6 +67,7 @@ FORMAT = NVFP4Format(
     DENSE, NVFP4Quantizer(SCALE_BLOCK), NVFP4ActQuantizer(SCALE_BLOCK), 4.5,
     layouts=(Layout(NAME, NAME, DENSE_SUFFIXES, pack, unpack, dense_logical_shape, POSITIVE),),
     scheme="W4A4", act_label="NVFP4",
+    stock_serving=True,
     card_tags=("nvfp4", "compressed-tensors"),
     card_loaders=(
         "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)`.",

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moesq_core.formats.base import Layout, QuantizedWeight
+from moesq_core.formats.base import VLLM_PLUGIN_CARD_LINE, Layout, QuantizedWeight
 from moesq_core.formats.nvfp4 import (
     DENSE_SUFFIXES,
     POSITIVE,
@@ -256,16 +256,18 @@ FORMAT = P48Format(
     card_loaders=(
         "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)` (the CPU reference; on a Hopper GPU "
         "moesq's sparse-tensor-core kernel).",
+        VLLM_PLUGIN_CARD_LINE,
         "vLLM with the public MoESQ release's paired 4:8 patch on Blackwell GPUs (it reads the `paired48_sparse` "
         "marker).",
         "Without `import moesq_core`, transformers cannot load this layout (it raises while converting the expert "
-        "weights); stock vLLM does not know the `paired48_sparse` marker.",
+        "weights); vLLM without moesq's plugin does not know the `paired48_sparse` marker.",
     ),
     markers=(MARKER_KEY,),
     fast_experts="moesq_core.serving.p48_hopper",
 )
 DENSE_CARD_LOADERS = (
     FORMAT.card_loaders[0],
+    VLLM_PLUGIN_CARD_LINE,
     "The experts are stored in the public MoESQ release's dense variant (`moesq pack --dense-layout`: dense packed "
     "NVFP4 with the pruned pairs zero, 32-column scales, 4.25 bits per weight) under the config format "
     f"`{DENSE_CONFIG_FORMAT}`: compressed-tensors' config parsing, and so transformers without `import moesq_core`, "

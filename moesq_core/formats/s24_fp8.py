@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moesq_core.formats.base import Layout, QuantizedWeight
+from moesq_core.formats.base import VLLM_PLUGIN_CARD_LINE, Layout, QuantizedWeight
 from moesq_core.formats.fp8 import ROW_SCALE, FP8Format, check_unit_global, row_scales, unit_global
 from moesq_core.formats.pack_common import (
     PackingError,
@@ -157,6 +157,7 @@ FORMAT = S24Format(
     card_tags=("fp8", "sparse", "2-4-sparsity"),
     card_loaders=(
         "`moesq generate DIR --prompt ...` or `moesq_core.load_packed(DIR)`.",
+        VLLM_PLUGIN_CARD_LINE,
         "This is moesq's own layout (format `moesq-sparse24-fp8`, marker `moesq_sparse24`); compressed-tensors' "
         "config parsing, and so transformers without `import moesq_core`, refuse it.",
     ),

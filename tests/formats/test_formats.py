@@ -181,3 +181,12 @@ def test_fp8_channel_quant(rows, groups, seed):
 def test_bits_per_weight_declared():
     assert FORMATS["p48-nvfp4"].bits_per_weight == 2.75
     assert FORMATS["dense-nvfp4"].bits_per_weight == 4.5
+
+
+@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_config_layout_is_the_layout_pack_writes(name, sparse):
+    """A serving engine picks the experts' layout from the config before reading a tensor (the vLLM plugin)."""
+    fmt = get_format(name)
+    qc = fmt.quantization_config([], True, sparse, {})
+    assert fmt.config_layout(qc) == fmt.export_layout(sparse)
