@@ -11,11 +11,14 @@ ranks as soon as one fails.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
+import pickle
 import re
 import signal
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -130,10 +133,42 @@ def process_group(device: str | None):
 
 
 # -- collectives with a clear error ----------------------------------------------------------------------------
+@dataclasses.dataclass
+class Traffic:
+    """What this rank's collectives moved: payload bytes it contributed (`sent`) and got from the other ranks
+    (`received`), the seconds spent in them (waiting for the slowest rank included) and how many there were."""
+
+    sent: int = 0
+    received: int = 0
+    seconds: float = 0.0
+    calls: int = 0
+
+    def line(self) -> str:
+        from moesq_core.memory import size
+
+        return (f"sent {size(self.sent)} ({self.sent:,} B), received {size(self.received)} ({self.received:,} B) "
+                f"in {self.calls} collectives, {self.seconds:.2f} s")
+
+
+_traffic = Traffic()
+
+
+def take_traffic() -> Traffic:
+    """This process's collectives since the last call (the engine logs them per block)."""
+    global _traffic
+    taken, _traffic = _traffic, Traffic()
+    return taken
+
+
 @contextlib.contextmanager
-def _collective(what: str):
+def _collective(what: str, sent: int = 0, received: int = 0):
+    t0 = time.perf_counter()
     try:
         yield
+        _traffic.sent += sent
+        _traffic.received += received
+        _traffic.calls += 1
+        _traffic.seconds += time.perf_counter() - t0
     except RuntimeError as e:  # DistBackendError, gloo's "Connection closed by peer", timeouts
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         first = re.sub(r"^\[[^\]]*\]\s*", "", first)  # gloo's "[.../pair.cc:553] " source location
@@ -154,8 +189,9 @@ def all_gather_object(obj, what: str) -> list:
     if dist is None:
         return [obj]
     out = [None] * dist.get_world_size()
-    with _collective(what):
+    with _collective(what, sent=len(pickle.dumps(obj))):
         dist.all_gather_object(out, obj)
+    _traffic.received += sum(len(pickle.dumps(o)) for r, o in enumerate(out) if r != dist.get_rank())
     return out
 
 
@@ -171,7 +207,7 @@ def all_gather_tensors(tensors: list[torch.Tensor], device, what: str) -> list[l
     sizes = [f.numel() for f in flat]
     buf = torch.cat(flat).to(device) if flat else torch.zeros(0, dtype=torch.uint8, device=device)
     out = [torch.empty_like(buf) for _ in range(dist.get_world_size())]
-    with _collective(what):
+    with _collective(what, sent=buf.numel(), received=buf.numel() * (len(out) - 1)):
         dist.all_gather(out, buf)
     del flat, buf
     gathered = []
@@ -190,7 +226,9 @@ def broadcast(t: "torch.Tensor", src: int, what: str) -> None:
     """t (in place on every rank) = rank src's t; nothing without a process group."""
     dist = active()
     if dist is not None:
-        with _collective(what):
+        nbytes = t.numel() * t.element_size()
+        mine = dist.get_rank() == src
+        with _collective(what, sent=nbytes if mine else 0, received=0 if mine else nbytes):
             dist.broadcast(t, src)
 
 

@@ -830,6 +830,9 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                          {k: round(v - before.get(k, 0.0), 2) for k, v in clock.seconds.items()
                           if v > before.get(k, 0.0)})
                 _log_peaks(clock, spec.name, li)
+                if world > 1:  # what expert parallel cost this rank for the block (its routing, results, propagation)
+                    log.info("%s: layer %d expert-parallel traffic (rank %d of %d): %s", spec.name, li, rank, world,
+                             distributed.take_traffic().line())
     for s in stores.values():
         s.close()
     summary = {"blocks": len(blocks), "computed_now": computed, "compress_seconds": round(seconds, 2),

@@ -57,6 +57,22 @@ def test_two_processes_write_the_artifacts_of_one(single, micro_path, tmp_path):
         assert _blocks(wd, stage) == _blocks(single, stage) and len(_blocks(wd, stage)) == 4, stage
     m = json.loads((wd / "manifest.json").read_text())
     assert m["stages"]["refine"]["summary"]["world_size"] == 2
+    # what each rank sent and received per block is logged, and the two ranks' accounts agree: every byte one sent
+    # (its share of the results, its batches of the layer passes, its experts' metadata) the other received
+    import re
+
+    traffic = re.compile(r"refine: layer (\d+) expert-parallel traffic \(rank (\d) of 2\): sent [^(]*\(([\d,]+) B\), "
+                         r"received [^(]*\(([\d,]+) B\) in (\d+) collectives, ([\d.]+) s")
+    seen = {}
+    for line in (wd / "logs" / "moesq.log").read_text().splitlines():
+        if (hit := traffic.search(line)):
+            sent, received = int(hit[3].replace(",", "")), int(hit[4].replace(",", ""))
+            seen[int(hit[1]), int(hit[2])] = (sent, received)
+            assert sent > 0 and received > 0 and int(hit[5]) > 0
+    assert sorted(seen) == [(layer, rank) for layer in range(4) for rank in (0, 1)]
+    for layer in range(4):
+        (s0, r0), (s1, r1) = seen[layer, 0], seen[layer, 1]
+        assert abs(s0 - r1) <= 0.01 * s0 and abs(s1 - r0) <= 0.01 * s1, (layer, seen[layer, 0], seen[layer, 1])
     # some shipped experts moved patterns, i.e. the random numbers mattered
     from safetensors import safe_open
 
