@@ -213,10 +213,28 @@ def oom_in(*logs: Path) -> bool:
 
 
 # -- the results -------------------------------------------------------------------------------------------------
-def extrapolate(one_time: dict, compute_s: float, between_s: float | None, layers: int = LAYERS_EXTRAPOLATED) -> float:
-    """Seconds of a `layers`-layer run: the one-time costs once, `layers` × the mean compute per block, and
-    (layers - 1) × what happens between two blocks (install + propagation through a layer + saved states)."""
-    return sum(one_time.values()) + layers * compute_s + (layers - 1) * (between_s or 0.0)
+def state_saves(compute_s: float, between_s: float, save_s: float, layers: int = LAYERS_EXTRAPOLATED) -> int:
+    """How many of the (layers - 1) moments between two blocks save the calibration states for a resume, by the
+    engine's rule (StateCheckpoint.due): at least EVERY_S and SAVE_COST_RATIO × the last save's duration since the
+    last save (or the stage's start), with every block taking compute_s + between_s and every save save_s."""
+    from moesq_core.compression.state_checkpoint import EVERY_S, SAVE_COST_RATIO
+
+    saves, elapsed, last = 0, 0.0, 0.0
+    for _ in range(layers - 1):
+        elapsed += compute_s + between_s
+        if elapsed >= EVERY_S and elapsed >= SAVE_COST_RATIO * last:
+            saves, elapsed, last = saves + 1, 0.0, save_s
+    return saves
+
+
+def extrapolate(one_time: dict, compute_s: float, between_s: float | None, save_s: float = 0.0,
+                layers: int = LAYERS_EXTRAPOLATED) -> float:
+    """Seconds of a `layers`-layer run: the one-time costs once, `layers` × the mean compute per block,
+    (layers - 1) × what happens between two blocks (install + propagation through a layer) and the saves of the
+    states for a resume that the engine's cadence makes (state_saves) × the measured save."""
+    between_s = between_s or 0.0
+    return (sum(one_time.values()) + layers * compute_s + (layers - 1) * between_s
+            + state_saves(compute_s, between_s, save_s, layers) * save_s)
 
 
 def results(root: Path, work: Path, state: dict, command: list[str], options: dict, resource: dict, cfg: dict,
@@ -242,8 +260,10 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
     # every propagation the log shows, a resumed run's too (it propagates the loaded blocks without computing them)
     propagated = [phases for line in (log.read_text(errors="replace").splitlines() if log.is_file() else [])
                   if (got := block_phase_line(line)) and "propagate" in (phases := got[1])]
-    between = [sum(ph.get(p, 0.0) for p in ("install", "propagate", "save states")) for ph in propagated]
+    between = [sum(ph.get(p, 0.0) for p in ("install", "propagate")) for ph in propagated]
     between_s = statistics.mean(between) if between else None
+    saves = [ph["save states"] for ph in propagated if "save states" in ph]
+    save_s = statistics.mean(saves) if saves else 0.0
     propagate = [ph["propagate"] for ph in propagated]
     peaks = peaks_from_log(log)
     for b in per_block:
@@ -278,7 +298,8 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
     hours = sentence = None
     L = LAYERS_EXTRAPOLATED
     if compute_s is not None and not missing:
-        total = extrapolate(one_time, compute_s, between_s, L)
+        total = extrapolate(one_time, compute_s, between_s, save_s, L)
+        n_saves = state_saves(compute_s, between_s or 0.0, save_s, L)
         hours = round(total / 3600, 2)
         measured_on = f"{len(between)} measured" if between else "none"
         sentence = (
@@ -292,8 +313,10 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
             f"per-block seconds, which hold routing, the dense weights, the in-loop SGPTQ init, the refinement, the "
             f"activation ranges and the artifact write: its packing and the wait for the previous block's "
             f"background write) + {L - 1} × {between_s or 0.0:.2f} s (between two blocks: installing the block and "
-            f"propagating the calibration states through its layer, with saving them for a resume; the engine's "
-            f"phase lines, {measured_on}) = {total:.0f} s = {hours:.2f} h on one GPU. "
+            f"propagating the calibration states through its layer; the engine's phase lines, {measured_on}) "
+            f"+ {n_saves} × {save_s:.2f} s (saving the states for a resume, {len(saves)} measured; the engine saves "
+            f"once at least a minute and 20 × the last save's duration have passed, so {n_saves} of the {L - 1} "
+            f"moments between blocks save) = {total:.0f} s = {hours:.2f} h on one GPU. "
             f"The first block's time includes the process's warm-up (compilation), so the mean of {len(secs)} "
             f"blocks overstates a {L}-layer run's steady state.")
     elif compute_s is None:
@@ -316,6 +339,7 @@ def results(root: Path, work: Path, state: dict, command: list[str], options: di
         "gpu_min_per_block_after_first": round(statistics.mean(secs[1:]) / 60, 3) if len(secs) > 1 else None,
         "per_block": per_block,
         "between_blocks_s": round(between_s, 2) if between_s is not None else None,
+        "state_save_s": round(save_s, 2),
         "one_time_s": one_time, "one_time_from_run": where, "one_time_per_run_s": runs,
         "plan_gib": plan_gib,
         "plan_gib_source": "the refine memory line's predicted peak per block (the work dir log)",

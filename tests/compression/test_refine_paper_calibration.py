@@ -135,12 +135,13 @@ def test_results_from_a_recorded_work_dir(tmp_path):
     # embedding 17.5 s (schedule line → the loop's start: block 0's phases line less its 320 s of phases)
     assert doc["one_time_s"] == {"model_load": 12.5, "calibration": 30.0, "embedding": 17.5}
     assert doc["one_time_per_run_s"][1] == {"model_load": 10.0, "embedding": 25.0}  # the resumed run: no calibration
-    between = 0.5 + 10.0 + 9.5  # install + propagate + save states, block 0 (the last block propagates nothing)
-    assert doc["between_blocks_s"] == between
-    total = 30.0 + 12.5 + 17.5 + 48 * 270.0 + 47 * between
+    between = 0.5 + 10.0  # install + propagate, block 0 (the last block propagates nothing)
+    assert doc["between_blocks_s"] == between and doc["state_save_s"] == 9.5
+    # a save after every block: 280.5 s per block is past both a minute and 20 × the 9.5 s save
+    total = 30.0 + 12.5 + 17.5 + 48 * 270.0 + 47 * between + 47 * 9.5
     assert doc["extrapolated_48_layer_hours"] == round(total / 3600, 2)
-    assert rpc.extrapolate(doc["one_time_s"], 270.0, between) == pytest.approx(total)
-    for number in ("60.0 s", "48 × 270.0 s", "47 × 20.00 s", f"{total:.0f} s", "300.0, 240.0"):
+    assert rpc.extrapolate(doc["one_time_s"], 270.0, between, 9.5) == pytest.approx(total)
+    for number in ("60.0 s", "48 × 270.0 s", "47 × 10.50 s", "47 × 9.50 s", f"{total:.0f} s", "300.0, 240.0"):
         assert number in doc["extrapolation"]
     assert doc["peak_gpu_gib_nvidia_smi"] == 120.5 and doc["oom"] is False and doc["exit_status"] == 0
     # torch's peak reserved memory over the blocks' phases, against the plan the refine memory line printed
@@ -200,3 +201,13 @@ def test_smoke_run_stops_at_the_deadline_resumes_and_writes_results(tmp_path):
     assert "refine:" not in again.stdout.split("#")[0]
     bad = run("--root", root, *SMOKE[:-2], "--epochs", "2", check=False)
     assert bad.returncode != 0 and "other options" in bad.stderr
+
+
+def test_extrapolation_counts_the_state_saves_the_engine_makes():
+    rpc = _script()
+    # the engine saves once a minute and 20 × the last save have passed: 27 s saves after 367 s blocks come every
+    # second block (the first after block 0), 24 of the 47 moments between 48 blocks
+    assert rpc.state_saves(342.0, 25.0, 27.0) == 24
+    assert rpc.state_saves(342.0, 25.0, 0.0) == 47  # free saves: after every block
+    assert rpc.state_saves(20.0, 5.0, 1.0) == 15  # a minute apart at least: every third 25 s block
+    assert rpc.extrapolate({"x": 10.0}, 342.0, 25.0, 27.0) == pytest.approx(10 + 48 * 342 + 47 * 25 + 24 * 27)
