@@ -341,12 +341,23 @@ def render_compression() -> str:
                  f"≈ {fb['extrapolated_min_per_block']['value']} "
                  f"min per block, commit {fb['commit']})",
                  "—", link(PAPER_CALIB_FILE.replace(".json", ".md"))])
+    h100 = load(PAPER_CALIB_H100_FILE)
+    b0, split = h100["per_block"][0], h100["per_block"][0]["compress_split"]
+    rows.append(["the same on an H100 80GB",
+                 f"{'no' if not h100['oom'] else 'an'} out-of-memory: {b0['seconds']:.0f} s = "
+                 f"{h100['gpu_min_per_block']:.2f} GPU-min for block 0 (in-loop SGPTQ {split['in_loop_init']:.0f} s, "
+                 f"refinement {split['refinement']:.0f} s), peak {h100['peak_gpu_gib']:.1f} GiB (torch, reserved) "
+                 f"within the plan's {h100['plan_gib']:.1f}; propagating the states through the layer "
+                 f"{h100['propagation_s_per_layer']:.1f} s; {h100['blocks_measured']} of 2 blocks measured "
+                 f"(commit {h100['commit']})",
+                 "—", link(PAPER_CALIB_H100_FILE.replace(".json", ".md"))])
     return table(["work", "batched (moesq)", "per-expert path (extrapolated)", "file"], rows)
 
 
 REAL_48_FILE = "real_size_run_h200_2026-12-01_bbae3ec.json"
 FULL_BUDGET_FILE = "refine_full_budget_h200_2026-12-02_1347c3a.json"
 PAPER_CALIB_FILE = "refine_paper_calibration.json"
+PAPER_CALIB_H100_FILE = "refine_paper_calibration_h100.json"
 REAL_KIMI_FILE = "real_size_kimi_h200_2026-12-01_171ed46.json"
 SCALING_INIT_FILE = "real_size_scaling_h200x2_2026-12-01_8aed194.json"
 SCALING_REFINE_FILE = "real_size_scaling_h200x2_2026-12-01_db264ec.json"
