@@ -6,7 +6,8 @@ stage pays between two blocks (`engine.propagate`), on a full-width Qwen3-30B-A3
 
 One decoder layer of the shape (random weights in bf16, the router at the synthetic checkpoints' scale: uneven
 routing, as `synthetic_model` writes it), its experts compressed by round-to-nearest in --format and installed as
-the engine installs a block (`MoesqExperts.from_quantized` on the device, static activation ranges), the states of
+the engine installs a block (`MoesqExperts.from_quantized` and `set_factored` on the device, static activation
+ranges), the states of
 --batches batches of --batch-size random sequences of --seq-len tokens held in host memory as a GPU stage holds
 them. In one process, for each variant:
 - `factored` (the default on a GPU): the experts' bf16 matmuls on the factored weights, experts chunked by row count;
@@ -67,8 +68,8 @@ def build_layer(args, device: torch.device):
                 for p in PROJECTIONS} for _ in range(E)]
     module = MoesqExperts.from_quantized(fmt, weights, True, torch.full((E,), 8.0, device=device),
                                          torch.full((E,), 0.5, device=device))
+    module.set_factored(weights)  # as the engine installs a block on a GPU
     if device.type != "cuda":  # the GPU path, run on the CPU (a smoke run)
-        module.set_factored(weights)
         module.batched = True
     block.set_experts(module)
     return model, block, module

@@ -395,6 +395,8 @@ def install_block(block: MoEBlock, fmt: Format, results: list[CompressedExpert],
     # dequantized where the model computes (exact elementwise arithmetic: the same values as on the CPU)
     weights = [{p: w.to(device) for p, w in r.weights().items()} for r in results]
     module = MoesqExperts.from_quantized(fmt, weights, act_quant, amax_in, amax_mid)
+    if torch.device(device).type == "cuda":  # propagation's bf16 matmuls (MoesqExperts' batched path)
+        module.set_factored(weights)
     block.set_experts(module.to(device))
 
 

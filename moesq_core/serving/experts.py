@@ -80,15 +80,13 @@ class MoesqExperts(nn.Module):
                 down = torch.empty((len(weights), *d.shape), device=d.device)
             gate_up[e, : g.shape[0]], gate_up[e, g.shape[0] :], down[e] = g, u, d
             del g, u, d
-        module = cls(fmt, gate_up, down, act_quant, input_global_scales(act_amax_in)[0],
-                     input_global_scales(act_amax_mid)[0])
-        if gate_up is not None and gate_up.is_cuda:
-            module.set_factored(weights)
-        return module
+        return cls(fmt, gate_up, down, act_quant, input_global_scales(act_amax_in)[0],
+                   input_global_scales(act_amax_mid)[0])
 
     def set_factored(self, weights: list[dict[str, QuantizedWeight]]) -> None:
         """Hold the weights also as bf16 values and fp32 row factors (QuantizedWeight.factored) for the batched
-        path's bf16 matmuls; kept only where bf16 holds every value exactly (else that path computes in fp32)."""
+        path's bf16 matmuls; kept only where bf16 holds every value exactly (else that path computes in fp32).
+        Opt-in (the engine's install for propagation asks for it): it adds 2 bytes per weight to the module."""
         E = len(weights)
         gate_up, down = self.gate_up_proj, self.down_proj
         gu_v = torch.empty(gate_up.shape, dtype=torch.bfloat16, device=gate_up.device)

@@ -86,8 +86,8 @@ def _routing(T=90, E=7, k=2, seed=4):
 @pytest.mark.parametrize("act_quant", [True, False])
 def test_factored_batched_path_equals_the_per_expert_loop(name, act_quant, monkeypatch):
     module, weights = _module(name, act_quant)
-    assert getattr(module, "gate_up_values", None) is None  # built on a GPU only (from_quantized) ...
-    module.set_factored(weights)  # ... or when asked
+    assert getattr(module, "gate_up_values", None) is None  # only when asked (the engine's install on a GPU)
+    module.set_factored(weights)
     assert module.gate_up_values.dtype == torch.bfloat16 and module._factored()
     assert "gate_up_values" not in module.state_dict()  # not part of what is saved
     idx, w = _routing()
@@ -121,9 +121,10 @@ def test_factored_path_on_cuda_matches_the_loop(name):
     idx, w = _routing(T=700)
     x = torch.randn(700, 256).bfloat16().float()  # a bf16 model's states, in fp32: outputs without bf16 rounding
     cpu = module(x, idx, w)
-    gpu = MoesqExperts.from_quantized(get_format(name), [{p: q.to("cuda") for p, q in e.items()} for e in weights],
-                                      True, AMAX_IN.cuda(), AMAX_MID.cuda())
-    assert gpu._factored()  # built on the GPU
+    on_gpu = [{p: q.to("cuda") for p, q in e.items()} for e in weights]
+    gpu = MoesqExperts.from_quantized(get_format(name), on_gpu, True, AMAX_IN.cuda(), AMAX_MID.cuda())
+    gpu.set_factored(on_gpu)
+    assert gpu._factored() and gpu.gate_up_values.is_cuda
     args = (x.cuda(), idx.cuda(), w.cuda())
     got = gpu(*args)
     assert torch.equal(gpu(*args), got)  # deterministic
@@ -136,3 +137,26 @@ def test_factored_path_on_cuda_matches_the_loop(name):
     # loop as much as this path); NVFP4's static global scales do not
     tol = 2e-2 if name.endswith("fp8") else 3e-4
     assert ((got.cpu() - cpu).norm() / cpu.norm()).item() < tol
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_engine_installs_factored_experts_on_a_gpu_only(device):
+    """Propagation on a GPU multiplies the factored weights; the CPU keeps the reference loop, and serving modules
+    (make_experts) do not pay the factored copy's 2 bytes per weight."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from moesq_core.compression.engine import install_block
+    from moesq_core.compression.methods.base import CompressedExpert
+
+    _, weights = _module("p48-nvfp4", True, E=3)
+    installed = {}
+
+    class Block:
+        def set_experts(self, module):
+            installed["module"] = module
+
+    install_block(Block(), get_format("p48-nvfp4"), [CompressedExpert(**w) for w in weights], AMAX_IN[:3],
+                  AMAX_MID[:3], True, torch.device(device))
+    module = installed["module"]
+    assert module._factored() == (device == "cuda")
+    assert module.gate_up_proj.device.type == device
