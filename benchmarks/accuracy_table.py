@@ -80,7 +80,6 @@ QUARTER = {"epochs": 10, "steps_per_epoch": 32}  # a quarter of it
 E2E = {"e2e_steps": 64, "e2e_batch_size": 4}  # end-to-end tuning after the last block (lr: RefineConfig's)
 E2E_128 = {"e2e_steps": 128, "e2e_batch_size": 4}
 E2E_256 = {"e2e_steps": 256, "e2e_batch_size": 4}
-E2E_LION = {"e2e_optimizer": "lion", "e2e_lr": 3e-4}
 SPLIT = {"init_split_rows": True}  # RefineConfig's default; tables begun before it existed run with it off
 # moesq's refinement defaults for the fields a table's base protocol may pin otherwise (tables begun before the
 # end-to-end step's "auto" and the values' RMS cap run their base rows without them; these rows say what a
@@ -126,10 +125,9 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-e2e": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E}),
     "refine-e2e-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E, "seed": 1}),
     # the end-to-end step with Lion (one moment per weight instead of Adam's two) at rates below Adam's 1e-3
-    "refine-e2e-lion": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E, **E2E_LION}),
-    "refine-e2e-lion-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E, **E2E_LION, "seed": 1}),
-    "refine-e2e-lion-lr1e-4": ("p48-nvfp4", "refine", "sgptq-refit",
-                               {**SPLIT, **E2E, **E2E_LION, "e2e_lr": 1e-4}),
+    **{f"refine-e2e-lion{lr}{s}": ("p48-nvfp4", "refine", "sgptq-refit",
+                                   {**SPLIT, **E2E, "e2e_optimizer": "lion", "e2e_lr": float(lr), **seed})
+       for lr in ("3e-4", "1e-4") for s, seed in (("", {}), ("-seed1", {"seed": 1}))},
     "refine-e2e-128": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128}),
     "refine-e2e-128-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128, "seed": 1}),
     "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
@@ -184,9 +182,10 @@ DESCRIPTION = {
     "refine-e2e": "paired 4:8 NVFP4, refine (default: the block loop routes the training and one-shot sequences) "
                   "from SGPTQ-refit + end-to-end tuning (64 steps × 4 sequences)",
     "refine-e2e-seed1": "paired 4:8 NVFP4, refine-e2e with refine seed 1",
-    "refine-e2e-lion": "paired 4:8 NVFP4, refine-e2e with Lion (one moment) at lr 3e-4 in place of Adam at 1e-3",
-    "refine-e2e-lion-seed1": "paired 4:8 NVFP4, refine-e2e-lion with refine seed 1",
-    "refine-e2e-lion-lr1e-4": "paired 4:8 NVFP4, refine-e2e with Lion (one moment) at lr 1e-4",
+    **{f"refine-e2e-lion{lr}": f"paired 4:8 NVFP4, refine-e2e with Lion (one moment) at lr {lr} in place of Adam at "
+                               "1e-3" for lr in ("3e-4", "1e-4")},
+    **{f"refine-e2e-lion{lr}-seed1": f"paired 4:8 NVFP4, refine-e2e-lion{lr} with refine seed 1"
+       for lr in ("3e-4", "1e-4")},
     "refine-e2e-128": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
                       "end-to-end tuning (128 steps × 4 sequences)",
     "refine-e2e-128-seed1": "paired 4:8 NVFP4, refine-e2e-128 with refine seed 1",
@@ -220,9 +219,9 @@ GROUPS = {
             "refine", "refine-seed1", "refine-p0", "refine-values", "refine-support", "refine-e2e",
             "refine-e2e-seed1", "refine-e2e-128", "refine-e2e-128-seed1", "refine-quarter", "refine-paper"],
     "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
-    # the end-to-end step's optimizer: Adam against Lion (two seeds each, Lion's rate from two tried on seed 0)
-    "e2e-optimizer": ["reference", "sgptq-refit", "refine-e2e", "refine-e2e-seed1", "refine-e2e-lion",
-                      "refine-e2e-lion-lr1e-4", "refine-e2e-lion-seed1"],
+    # the end-to-end step's optimizer: Adam against Lion at two rates, two seeds each
+    "e2e-optimizer": ["reference", "sgptq-refit", "refine-e2e", "refine-e2e-seed1", "refine-e2e-lion3e-4",
+                      "refine-e2e-lion3e-4-seed1", "refine-e2e-lion1e-4", "refine-e2e-lion1e-4-seed1"],
     # the end-to-end step in windows against the whole-model step (and, in each row's e2e line, block-wise)
     "e2e-window": ["reference", "sgptq", "refine-default", "refine-default-seed1", "refine-default-w2",
                    "refine-default-w2-seed1", "refine-default-w1"],
