@@ -127,7 +127,7 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     # the end-to-end step with Lion (one moment per weight instead of Adam's two) at rates below Adam's 1e-3
     **{f"refine-e2e-lion{lr}{s}": ("p48-nvfp4", "refine", "sgptq-refit",
                                    {**SPLIT, **E2E, "e2e_optimizer": "lion", "e2e_lr": float(lr), **seed})
-       for lr in ("3e-4", "1e-4") for s, seed in (("", {}), ("-seed1", {"seed": 1}))},
+       for lr in ("1e-3", "3e-4", "1e-4") for s, seed in (("", {}), ("-seed1", {"seed": 1}))},
     "refine-e2e-128": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128}),
     "refine-e2e-128-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128, "seed": 1}),
     "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
@@ -183,9 +183,9 @@ DESCRIPTION = {
                   "from SGPTQ-refit + end-to-end tuning (64 steps × 4 sequences)",
     "refine-e2e-seed1": "paired 4:8 NVFP4, refine-e2e with refine seed 1",
     **{f"refine-e2e-lion{lr}": f"paired 4:8 NVFP4, refine-e2e with Lion (one moment) at lr {lr} in place of Adam at "
-                               "1e-3" for lr in ("3e-4", "1e-4")},
+                               "1e-3" for lr in ("1e-3", "3e-4", "1e-4")},
     **{f"refine-e2e-lion{lr}-seed1": f"paired 4:8 NVFP4, refine-e2e-lion{lr} with refine seed 1"
-       for lr in ("3e-4", "1e-4")},
+       for lr in ("1e-3", "3e-4", "1e-4")},
     "refine-e2e-128": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
                       "end-to-end tuning (128 steps × 4 sequences)",
     "refine-e2e-128-seed1": "paired 4:8 NVFP4, refine-e2e-128 with refine seed 1",
@@ -219,9 +219,9 @@ GROUPS = {
             "refine", "refine-seed1", "refine-p0", "refine-values", "refine-support", "refine-e2e",
             "refine-e2e-seed1", "refine-e2e-128", "refine-e2e-128-seed1", "refine-quarter", "refine-paper"],
     "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
-    # the end-to-end step's optimizer: Adam against Lion at two rates, two seeds each
-    "e2e-optimizer": ["reference", "sgptq-refit", "refine-e2e", "refine-e2e-seed1", "refine-e2e-lion3e-4",
-                      "refine-e2e-lion3e-4-seed1", "refine-e2e-lion1e-4", "refine-e2e-lion1e-4-seed1"],
+    # the end-to-end step's optimizer: Adam against Lion at three rates, two seeds each
+    "e2e-optimizer": ["reference", "sgptq-refit", "refine-e2e", "refine-e2e-seed1",
+                      *(f"refine-e2e-lion{lr}{s}" for lr in ("1e-3", "3e-4", "1e-4") for s in ("", "-seed1"))],
     # the end-to-end step in windows against the whole-model step (and, in each row's e2e line, block-wise)
     "e2e-window": ["reference", "sgptq", "refine-default", "refine-default-seed1", "refine-default-w2",
                    "refine-default-w2-seed1", "refine-default-w1"],

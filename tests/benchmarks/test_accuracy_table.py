@@ -90,7 +90,7 @@ def test_window_rows_are_the_default_rows_with_the_window_and_their_kl_line_read
 
 
 def test_optimizer_rows_are_the_e2e_rows_with_lion_and_tables_from_before_the_option_ran_adam(table):
-    for lr in ("3e-4", "1e-4"):
+    for lr in ("1e-3", "3e-4", "1e-4"):
         for seed in ("", "-seed1"):
             row, base = table.ROWS[f"refine-e2e-lion{lr}{seed}"], table.ROWS[f"refine-e2e{seed}"]
             assert row[:3] == base[:3] and row[3] == {**base[3], "e2e_optimizer": "lion", "e2e_lr": float(lr)}
