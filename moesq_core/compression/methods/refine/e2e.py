@@ -203,10 +203,10 @@ def _expert_weights(adapter, model) -> tuple[dict[int, int], int]:
 def window_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int, layers: list[int],
                       optimizer: str = "adam") -> int:
     """Estimated peak memory of tuning the experts of the MoE layers `layers` (a window) end to end with
-    `optimizer` (STATE_BYTES_PER_WEIGHT): their dense
-    weights (restored for the reference pass) and tuning state, the other blocks' served weights, one batch's
-    activations from the window's first layer to the last (the prefix runs without autograd) and its
-    vocabulary-sized logits (the model's other weights are resident already)."""
+    `optimizer`: their dense weights (restored for the reference pass) and tuning state (STATE_BYTES_PER_WEIGHT),
+    the other blocks' served weights, one batch's activations from the window's first layer to the last (the
+    prefix runs without autograd) and its vocabulary-sized logits (the model's other weights are resident
+    already)."""
     counts, itemsize = _expert_weights(adapter, model)
     tuned = sum(counts[li] for li in layers)
     frozen = sum(counts.values()) - tuned
@@ -254,10 +254,9 @@ class WindowPlan:
 def e2e_window_plan(model: nn.Module, adapter, batch_size: int, seq_len: int, window: int | str,
                     available: int | None, optimizer: str = "adam") -> WindowPlan:
     """The windows of the end-to-end step with `optimizer` (RefineConfig.e2e_window, e2e_optimizer): `window`
-    blocks each (the last may hold
-    fewer; more than the model has is the whole model), or "auto": the whole model where its estimate fits
-    `available` bytes (None: unknown, taken to fit), else the largest window that fits, else one block a window
-    (then `fits` is False and the caller decides)."""
+    blocks each (the last may hold fewer; more than the model has is the whole model), or "auto": the whole
+    model where its estimate fits `available` bytes (None: unknown, taken to fit), else the largest window that
+    fits, else one block a window (then `fits` is False and the caller decides)."""
     layers = [b.layer_index for b in adapter.blocks(model)]
 
     def plan(w: int) -> WindowPlan:

@@ -149,7 +149,7 @@ class RefineConfig:
     blocks frozen, against the same KL on the final logits ("auto": the whole model where it fits, else the largest
     window that fits; each window runs the step's passes). `e2e_optimizer`: "adam" (two fp32 moments per expert
     weight) or "lion" (one: ~4 bytes less per expert weight, so larger windows in the same memory); `e2e_lr` is the
-    chosen optimizer's own rate (Lion's is usually 3-10× below Adam's: give one with it).
+    chosen optimizer's own rate.
     """
 
     # config files and --set: an unknown key is an error, and so is a nan or infinite number
