@@ -16,10 +16,11 @@ artifact checksums). The shared models are read from `../shared` next to the che
 packaged micro model with the packaged calibration and evaluation samples.
 
 Rows (`--rows`, comma-separated names or the groups `all`, `core`, `ablations`, `budget`, `paper-budget`,
-`fp8`, `e2e`, `e2e-window`, `gpu`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN / GPTQ; paired 4:8
-magnitude, Wanda, JSQ, OBR, SGPTQ (export-exact scales, fp32 scales, refit); refinement (default, other seeds, the
-paper's raw rates, values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps, with end-to-end
-tuning after the last block, of the whole model or in windows of blocks); the release-faithful
+`fp8`, `e2e`, `e2e-window`, `e2e-optimizer`, `gpu`): see ROWS/DESCRIPTION below — reference; dense NVFP4 RTN /
+GPTQ; paired 4:8 magnitude, Wanda, JSQ, OBR, SGPTQ (export-exact scales, fp32 scales, refit); refinement (default,
+other seeds, the paper's raw rates, values-first, ablations, from SGPTQ-refit, at ¼ and 1× the paper's 1,280 steps,
+with end-to-end tuning after the last block, of the whole model or in windows of blocks, with Adam or Lion); the
+release-faithful
 configuration (recipes/release-faithful.yaml, minus the serving-time activation scale); s24-fp8 SGPTQ / refine.
 Every compressed row is run weights-only ("wo") and/or with the format's activation quantizer ("wa": W4A4 for
 NVFP4, W8A8 for FP8), each in its own work dir (a work dir holds one activation setting). Refinement rows
@@ -123,6 +124,10 @@ ROWS: dict[str, tuple[str | None, str, str | None, dict]] = {
     "refine-split": ("p48-nvfp4", "refine", "sgptq-refit", SPLIT),
     "refine-e2e": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E}),
     "refine-e2e-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E, "seed": 1}),
+    # the end-to-end step with Lion (one moment per weight instead of Adam's two) at rates below Adam's 1e-3
+    **{f"refine-e2e-lion{lr}{s}": ("p48-nvfp4", "refine", "sgptq-refit",
+                                   {**SPLIT, **E2E, "e2e_optimizer": "lion", "e2e_lr": float(lr), **seed})
+       for lr in ("1e-3", "3e-4", "1e-4") for s, seed in (("", {}), ("-seed1", {"seed": 1}))},
     "refine-e2e-128": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128}),
     "refine-e2e-128-seed1": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_128, "seed": 1}),
     "refine-e2e-256": ("p48-nvfp4", "refine", "sgptq-refit", {**SPLIT, **E2E_256}),
@@ -177,6 +182,10 @@ DESCRIPTION = {
     "refine-e2e": "paired 4:8 NVFP4, refine (default: the block loop routes the training and one-shot sequences) "
                   "from SGPTQ-refit + end-to-end tuning (64 steps × 4 sequences)",
     "refine-e2e-seed1": "paired 4:8 NVFP4, refine-e2e with refine seed 1",
+    **{f"refine-e2e-lion{lr}": f"paired 4:8 NVFP4, refine-e2e with Lion (one moment) at lr {lr} in place of Adam at "
+                               "1e-3" for lr in ("1e-3", "3e-4", "1e-4")},
+    **{f"refine-e2e-lion{lr}-seed1": f"paired 4:8 NVFP4, refine-e2e-lion{lr} with refine seed 1"
+       for lr in ("1e-3", "3e-4", "1e-4")},
     "refine-e2e-128": "paired 4:8 NVFP4, refine (default, training + one-shot sequences) from SGPTQ-refit + "
                       "end-to-end tuning (128 steps × 4 sequences)",
     "refine-e2e-128-seed1": "paired 4:8 NVFP4, refine-e2e-128 with refine seed 1",
@@ -210,6 +219,9 @@ GROUPS = {
             "refine", "refine-seed1", "refine-p0", "refine-values", "refine-support", "refine-e2e",
             "refine-e2e-seed1", "refine-e2e-128", "refine-e2e-128-seed1", "refine-quarter", "refine-paper"],
     "e2e": ["refine-refit-e2e", "refine-e2e", "refine-e2e-128", "refine-e2e-256"],
+    # the end-to-end step's optimizer: Adam against Lion at three rates, two seeds each
+    "e2e-optimizer": ["reference", "sgptq-refit", "refine-e2e", "refine-e2e-seed1",
+                      *(f"refine-e2e-lion{lr}{s}" for lr in ("1e-3", "3e-4", "1e-4") for s in ("", "-seed1"))],
     # the end-to-end step in windows against the whole-model step (and, in each row's e2e line, block-wise)
     "e2e-window": ["reference", "sgptq", "refine-default", "refine-default-seed1", "refine-default-w2",
                    "refine-default-w2-seed1", "refine-default-w1"],
@@ -353,6 +365,7 @@ def same_refine(old: dict | None, new: dict) -> bool:
 # What a table written before a RefineConfig field existed ran with: no end-to-end step, the training split
 # alone, no cap on the values' step.
 LEGACY_REFINE = {"e2e_steps": 0, "e2e_lr": 1e-3, "e2e_batch_size": 8, "e2e_loss": "kl", "e2e_memory_gb": None,
+                 "e2e_optimizer": "adam",
                  "init_split_rows": False, "lr_budget_values_rms": None}
 
 

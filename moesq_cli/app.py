@@ -560,9 +560,10 @@ def refine(
     are tuned together against the reference model's next-token distribution (KL on the final logits) over
     the training and one-shot calibration sequences (--e2e-batch-size per step); the best of the validation
     checks (before, and after each pass) ships. It rewrites the stage's blocks in one step (resumable) and
-    holds every expert's values and Adam moments at once (~24 bytes per expert weight). Where that does not fit
-    the device (or --e2e-memory-gb), it tunes windows of consecutive blocks one after the other, the other
-    blocks frozen in their compressed form, against the same KL through the rest of the model:
+    holds every expert's values and Adam moments at once (~24 bytes per expert weight; --e2e-optimizer lion
+    keeps one moment instead of two, ~20 bytes; --e2e-lr is the chosen one's rate). Where that does not fit the
+    device (or --e2e-memory-gb), it tunes windows of consecutive blocks one after the other, the other blocks
+    frozen in their compressed form, against the same KL through the rest of the model:
     --e2e-window N blocks per window, or auto (the default: the whole model where it fits, else the largest
     window that fits); each window runs the step's passes and is saved as it ends (resumable). By default (auto)
     it runs 2 passes over those sequences, at most 256 steps, when its windows fit, and says before the block

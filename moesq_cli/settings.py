@@ -267,7 +267,7 @@ FLAGS: dict[str, tuple] = {
     "--epochs": ("refine.epochs", (_R, _U)), "--steps-per-epoch": ("refine.steps_per_epoch", (_R, _U)),
     **{f"--{k.replace('_', '-')}": (f"refine.{k}", (_R,)) for k in (
         "batch_rows", "micro_batch_rows", "chunk_gb", "lr_logits", "lr_values", "loss_power", "e2e_steps", "e2e_lr",
-        "e2e_batch_size", "e2e_memory_gb", "e2e_loss", "e2e_window")},
+        "e2e_batch_size", "e2e_memory_gb", "e2e_loss", "e2e_window", "e2e_optimizer")},
     "--values-only": ("refine.train_support", (_R,), False), "--support-only": ("refine.train_values", (_R,), False),
     "--refine-seed": ("refine.seed", (_R,)),
     "--init-split-rows/--no-init-split-rows": ("refine.init_split_rows", (_R,)),

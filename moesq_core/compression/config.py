@@ -148,8 +148,9 @@ def _named(key: str, check, value) -> None:
 def refine_identity(rcfg, init: MethodConfig) -> dict:
     """The manifest identity of a refinement stage: its (in-loop) init method's normalised config and the full
     RefineConfig — without the end-to-end options when there is no end-to-end step (they change nothing then,
-    and stages recorded before they existed keep their identity; `e2e_loss` too when it is the KL), and without
-    `init_split_rows` when it is off (stages recorded before it existed routed the training split alone)."""
+    and stages recorded before they existed keep their identity; `e2e_loss` too when it is the KL, `e2e_optimizer`
+    when it is Adam), and without `init_split_rows` when it is off (stages recorded before it existed routed the
+    training split alone)."""
     refine = jsonable(asdict(rcfg))
     if not rcfg.e2e_steps:
         refine = {k: v for k, v in refine.items() if not k.startswith("e2e_")}
@@ -160,6 +161,8 @@ def refine_identity(rcfg, init: MethodConfig) -> dict:
             del refine["e2e_memory_gb"]
         if rcfg.e2e_window == "auto":  # likewise e2e_window: the whole model where it fits
             del refine["e2e_window"]
+        if rcfg.e2e_optimizer == "adam":  # likewise e2e_optimizer: Adam
+            del refine["e2e_optimizer"]
     if not rcfg.init_split_rows:
         del refine["init_split_rows"]
     return {"method": "refine", "init": init.to_dict(), "refine": refine}

@@ -475,7 +475,8 @@ def plan_end_to_end(rcfg, model, adapter, calib: dict[str, torch.Tensor]) -> dic
         have, source = int(rcfg.e2e_memory_gb * 2**30), "allowed (e2e_memory_gb)"
     else:
         have, source = device_available_bytes(device), f"available on {device}"
-    plan = e2e_window_plan(model, adapter, rcfg.e2e_batch_size, calib["train"].shape[1], rcfg.e2e_window, have)
+    plan = e2e_window_plan(model, adapter, rcfg.e2e_batch_size, calib["train"].shape[1], rcfg.e2e_window, have,
+                           rcfg.e2e_optimizer)
     need = plan.need_bytes
     where = f"{gib(have)} {source}" if have is not None else f"{device}'s free memory unknown"
     out = {"steps": steps, "windows": plan.windows, "need_bytes": need, "available_bytes": have}
@@ -490,6 +491,8 @@ def plan_end_to_end(rcfg, model, adapter, calib: dict[str, torch.Tensor]) -> dic
     auto = "auto: " if rcfg.e2e_steps == "auto" else ""
     if plan.auto and not plan.whole:
         auto += "the largest window that fits: "
+    if rcfg.e2e_optimizer != "adam":
+        per += f" with {rcfg.e2e_optimizer.capitalize()}"
     line = (f"{steps} steps × {rcfg.e2e_batch_size} of {sequences} sequences{per} after the last block, "
             f"{plan.describe()} ({auto}~{gib(need)} of {where})")
     if not plan.fits:

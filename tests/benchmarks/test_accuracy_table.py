@@ -1,6 +1,7 @@
 """benchmarks/accuracy_table.py: the rows run what their names say, and the recorded command holds no machine path."""
 import importlib.util
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,15 @@ def test_window_rows_are_the_default_rows_with_the_window_and_their_kl_line_read
     windowed = {"windows": [{**whole, "layers": [0, 1]}, {"val_kl": [1.0, 0.9, 0.95], "best_pass": 1, "passes": 2,
                                                           "steps": 8, "layers": [2, 3]}], "steps": 8, "best_pass": 1}
     assert table.e2e_kl(windowed) == "val KL 1.2000 → 0.9000 (2 windows, 8 steps each)"
+
+
+def test_optimizer_rows_are_the_e2e_rows_with_lion_and_tables_from_before_the_option_ran_adam(table):
+    for lr in ("1e-3", "3e-4", "1e-4"):
+        for seed in ("", "-seed1"):
+            row, base = table.ROWS[f"refine-e2e-lion{lr}{seed}"], table.ROWS[f"refine-e2e{seed}"]
+            assert row[:3] == base[:3] and row[3] == {**base[3], "e2e_optimizer": "lion", "e2e_lr": float(lr)}
+    assert {"refine-e2e", "refine-e2e-seed1", "refine-e2e-lion3e-4"} <= set(table.expand_rows("e2e-optimizer"))
+    new = asdict(table.RefineConfig(e2e_steps=64))
+    old = {k: v for k, v in new.items() if k != "e2e_optimizer"}  # a table written before the option existed
+    assert table.same_refine(old, new)
+    assert not table.same_refine(old, {**new, "e2e_optimizer": "lion"})

@@ -223,7 +223,8 @@ def test_interrupted_end_to_end_resumes_to_the_same_bytes_and_redo_from_restores
 
 def test_bad_end_to_end_options_are_refused():
     for kw, name in (({"e2e_steps": -1}, "e2e_steps"), ({"e2e_lr": 0.0}, "e2e_lr"),
-                     ({"e2e_batch_size": 0}, "e2e_batch_size"), ({"e2e_loss": "mse"}, "e2e_loss")):
+                     ({"e2e_batch_size": 0}, "e2e_batch_size"), ({"e2e_loss": "mse"}, "e2e_loss"),
+                     ({"e2e_optimizer": "sgd"}, "e2e_optimizer")):
         with pytest.raises(ValueError, match=name):
             RefineConfig(**kw)
 
@@ -248,7 +249,8 @@ def test_stage_identity_without_the_end_to_end_step_is_unchanged():
     ident = refine_identity(RCFG, MethodConfig("rtn"))["refine"]
     assert ident["e2e_steps"] == RCFG.e2e_steps
     # stages from before them: the KL, the device's memory
-    assert "e2e_loss" not in ident and "e2e_memory_gb" not in ident
+    assert "e2e_loss" not in ident and "e2e_memory_gb" not in ident and "e2e_optimizer" not in ident  # nor Adam
+    assert refine_identity(RefineConfig(e2e_optimizer="lion"), MethodConfig("rtn"))["refine"]["e2e_optimizer"] == "lion"
     assert refine_identity(RefineConfig(), MethodConfig("rtn"))["refine"]["e2e_steps"] == "auto"
     assert refine_identity(RefineConfig(e2e_memory_gb=2.0), MethodConfig("rtn"))["refine"]["e2e_memory_gb"] == 2.0
 
@@ -305,7 +307,7 @@ def test_memory_estimate_counts_every_expert_weight_and_refuses_a_qwen3_30b_on_o
     c = model.config
     experts = c.num_hidden_layers * c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size
     need = memory_need_bytes(model, adapter, 4, 256)
-    floor = experts * (4 + STATE_BYTES_PER_WEIGHT) + 4 * 256 * 3 * c.vocab_size * 4  # + the batch's logits
+    floor = experts * (4 + STATE_BYTES_PER_WEIGHT["adam"]) + 4 * 256 * 3 * c.vocab_size * 4  # + the batch's logits
     assert floor < need < 2 * floor
     # Qwen3-30B-A3B's shape (48 layers, 128 experts of 2048 x 768), built on the meta device: no memory
     cfg = AutoConfig.for_model("qwen3_moe", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
@@ -611,3 +613,101 @@ def test_bad_e2e_window_is_refused_by_the_config():
         with pytest.raises(ValueError, match="e2e_window"):
             RefineConfig(e2e_window=bad)
     assert RefineConfig(e2e_window=3).e2e_window == 3
+
+
+def test_optimizer_state_bytes_follow_the_optimizer_and_lion_gets_larger_windows_in_the_same_memory(micro_path):
+    """Lion holds one fp32 moment per expert weight where Adam holds two: 4 bytes less per tuned weight in the
+    window plan, so a memory where Adam's plan takes windows of 2 blocks gives Lion windows of 3, and the line
+    refinement prints says so."""
+    from moesq_core.compression.methods.refine import e2e
+    from moesq_core.compression.methods.refine.trainer import E2E_OPTIMIZERS
+    from moesq_core.compression.pipeline import plan_end_to_end
+    from moesq_core.models import load_model
+
+    assert e2e.STATE_BYTES_PER_WEIGHT == {"adam": 21, "lion": 17}  # V, grad, moments, forward's weights, mask
+    assert set(e2e.STATE_BYTES_PER_WEIGHT) == set(E2E_OPTIMIZERS)
+    model, _, adapter, _ = load_model(micro_path, lazy=True)
+    c = model.config
+    per_block = c.num_experts * 3 * c.hidden_size * c.moe_intermediate_size
+    for layers in ([0], [0, 1], [0, 1, 2, 3]):
+        adam, lion = (e2e.window_need_bytes(model, adapter, 4, 32, layers, o) for o in ("adam", "lion"))
+        assert adam - lion == 4 * per_block * len(layers)
+    assert e2e.memory_need_bytes(model, adapter, 4, 32) == e2e.memory_need_bytes(model, adapter, 4, 32, "adam")
+    need = {(o, w): e2e.e2e_window_plan(model, adapter, 4, 32, w, None, o).need_bytes
+            for o in ("adam", "lion") for w in (2, 3)}
+    assert need["lion", 3] < need["adam", 3]
+    have = max(need["adam", 2], need["lion", 3])
+    assert have < need["adam", 3]  # the micro model: Lion's window of 3 fits where Adam's does not
+    assert [len(w) for w in e2e.e2e_window_plan(model, adapter, 4, 32, "auto", have, "adam").windows] == [2, 2]
+    assert [len(w) for w in e2e.e2e_window_plan(model, adapter, 4, 32, "auto", have, "lion").windows] == [3, 1]
+    calib = {"train": torch.zeros(8, 32, dtype=torch.long), "init": torch.zeros(4, 32, dtype=torch.long)}
+    line = plan_end_to_end(RefineConfig(e2e_memory_gb=have / 2**30, e2e_optimizer="lion"), model, adapter,
+                           calib)["line"]
+    assert "per window with Lion after the last block, 2 windows of 3 blocks: layers 0-2, 3 " in line, line
+
+
+def test_adam_is_the_default_and_steps_as_torch_adam_did():
+    """e2e_optimizer "adam" (the default) is torch.optim.Adam at e2e_lr, as the step always ran: the same bytes
+    after a few steps; Lion at the same rate moves the values otherwise."""
+    from moesq_core.compression.methods.refine.e2e import make_optimizer
+
+    assert RefineConfig().e2e_optimizer == "adam"
+    g = torch.Generator().manual_seed(0)
+    start, grads = torch.randn(64, 32, generator=g), [torch.randn(64, 32, generator=g) for _ in range(5)]
+    out = {}
+    for name, make in (("torch", lambda p: torch.optim.Adam(p, lr=1e-3)),
+                       ("adam", lambda p: make_optimizer("adam", p, 1e-3)),
+                       ("lion", lambda p: make_optimizer("lion", p, 1e-3))):
+        v = torch.nn.Parameter(start.clone())
+        opt = make([v])
+        for gr in grads:
+            v.grad = gr.clone()
+            opt.step()
+        out[name] = v.detach()
+    assert torch.equal(out["adam"], out["torch"]) and not torch.equal(out["lion"], out["adam"])
+    lion = make_optimizer("lion", [torch.nn.Parameter(start.clone())], 1e-3)
+    assert type(lion).__name__ == "Lion" and lion.param_groups[0]["weight_decay"] == 0.0
+
+
+LION = RefineConfig(**{**RCFG.__dict__, "e2e_optimizer": "lion", "e2e_lr": 1e-3})
+
+
+def test_lion_windowed_step_lowers_the_kl_and_resumes_mid_window_to_the_same_bytes(tuned, tmp_path, monkeypatch):
+    """The end-to-end step with Lion in windows of 2 blocks: it lowers the validation KL, differs from Adam's,
+    and a run interrupted in its second window resumes there to the bytes of the uninterrupted run."""
+    from moesq_core.compression.workdir import WorkDir
+
+    whole = _blockwise_copy(tuned, tmp_path / "whole")
+    _tune(whole, [[0, 1], [2, 3]], LION)
+    rec = WorkDir(whole).stage("refine")["e2e"]
+    assert min(rec["windows"][-1]["val_kl"]) < rec["windows"][0]["val_kl"][0] and rec["best_pass"] > 0
+
+    wd = _blockwise_copy(tuned, tmp_path / "wd")
+    real, calls = EndToEndTuner._train, []
+
+    def second_window_interrupted(self, *a, **k):
+        calls.append(sorted(self.modules))
+        if calls == [[0, 1], [2, 3]]:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(EndToEndTuner, "_train", second_window_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        _tune(wd, [[0, 1], [2, 3]], LION)
+    calls.clear()
+    _tune(wd, [[0, 1], [2, 3]], LION)
+    assert calls == [[2, 3]]  # only the window it was in ran again
+    assert _artifacts(wd) == _artifacts(whole)
+    ours, theirs = WorkDir(wd).stage("refine"), WorkDir(whole).stage("refine")
+    assert ours["blocks"] == theirs["blocks"] and ours["e2e"] == theirs["e2e"]
+    assert _artifacts(whole) != _artifacts(tuned)  # not Adam's bytes (tuned: the whole model with Adam)
+
+
+def test_bad_e2e_optimizer_exits_2_with_one_line(tmp_path):
+    from moesq_runner import moesq_here
+
+    r = moesq_here("refine", "-w", tmp_path / "wd", "--set", "refine.e2e_optimizer=sgd", check=False)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "e2e_optimizer" in line]
+    assert len(errors) == 1 and "refine.e2e_optimizer: must be one of adam, lion, got 'sgd'" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "wd").exists()

@@ -174,9 +174,10 @@ class FrozenExperts(_ExpertsWithoutDenseCopy):
         return self._forward(hidden_states, top_k_index, top_k_weights)
 
 
-# Bytes the step holds per expert weight beyond the dense weights: latent V, its gradient and Adam's two
-# moments (fp32 each), the fake-quantized weights its forward keeps for the backward (fp32), the mask.
-STATE_BYTES_PER_WEIGHT = 4 * 4 + 4 + 1
+# Bytes the step holds per expert weight beyond the dense weights, per optimizer (RefineConfig.e2e_optimizer): latent
+# V and its gradient (fp32 each), the optimizer's moments (Adam two fp32, Lion one), the fake-quantized weights its
+# forward keeps for the backward (fp32), the mask.
+STATE_BYTES_PER_WEIGHT = {"adam": 2 * 4 + 2 * 4 + 4 + 1, "lion": 2 * 4 + 4 + 4 + 1}
 # Activations kept for the backward per token and decoder layer, in units of the hidden width (attention and
 # MoE inputs/outputs, norms, routed rows at top-k; measured order of magnitude, not a bound).
 ACTIVATION_WIDTHS_PER_LAYER = 24
@@ -199,11 +200,13 @@ def _expert_weights(adapter, model) -> tuple[dict[int, int], int]:
     return counts, itemsize
 
 
-def window_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int, layers: list[int]) -> int:
-    """Estimated peak memory of tuning the experts of the MoE layers `layers` (a window) end to end: their dense
-    weights (restored for the reference pass) and tuning state, the other blocks' served weights, one batch's
-    activations from the window's first layer to the last (the prefix runs without autograd) and its
-    vocabulary-sized logits (the model's other weights are resident already)."""
+def window_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int, layers: list[int],
+                      optimizer: str = "adam") -> int:
+    """Estimated peak memory of tuning the experts of the MoE layers `layers` (a window) end to end with
+    `optimizer`: their dense weights (restored for the reference pass) and tuning state (STATE_BYTES_PER_WEIGHT),
+    the other blocks' served weights, one batch's activations from the window's first layer to the last (the
+    prefix runs without autograd) and its vocabulary-sized logits (the model's other weights are resident
+    already)."""
     counts, itemsize = _expert_weights(adapter, model)
     tuned = sum(counts[li] for li in layers)
     frozen = sum(counts.values()) - tuned
@@ -212,13 +215,15 @@ def window_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int, 
     tokens = batch_size * seq_len
     acts = tokens * 4 * (cfg.hidden_size * ACTIVATION_WIDTHS_PER_LAYER * after + 3 * cfg.vocab_size)
     transient = FROZEN_TRANSIENT_BYTES_PER_WEIGHT * max((c for li, c in counts.items() if li not in layers), default=0)
-    return tuned * (itemsize + STATE_BYTES_PER_WEIGHT) + int(frozen * FROZEN_BYTES_PER_WEIGHT) + transient + acts
+    state = STATE_BYTES_PER_WEIGHT[optimizer]
+    return tuned * (itemsize + state) + int(frozen * FROZEN_BYTES_PER_WEIGHT) + transient + acts
 
 
-def memory_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int) -> int:
+def memory_need_bytes(model: nn.Module, adapter, batch_size: int, seq_len: int, optimizer: str = "adam") -> int:
     """Estimated peak memory of the end-to-end step on `model` in one window: every block's dense expert weights,
     the tuning state of every expert weight, one batch's activations through all layers and its logits."""
-    return window_need_bytes(model, adapter, batch_size, seq_len, [b.layer_index for b in adapter.blocks(model)])
+    return window_need_bytes(model, adapter, batch_size, seq_len, [b.layer_index for b in adapter.blocks(model)],
+                             optimizer)
 
 
 @dataclass
@@ -247,16 +252,16 @@ class WindowPlan:
 
 
 def e2e_window_plan(model: nn.Module, adapter, batch_size: int, seq_len: int, window: int | str,
-                    available: int | None) -> WindowPlan:
-    """The windows of the end-to-end step (RefineConfig.e2e_window): `window` blocks each (the last may hold
-    fewer; more than the model has is the whole model), or "auto": the whole model where its estimate fits
-    `available` bytes (None: unknown, taken to fit), else the largest window that fits, else one block a window
-    (then `fits` is False and the caller decides)."""
+                    available: int | None, optimizer: str = "adam") -> WindowPlan:
+    """The windows of the end-to-end step with `optimizer` (RefineConfig.e2e_window, e2e_optimizer): `window`
+    blocks each (the last may hold fewer; more than the model has is the whole model), or "auto": the whole
+    model where its estimate fits `available` bytes (None: unknown, taken to fit), else the largest window that
+    fits, else one block a window (then `fits` is False and the caller decides)."""
     layers = [b.layer_index for b in adapter.blocks(model)]
 
     def plan(w: int) -> WindowPlan:
         ws = [layers[i : i + w] for i in range(0, len(layers), w)]
-        need = max(window_need_bytes(model, adapter, batch_size, seq_len, x) for x in ws) if ws else 0
+        need = max(window_need_bytes(model, adapter, batch_size, seq_len, x, optimizer) for x in ws) if ws else 0
         return WindowPlan(ws, need, available is None or need <= available, window == "auto")
 
     if window != "auto":
@@ -272,6 +277,17 @@ def e2e_window_plan(model: nn.Module, adapter, batch_size: int, seq_len: int, wi
 class E2EResult:
     blocks: dict[int, list[CompressedExpert]]  # layer index -> the experts to ship (the input where unchanged)
     summary: dict  # JSON-ready: steps, validation KL per pass, the shipped pass (per window: "windows")
+
+
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """The end-to-end step's optimizer (RefineConfig.e2e_optimizer) at `lr`: "adam" (torch's Adam, two fp32
+    moments per weight) or "lion" (lion-pytorch's Lion, one fp32 moment per weight; betas (0.9, 0.99), no weight
+    decay, as Adam here has none). Their state per weight is STATE_BYTES_PER_WEIGHT's."""
+    if name == "lion":
+        from lion_pytorch import Lion  # imported here so formats/methods load without it
+
+        return Lion(params, lr=lr, betas=(0.9, 0.99), weight_decay=0.0)
+    return torch.optim.Adam(params, lr=lr)
 
 
 def _batches(n: int, size: int):
@@ -400,7 +416,7 @@ class EndToEndTuner:
         """Tune the installed TunableExperts (self.modules); the blocks of the others come back unchanged."""
         cfg = self.cfg
         params = [m.V[p] for m in self.modules.values() for p in PROJECTIONS]
-        opt = torch.optim.Adam(params, lr=cfg.e2e_lr)
+        opt = make_optimizer(cfg.e2e_optimizer, params, cfg.e2e_lr)
         batches = _batches(len(train), cfg.e2e_batch_size)
         if cfg.e2e_loss == "fisher":
             if self._M is None:  # the reference's: once for every window

@@ -79,6 +79,7 @@ PAPER_STEPS = 1280  # the paper's budget per block: 10 epochs × 128 Lion steps 
 RMS_CAP = 0.025  # RefineConfig.lr_budget_values_rms's default (see its docstring)
 SHIP = ("best", "last")
 E2E_LOSSES = ("kl", "fisher")  # RefineConfig.e2e_loss
+E2E_OPTIMIZERS = ("adam", "lion")  # RefineConfig.e2e_optimizer (e2e.py make_optimizer, STATE_BYTES_PER_WEIGHT)
 # e2e_steps="auto": passes over the calibration sequences, at most this many steps (2 passes of moesq run's 128
 # sequences are 64 steps); on tiny 256 steps did better than 64 (benchmarks/results/accuracy_gpu512_reading.md).
 E2E_AUTO_PASSES = 2
@@ -146,7 +147,9 @@ class RefineConfig:
     states instead (validation stays the exact KL): no vocabulary-sized logits per step. `e2e_window`: where the
     whole model does not fit, windows of that many consecutive blocks are tuned one after the other, the other
     blocks frozen, against the same KL on the final logits ("auto": the whole model where it fits, else the largest
-    window that fits; each window runs the step's passes).
+    window that fits; each window runs the step's passes). `e2e_optimizer`: "adam" (two fp32 moments per expert
+    weight) or "lion" (one: ~4 bytes less per expert weight, so larger windows in the same memory); `e2e_lr` is the
+    chosen optimizer's own rate.
     """
 
     # config files and --set: an unknown key is an error, and so is a nan or infinite number
@@ -194,12 +197,13 @@ class RefineConfig:
     # GPU memory less the block's tokens, rows and micro-batch; on the CPU memory.HOST_CHUNK_BYTES)
     init_split_rows: bool = True  # the block loop also routes the one-shot split's sequences (see above)
     e2e_steps: int | str = "auto"  # end-to-end tuning after the last block (0: none; "auto": see above); e2e.py
-    e2e_lr: float = 1e-3  # its Adam learning rate (cosine to 0)
+    e2e_lr: float = 1e-3  # its learning rate (cosine to 0), e2e_optimizer's
     e2e_batch_size: int = 4  # calibration sequences per end-to-end step
     e2e_memory_gb: float | None = None  # memory the end-to-end step may use (None: what the device has available)
     e2e_loss: str = "kl"  # its training loss: "kl" on the final logits, or "fisher", its second-order form (e2e.py)
     e2e_window: int | str = "auto"  # MoE blocks tuned together per window ("auto": the whole model where it fits,
     # else the largest window that fits); e2e.py
+    e2e_optimizer: str = "adam"  # its optimizer: "adam", or "lion" (one moment instead of two); e2e.py
 
     def __post_init__(self):
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
@@ -258,6 +262,8 @@ class RefineConfig:
             raise ValueError(f"e2e_window must be a number of blocks >= 1 or 'auto', got {self.e2e_window!r}")
         if self.e2e_loss not in E2E_LOSSES:
             raise ValueError(f"e2e_loss must be one of {', '.join(E2E_LOSSES)}, got {self.e2e_loss!r}")
+        if self.e2e_optimizer not in E2E_OPTIMIZERS:
+            raise ValueError(f"e2e_optimizer must be one of {', '.join(E2E_OPTIMIZERS)}, got {self.e2e_optimizer!r}")
         if self.validations is not None and (isinstance(self.validations, bool) or self.validations < 1):
             raise ValueError(f"validations must be >= 1 (or None: after every epoch), got {self.validations!r}")
         if self.ship not in SHIP:
