@@ -471,11 +471,9 @@ def test_windows_of_one_block_lower_the_validation_kl(tuned, tmp_path):
     assert min(rec["windows"][-1]["val_kl"]) < rec["windows"][0]["val_kl"][0]
 
 
-def test_a_windowed_step_interrupted_mid_window_resumes_at_that_window_to_the_same_bytes(
-        tuned, tuned_in_windows, tmp_path, monkeypatch):
-    from moesq_core.compression.workdir import WorkDir
-
-    wd = _blockwise_copy(tuned, tmp_path / "wd")
+def _interrupted_in_second_window(wd: Path, monkeypatch, rcfg=RCFG) -> list:
+    """Tune `wd` in windows [[0, 1], [2, 3]], interrupted as the second window starts; returns the list the windows
+    each later `_train` call appends to (cleared: what a resumed run trains)."""
     real, calls = EndToEndTuner._train, []
 
     def second_window_interrupted(self, *a, **k):
@@ -486,11 +484,20 @@ def test_a_windowed_step_interrupted_mid_window_resumes_at_that_window_to_the_sa
 
     monkeypatch.setattr(EndToEndTuner, "_train", second_window_interrupted)
     with pytest.raises(KeyboardInterrupt):
-        _tune(wd, [[0, 1], [2, 3]])
+        _tune(wd, [[0, 1], [2, 3]], rcfg)
+    calls.clear()
+    return calls
+
+
+def test_a_windowed_step_interrupted_mid_window_resumes_at_that_window_to_the_same_bytes(
+        tuned, tuned_in_windows, tmp_path, monkeypatch):
+    from moesq_core.compression.workdir import WorkDir
+
+    wd = _blockwise_copy(tuned, tmp_path / "wd")
+    calls = _interrupted_in_second_window(wd, monkeypatch)
     st = WorkDir(wd).stage("refine")
     assert "e2e" not in st and [w["summary"]["layers"] for w in st["e2e_windows"]["done"]] == [[0, 1]]  # saved
     assert st["blocks"] == WorkDir(tuned).stage("refine")["blockwise"]  # the stage's blocks are still block-wise
-    calls.clear()
     _tune(wd, [[0, 1], [2, 3]])
     assert calls == [[2, 3]]  # only the window it was in ran again
     assert _artifacts(wd) == _artifacts(tuned_in_windows)
@@ -683,18 +690,7 @@ def test_lion_windowed_step_lowers_the_kl_and_resumes_mid_window_to_the_same_byt
     assert min(rec["windows"][-1]["val_kl"]) < rec["windows"][0]["val_kl"][0] and rec["best_pass"] > 0
 
     wd = _blockwise_copy(tuned, tmp_path / "wd")
-    real, calls = EndToEndTuner._train, []
-
-    def second_window_interrupted(self, *a, **k):
-        calls.append(sorted(self.modules))
-        if calls == [[0, 1], [2, 3]]:
-            raise KeyboardInterrupt
-        return real(self, *a, **k)
-
-    monkeypatch.setattr(EndToEndTuner, "_train", second_window_interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        _tune(wd, [[0, 1], [2, 3]], LION)
-    calls.clear()
+    calls = _interrupted_in_second_window(wd, monkeypatch, LION)
     _tune(wd, [[0, 1], [2, 3]], LION)
     assert calls == [[2, 3]]  # only the window it was in ran again
     assert _artifacts(wd) == _artifacts(whole)
