@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch._dynamo  # noqa: E402,F401  (imported up front: torch.optim pulls it in on first use, ~5 s)
 
-from moesq_core.compression.kernels import relax_triton, rows_add_triton, swiglu_quant_triton  # noqa: E402
+from moesq_core.compression.kernels import gather_quant_triton, relax_triton, rows_add_triton, swiglu_quant_triton  # noqa: E402
 from moesq_core.compression.methods.base import ExpertData, TokenRows  # noqa: E402
 from moesq_core.compression.methods.refine import BlockRefiner, RefineConfig, trainer  # noqa: E402
 from moesq_core.compression.methods.rtn import RTN  # noqa: E402
@@ -58,9 +58,15 @@ VARIANTS = {
                                                   "static_widths": True}),
     "grad-fwd": ("as static-width, the loss's gradient in the expert outputs written by the micro-batch forward, "
                  "which gathers the rows' tokens and computes their dense targets itself, the full micro-batches' "
-                 "gradients added by the row-add kernel, and the relaxation's column-form kernels (the default)",
+                 "gradients added by the row-add kernel, and the relaxation's column-form kernels (the default "
+                 "before gather-quant)",
                  {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "static_widths": True,
                   "loss_grad_in_forward": True, "all_rows_add": True, "relax_kernels": "cols"}),
+    "gather-quant": ("as grad-fwd, the rows' gather and their NVFP4 input quantizer in one Triton kernel that also "
+                     "writes the rows for the dense targets (the default)",
+                     {"compile": True, "fused_swiglu": True, "strided_rows_add": True, "static_widths": True,
+                      "loss_grad_in_forward": True, "all_rows_add": True, "relax_kernels": "cols",
+                      "fused_gather": True}),
     "compile-mb2x": ("as compile-swiglu, micro-batches of twice the rows (524,288)",
                      {"compile": True, "fused_swiglu": True, "strided_rows_add": True,
                       "micro_batch_rows": 2 * 8 * 4096 * 8}),
@@ -68,7 +74,7 @@ VARIANTS = {
 
 # bench-only switches (not RefineConfig fields): kernels turned off for a variant
 BENCH_KEYS = ("fused_kernels", "fused_swiglu", "strided_rows_add", "static_widths", "loss_grad_in_forward",
-              "all_rows_add", "relax_kernels")
+              "all_rows_add", "relax_kernels", "fused_gather")
 
 PAPER = dict(epochs=10, sequences=8192, seq_len=4096, batch_sequences=64, val_sequences=128)
 
@@ -357,8 +363,8 @@ def fused_kernels(over: dict):
     """A variant's kernels: the trainer takes its torch path for the relaxation and Lion where fused_kernels is
     False, the fused SwiGLU quantizer only where fused_swiglu is True (else through torch.compile), and copies the
     transposed weight gradients contiguous before adding them unless strided_rows_add is True; static_widths,
-    loss_grad_in_forward, all_rows_add and relax_kernels as the trainer's and kernels'
-    switches of those names (absent: their earlier behaviour)."""
+    loss_grad_in_forward, all_rows_add and relax_kernels as the trainer's and kernels' switches of those names,
+    fused_gather as gather_quant_triton.USE (absent: their earlier behaviour)."""
     mods = [m for m, key in ((relax_triton, "fused_kernels"), (swiglu_quant_triton, "fused_swiglu"))
             if not over.get(key, True)]
     saved = [m.available for m in mods]
@@ -369,7 +375,8 @@ def fused_kernels(over: dict):
                 (trainer, "STATIC_WIDTHS", bool(over.get("static_widths", False))),
                 (trainer, "LOSS_GRAD_IN_FORWARD", bool(over.get("loss_grad_in_forward", False))),
                 (rows_add_triton, "ALL_ROWS", bool(over.get("all_rows_add", False))),
-                (relax_triton, "KERNELS", over.get("relax_kernels", "tile"))]
+                (relax_triton, "KERNELS", over.get("relax_kernels", "tile")),
+                (gather_quant_triton, "USE", bool(over.get("fused_gather", False)))]
     before = [getattr(m, k) for m, k, _ in switches]
     for m, k, x in switches:
         setattr(m, k, x)

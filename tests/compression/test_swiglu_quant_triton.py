@@ -184,9 +184,9 @@ def check_opaque_to_compile(device: str) -> str:
              torch.randn(k, H, inter, generator=gen) * inter ** -0.5]
     valid = torch.ones(k, C, dtype=torch.bool)
     valid[0, -3:] = False  # padding rows
-    # (x, valid, g_in, Dg, Du, Dd): the rows and their dense targets; then the quantized weights (the leaves),
-    # then (tw, scale, g_h)
-    head = [torch.randn(k, C, H, generator=gen), valid,
+    # (tokens, tok, valid, g_in, Dg, Du, Dd): the rows' tokens and their dense targets; then the quantized
+    # weights (the leaves), then (tw, scale, g_h)
+    head = [torch.randn(2 * C, H, generator=gen), torch.randint(2 * C, (k, C), generator=gen), valid,
             nvfp4_global_scale(torch.rand(k, generator=gen) + 1.0).reshape(-1, 1, 1), *dense]
     weights = [d + 0.05 * torch.randn(d.shape, generator=gen) * d.std() for d in dense]
     tail = [torch.rand(k, C, generator=gen), torch.rand(k, generator=gen),
@@ -196,7 +196,7 @@ def check_opaque_to_compile(device: str) -> str:
     # the loss's gradient written in the forward (the trainer's) or from its own backward: the same numbers
     for fused, compiled, grad_in_forward in ((False, False, False), (False, False, True), (True, False, True),
                                              (True, True, True)):
-        fn = BlockRefiner.micro_loss_fn(fmt, torch.float32, fused, grad_in_forward)
+        fn = BlockRefiner.micro_loss_fn(fmt, torch.float32, fused, grad_in_forward, fused_gather=fused)
         if compiled:
             fn = torch.compile(fn, backend="aot_eager", dynamic=True, fullgraph=True)
         leaves = [a.clone().requires_grad_() for a in weights]

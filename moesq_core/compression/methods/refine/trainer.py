@@ -34,7 +34,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from moesq_core.compression.kernels import relax_triton, rows_add_triton, swiglu_quant_triton
+from moesq_core.compression.kernels import gather_quant_triton, relax_triton, rows_add_triton, swiglu_quant_triton
+from moesq_core.compression.kernels.gather_quant_triton import gather_quant
 from moesq_core.compression.kernels.swiglu_quant_triton import swiglu_quant
 from moesq_core.compression.methods.base import (
     PROJECTIONS,
@@ -632,22 +633,23 @@ def zero_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
 
 
-def quantized_rows(fmt: Format, cd: torch.dtype, x: torch.Tensor, valid: torch.Tensor,
-                   g_in: torch.Tensor | None) -> torch.Tensor:
-    """The input-quantized rows of `rows_and_targets` alone."""
-    return fmt.act.batched(zero_padding(x, valid), g_in, ste=False).to(cd)
-
-
-def rows_and_targets(fmt: Format, cd: torch.dtype, x: torch.Tensor, valid: torch.Tensor, g_in: torch.Tensor | None,
-                     Dg: torch.Tensor, Du: torch.Tensor, Dd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xq, y) of a batch of routed rows x [k, c, H] (the tokens' MoE inputs; `valid` [k, c] false on padding,
-    whose rows become exact zeros): the input-quantized rows under the experts' static global scales g_in
-    [k, 1, 1] (as served) and the dense experts' outputs (Dg, Du, Dd: [k, out, in] in the compute dtype), both
-    in the compute dtype cd. The quantized values are exact there; the targets are the matmuls' own output."""
-    x = zero_padding(x, valid)
-    xq = fmt.act.batched(x, g_in, ste=False).to(cd)
+def rows_and_targets(fmt: Format, cd: torch.dtype, tokens: torch.Tensor, tok: torch.Tensor, valid: torch.Tensor,
+                     g_in: torch.Tensor | None, Dg: torch.Tensor, Du: torch.Tensor, Dd: torch.Tensor,
+                     fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq, y) of a batch of routed rows tok [k, c] (indices into the token matrix tokens [T, H]; `valid` [k, c]
+    false on padding, whose rows become exact zeros): the input-quantized rows under the experts' static global
+    scales g_in [k, 1, 1] (as served) and the dense experts' outputs (Dg, Du, Dd: [k, out, in] in the compute
+    dtype), both in the compute dtype cd. The quantized values are exact there; the targets are the matmuls' own
+    output. fused: the gather and the input quantizer in one kernel where it runs (gather_quant_triton)."""
+    x, xq = gather_quant(fmt.act, tokens, tok, valid, g_in, cd, with_x=True, fused=fused)
     h = BlockRefiner.intermediate(x, Dg, Du, cd)
     return xq, torch.bmm(h.to(cd), Dd.transpose(1, 2).to(cd))
+
+
+def quantized_rows(fmt: Format, cd: torch.dtype, tokens: torch.Tensor, tok: torch.Tensor, valid: torch.Tensor,
+                   g_in: torch.Tensor | None, fused: bool = False) -> torch.Tensor:
+    """The input-quantized rows of `rows_and_targets` alone."""
+    return gather_quant(fmt.act, tokens, tok, valid, g_in, cd, with_x=False, fused=fused)[1]
 
 
 @dataclass
@@ -699,6 +701,7 @@ class BlockRefiner:
         self.fused_relax = self.compiled and relax_triton.available(dev)
         # the SwiGLU output and its quantizer in one Triton pass where the activation quantizer has one
         self.fused_swiglu = self.compiled and swiglu_quant_triton.USE and swiglu_quant_triton.available(dev)
+        self.fused_gather = self.compiled and gather_quant_triton.USE and gather_quant_triton.available(dev)
         self.learn_support = config.train_support and self.ps.num_patterns > 1
         if not (self.learn_support or config.train_values):
             raise ValueError(f"format {fmt.name} has no sparsity pattern to learn and train_values is False: "
@@ -905,18 +908,21 @@ class BlockRefiner:
         their dense targets in the compute dtype (else y is None), which rows are real (not padding) and their
         router weights. The training step computes the same inside its compiled micro-batch function."""
         valid = idx != self.sentinel
-        x = self._token_rows(idx)
+        tok = self.row_token[idx]
         g_in = None if self.g_in is None else self._sel(self.g_in, act)
-        fmt, cd = self.fmt, self.cd
+        fmt, cd, fused = self.fmt, self.cd, self.fused_gather
         # compiled on CUDA: eager, the input quantizer's ~20 elementwise passes over fp32 rows made a validation
         # of a Qwen3-30B-A3B block at the paper's calibration (4.2 M rows) take ~1.5 s
         if targets:
-            fn = self._maybe_compile("rows-targets", lambda: functools.partial(rows_and_targets, fmt, cd),
-                                     ((0, 1), (0, 1), (0,), (0,), (0,), (0,)))
-            xq, y = fn(x, valid, g_in, *(self._sel(self.dense[p], act) for p in PROJECTIONS))
+            fn = self._maybe_compile(f"rows-targets{'-fused' if fused else ''}",
+                                     lambda: functools.partial(rows_and_targets, fmt, cd, fused=fused),
+                                     ((0,), (0, 1), (0, 1), (0,), (0,), (0,), (0,)))
+            xq, y = fn(self.tokens, tok, valid, g_in, *(self._sel(self.dense[p], act) for p in PROJECTIONS))
         else:
-            fn = self._maybe_compile("rows", lambda: functools.partial(quantized_rows, fmt, cd), ((0, 1), (0, 1), (0,)))
-            xq, y = fn(x, valid, g_in), None
+            fn = self._maybe_compile(f"rows{'-fused' if fused else ''}",
+                                     lambda: functools.partial(quantized_rows, fmt, cd, fused=fused),
+                                     ((0,), (0, 1), (0, 1), (0,)))
+            xq, y = fn(self.tokens, tok, valid, g_in), None
         return xq, y, valid, self.W[idx]
 
     @torch.no_grad()
@@ -1098,18 +1104,20 @@ class BlockRefiner:
         return torch.bmm(hq, Wd.transpose(1, 2).to(cd)).float()
 
     @staticmethod
-    def micro_loss_fn(fmt: Format, cd: torch.dtype, fused: bool = False, grad_in_forward: bool = True):
-        """One micro-batch of the training forward, (x, valid, g_in, Dg, Du, Dd, Wg, Wu, Wd, tw, scale, g_h) ->
-        (out, grad_out, num [k], amax of h [k]): the unit torch.compile fuses (the rows' input quantizer and dense
-        targets (`rows_and_targets`), casts, SwiGLU, activation quantizer, loss). x [k, c, H]: the rows' tokens,
-        `valid` false on padding; D*: the dense experts, W*: the relaxed quantized weights (leaves). The weights'
-        gradients of the loss Σ_e scale_e·num_e are autograd.grad(out, weights, grad_out): out = the expert
-        outputs ŷ and grad_out = the loss's gradient in ŷ, written in the forward (grad_in_forward), else out =
-        the loss itself and grad_out None. fused: the SwiGLU and its quantizer in the activation quantizer's
-        fused kernel where it has one."""
-        def micro_loss(x, valid, g_in, Dg, Du, Dd, Wg, Wu, Wd, tw, scale, g_h):
+    def micro_loss_fn(fmt: Format, cd: torch.dtype, fused: bool = False, grad_in_forward: bool = True,
+                      fused_gather: bool = False):
+        """One micro-batch of the training forward, (tokens, tok, valid, g_in, Dg, Du, Dd, Wg, Wu, Wd, tw, scale,
+        g_h) -> (out, grad_out, num [k], amax of h [k]): the unit torch.compile fuses (the rows' gather, input
+        quantizer and dense targets (`rows_and_targets`), casts, SwiGLU, activation quantizer, loss). tok [k, c]:
+        the rows' token indices into tokens [T, H], `valid` false on padding; D*: the dense experts, W*: the
+        relaxed quantized weights (leaves). The weights' gradients of the loss Σ_e scale_e·num_e are
+        autograd.grad(out, weights, grad_out): out = the expert outputs ŷ and grad_out = the loss's gradient in ŷ,
+        written in the forward (grad_in_forward), else out = the loss itself and grad_out None. fused: the SwiGLU
+        and its quantizer in the activation quantizer's fused kernel where it has one; fused_gather: the gather
+        and the input quantizer in one kernel where it runs."""
+        def micro_loss(tokens, tok, valid, g_in, Dg, Du, Dd, Wg, Wu, Wd, tw, scale, g_h):
             with torch.no_grad():
-                xq, y = rows_and_targets(fmt, cd, x, valid, g_in, Dg, Du, Dd)
+                xq, y = rows_and_targets(fmt, cd, tokens, tok, valid, g_in, Dg, Du, Dd, fused=fused_gather)
             gate, up = BlockRefiner.gate_up(xq, Wg, Wu, cd)
             hq, hamax = swiglu_quant(fmt.act, gate, up, g_h, ste=True, out_dtype=cd, fused=fused)
             yhat = torch.bmm(hq, Wd.transpose(1, 2).to(cd))
@@ -1160,15 +1168,15 @@ class BlockRefiner:
         step_amax = torch.zeros_like(self.h_amax)
         grad_in_forward = LOSS_GRAD_IN_FORWARD
         micro = self._maybe_compile(
-            f"micro{'-fused' if self.fused_swiglu else ''}{'-grad' if grad_in_forward else ''}",
-            lambda: self.micro_loss_fn(self.fmt, self.cd, self.fused_swiglu, grad_in_forward),
-            ((0, 1), (0, 1), (0,), (0,), (0,), (0,), (0,), (0,), (0,), (0, 1), (0,), (0,)))
+            f"micro{'-fused' if self.fused_swiglu else ''}{'-grad' if grad_in_forward else ''}"
+            f"{'-gather' if self.fused_gather else ''}",
+            lambda: self.micro_loss_fn(self.fmt, self.cd, self.fused_swiglu, grad_in_forward, self.fused_gather),
+            ((0,), (0, 1), (0, 1), (0,), (0,), (0,), (0,), (0,), (0,), (0,), (0, 1), (0,), (0,)))
         for act, a, b in mb:
             sl = self._sel(idx, act)[:, a:b]
             tw = self._sel(tw_all, act)[:, a:b]
             leaves = {p: self._sel(w, act).detach().requires_grad_() for p, w in Wc.items()}
-            x = self._token_rows(sl)
-            out, grad_out, n, hamax = micro(x, sl != self.sentinel,
+            out, grad_out, n, hamax = micro(self.tokens, self.row_token[sl], sl != self.sentinel,
                                             self._sel(self.g_in, act) if self.g_in is not None else None,
                                             *(self._sel(self.dense[p], act) for p in PROJECTIONS),
                                             leaves["gate"], leaves["up"], leaves["down"], tw,
