@@ -430,7 +430,8 @@ def refine_memory(rcfg, fmt, model, adapter, top_k: int, trained: torch.Tensor, 
             f"refine: a block's {worst} needs ~{size(phases[worst])} on {device} beside ~{size(resident)} of resident "
             f"weights, and {size(available)} is available: lower --n-train/--n-init/--n-val, --seq-len or "
             f"--batch-size")
-    refine_need = (refine_shared_bytes(H, inter, tokens, token_bytes, tokens * top_k, rcfg.micro_batch_rows)
+    refine_need = (refine_shared_bytes(H, inter, tokens, token_bytes, tokens * top_k, rcfg.micro_batch_rows,
+                                       rcfg.compute_dtype_on(device).itemsize)
                    + experts * refine_bytes_per_expert(fmt, inter, H))
     if available is not None and rcfg.chunk_gb is None:
         refine_need = min(refine_need, int(available * REFINE_GPU_FRACTION))  # chunked into that (refine_chunks)

@@ -849,6 +849,9 @@ def test_refinement_memory_estimate_counts_the_token_matrix_once():
     H, inter, T, k = 2048, 768, 1024 * 4096, 8
     shared = refine_shared_bytes(H, inter, T, 2, T * k, 262144)
     assert shared == T * H * 2 + T * k * ROW_BYTES + micro_batch_bytes(H, inter, 262144)
+    # a bf16 compute dtype (CUDA's default) holds half the micro-batch activations of fp32
+    assert 2 * micro_batch_bytes(H, inter, 262144, 2) == micro_batch_bytes(H, inter, 262144, 4)
+    assert refine_shared_bytes(H, inter, T, 2, T * k, 262144, 2) == shared - micro_batch_bytes(H, inter, 262144, 2)
     assert 16 * 2**30 == T * H * 2 < shared < 40 * 2**30  # 1,024 sequences of 4,096 tokens: 16 GiB of bf16 tokens
     per = refine_bytes_per_expert(get_format("p48-nvfp4"), inter, H)
     assert 128 * per < 40 * 2**30 and per == refine_bytes_per_expert(get_format("p48-nvfp4"), inter, H)
@@ -867,6 +870,8 @@ def test_refinement_says_before_the_block_loop_whether_a_block_fits():
                 sequences=seqs)
     h200 = refine_memory_plan(fmt, RefineConfig(), available=140 * 2**30, **plan)
     assert h200.endswith("one chunk") and "GiB of calibration tokens" in h200
+    h100 = refine_memory_plan(fmt, RefineConfig(), available=int(77.4 * 2**30), **plan)  # an H100 80GB's
+    assert h100.endswith("one chunk"), h100
     small = refine_memory_plan(fmt, RefineConfig(), available=60 * 2**30, **plan)
     assert "chunks of experts" in small
     with pytest.raises(RefineMemoryError, match=r"needs ~\d+\.\d GiB on cuda:0.*--n-train.*\d+ of the 1152 sequences "

@@ -272,6 +272,12 @@ class RefineConfig:
         if self.chunk_gb is not None and not self.chunk_gb > 0:
             raise ValueError(f"chunk_gb must be > 0 GiB (or None: from the free GPU memory), got {self.chunk_gb}")
 
+    def compute_dtype_on(self, device: torch.device | str) -> torch.dtype:
+        """The matmul operands' dtype on `device` ("auto": bf16 on CUDA, else fp32)."""
+        if self.compute_dtype == "auto":
+            return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        return _DTYPES[self.compute_dtype]
+
     def e2e_steps_for(self, sequences: int) -> int:
         """The end-to-end step's length over `sequences` calibration sequences, before any memory check:
         e2e_steps when a number, else E2E_AUTO_PASSES passes of e2e_batch_size sequences, at most E2E_AUTO_MAX_STEPS."""
@@ -359,11 +365,12 @@ REFINE_GPU_FRACTION = 0.85  # of the free device memory: the estimates below alr
 ROW_BYTES = 48  # per routed row: its token index, router weight, epoch order and step indices (int64/fp32)
 
 
-def micro_batch_bytes(H: int, inter: int, rows: int) -> int:
-    """Peak activations of one micro-batch of `rows` routed rows: the gathered tokens, quantized inputs, dense
-    targets, expert outputs, residual and gradient (~24 bytes per row and hidden unit), the gate/up outputs,
-    SwiGLU output and what autograd keeps of them (~32 per row and intermediate unit)."""
-    return rows * (24 * H + 32 * inter)
+def micro_batch_bytes(H: int, inter: int, rows: int, compute_bytes: int = 4) -> int:
+    """Peak activations of one micro-batch of `rows` routed rows in a compute dtype of `compute_bytes`: the
+    gathered tokens, quantized inputs, dense targets, expert outputs, residual and gradient (~6 values per row and
+    hidden unit), the gate/up outputs, SwiGLU output and what autograd keeps of them (~8 per row and
+    intermediate unit)."""
+    return rows * compute_bytes * (6 * H + 8 * inter)
 
 
 def refine_bytes_per_expert(fmt: Format, inter: int, H: int) -> int:
@@ -378,12 +385,12 @@ def refine_bytes_per_expert(fmt: Format, inter: int, H: int) -> int:
 
 
 def refine_shared_bytes(H: int, inter: int, tokens: int, token_bytes: int, routed_rows: int,
-                        micro_batch_rows: int) -> int:
+                        micro_batch_rows: int, compute_bytes: int = 4) -> int:
     """Estimated peak bytes a block's refinement holds whatever its experts: the token matrix (`tokens` rows of
     H values of `token_bytes`), ROW_BYTES per routed row (`routed_rows`: training and validation) and one
-    micro-batch's activations (never more rows than the block has)."""
+    micro-batch's activations (never more rows than the block has) in a compute dtype of `compute_bytes`."""
     return (tokens * H * token_bytes + routed_rows * ROW_BYTES
-            + micro_batch_bytes(H, inter, min(micro_batch_rows, routed_rows)))
+            + micro_batch_bytes(H, inter, min(micro_batch_rows, routed_rows), compute_bytes))
 
 
 class RefineMemoryError(ValueError):
@@ -398,8 +405,9 @@ def refine_memory_plan(fmt: Format, cfg: "RefineConfig", *, experts: int, H: int
     nothing is checked). Raises RefineMemoryError, naming the bytes needed and the options that lower them, when
     not even one expert fits beside the block's shared part (`refine_shared_bytes`); with fewer than all experts
     fitting, refinement goes in chunks (slower, the same bytes) and the line says so."""
-    shared = refine_shared_bytes(H, inter, tokens, token_bytes, routed_rows, cfg.micro_batch_rows)
-    micro = micro_batch_bytes(H, inter, min(cfg.micro_batch_rows, routed_rows))
+    cb = cfg.compute_dtype_on(device).itemsize
+    shared = refine_shared_bytes(H, inter, tokens, token_bytes, routed_rows, cfg.micro_batch_rows, cb)
+    micro = micro_batch_bytes(H, inter, min(cfg.micro_batch_rows, routed_rows), cb)
     per = refine_bytes_per_expert(fmt, inter, H)
     whole = shared + experts * per
     parts = (f"{size(tokens * H * token_bytes)} of calibration tokens ({tokens:,} × {H} × {token_bytes} B), "
@@ -450,7 +458,8 @@ def refine_chunks(experts: list[ExpertData], fmt: Format, cfg: "RefineConfig") -
         # of their own, are copied in (block_token_matrix)
         copied = sum(t.numel() * t.element_size() for t in matrices.values() if t.device != dev)
         copied += sum(row_count(x) for x in sources if not isinstance(x, TokenRows)) * H * 4
-        shared = refine_shared_bytes(H, inter, 0, 0, rows, cfg.micro_batch_rows) + copied
+        shared = refine_shared_bytes(H, inter, 0, 0, rows, cfg.micro_batch_rows, cfg.compute_dtype_on(dev).itemsize)
+        shared += copied
         budget = device_available_bytes(dev) * REFINE_GPU_FRACTION - shared
     else:
         budget = HOST_CHUNK_BYTES
@@ -693,7 +702,7 @@ class BlockRefiner:
                 if qw.format != fmt.name:
                     raise ValueError(f"init for expert {ex.index} {p} is in format {qw.format!r}, "
                                      f"refining {fmt.name!r}")
-        self.cd = self._compute_dtype()
+        self.cd = config.compute_dtype_on(dev)
         # auto: compiled on CUDA, where compiling takes a third off the step
         # (benchmarks/results/refine_h200_2026-12-01_75a3a44.md, eager vs compile); eager on the CPU, the
         # reference path, where compiling costs more than it saves
@@ -731,12 +740,6 @@ class BlockRefiner:
         now = time.perf_counter()
         self.timings[name] = now - self._t
         self._t = now
-
-    def _compute_dtype(self) -> torch.dtype:
-        c = self.cfg.compute_dtype
-        if c == "auto":
-            return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        return _DTYPES[c]
 
     def _n_val(self, n: int) -> int:
         if n < 2 or self.cfg.val_fraction <= 0:
