@@ -759,7 +759,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
     finished = ledger.blocks()
     todo = [li for li in blocks if li not in finished]
     block_times: list[float] = []  # seconds of each block computed now
-    with BlockWriter() as writer, progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
+    with BlockWriter() as writer, saved, progress.task(f"{spec.name}: blocks", len(blocks)) as tblocks:
         for li, layer in enumerate(layers):
             if li > last_moe:
                 break
@@ -814,6 +814,8 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                 clock.mark("install")
                 _log_peaks(clock, spec.name, li)  # before the propagation: a run stopped there keeps them
             if resumed_after < li < last_moe:
+                saved.wait()  # a save of the states entering this layer reads them until it is done
+                clock.mark("save states")
                 for s in splits:
                     new = propagate(layer, stores[s], kwargs_by_bs, spill, f"{spec.name}: propagating layer {li}")
                     stores[s].close()
@@ -821,7 +823,7 @@ def _run_stage(model, adapter, calib, spec: StageSpec, ledger: StageLedger, prog
                 clock.mark("propagate")
                 if is_main and block is not None and saved.due():
                     writer.wait()  # the save follows the manifest's blocks up to this one
-                    saved.save(li, sorted(blocks), stores)
+                    saved.save_in_background(li, sorted(blocks), stores)  # written while the next block computes
                     clock.mark("save states")
             if block is not None and li < last_moe:
                 # propagated (or resumed past): on a lazily opened model nothing runs it again

@@ -316,3 +316,73 @@ def test_states_are_saved_for_resuming_at_most_a_twentieth_of_the_time(tmp_path,
                                                    8, every_s=0)
     every_block.last_seconds = 40.0
     assert every_block.due()
+
+
+def test_states_saved_in_the_background_are_the_same_files_and_a_cancelled_save_leaves_none(tmp_path):
+    """The engine saves the calibration states on a thread of its own while the next block computes: the same
+    record and bytes as a save in the stage's thread; an interrupt cancels it without a file or record left; an
+    error on the thread is raised by wait(); half-written files a killed process left are removed by the next save."""
+    import threading
+
+    from moesq_core.compression import state_checkpoint
+    from moesq_core.compression.engine import StateStore
+    from moesq_core.compression.workdir import DiskWriteError, WorkDir
+
+    calib = {"init": torch.zeros(2, 3, dtype=torch.int64)}
+    gen = torch.Generator().manual_seed(0)
+    store = StateStore(1 << 30, None)
+    for _ in range(3):
+        store.append(torch.randn(4, 16, 8, generator=gen))
+
+    def ledger_in(name):
+        wd = WorkDir(tmp_path / name)
+        wd.init({"model": "m"}, {})
+        return wd.ledger("refine")
+
+    def files(ledger):
+        return sorted(p.name for p in ledger.cache_dir.iterdir()) if ledger.cache_dir.exists() else []
+
+    ledger_a = ledger_in("a")
+    state_checkpoint.StateCheckpoint(ledger_a, calib, ["init"], 8).save(0, [], {"init": store})
+    ledger_b = ledger_in("b")
+    ledger_b.cache_dir.mkdir(parents=True, exist_ok=True)
+    stale = ledger_b.cache_dir / ".refine-states-L000.bin.abc123.tmp"  # a killed save's
+    stale.write_bytes(b"x" * 100)
+    with state_checkpoint.StateCheckpoint(ledger_b, calib, ["init"], 8) as saved:
+        saved.save_in_background(0, [], {"init": store})
+    assert files(ledger_b) == files(ledger_a) == ["refine-states-L000.bin", "refine-states.json"]
+    for name in files(ledger_a):
+        assert (ledger_a.cache_dir / name).read_bytes() == (ledger_b.cache_dir / name).read_bytes()
+
+    class Gated(StateStore):
+        """A store whose second chunk is read only once the test lets it (a save caught mid-write)."""
+        reached, go = threading.Event(), threading.Event()
+
+        def stored(self, i):
+            if i == 1:
+                self.reached.set()
+                self.go.wait(10)
+            return super().stored(i)
+
+    gated = Gated(1 << 30, None)
+    for i in range(3):
+        gated.append(store.stored(i))
+    ledger_c = ledger_in("c")
+    with pytest.raises(KeyboardInterrupt):
+        with state_checkpoint.StateCheckpoint(ledger_c, calib, ["init"], 8) as saved:
+            saved.save_in_background(0, [], {"init": gated})
+            assert Gated.reached.wait(10)
+            threading.Timer(0.2, Gated.go.set).start()
+            raise KeyboardInterrupt
+    assert files(ledger_c) == []  # no half file, no record
+
+    class Broken(StateStore):
+        def stored(self, i):
+            raise OSError(28, "No space left on device")
+
+    broken = Broken(1 << 30, None)
+    broken.append(torch.zeros(2))
+    saved = state_checkpoint.StateCheckpoint(ledger_in("d"), calib, ["init"], 8)
+    saved.save_in_background(0, [], {"init": broken})
+    with pytest.raises(DiskWriteError, match="no space left"):
+        saved.wait()
