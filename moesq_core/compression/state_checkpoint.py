@@ -190,10 +190,10 @@ class StateCheckpoint:
                 if f.name != keep:
                     f.unlink(missing_ok=True)
 
-
-class _Cancelled(Exception):
-    """A background save stopped by StateCheckpoint.cancel."""
-
     def remove(self) -> None:
         self.record_path.unlink(missing_ok=True)
         self._remove_files()
+
+
+class _Cancelled(Exception):
+    """A background save stopped by StateCheckpoint.cancel."""
