@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from moesq_core.compression import distributed
+from moesq_core.compression.kernels.gather_quant_triton import gather_quant
 from moesq_core.compression.methods import base as methods_base
 from moesq_core.compression.methods.base import (
     PROJECTIONS,
@@ -36,6 +37,7 @@ from moesq_core.compression.methods.base import (
     Method,
     TokenRows,
     as_tensor,
+    row_amax,
     row_count,
     rows_slice,
 )
@@ -612,13 +614,16 @@ def propagation_bytes(tokens: int, top_k: int, H: int, inter: int) -> int:
 
 @torch.no_grad()
 def expert_activation_amax(fmt: Format, result: CompressedExpert, x, act_quant: bool,
-                           device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           device: torch.device | str | None = None,
+                           token_amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Static activation ranges of one expert (for the calibrated activation global scales): amax of its routed
     inputs x (TokenRows of the block's token matrix, or a tensor [n, H]) and of its SwiGLU output with the
     compressed gate/up weights, computed on `device` (default where x is); zeros when no calibration token
-    reached it. The rows go methods.base.ROW_PIECE at a time (every operation is row-wise and amax is exact, so
-    the pieces give the numbers of one pass over all rows); a piece that runs out of device memory is retried in
-    halves."""
+    reached it. `token_amax` [T]: each token's amax (methods.base.row_amax of x's token matrix), which gives the
+    input range without reading the rows. The rows go methods.base.ROW_PIECE at a time (every operation is
+    row-wise and amax is exact, so the pieces give the numbers of one pass over all rows); a piece that runs out
+    of device memory is retried in halves. Rows of a token matrix on `device` under a static input scale are
+    gathered and input-quantized in one pass (gather_quant_triton where it runs; the same numbers)."""
     n = row_count(x)
     if n == 0:
         return torch.zeros(()), torch.zeros(())
@@ -627,19 +632,28 @@ def expert_activation_amax(fmt: Format, result: CompressedExpert, x, act_quant: 
     def piece(a: int, b: int) -> torch.Tensor:
         return as_tensor(rows_slice(x, a, b), device)
 
-    amax_in = torch.zeros((), device=device)
-    for a, b, rows in _pieces(n, lambda a, b: piece(a, b).abs().amax()):
-        torch.maximum(amax_in, rows, out=amax_in)
-    amax_in = amax_in.cpu()
+    if token_amax is not None and isinstance(x, TokenRows):
+        amax_in = token_amax[x.idx.to(token_amax.device)].amax()
+    else:
+        amax_in = torch.zeros((), device=device)
+        for a, b, rows in _pieces(n, lambda a, b: piece(a, b).abs().amax()):
+            torch.maximum(amax_in, rows, out=amax_in)
+    amax_in = amax_in.float().cpu()
     module = MoesqExperts.from_quantized(fmt, [result.weights()], act_quant, amax_in.reshape(1), None).to(device)
     g_in = module._global(module.act_global_in[0])
     gate_up = module.gate_up_proj[0].T
+    gathered = act_quant and g_in is not None and isinstance(x, TokenRows) and x.tokens.device == device
+
+    def quantized(a: int, b: int) -> torch.Tensor:
+        if gathered:
+            idx = x.idx[a:b].to(device)[None]
+            return gather_quant(fmt.act, x.tokens, idx, torch.ones_like(idx, dtype=torch.bool), g_in.reshape(1, 1, 1),
+                                torch.float32, with_x=False)[1][0]
+        xs = piece(a, b)
+        return fmt.quant_act(xs, g_in) if act_quant else xs
 
     def mid(a: int, b: int) -> torch.Tensor:
-        xs = piece(a, b)
-        xq = fmt.quant_act(xs, g_in) if act_quant else xs
-        del xs
-        gate, up = (xq @ gate_up).chunk(2, dim=-1)
+        gate, up = (quantized(a, b) @ gate_up).chunk(2, dim=-1)
         return (torch.nn.functional.silu(gate) * up).abs().amax()
 
     amax_mid = torch.zeros((), device=device)
@@ -943,6 +957,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     inter = block.dense_experts.down_proj.shape[-1]
     dev = next(block.mlp.gate.parameters()).device  # methods run where the model is
     results_mine, amax_mine = [], []
+    token_amax = None
     # One token matrix for both splits: every expert's rows (training and held-out) are indices into it, so a
     # method can hold the whole block's calibration once (methods/base.py TokenRows).
     tokens = routed.x if held is None else torch.cat([routed.x, held.x.to(routed.x.device)])
@@ -971,7 +986,10 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
             clock.mark("weights")
             results = method.compress_block(data, spec.fmt, report)
             clock.mark("compress")
-            amax_mine += [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant, dev) for r, d in zip(results, data)]
+            if token_amax is None:
+                token_amax = row_amax(tokens)  # once per block: the experts' input ranges without their rows
+            amax_mine += [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant, dev, token_amax)
+                          for r, d in zip(results, data)]
             for r in results:  # to the host chunk by chunk: a Kimi-K2 block's codes and masks alone are 34 GB
                 r.latent = None  # not stored, and not worth gathering across ranks (fp32 per weight)
                 _results_to_cpu(r)

@@ -68,6 +68,9 @@ def test_activation_ranges_in_pieces_equal_one_pass(monkeypatch, act_quant):
     pieces = expert_activation_amax(fmt, result, rows, act_quant)
     assert torch.equal(pieces[0], whole[0])
     torch.testing.assert_close(pieces[1], whole[1], rtol=1e-6, atol=0)
+    # the input range from the token matrix's per-token ranges (the engine's, once per block): the same numbers
+    with_ranges = expert_activation_amax(fmt, result, rows, act_quant, token_amax=base.row_amax(tokens))
+    assert torch.equal(with_ranges[0], pieces[0]) and torch.equal(with_ranges[1], pieces[1])
     assert float(whole[1]) > 0
     assert [float(v) for v in expert_activation_amax(fmt, result, TokenRows(tokens, torch.zeros(0, dtype=torch.int64)),
                                                      act_quant)] == [0.0, 0.0]

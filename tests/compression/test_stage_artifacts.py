@@ -172,6 +172,7 @@ def test_block_work_on_the_gpu_gives_the_cpu_bytes(block0_experts, fmt_name, tmp
     """The engine packs blocks, computes activation ranges and dequantizes installed experts where the model
     is: on a GPU the artifact's bytes and the installed weights must equal the CPU's."""
     from moesq_core.compression.engine import expert_activation_amax
+    from moesq_core.compression.methods.base import TokenRows, row_amax
     from moesq_core.serving.experts import MoesqExperts
 
     fmt = get_format(fmt_name)
@@ -191,6 +192,12 @@ def test_block_work_on_the_gpu_gives_the_cpu_bytes(block0_experts, fmt_name, tmp
         gpu_in, gpu_mid = expert_activation_amax(fmt, _on_device(r, "cuda"), ex.x.cuda(), True)
         assert gpu_in == cpu_in
         assert gpu_mid == pytest.approx(float(cpu_mid), rel=1e-5)  # a matmul: accumulation order may differ
+        # the engine's way: rows of a token matrix on the GPU, gathered and input-quantized in one kernel
+        rows = TokenRows(ex.x.cuda(), torch.arange(len(ex.x), device="cuda"))
+        tok_in, tok_mid = expert_activation_amax(fmt, _on_device(r, "cuda"), rows, True,
+                                                 token_amax=row_amax(rows.tokens))
+        assert tok_in == cpu_in
+        assert tok_mid == pytest.approx(float(cpu_mid), rel=1e-5)
 
 
 def _on_device(r, device):

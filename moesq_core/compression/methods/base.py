@@ -74,6 +74,19 @@ def as_tensor(x: Rows, device: torch.device | None = None) -> torch.Tensor:
 ROW_PIECE = 1 << 16  # rows per piece of a pass over one expert's rows (a multiple of hessian's fp64 chunk)
 
 
+def all_finite(tokens: torch.Tensor) -> bool:
+    """Whether every value of a token matrix [T, H] is finite (ROW_PIECE rows at a time: bounded memory)."""
+    return all(bool(torch.isfinite(tokens[s:s + ROW_PIECE]).all()) for s in range(0, tokens.shape[0], ROW_PIECE))
+
+
+def row_amax(tokens: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude [T] (fp32) of a token matrix [T, H], ROW_PIECE rows at a time."""
+    out = torch.empty(tokens.shape[0], dtype=torch.float32, device=tokens.device)
+    for s in range(0, tokens.shape[0], ROW_PIECE):
+        out[s:s + ROW_PIECE] = tokens[s:s + ROW_PIECE].abs().amax(-1).float()
+    return out
+
+
 def rows_slice(x: Rows, a: int, b: int) -> Rows:
     """Rows a..b of x (shared token rows stay shared: only their indices are sliced)."""
     return TokenRows(x.tokens, x.idx[a:b]) if isinstance(x, TokenRows) else x[a:b]

@@ -43,6 +43,8 @@ from moesq_core.compression.methods.base import (
     CompressedExpert,
     ExpertData,
     TokenRows,
+    all_finite,
+    row_amax,
     row_count,
 )
 from moesq_core.compression.methods.refine import objective, relaxation
@@ -622,21 +624,6 @@ def block_token_matrix(experts: list[ExpertData], device: torch.device
     return tokens, sources
 
 
-_SCAN_ROWS = 1 << 16  # rows per pass of the token scans below (bounded transient memory)
-
-
-def _finite(tokens: torch.Tensor) -> bool:
-    return all(bool(torch.isfinite(tokens[s:s + _SCAN_ROWS]).all()) for s in range(0, tokens.shape[0], _SCAN_ROWS))
-
-
-def _row_amax(tokens: torch.Tensor) -> torch.Tensor:
-    """Each row's largest magnitude [T] (fp32)."""
-    out = torch.empty(tokens.shape[0], dtype=torch.float32, device=tokens.device)
-    for s in range(0, tokens.shape[0], _SCAN_ROWS):
-        out[s:s + _SCAN_ROWS] = tokens[s:s + _SCAN_ROWS].abs().amax(-1).float()
-    return out
-
-
 def zero_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Routed rows x [k, c, H] in fp32 with the padding rows (`valid` [k, c] false) exact zeros."""
     return torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
@@ -778,9 +765,9 @@ class BlockRefiner:
     def _setup_data(self):
         cfg, dev = self.cfg, self.device
         self.tokens, sources = block_token_matrix(self.experts, dev)
-        if not bool(_finite(self.tokens)):
+        if not all_finite(self.tokens):
             raise ValueError("calibration inputs contain NaN/Inf")
-        token_amax = _row_amax(self.tokens)  # [T] fp32: each token's largest |x|
+        token_amax = row_amax(self.tokens)  # [T] fp32: each token's largest |x|
         rows, ws, ntr, nva, amax_in, amax_all = [], [], [], [], [], []
         for ex, (idx, idx_val) in zip(self.experts, sources):
             w = ex.w.to(dev, torch.float32).reshape(-1)
