@@ -17,7 +17,7 @@ from moesq_core.compression.export import export_packed
 from moesq_core.compression.workdir import WorkDir, WorkDirLocked
 
 from conftest import REPO
-from moesq_runner import moesq
+from moesq_runner import moesq, moesq_here
 
 
 def _digests(d):
@@ -75,12 +75,13 @@ def test_a_second_pack_into_the_same_out_is_refused_naming_the_holder(packs, tmp
         assert not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # the lock file goes with the lock
     lock = tmp_path / ".model.moesq-lock"
+    # no other process holds the lock from here on: the packs run in this process
     lock.write_text("a user's file of the lock's name")  # neither written nor removed
-    r = moesq("pack", wd, "--out", out, "--quiet", check=False)
+    r = moesq_here("pack", wd, "--out", out, "--quiet", check=False)
     assert r.returncode == 1 and "is not moesq's" in r.stderr and lock.read_text().startswith("a user's")
     lock.unlink()
     lock.write_text("4194304\n")  # what a killed pack leaves: taken and removed
-    moesq("pack", wd, "--out", out, "--quiet")
+    moesq_here("pack", wd, "--out", out, "--quiet")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
 

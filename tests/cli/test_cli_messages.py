@@ -223,14 +223,36 @@ def _mount_namespace() -> bool:
 needs_mounts = pytest.mark.skipif(not _mount_namespace(), reason="cannot mount in a private mount namespace")
 
 
-def in_namespace(setup: str, *commands: list) -> list[subprocess.CompletedProcess]:
+# the commands one after another in one Python process (moesq_here: torch and transformers imported once), each
+# command's output between the markers `in_namespace` reads
+_HERE_IN_ONE_PROCESS = """
+import json, sys
+sys.path[:0] = [sys.argv[1]]
+from moesq_runner import moesq_here
+for c in json.loads(sys.argv[2]):
+    r = moesq_here(*c, check=False)
+    sys.stdout.write("@@ START" + r.stdout + "@@ RC " + str(r.returncode) + "\\n")
+    sys.stderr.write(r.stderr + "@@ START")
+    sys.stdout.flush()
+    sys.stderr.flush()
+"""
+
+
+def in_namespace(setup: str, *commands: list, one_process: bool = False) -> list[subprocess.CompletedProcess]:
     """Run moesq commands in a private mount namespace after `setup` (shell mount commands); each command's
-    exit code and output separated by markers."""
+    exit code and output separated by markers. Each command in a process of its own (`python -m moesq_cli`), or
+    with one_process, all in one Python process (where what is tested is not the process's start-up)."""
+    import json
     import shlex
 
-    script = "set -e\n" + setup + "\nset +e\n" + "\n".join(
-        f"echo '@@ START'; {shlex.join([sys.executable, '-m', 'moesq_cli', *map(str, c)])}; echo \"@@ RC $?\"; "
-        f"echo '@@ START' >&2" for c in commands)
+    if one_process:
+        runs = shlex.join([sys.executable, "-c", _HERE_IN_ONE_PROCESS, str(ROOT / "tests"),
+                           json.dumps([[str(a) for a in c] for c in commands])])
+    else:
+        runs = "\n".join(
+            f"echo '@@ START'; {shlex.join([sys.executable, '-m', 'moesq_cli', *map(str, c)])}; echo \"@@ RC $?\"; "
+            f"echo '@@ START' >&2" for c in commands)
+    script = "set -e\n" + setup + "\nset +e\n" + runs
     r = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, env=ENV, cwd=ROOT,
                        timeout=600)
     outs, errs = r.stdout.split("@@ START")[1:], r.stderr.split("@@ START")
@@ -269,7 +291,7 @@ def test_reading_commands_work_on_a_read_only_work_dir(work_copy, tmp_path):
     before = sorted(p.relative_to(work_copy) for p in work_copy.rglob("*"))
     pack, ev, verify = in_namespace(ro, ["pack", work_copy, "--out", tmp_path / "packed", "-q"],
                                     ["eval", work_copy, "--ppl", EVAL, "--ppl-tokens", 1024],
-                                    ["verify", tmp_path / "packed", "-q"])
+                                    ["verify", tmp_path / "packed", "-q"], one_process=True)
     for r in (pack, ev, verify):
         assert r.returncode == 0 and "Traceback" not in r.stderr and "Logging error" not in r.stderr, r
     assert "evaluation results are not cached" in ev.stderr and "Read-only file system" not in ev.stdout

@@ -54,8 +54,8 @@ def test_pack_refusals_lose_nothing(stages, tmp_path):
 def test_push_to_hub_without_network_keeps_the_pack(stages, tmp_path):
     wd = stages["s24-fp8"].root
     out = tmp_path / "model"
-    r = moesq("pack", wd, "--out", out, "--push-to-hub", "someone/moesq-test", "--json", tmp_path / "p.json",
-              check=False)
+    r = moesq_here("pack", wd, "--out", out, "--push-to-hub", "someone/moesq-test", "--json", tmp_path / "p.json",
+                   check=False)
     assert r.returncode == 1
     err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "--push-to-hub someone/moesq-test" in err[0] and "Traceback" not in r.stderr
@@ -68,7 +68,7 @@ def test_the_cards_pack_push_to_hub_as_written(stages, tmp_path):
     """`moesq pack --push-to-hub`, as the design card writes it: ./moesq-work packed into moesq-work/packed and
     pushed to <user>/<model>-moesq-<format>; offline, one error line and the pack stays."""
     shutil.copytree(stages["p48-nvfp4"].root, tmp_path / "moesq-work", ignore=shutil.ignore_patterns("packed"))
-    r = moesq("pack", "--push-to-hub", check=False, cwd=tmp_path)
+    r = moesq_here("pack", "--push-to-hub", check=False, cwd=tmp_path)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     err = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and "-moesq-p48-nvfp4" in err[0] and "intact" in r.stderr.replace("\n", " ")
