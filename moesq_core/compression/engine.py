@@ -957,7 +957,6 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     inter = block.dense_experts.down_proj.shape[-1]
     dev = next(block.mlp.gate.parameters()).device  # methods run where the model is
     results_mine, amax_mine = [], []
-    token_amax = None
     # One token matrix for both splits: every expert's rows (training and held-out) are indices into it, so a
     # method can hold the whole block's calibration once (methods/base.py TokenRows).
     tokens = routed.x if held is None else torch.cat([routed.x, held.x.to(routed.x.device)])
@@ -965,6 +964,7 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
     train_idx, train_w = routed.tokens, routed.weights
     val_idx, val_w = (held.tokens, held.weights) if held is not None else (None, None)
     del routed, held  # only `tokens` holds the rows now
+    token_amax = row_amax(tokens)  # the experts' input ranges without reading their rows
     with progress.task(f"{spec.name}: layer {block.layer_index} experts", len(mine)) as t:
         report = BlockProgress(progress, t.advance, spec.name, block.layer_index, blocks_after, seconds_per_block)
         # Experts whose dense fp32 weights fit the device together are compressed together; a larger block
@@ -986,8 +986,6 @@ def _compress_block(block: MoEBlock, spec: StageSpec, stores, kwargs_by_bs, prog
             clock.mark("weights")
             results = method.compress_block(data, spec.fmt, report)
             clock.mark("compress")
-            if token_amax is None:
-                token_amax = row_amax(tokens)  # once per block: the experts' input ranges without their rows
             amax_mine += [expert_activation_amax(spec.fmt, r, d.x, spec.act_quant, dev, token_amax)
                           for r, d in zip(results, data)]
             for r in results:  # to the host chunk by chunk: a Kimi-K2 block's codes and masks alone are 34 GB

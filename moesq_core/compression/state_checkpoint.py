@@ -184,11 +184,9 @@ class StateCheckpoint:
         return int(rec["layer"]), stores
 
     def _remove_files(self, keep: str | None = None) -> None:
-        # our names only: the saves, and the temporary files of saves a killed process left half written
-        for pattern in (f"{self.stage}-states-L*.bin", f".{self.stage}-states-L*.bin.*.tmp"):
-            for f in self.dir.glob(pattern):
-                if f.name != keep:
-                    f.unlink(missing_ok=True)
+        for f in self.dir.glob(f"{self.stage}-states-L*.bin"):  # our names only
+            if f.name != keep:
+                f.unlink(missing_ok=True)
 
     def remove(self) -> None:
         self.record_path.unlink(missing_ok=True)

@@ -102,12 +102,16 @@ def _(tokens, tok, valid, gs, block, with_x, out_dtype):
     return tokens.new_empty(shape if with_x else (0, 0, 0), dtype=out_dtype), tokens.new_empty(shape, dtype=out_dtype)
 
 
+def zero_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Routed rows x [k, c, H] in fp32 with the padding rows (`valid` [k, c] false) exact zeros."""
+    return torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
+
+
 def gather_quant_reference(act, tokens: torch.Tensor, tok: torch.Tensor, valid: torch.Tensor, g: torch.Tensor | None,
                            out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch ops of `gather_quant`: the rows x = tokens[tok] in fp32 with the padding rows zero, then (x,
     act.batched(x, g)) in out_dtype."""
-    x = tokens.index_select(0, tok.reshape(-1)).view(*tok.shape, tokens.shape[1])
-    x = torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
+    x = zero_padding(tokens.index_select(0, tok.reshape(-1)).view(*tok.shape, tokens.shape[1]), valid)
     return x.to(out_dtype), act.batched(x, g, ste=False).to(out_dtype)
 
 

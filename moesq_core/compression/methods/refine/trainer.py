@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from moesq_core.compression.kernels import gather_quant_triton, relax_triton, rows_add_triton, swiglu_quant_triton
-from moesq_core.compression.kernels.gather_quant_triton import gather_quant
+from moesq_core.compression.kernels.gather_quant_triton import gather_quant, zero_padding
 from moesq_core.compression.kernels.swiglu_quant_triton import swiglu_quant
 from moesq_core.compression.methods.base import (
     PROJECTIONS,
@@ -622,11 +622,6 @@ def block_token_matrix(experts: list[ExpertData], device: torch.device
         dtype = parts[0].dtype if all(p.dtype == parts[0].dtype for p in parts) else torch.float32
         tokens = torch.cat([p.to(device, dtype) for p in parts])
     return tokens, sources
-
-
-def zero_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Routed rows x [k, c, H] in fp32 with the padding rows (`valid` [k, c] false) exact zeros."""
-    return torch.where(valid[..., None], x.float(), torch.zeros((), device=x.device))
 
 
 def rows_and_targets(fmt: Format, cd: torch.dtype, tokens: torch.Tensor, tok: torch.Tensor, valid: torch.Tensor,
